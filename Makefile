@@ -1,0 +1,41 @@
+# Tessera — the two commands a fresh machine needs are `make run` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+RUN_DIR := .run
+MODEL ?= dgx-h100
+
+.PHONY: run test lint typecheck unit reliability bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	mkdir -p $(RUN_DIR)
+	$(VENV)/bin/tessera run --simulate $(MODEL) --state-dir $(RUN_DIR)/state --log-format text
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check agent dra_driver tests bench
+	$(VENV)/bin/ruff format --check agent dra_driver tests bench
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+unit: $(STAMP)
+	$(PY) -m pytest -q -m "not reliability"
+
+test: lint typecheck unit
+
+reliability: $(STAMP)
+	$(PY) -m pytest -q -m reliability
+
+bench: $(STAMP)
+	$(PY) -m bench
+
+clean:
+	rm -rf $(VENV) $(RUN_DIR) .mypy_cache .pytest_cache .ruff_cache
