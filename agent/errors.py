@@ -1,0 +1,88 @@
+"""Tessera's own exceptions.
+
+Errors from libraries (NVML, gRPC, the Kubernetes client, the file system) are translated at the
+boundary with ``raise ... from exc`` so callers only ever handle these::
+
+    TesseraError
+    ├── ConfigError              bad flag, environment variable or config file value
+    ├── ModelError               a simulated node model that does not load or validate
+    ├── DriverNotFoundError      no NVIDIA driver / libnvidia-ml on this machine
+    ├── NvmlError                an NVML call failed (call name, device and NVML code kept)
+    │   ├── NvmlNotSupported     the device does not support the call (optional fields: "absent")
+    │   ├── NvmlNotFound         the thing asked for does not exist
+    │   ├── NvmlGpuLost          the GPU fell off the bus
+    │   └── NvmlInsufficientResources / NvmlInUse / NvmlInvalidArgument
+    ├── MigError                 a MIG layout or placement that the rules forbid
+    └── DiscoveryError           sysfs tree unreadable or inconsistent
+
+``temporary`` on an error says whether retrying the same operation later may succeed.
+"""
+
+from __future__ import annotations
+
+
+class TesseraError(Exception):
+    """Base of every error Tessera raises on purpose."""
+
+    temporary: bool = False
+
+
+class ConfigError(TesseraError):
+    """A configuration value is wrong: the message names the setting, the value and what is allowed."""
+
+
+class ModelError(TesseraError):
+    """A simulated node model file is missing or does not validate."""
+
+
+class DriverNotFoundError(TesseraError):
+    """NVML (libnvidia-ml.so.1) could not be loaded: no NVIDIA driver on this machine."""
+
+
+class DiscoveryError(TesseraError):
+    """The node could not be discovered (sysfs unreadable or inconsistent with NVML)."""
+
+
+class MigError(TesseraError):
+    """A MIG operation that the placement rules forbid."""
+
+
+class NvmlError(TesseraError):
+    """An NVML call failed.
+
+    ``call`` is the pynvml function name, ``device`` the GPU (index or bus id) when there is one,
+    ``code`` the NVML return code.
+    """
+
+    def __init__(self, call: str, code: int, message: str, device: str | None = None) -> None:
+        self.call = call
+        self.code = code
+        self.device = device
+        where = f" on GPU {device}" if device is not None else ""
+        super().__init__(f"{call}{where} failed: {message} (NVML code {code})")
+
+
+class NvmlNotSupported(NvmlError):
+    """The device does not support this call."""
+
+
+class NvmlNotFound(NvmlError):
+    """The object asked for does not exist."""
+
+
+class NvmlGpuLost(NvmlError):
+    """The GPU is lost (fell off the bus)."""
+
+    temporary = False
+
+
+class NvmlInsufficientResources(NvmlError):
+    """Not enough resources (e.g. no room for a MIG instance)."""
+
+
+class NvmlInUse(NvmlError):
+    """The object is in use (e.g. a GPU instance that still has compute instances)."""
+
+
+class NvmlInvalidArgument(NvmlError):
+    """NVML rejected an argument."""

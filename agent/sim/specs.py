@@ -1,0 +1,138 @@
+"""GPU product specifications the simulator models (data in ``gpus.yaml``).
+
+Pure data loading and the MIG profile naming rule; no state, no I/O beyond reading the package file.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import yaml
+
+from agent.errors import ModelError
+
+MIB = 1024 * 1024
+GIB = 1024 * MIB
+
+
+@dataclass(frozen=True)
+class MigProfileSpec:
+    """One GPU-instance profile of a product (NVML's view: ids, enum, MiB, engine counts)."""
+
+    name: str
+    profile_id: int
+    enum: int
+    slice_count: int
+    memory_mib: int
+    multiprocessors: int
+    copy_engines: int
+    decoders: int
+    encoders: int
+    jpeg_engines: int
+    ofa_engines: int
+    max_instances: int
+    memory_slots: int
+    placement_starts: tuple[int, ...]
+
+    @property
+    def media_extensions(self) -> bool:
+        return self.name.endswith("+me")
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """A GPU product: identity, sizes and its MIG profile table (empty when not MIG-capable)."""
+
+    key: str
+    name: str
+    pci_device_id: int
+    architecture: int
+    compute_capability: tuple[int, int]
+    brand: int
+    memory_mib: int
+    multiprocessors: int
+    nvlinks: int
+    power_limit_w: int
+    mig_hopper_style: bool
+    mig_profiles: tuple[MigProfileSpec, ...]
+
+    @property
+    def mig_capable(self) -> bool:
+        return bool(self.mig_profiles)
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.memory_mib * MIB
+
+    def profile(self, profile_id: int) -> MigProfileSpec:
+        for p in self.mig_profiles:
+            if p.profile_id == profile_id:
+                return p
+        raise KeyError(profile_id)
+
+    def profile_by_name(self, name: str) -> MigProfileSpec:
+        for p in self.mig_profiles:
+            if p.name == name:
+                return p
+        known = ", ".join(p.name for p in self.mig_profiles) or "none (not MIG-capable)"
+        raise ModelError(f"GPU {self.key} has no MIG profile {name!r}; known profiles: {known}")
+
+
+def profile_name(slice_count: int, profile_mib: int, total_mib: int, media: bool = False) -> str:
+    """MIG profile name from slot fractions, as NVIDIA derives it (reference/gpu-facts.md).
+
+    ``GB = round(ceil(8 * profileBytes / totalBytes) / 8 * ceil(totalBytes / GiB))``, rounding
+    halves up.
+    """
+    eighths = math.ceil(8 * profile_mib / total_mib)
+    total_gib = math.ceil(total_mib * MIB / GIB)
+    gb = math.floor(eighths / 8 * total_gib + 0.5)
+    return f"{slice_count}g.{gb}gb" + ("+me" if media else "")
+
+
+def _profile(row: list[Any]) -> MigProfileSpec:
+    name, pid, enum, g, mib, sms, ce, dec, enc, jpg, ofa, max_n, slots, starts = row
+    return MigProfileSpec(
+        name=str(name),
+        profile_id=int(pid),
+        enum=int(enum),
+        slice_count=int(g),
+        memory_mib=int(mib),
+        multiprocessors=int(sms),
+        copy_engines=int(ce),
+        decoders=int(dec),
+        encoders=int(enc),
+        jpeg_engines=int(jpg),
+        ofa_engines=int(ofa),
+        max_instances=int(max_n),
+        memory_slots=int(slots),
+        placement_starts=tuple(int(s) for s in starts),
+    )
+
+
+@cache
+def gpu_specs() -> dict[str, GpuSpec]:
+    """All known products, keyed by the name node models use (``H100-SXM5-80GB``)."""
+    text = resources.files("agent.sim").joinpath("gpus.yaml").read_text()
+    raw = yaml.safe_load(text)["products"]
+    specs: dict[str, GpuSpec] = {}
+    for key, d in raw.items():
+        specs[key] = GpuSpec(
+            key=key,
+            name=d["name"],
+            pci_device_id=int(d["pciDeviceId"]),
+            architecture=int(d["architecture"]),
+            compute_capability=(int(d["computeCapability"][0]), int(d["computeCapability"][1])),
+            brand=int(d["brand"]),
+            memory_mib=int(d["memoryMiB"]),
+            multiprocessors=int(d["multiprocessors"]),
+            nvlinks=int(d["nvlinks"]),
+            power_limit_w=int(d["powerLimitW"]),
+            mig_hopper_style=bool(d.get("migHopperStyle", False)),
+            mig_profiles=tuple(_profile(r) for r in d.get("migProfiles", [])),
+        )
+    return specs
