@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 RUN_DIR := .run
 MODEL ?= dgx-h100
 
-.PHONY: run test lint typecheck unit reliability bench clean
+.PHONY: run test lint typecheck unit reliability bench clean docs
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,3 +39,6 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(RUN_DIR) .mypy_cache .pytest_cache .ruff_cache
+
+docs: $(STAMP)
+	$(PY) -c "from agent.config import render_config_docs; open('docs/configuration.md','w').write(render_config_docs())"

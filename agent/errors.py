@@ -28,7 +28,10 @@ class TesseraError(Exception):
 
 
 class ConfigError(TesseraError):
-    """A configuration value is wrong: the message names the setting, the value and what is allowed."""
+    """A configuration value is wrong.
+
+    The message names the setting, the offending value and what is allowed.
+    """
 
 
 class ModelError(TesseraError):

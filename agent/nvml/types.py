@@ -94,7 +94,7 @@ class GpuDevice:
     name: str
     brand: str
     architecture: str
-    """Human name as the reference driver publishes it (``Ampere``, ``Hopper``, ``Ada Lovelace``)."""
+    """Name as the reference driver publishes it: ``Ampere``, ``Hopper``, ``Ada Lovelace``."""
     compute_capability: tuple[int, int]
     pci_bus_id: str
     """sysfs form, lower case: ``0000:1b:00.0``."""

@@ -28,10 +28,14 @@ NVIDIA_VENDOR = 0x10DE
 def _parent(value: str, where: str) -> tuple[str, ...]:
     parts = tuple(value.split("/"))
     if not parts or not ROOT_RE.match(parts[0]):
-        raise ModelError(f"{where}: parent must start with a root complex like pci0000:00, got {value!r}")
+        raise ModelError(
+            f"{where}: parent must start with a root complex like pci0000:00, got {value!r}"
+        )
     for bridge in parts[1:]:
         if not BDF_RE.match(bridge):
-            raise ModelError(f"{where}: bridge {bridge!r} in parent is not a PCI address 0000:bb:dd.f")
+            raise ModelError(
+                f"{where}: bridge {bridge!r} in parent is not a PCI address 0000:bb:dd.f"
+            )
     return parts
 
 

@@ -1,0 +1,156 @@
+"""The ``tessera`` command. Parses flags and environment into a Config and dispatches.
+
+Every TesseraError ends the command with one line on stderr and exit code 2; a missing NVIDIA
+driver says so and suggests ``--simulate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+import yaml
+
+from agent.config import Config, add_settings, load_config
+from agent.errors import ConfigError, DriverNotFoundError, TesseraError
+from agent.node import NodeSource, discover, open_node
+
+EXIT_ERROR = 2
+NO_DRIVER_HINT = (
+    "no NVIDIA driver found on this machine (libnvidia-ml.so.1 could not be loaded); "
+    "to try Tessera without a GPU add --simulate MODEL, e.g. --simulate dgx-h100 "
+    "(list models: tessera sim models)"
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tessera",
+        description="Tessera: GPU node agent and Kubernetes DRA driver.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run the node agent (daemon) in the foreground")
+    add_settings(run, ("node", "daemon"))
+
+    disc = sub.add_parser("discover", help="print the node inventory (GPUs, NICs, topology)")
+    add_settings(disc, ("node",))
+    disc.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table")
+
+    topo = sub.add_parser("topo", help="print the GPU/NIC topology matrix or a DOT graph")
+    add_settings(topo, ("node",))
+    topo.add_argument("--format", choices=("matrix", "dot"), default="matrix")
+
+    sim = sub.add_parser("sim", help="simulator controls")
+    simsub = sim.add_subparsers(dest="sim_command", required=True, metavar="SIM_COMMAND")
+    simsub.add_parser("models", help="list the simulated node models")
+    return parser
+
+
+@contextmanager
+def node_session(config: Config) -> Iterator[NodeSource]:
+    """Open the node for a one-shot command; with --simulate and no --state-dir, use a
+    temporary state directory that is removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="tessera-") as tmp:
+        state_dir = config.state_dir or (Path(tmp) if config.simulate else Path("/var/lib/tessera"))
+        source = open_node(config, state_dir)
+        with source.nvml:
+            yield source
+
+
+def cmd_discover(config: Config, args: argparse.Namespace, out: IO[str]) -> int:
+    from agent.discovery.export import inventory_to_dict
+
+    with node_session(config) as source:
+        inv = discover(source)
+    data = inventory_to_dict(inv)
+    if args.output == "json":
+        out.write(json.dumps(data, indent=2) + "\n")
+    elif args.output == "yaml":
+        out.write(yaml.safe_dump(data, sort_keys=False))
+    else:
+        from agent.discovery.table import render_table
+
+        render_table(inv, out)
+    return 0
+
+
+def cmd_topo(config: Config, args: argparse.Namespace, out: IO[str]) -> int:
+    from agent.discovery.render import render_dot, render_matrix
+
+    with node_session(config) as source:
+        inv = discover(source)
+    out.write(render_dot(inv) if args.format == "dot" else render_matrix(inv))
+    return 0
+
+
+def cmd_sim(config: Config, args: argparse.Namespace, out: IO[str]) -> int:
+    from agent.sim.model import load_model, model_names
+
+    for name in model_names():
+        out.write(f"{name:<12} {load_model(name).description}\n")
+    return 0
+
+
+def cmd_run(config: Config, args: argparse.Namespace, out: IO[str]) -> int:
+    from agent.daemon import build_agent
+    from agent.logs import configure_logging
+
+    log = configure_logging(config.log_format, config.log_level)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log.info("signal received, shutting down", extra={"fields": {"signal": signum}})
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    build_agent(config, log).run(stop)
+    return 0
+
+
+COMMANDS: dict[str, Callable[[Config, argparse.Namespace, IO[str]], int]] = {
+    "run": cmd_run,
+    "discover": cmd_discover,
+    "topo": cmd_topo,
+    "sim": cmd_sim,
+}
+
+
+def main(
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    out: IO[str] | None = None,
+    err: IO[str] | None = None,
+) -> int:
+    out = out or sys.stdout
+    err = err or sys.stderr
+    args = build_parser().parse_args(argv)
+    try:
+        config = load_config(
+            {k: v for k, v in vars(args).items() if k != "command"},
+            os.environ if environ is None else environ,
+        )
+        return COMMANDS[args.command](config, args, out)
+    except DriverNotFoundError:
+        err.write(f"tessera: {NO_DRIVER_HINT}\n")
+        return EXIT_ERROR
+    except ConfigError as exc:
+        err.write(f"tessera: configuration error: {exc}\n")
+        return EXIT_ERROR
+    except TesseraError as exc:
+        err.write(f"tessera: error: {exc}\n")
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

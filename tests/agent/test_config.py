@@ -1,0 +1,60 @@
+from pathlib import Path
+
+import pytest
+
+from agent.cli import build_parser
+from agent.config import Config, env_name, flag_name, load_config, settings
+from agent.errors import ConfigError
+
+
+def test_defaults_are_pinned():
+    c = load_config({}, {})
+    assert c == Config()
+    assert c.simulate is None
+    assert c.sim_mig_layout is None
+    assert c.sysfs_root is None
+    assert c.state_dir is None
+    assert c.node_name is None
+    assert c.metrics_address == "127.0.0.1:9400"
+    assert c.log_format == "json"
+    assert c.log_level == "info"
+
+
+def test_every_setting_has_an_env_variable_and_a_flag_on_run():
+    parser = build_parser()
+    run = parser.parse_args(["run"])
+    for name, meta, _default in settings():
+        assert env_name(name).startswith("TESSERA_")
+        assert name in vars(run), f"{flag_name(name)} missing from `tessera run`"
+        assert meta.help.strip()
+
+
+@pytest.mark.parametrize(
+    ("env", "flags", "expected"),
+    [
+        ({"TESSERA_STATE_DIR": "/tmp/a"}, {}, Path("/tmp/a")),
+        ({"TESSERA_STATE_DIR": "/tmp/a"}, {"state_dir": "/tmp/b"}, Path("/tmp/b")),
+        ({}, {}, None),
+    ],
+    ids=["env", "flag-wins", "unset"],
+)
+def test_flag_beats_env_beats_default(env, flags, expected):
+    assert load_config(flags, env).state_dir == expected
+
+
+def test_node_name_falls_back_to_NODE_NAME_but_tessera_variable_wins():
+    assert load_config({}, {"NODE_NAME": "n1"}).node_name == "n1"
+    assert load_config({}, {"NODE_NAME": "n1", "TESSERA_NODE_NAME": "n2"}).node_name == "n2"
+
+
+def test_bad_choice_names_setting_value_and_allowed():
+    with pytest.raises(ConfigError) as e:
+        load_config({}, {"TESSERA_LOG_FORMAT": "xml"})
+    msg = str(e.value)
+    assert "--log-format" in msg and "'xml'" in msg and "json, text" in msg
+
+
+def test_bad_metrics_address_is_reported():
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        load_config({"metrics_address": "localhost"}, {}).metrics_host_port()
+    assert load_config({"metrics_address": "[::1]:9400"}, {}).metrics_host_port() == ("::1", 9400)

@@ -1,0 +1,133 @@
+"""The bundled node models and GPU product table match the reference facts."""
+
+from importlib import resources
+
+import pytest
+import yaml
+
+from agent.errors import ModelError
+from agent.sim.model import load_model, model_names, parse_model
+from agent.sim.specs import gpu_specs, profile_name
+
+MIB = 1024 * 1024
+
+
+def test_bundled_models():
+    assert model_names() == ["dgx-a100", "dgx-h100", "hgx-h200", "l40s-pcie", "mixed"]
+
+
+@pytest.mark.parametrize("key", sorted(gpu_specs()), ids=str)
+def test_profile_names_follow_the_slot_fraction_rule(key):
+    spec = gpu_specs()[key]
+    for p in spec.mig_profiles:
+        assert p.name == profile_name(
+            p.slice_count, p.memory_mib, spec.memory_mib, p.media_extensions
+        )
+
+
+def test_profile_tables_match_reference():
+    a100 = gpu_specs()["A100-SXM4-40GB"]
+    table = {p.name: (p.profile_id, p.memory_slots, p.placement_starts) for p in a100.mig_profiles}
+    assert table == {
+        "1g.5gb": (19, 1, (0, 1, 2, 3, 4, 5, 6)),
+        "1g.5gb+me": (20, 1, (0, 1, 2, 3, 4, 5, 6)),
+        "1g.10gb": (15, 2, (0, 2, 4, 6)),
+        "2g.10gb": (14, 2, (0, 2, 4)),
+        "3g.20gb": (9, 4, (0, 4)),
+        "4g.20gb": (5, 4, (0,)),
+        "7g.40gb": (0, 8, (0,)),
+    }
+    h100 = {
+        p.name: (p.memory_mib, p.multiprocessors)
+        for p in gpu_specs()["H100-SXM5-80GB"].mig_profiles
+    }
+    assert h100["1g.10gb"] == (9984, 16)
+    assert h100["3g.40gb"] == (40448, 60)
+    assert h100["7g.80gb"] == (81152, 132)
+    assert gpu_specs()["H200-SXM5-141GB"].memory_mib == 143771
+    assert not gpu_specs()["L40S"].mig_capable and not gpu_specs()["L4"].mig_capable
+
+
+def test_dgx_h100_layout():
+    m = load_model("dgx-h100")
+    assert [g.bus[5:7] for g in m.gpus] == ["1b", "43", "52", "61", "9d", "c3", "d1", "df"]
+    assert [g.numa for g in m.gpus] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert m.numa_nodes == {0: "0-55,112-167", 1: "56-111,168-223"}
+    assert len(m.nics) == 12 and len(m.nvswitches) == 4
+    assert {g.spec.key for g in m.gpus} == {"H100-SXM5-80GB"}
+    assert [g.index for g in m.gpus] == list(range(8))
+    assert len({g.uuid for g in m.gpus}) == 8
+
+
+def test_dgx_a100_defaults_to_balanced_mig_and_others_to_none():
+    assert load_model("dgx-a100").default_mig_layout == "balanced"
+    for name in ("dgx-h100", "hgx-h200", "l40s-pcie", "mixed"):
+        assert load_model(name).default_mig_layout == "none"
+
+
+def test_uuids_are_stable_across_loads():
+    assert load_model("mixed").gpus[0].uuid == load_model("mixed").gpus[0].uuid
+
+
+def test_unknown_model_lists_the_known_ones():
+    with pytest.raises(ModelError, match="dgx-h100") as e:
+        load_model("dgx-z900")
+    assert "dgx-z900" in str(e.value)
+
+
+def _doc(**over):
+    raw = yaml.safe_load(resources.files("agent.sim").joinpath("models", "mixed.yaml").read_text())
+    raw.update(over)
+    return raw
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            {
+                "gpus": [
+                    {"bus": "0000:3d:00.0", "product": "X100", "numa": 0, "parent": "pci0000:3a"}
+                ]
+            },
+            "unknown product",
+        ),
+        (
+            {"gpus": [{"bus": "3d:00.0", "product": "L4", "numa": 0, "parent": "pci0000:3a"}]},
+            "not a PCI address",
+        ),
+        (
+            {"gpus": [{"bus": "0000:3d:00.0", "product": "L4", "numa": 7, "parent": "pci0000:3a"}]},
+            "NUMA node 7",
+        ),
+        (
+            {
+                "gpus": [
+                    {
+                        "bus": "0000:3d:00.0",
+                        "product": "L4",
+                        "numa": 0,
+                        "parent": "root/0000:3a:00.0",
+                    }
+                ]
+            },
+            "root complex",
+        ),
+        ({"nvlink": {"kind": "mesh"}}, "nvlink.kind"),
+    ],
+    ids=["product", "bus", "numa", "parent", "nvlink-kind"],
+)
+def test_bad_models_are_refused_with_the_reason(override, message):
+    raw = _doc(**override)
+    if "gpus" in override:
+        raw["nvlink"] = {"kind": "none"}
+    with pytest.raises(ModelError, match=message):
+        parse_model(raw, "test.yaml")
+
+
+def test_model_file_path(tmp_path):
+    p = tmp_path / "tiny.yaml"
+    p.write_text(yaml.safe_dump(_doc(name="tiny")))
+    assert load_model(str(p)).name == "tiny"
+    with pytest.raises(ModelError, match="cannot read"):
+        load_model(str(tmp_path / "missing.yaml"))
