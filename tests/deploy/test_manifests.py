@@ -1,0 +1,43 @@
+"""Every manifest in deploy/ validates against the upstream OpenAPI schemas (1.34 and 1.35)."""
+
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+MANIFESTS = sorted((ROOT / "deploy" / "daemonset").glob("*.yaml"))
+VERSIONS = ["1.34.0", "1.35.0"]
+
+
+def k8s_objects():
+    for path in MANIFESTS:
+        if path.name == "kustomization.yaml":
+            continue
+        for i, doc in enumerate(yaml.safe_load_all(path.read_text())):
+            if doc:
+                yield pytest.param(doc, id=f"{path.name}#{i}")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("obj", list(k8s_objects()))
+def test_manifest_is_valid(obj, version):
+    kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_kustomization_lists_every_manifest():
+    kust = yaml.safe_load((ROOT / "deploy" / "daemonset" / "kustomization.yaml").read_text())
+    names = {p.name for p in MANIFESTS} - {"kustomization.yaml"}
+    assert set(kust["resources"]) == names
+
+
+def test_validation_can_fail():
+    bad = {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {"name": "x"},
+        "spec": {"bogus": 1},
+    }
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, "1.35.0", strict=True)
