@@ -1,0 +1,98 @@
+"""Join what NVML says about the GPUs with what sysfs says about the node into a NodeInventory.
+
+``build_inventory`` is pure: it reads nothing, so the same inputs always give the same inventory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from agent.discovery.inventory import Gpu, Nic, NodeInventory, PcieLocation
+from agent.discovery.sysfs import PciFunction, SysfsSnapshot
+from agent.discovery.topology import (
+    active_nvlinks,
+    build_topology,
+    clique_id,
+    natural_key,
+    near_nics,
+    normalize_bus_id,
+    nvlink_cliques,
+    nvlink_edges,
+)
+from agent.errors import DiscoveryError
+from agent.nvml.types import GpuDevice, SystemInfo
+
+
+def build_inventory(
+    *,
+    hostname: str,
+    system: SystemInfo,
+    gpus: Sequence[GpuDevice],
+    sysfs: SysfsSnapshot,
+) -> NodeInventory:
+    """The node inventory. Pure.
+
+    GPUs are ordered by NVML index, NICs by name (natural order: ``mlx5_2`` before ``mlx5_10``).
+    Raises DiscoveryError naming the GPU when its bus id is not in sysfs, or when two GPUs share
+    an index or a bus id.
+    """
+    functions: dict[str, PciFunction] = {f.bus: f for f in sysfs.functions}
+    ordered = sorted(gpus, key=lambda g: g.index)
+    seen_index: set[int] = set()
+    seen_bus: dict[str, int] = {}
+    locations: list[tuple[int, PcieLocation]] = []
+    for g in ordered:
+        bus = normalize_bus_id(g.pci_bus_id)
+        if g.index in seen_index:
+            raise DiscoveryError(f"NVML reports GPU index {g.index} twice")
+        if bus in seen_bus:
+            raise DiscoveryError(f"GPU {g.index} and GPU {seen_bus[bus]} both report PCI bus {bus}")
+        seen_index.add(g.index)
+        seen_bus[bus] = g.index
+        fn = functions.get(bus)
+        if fn is None:
+            raise DiscoveryError(
+                f"GPU {g.index} ({g.uuid}) at PCI bus {bus} is not in sysfs: "
+                f"no {sysfs.root}/bus/pci/devices/{bus}"
+            )
+        locations.append((g.index, fn.location()))
+
+    nics: list[Nic] = []
+    for n in sorted(sysfs.nics, key=lambda n: natural_key(n.name)):
+        fn = functions[n.bus]
+        nics.append(
+            Nic(
+                name=n.name,
+                netdev=n.netdev,
+                link_layer=n.link_layer,
+                vendor_id=fn.vendor,
+                device_id=fn.device,
+                pcie=fn.location(),
+            )
+        )
+    nic_locations = [(n.name, n.pcie) for n in nics]
+
+    edges = nvlink_edges(ordered)
+    cliques = nvlink_cliques(edges)
+    clique_of = {i: clique_id(c) for c in cliques for i in c}
+    location_of = dict(locations)
+    inventory_gpus = tuple(
+        Gpu(
+            device=g,
+            pcie=location_of[g.index],
+            nvlink_clique=clique_of.get(g.index),
+            nvlink_links=active_nvlinks(g),
+            near_nics=near_nics(location_of[g.index], nic_locations),
+        )
+        for g in ordered
+    )
+    return NodeInventory(
+        hostname=hostname,
+        system=system,
+        gpus=inventory_gpus,
+        nics=tuple(nics),
+        numa_nodes=sysfs.numa_nodes,
+        nvlink_edges=edges,
+        nvlink_cliques=cliques,
+        topology=build_topology(locations, nic_locations, edges),
+    )

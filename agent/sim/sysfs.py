@@ -1,0 +1,290 @@
+"""Write a realistic sysfs tree for a simulated node, so discovery reads it as it reads ``/sys``.
+
+Layout (as Linux has it; ``<path>`` = root complex, then every bridge from the root port down)::
+
+    devices/<path>/<bdf>/{vendor,device,class,numa_node,local_cpulist,local_cpus,uevent}
+    devices/<path>/<bdf>/infiniband/<mlx5_N>/ports/1/{link_layer,state}    NICs
+    devices/<path>/<bdf>/infiniband/<mlx5_N>/device -> ../../../<bdf>
+    devices/<path>/<bdf>/net/<netdev>/{type,device -> ../../../<bdf>}     NICs
+    devices/system/node/{online,possible,has_cpu}, node<N>/cpulist
+    bus/pci/devices/<bdf> -> ../../../devices/<path>/<bdf>        every function, bridges too
+    class/infiniband/<mlx5_N> -> ../../devices/<path>/<bdf>/infiniband/<mlx5_N>
+    class/net/<netdev> -> ../../devices/<path>/<bdf>/net/<netdev>
+
+Bridges get ``class`` 0x060400; a root port (the first bridge below a root complex) is given
+Intel's Sapphire Rapids root-port id and every deeper bridge a Broadcom PEX890xx switch-port id
+(nothing reads these ids; they only make ``lspci``-style listings look real).
+
+``pci_functions`` and the cpulist helpers are pure; ``write_sysfs`` does the I/O.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.errors import ConfigError, ModelError
+from agent.sim.model import BDF_RE, MELLANOX_VENDOR, NVIDIA_VENDOR, ROOT_RE, NodeModel
+
+CLASS_3D_CONTROLLER = 0x030200
+CLASS_NVSWITCH = 0x068000
+CLASS_INFINIBAND = 0x020700
+CLASS_ETHERNET = 0x020000
+CLASS_PCI_BRIDGE = 0x060400
+ROOT_PORT_ID = (0x8086, 0x352A)
+"""vendor, device of a root port: Intel Sapphire Rapids PCIe root port."""
+SWITCH_PORT_ID = (0x1000, 0xC030)
+"""vendor, device of a PCIe switch port: Broadcom PEX890xx Gen 5 switch."""
+ARPHRD = {"InfiniBand": 32, "Ethernet": 1}
+"""``net/<netdev>/type`` per link layer (ARPHRD_INFINIBAND, ARPHRD_ETHER)."""
+
+
+@dataclass(frozen=True)
+class SimFunction:
+    """One PCI function the simulated tree contains (endpoint or bridge)."""
+
+    bus: str
+    parent: tuple[str, ...]
+    """Root complex, then every bridge above this function."""
+    numa: int
+    vendor: int
+    device: int
+    pci_class: int
+
+    @property
+    def rel_path(self) -> str:
+        """Path below ``devices/``: ``pci0000:16/0000:16:01.0/…/0000:1b:00.0``."""
+        return "/".join((*self.parent, self.bus))
+
+
+def parse_cpulist(cpulist: str) -> list[int]:
+    """CPU numbers of a cpulist (``0-2,8`` -> ``[0, 1, 2, 8]``). Pure."""
+    cpus: list[int] = []
+    for part in cpulist.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def cpulist_to_mask(cpulist: str, nr_cpus: int) -> str:
+    """The ``local_cpus`` form of a cpulist: 32-bit hex words, most significant first. Pure.
+
+    ``cpulist_to_mask("0-3", 64) == "00000000,0000000f"``.
+    """
+    bits = 0
+    for cpu in parse_cpulist(cpulist):
+        bits |= 1 << cpu
+    words = max(1, math.ceil(nr_cpus / 32))
+    return ",".join(f"{(bits >> (32 * i)) & 0xFFFFFFFF:08x}" for i in reversed(range(words)))
+
+
+def format_cpulist(ids: list[int]) -> str:
+    """The kernel's list form of some ids: ``[0, 1, 2, 5]`` -> ``0-2,5``. Pure."""
+    runs: list[list[int]] = []
+    for i in sorted(set(ids)):
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def pci_functions(model: NodeModel) -> tuple[SimFunction, ...]:
+    """Every PCI function of the model's tree, bridges first then endpoints, each sorted by bus.
+
+    Pure. Raises ModelError when the model's paths disagree (a bridge reached through two
+    different parents or from two NUMA nodes, or a bridge address that is also an endpoint).
+    """
+    endpoints: list[SimFunction] = []
+    for g in model.gpus:
+        device = g.spec.pci_device_id >> 16  # NVML's 0x233010DE -> sysfs 0x2330
+        endpoints.append(
+            SimFunction(g.bus, g.parent, g.numa, NVIDIA_VENDOR, device, CLASS_3D_CONTROLLER)
+        )
+    for n in model.nics:
+        cls = CLASS_INFINIBAND if n.link_layer == "InfiniBand" else CLASS_ETHERNET
+        endpoints.append(SimFunction(n.bus, n.parent, n.numa, MELLANOX_VENDOR, n.device_id, cls))
+    switch_device = (model.switch_device_id or 0) >> 16
+    for s in model.nvswitches:
+        endpoints.append(
+            SimFunction(s.bus, s.parent, s.numa, NVIDIA_VENDOR, switch_device, CLASS_NVSWITCH)
+        )
+    endpoint_buses = {e.bus for e in endpoints}
+    bridges: dict[str, SimFunction] = {}
+    for e in endpoints:
+        for depth in range(1, len(e.parent)):
+            bus = e.parent[depth]
+            vendor, device = ROOT_PORT_ID if depth == 1 else SWITCH_PORT_ID
+            bridge = SimFunction(bus, e.parent[:depth], e.numa, vendor, device, CLASS_PCI_BRIDGE)
+            seen = bridges.setdefault(bus, bridge)
+            if bus in endpoint_buses:
+                raise ModelError(f"{model.name}: {bus} is both a bridge and a device")
+            if seen.parent != bridge.parent or seen.numa != bridge.numa:
+                raise ModelError(
+                    f"{model.name}: bridge {bus} is reached as {seen.rel_path} (NUMA {seen.numa})"
+                    f" and as {bridge.rel_path} (NUMA {bridge.numa})"
+                )
+    return (
+        *sorted(bridges.values(), key=lambda f: f.bus),
+        *sorted(endpoints, key=lambda f: f.bus),
+    )
+
+
+def _write(path: Path, text: str) -> None:
+    """Write ``text`` atomically; leave the file alone when it already holds it."""
+    try:
+        if path.read_text() == text:
+            return
+    except OSError:
+        pass
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.is_symlink() or path.exists():
+        path.unlink()
+
+
+def _symlink(link: Path, target: str) -> None:
+    """Point ``link`` at ``target`` (relative), atomically replacing what was there."""
+    if link.is_symlink() and os.readlink(link) == target:
+        return
+    if link.is_dir() and not link.is_symlink():
+        shutil.rmtree(link)
+    tmp = link.with_name(f".{link.name}.tmp")
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    tmp.symlink_to(target)
+    os.replace(tmp, link)
+
+
+def _prune(directory: Path, keep: set[str]) -> None:
+    """Remove the entries of ``directory`` not named in ``keep`` (temp files included)."""
+    if not directory.is_dir():
+        return
+    for entry in directory.iterdir():
+        if entry.name not in keep:
+            _remove(entry)
+
+
+def _prune_pci(directory: Path, rel: str, expected: set[str]) -> None:
+    """Remove PCI directories below ``directory`` that the model no longer has."""
+    for entry in directory.iterdir():
+        if entry.is_symlink() or not entry.is_dir():
+            continue
+        child = f"{rel}/{entry.name}" if rel else entry.name
+        is_pci = ROOT_RE.match(entry.name) if not rel else BDF_RE.match(entry.name)
+        if not is_pci:
+            continue
+        if child in expected:
+            _prune_pci(entry, child, expected)
+        else:
+            shutil.rmtree(entry)
+
+
+def _write_function(devices: Path, fn: SimFunction, model: NodeModel, nr_cpus: int) -> None:
+    d = devices / fn.rel_path
+    d.mkdir(parents=True, exist_ok=True)
+    cpulist = model.numa_nodes[fn.numa]
+    _write(d / "vendor", f"0x{fn.vendor:04x}\n")
+    _write(d / "device", f"0x{fn.device:04x}\n")
+    _write(d / "class", f"0x{fn.pci_class:06x}\n")
+    _write(d / "numa_node", f"{fn.numa}\n")
+    _write(d / "local_cpulist", f"{cpulist}\n")
+    _write(d / "local_cpus", f"{cpulist_to_mask(cpulist, nr_cpus)}\n")
+    _write(
+        d / "uevent",
+        f"PCI_CLASS={fn.pci_class:X}\nPCI_ID={fn.vendor:04X}:{fn.device:04X}\n"
+        f"PCI_SLOT_NAME={fn.bus}\n",
+    )
+
+
+def _write_tree(model: NodeModel, root: Path) -> None:
+    devices = root / "devices"
+    functions = pci_functions(model)
+    nr_cpus = max((max(parse_cpulist(c), default=0) for c in model.numa_nodes.values()), default=0)
+    nr_cpus += 1
+    by_bus = {f.bus: f for f in functions}
+
+    expected: set[str] = set()
+    bus_links = root / "bus" / "pci" / "devices"
+    bus_links.mkdir(parents=True, exist_ok=True)
+    for fn in functions:
+        _write_function(devices, fn, model, nr_cpus)
+        parts = fn.rel_path.split("/")
+        expected.update("/".join(parts[: i + 1]) for i in range(len(parts)))
+        _symlink(bus_links / fn.bus, f"../../../devices/{fn.rel_path}")
+
+    nic_keep: dict[str, tuple[set[str], set[str]]] = {}
+    for nic in model.nics:
+        rel = by_bus[nic.bus].rel_path
+        d = devices / rel
+        ib = d / "infiniband" / nic.name
+        (ib / "ports" / "1").mkdir(parents=True, exist_ok=True)
+        _write(ib / "ports" / "1" / "link_layer", f"{nic.link_layer}\n")
+        _write(ib / "ports" / "1" / "state", "4: ACTIVE\n")
+        _symlink(ib / "device", f"../../../{nic.bus}")
+        net = d / "net" / nic.netdev
+        net.mkdir(parents=True, exist_ok=True)
+        _write(net / "type", f"{ARPHRD.get(nic.link_layer, 1)}\n")
+        _symlink(net / "device", f"../../../{nic.bus}")
+        keep = nic_keep.setdefault(rel, (set(), set()))
+        keep[0].add(nic.name)
+        keep[1].add(nic.netdev)
+    ib_class = root / "class" / "infiniband"
+    net_class = root / "class" / "net"
+    ib_class.mkdir(parents=True, exist_ok=True)
+    net_class.mkdir(parents=True, exist_ok=True)
+    for nic in model.nics:
+        rel = by_bus[nic.bus].rel_path
+        _symlink(ib_class / nic.name, f"../../devices/{rel}/infiniband/{nic.name}")
+        _symlink(net_class / nic.netdev, f"../../devices/{rel}/net/{nic.netdev}")
+
+    node_dir = devices / "system" / "node"
+    node_dir.mkdir(parents=True, exist_ok=True)
+    ids = format_cpulist(list(model.numa_nodes))
+    for name in ("online", "possible", "has_cpu"):
+        _write(node_dir / name, f"{ids}\n")
+    for node, cpulist in model.numa_nodes.items():
+        (node_dir / f"node{node}").mkdir(exist_ok=True)
+        _write(node_dir / f"node{node}" / "cpulist", f"{cpulist}\n")
+
+    # What an earlier write (of another model) left behind goes; readers never see a gap.
+    _prune(bus_links, {f.bus for f in functions})
+    _prune(ib_class, {n.name for n in model.nics})
+    _prune(net_class, {n.netdev for n in model.nics})
+    _prune(node_dir, {"online", "possible", "has_cpu", *(f"node{n}" for n in model.numa_nodes)})
+    _prune_pci(devices, "", expected)
+    for fn in functions:
+        rdma, netdevs = nic_keep.get(fn.rel_path, (set(), set()))
+        _prune(devices / fn.rel_path / "infiniband", rdma)
+        _prune(devices / fn.rel_path / "net", netdevs)
+
+
+def write_sysfs(model: NodeModel, root: Path) -> None:
+    """Write (or rewrite) the sysfs tree of ``model`` under ``root``.
+
+    Idempotent: rewriting the same root leaves unchanged files untouched, replaces changed files
+    and links atomically, then removes what the model no longer has (devices, NICs, NUMA nodes),
+    so a concurrent reader sees either the old or the new value of each entry, never a gap.
+    Raises ConfigError for ``/sys`` itself or when the tree cannot be written, ModelError when
+    the model's PCIe paths are inconsistent.
+    """
+    root = Path(root)
+    if os.path.realpath(root) == "/sys":
+        raise ConfigError("refusing to write a simulated sysfs tree over the real /sys")
+    try:
+        _write_tree(model, root)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write the simulated sysfs tree under {root}: {exc.strerror or exc}"
+        ) from exc
