@@ -1,0 +1,286 @@
+"""``FakeNvml``: pynvml's function surface over a simulated node model.
+
+Use it exactly like the ``pynvml`` module::
+
+    nvml = FakeNvml(load_model("dgx-a100"), state_dir)
+    nvml.nvmlInit()
+    h = nvml.nvmlDeviceGetHandleByIndex(0)
+    nvml.nvmlDeviceGetUUID(h)                     # 'GPU-…' (str, as pynvml returns it)
+    nvml.nvmlDeviceGetMemoryInfo(h, nvml.nvmlMemory_v2).reserved
+
+Every ``nvml*`` method has pynvml's name, parameter names, order and defaults (a test checks this
+against the installed pynvml), returns what pynvml returns (its ctypes structs, str where pynvml
+decodes, ``c_uint`` from ``nvmlDeviceIsMigDeviceHandle``) and raises pynvml's own
+``NVMLError_*`` classes. pynvml's constants, error classes and ctypes types are attributes of the
+class too (``FakeNvml.NVML_ERROR_NOT_FOUND``, ``FakeNvml.NVMLError``, ``FakeNvml.nvmlMemory_v2``).
+Units are NVML's: bytes for memory, MiB for MIG profile ``memorySizeMB``.
+
+Simulator controls (not pynvml functions): ``reset_gpu(index)``, ``apply_mig_layout(name)``,
+``state``, ``state_dir`` (see :class:`agent.sim.nvml_core.NvmlCore`). MIG calls are in
+:mod:`agent.sim.nvml_mig`. The MIG state lives in ``<state_dir>/nvml-state.json``, shared with
+other processes (:mod:`agent.sim.state`).
+"""
+
+from __future__ import annotations
+
+import re
+import uuid as uuidlib
+from dataclasses import dataclass
+from typing import Any
+
+import pynvml
+
+from agent.sim import handles
+from agent.sim.handles import Ref
+from agent.sim.mig import nvml_error
+from agent.sim.model import NodeModel
+from agent.sim.nvml_core import pci_info, pynvml_constants
+from agent.sim.nvml_mig import MigCalls
+from agent.sim.specs import MIB
+
+RESERVED_MIB = 512
+"""Memory the simulated driver reserves on a whole GPU (v2 ``reserved``; part of v1 ``used``)."""
+
+_BUS_ID_FORMS = (
+    re.compile(r"^(?P<d>[0-9a-f]+):(?P<b>[0-9a-f]+):(?P<s>[0-9a-f]+)\.(?P<f>[0-9a-f]+)$"),
+    re.compile(r"^(?P<d>[0-9a-f]+):(?P<b>[0-9a-f]+):(?P<s>[0-9a-f]+)$"),
+    re.compile(r"^(?P<b>[0-9a-f]+):(?P<s>[0-9a-f]+)\.(?P<f>[0-9a-f]+)$"),
+)
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def mig_uuid(parent_uuid: str, gi_id: int, ci_id: int) -> str:
+    """The deterministic UUID of a MIG device (pure)."""
+    return "MIG-" + str(uuidlib.uuid5(uuidlib.NAMESPACE_URL, f"{parent_uuid}/gi{gi_id}/ci{ci_id}"))
+
+
+@dataclass(frozen=True)
+class LinkEnd:
+    """The far end of an active NVLink."""
+
+    bus: str
+    """sysfs form."""
+    device_type: int
+    pci_device_id: int
+
+
+def nvlink_table(model: NodeModel) -> dict[int, tuple[LinkEnd | None, ...]]:
+    """Per GPU index, its links (None = inactive); empty for products without NVLink (pure).
+
+    ``nvswitch`` models: every link is active and goes to a switch, links spread round-robin
+    over the model's NVSwitches. ``bridge`` models: a bridged pair's first ``links`` links go to
+    the peer GPU; other links are inactive. ``none``: all links inactive.
+    """
+    table: dict[int, tuple[LinkEnd | None, ...]] = {}
+    by_bus = {g.bus: g for g in model.gpus}
+    for g in model.gpus:
+        ends: list[LinkEnd | None] = [None] * g.spec.nvlinks
+        if model.nvlink_kind == "nvswitch" and model.nvswitches:
+            switch_id = model.switch_device_id or 0
+            for link in range(g.spec.nvlinks):
+                sw = model.nvswitches[link % len(model.nvswitches)]
+                ends[link] = LinkEnd(sw.bus, pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH, switch_id)
+        elif model.nvlink_kind == "bridge":
+            for bridge in model.bridges:
+                if g.bus in bridge.gpus:
+                    peer = by_bus[bridge.gpus[1] if bridge.gpus[0] == g.bus else bridge.gpus[0]]
+                    for link in range(min(bridge.links, g.spec.nvlinks)):
+                        ends[link] = LinkEnd(
+                            peer.bus, pynvml.NVML_NVLINK_DEVICE_TYPE_GPU, peer.spec.pci_device_id
+                        )
+        table[g.index] = tuple(ends)
+    return table
+
+
+class FakeNvml(MigCalls):
+    """The simulated pynvml module for one node model (see the module docstring)."""
+
+    _link_table: dict[int, tuple[LinkEnd | None, ...]] | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def nvmlInitWithFlags(self, flags: int) -> None:
+        self._init_count += 1
+
+    def nvmlInit(self) -> None:
+        self.nvmlInitWithFlags(0)
+
+    def nvmlShutdown(self) -> None:
+        """Reference counted like NVML: one shutdown per init; UNINITIALIZED when none is left."""
+        self._require_init()
+        self._init_count -= 1
+
+    # -- system ----------------------------------------------------------------------------------
+    def nvmlSystemGetDriverVersion(self) -> str:
+        self._require_init()
+        return self.model.driver_version
+
+    def nvmlSystemGetCudaDriverVersion(self) -> int:
+        self._require_init()
+        return self.model.cuda_driver_version
+
+    def nvmlSystemGetCudaDriverVersion_v2(self) -> int:
+        self._require_init()
+        return self.model.cuda_driver_version
+
+    def nvmlSystemGetNVMLVersion(self) -> str:
+        """``<CUDA major>.<driver version>``, e.g. ``12.550.90.07``."""
+        self._require_init()
+        return f"{self.model.cuda_driver_version // 1000}.{self.model.driver_version}"
+
+    # -- device enumeration ----------------------------------------------------------------------
+    def nvmlDeviceGetCount(self) -> int:
+        self._require_init()
+        return len(self.model.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
+        self._require_init()
+        if not isinstance(index, int) or index not in self._slots:
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT, f"no GPU index {index!r}")
+        return handles.make(Ref(handles.KIND_GPU, index))
+
+    def nvmlDeviceGetHandleByPciBusId(self, pciBusId: str | bytes) -> Any:
+        """Accepts NVML's forms: ``domain:bus:device.function``, ``domain:bus:device``,
+        ``bus:device.function`` (hex, any case)."""
+        self._require_init()
+        text = _text(pciBusId).strip().lower()
+        m = next((m for r in _BUS_ID_FORMS if (m := r.match(text))), None)
+        if m is None:
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT, f"bad PCI bus id {text!r}")
+        parts = m.groupdict()
+        want = (int(parts.get("d") or "0", 16), int(parts["b"], 16), int(parts["s"], 16))
+        for g in self.model.gpus:
+            d, b, rest = g.bus.split(":")
+            if (int(d, 16), int(b, 16), int(rest.split(".")[0], 16)) == want:
+                return handles.make(Ref(handles.KIND_GPU, g.index))
+        raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND, f"no GPU at {text!r}")
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> Any:
+        """GPU UUIDs (``GPU-…``) and MIG device UUIDs (``MIG-…``)."""
+        self._require_init()
+        text = _text(uuid)
+        if not text.startswith(("GPU-", "MIG-")):
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT, f"malformed UUID {text!r}")
+        state = self.state
+        for g in self.model.gpus:
+            if g.uuid == text:
+                return handles.make(Ref(handles.KIND_GPU, g.index))
+            for gi, ci in state.gpus[g.index].mig_devices():
+                if mig_uuid(g.uuid, gi.id, ci.id) == text:
+                    return handles.make(Ref(handles.KIND_MIG, g.index, gi.id, ci.id))
+        raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND, f"no device with UUID {text!r}")
+
+    # -- identity --------------------------------------------------------------------------------
+    def nvmlDeviceGetIndex(self, handle: Any) -> int:
+        return self._gpu(handle).index
+
+    def nvmlDeviceGetMinorNumber(self, handle: Any) -> int:
+        """``/dev/nvidia<minor>``: the NVML index in this simulator."""
+        return self._gpu(handle).index
+
+    def nvmlDeviceGetUUID(self, handle: Any) -> str:
+        slot, instance = self._device(handle)
+        if instance is None:
+            return slot.uuid
+        return mig_uuid(slot.uuid, instance[0].id, instance[1].id)
+
+    def nvmlDeviceGetName(self, handle: Any) -> str:
+        """The product name; for a MIG device ``<product> MIG <profile>``."""
+        slot, instance = self._device(handle)
+        if instance is None:
+            return slot.spec.name
+        return f"{slot.spec.name} MIG {slot.spec.profile(instance[0].profile_id).name}"
+
+    def nvmlDeviceGetBrand(self, handle: Any) -> int:
+        return self._device(handle)[0].spec.brand
+
+    def nvmlDeviceGetSerial(self, handle: Any) -> str:
+        return self._gpu(handle).serial
+
+    def nvmlDeviceGetArchitecture(self, device: Any) -> int:
+        return self._device(device)[0].spec.architecture
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle: Any) -> tuple[int, int]:
+        return self._device(handle)[0].spec.compute_capability
+
+    def nvmlDeviceGetPciInfo_v3(self, handle: Any) -> Any:
+        """The GPU's PCI info (a MIG device reports its parent's)."""
+        slot = self._device(handle)[0]
+        subsystem = (slot.spec.pci_device_id & 0xFFFF0000) | 0x10DE
+        return pci_info(slot.bus, slot.spec.pci_device_id, subsystem)
+
+    def nvmlDeviceGetPciInfo(self, handle: Any) -> Any:
+        return self.nvmlDeviceGetPciInfo_v3(handle)
+
+    def nvmlDeviceGetNumaNodeId(self, handle: Any) -> int:
+        """Only GPUs that are NUMA nodes themselves (Grace) answer; none of these models do."""
+        self._gpu(handle)
+        raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED, "the GPU is not a NUMA node (x86)")
+
+    # -- memory ----------------------------------------------------------------------------------
+    def nvmlDeviceGetMemoryInfo(self, handle: Any, version: Any = None) -> Any:
+        """Bytes. A whole GPU reserves :data:`RESERVED_MIB` (v1 counts it as used); a MIG device
+        has its GPU instance's memory and nothing reserved. No processes: nothing else is used."""
+        slot, instance = self._device(handle)
+        if instance is None:
+            total, reserved = slot.spec.memory_bytes, RESERVED_MIB * MIB
+        else:
+            total, reserved = slot.spec.profile(instance[0].profile_id).memory_mib * MIB, 0
+        if not version:
+            v1 = pynvml.c_nvmlMemory_t()
+            v1.total, v1.used, v1.free = total, reserved, total - reserved
+            return v1
+        if version != pynvml.nvmlMemory_v2:
+            raise nvml_error(
+                pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH, f"memory info version {version:#x}"
+            )
+        v2 = pynvml.c_nvmlMemory_v2_t()
+        v2.version = version
+        v2.total, v2.reserved, v2.used, v2.free = total, reserved, 0, total - reserved
+        return v2
+
+    # -- NVLink ----------------------------------------------------------------------------------
+    def _link(self, device: Any, link: int) -> LinkEnd | None:
+        """NOT_SUPPORTED without NVLink; INVALID_ARGUMENT for a link the GPU does not have."""
+        slot = self._gpu(device)
+        if self._link_table is None:
+            self._link_table = nvlink_table(self.model)
+        ends = self._link_table[slot.index]
+        if not ends:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED, f"{slot.spec.name} has no NVLink")
+        if not 0 <= link < min(len(ends), pynvml.NVML_NVLINK_MAX_LINKS):
+            raise nvml_error(
+                pynvml.NVML_ERROR_INVALID_ARGUMENT, f"{slot.spec.name} has no NVLink {link}"
+            )
+        return ends[link]
+
+    def _active_link(self, device: Any, link: int) -> LinkEnd:
+        end = self._link(device, link)
+        if end is None:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED, f"NVLink {link} is not active")
+        return end
+
+    def nvmlDeviceGetNvLinkState(self, device: Any, link: int) -> int:
+        """NVML_FEATURE_ENABLED (1) for an active link, else NVML_FEATURE_DISABLED (0)."""
+        return 1 if self._link(device, link) is not None else 0
+
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, device: Any, link: int) -> Any:
+        """The remote end's PCI info (``pciSubSystemId`` is not filled, as in NVML)."""
+        end = self._active_link(device, link)
+        return pci_info(end.bus, end.pci_device_id, 0)
+
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, handle: Any, link: int) -> int:
+        """NVML_NVLINK_DEVICE_TYPE_GPU (0) or _SWITCH (2)."""
+        return self._active_link(handle, link).device_type
+
+
+def _copy_pynvml_constants(cls: type[Any]) -> None:
+    """Make ``cls`` usable like the pynvml module: its constants, error classes, ctypes types."""
+    for name, value in pynvml_constants().items():
+        if not hasattr(cls, name):
+            setattr(cls, name, value)
+
+
+_copy_pynvml_constants(FakeNvml)

@@ -1,0 +1,32 @@
+"""Fixtures for the simulator tests: a fresh FakeNvml per test, its state in tmp_path."""
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.sim.model import load_model
+from agent.sim.nvml import FakeNvml
+
+MakeFake = Callable[..., FakeNvml]
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Path:
+    return tmp_path / "state"
+
+
+@pytest.fixture
+def make_fake(state_dir: Path) -> MakeFake:
+    """``make_fake(model, init=True, state_dir=..., mig_layout=...)`` -> an (initialized) fake."""
+
+    def make(
+        model: str, *, init: bool = True, directory: Path | None = None, **kw: Any
+    ) -> FakeNvml:
+        fake = FakeNvml(load_model(model), directory or state_dir, **kw)
+        if init:
+            fake.nvmlInit()
+        return fake
+
+    return make
