@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 RUN_DIR := .run
 MODEL ?= dgx-h100
+METRICS ?= 127.0.0.1:9400
 
 .PHONY: run test lint typecheck unit reliability bench clean docs
 
@@ -16,8 +17,15 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	mkdir -p $(RUN_DIR)
-	$(VENV)/bin/tessera run --simulate $(MODEL) --state-dir $(RUN_DIR)/state --log-format text
+	@mkdir -p $(RUN_DIR)
+	@echo "Tessera on a simulated $(MODEL) node; state, simulator and sysfs tree under $(RUN_DIR)/state"
+	@echo "Try it from another terminal:"
+	@echo "  curl http://$(METRICS)/healthz ; curl http://$(METRICS)/readyz"
+	@echo "  $(VENV)/bin/tessera discover --simulate $(MODEL) --state-dir $(RUN_DIR)/state"
+	@echo "  $(VENV)/bin/tessera topo --simulate $(MODEL) --state-dir $(RUN_DIR)/state"
+	@echo "Ctrl-C stops it."
+	$(VENV)/bin/tessera run --simulate $(MODEL) --state-dir $(RUN_DIR)/state \
+		--metrics-address $(METRICS) --log-format text
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check agent dra_driver tests bench

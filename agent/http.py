@@ -11,6 +11,8 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from agent.errors import ConfigError
+
 Check = Callable[[], tuple[bool, str]]
 
 
@@ -62,7 +64,12 @@ class HttpEndpoint:
             def log_message(self, format: str, *args: object) -> None:
                 return  # access logs off: scrapes every few seconds would drown the real logs
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
+        try:
+            self._server = ThreadingHTTPServer((host, port), Handler)
+        except OSError as exc:
+            raise ConfigError(
+                f"--metrics-address: cannot listen on {host}:{port}: {exc.strerror}"
+            ) from exc
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
 

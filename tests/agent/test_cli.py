@@ -1,0 +1,137 @@
+"""`tessera discover`, `topo` and `sim` as a user runs them."""
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from agent.cli import main
+from agent.sim.model import model_names
+
+LEVEL = re.compile(r"^(X|NV\d+|PIX|PXB|PHB|NODE|SYS)$")
+
+
+def run(argv, environ=None):
+    out, err = io.StringIO(), io.StringIO()
+    code = main(argv, environ if environ is not None else {}, out, err)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("model", model_names())
+def test_discover_json_shape(model):
+    code, out, err = run(["discover", "--simulate", model, "-o", "json"])
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["gpus"], "no GPUs discovered"
+    for g in data["gpus"]:
+        for key in (
+            "index", "minor", "uuid", "productName", "architecture", "memoryBytes", "pciBusID",
+            "numaNode", "cpus", "pcieRoot", "nvlinkClique", "migCapable", "migEnabled",
+        ):  # fmt: skip
+            assert key in g, key
+        assert re.match(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$", g["pciBusID"])
+        assert re.match(r"^pci[0-9a-f]{4}:[0-9a-f]{2}$", g["pcieRoot"])
+        assert re.match(r"^\d+(-\d+)?(,\d+(-\d+)?)*$", g["cpus"])
+        assert g["memoryBytes"] > 0
+    assert isinstance(data["nics"], list)
+    matrix = data["topology"]["matrix"]
+    idx = [str(g["index"]) for g in data["gpus"]]
+    assert sorted(matrix) == sorted(idx)
+    for a in idx:
+        assert matrix[a][a] == "X"
+        for b in idx:
+            assert LEVEL.match(matrix[a][b])
+            assert matrix[a][b] == matrix[b][a]
+
+
+def test_dgx_a100_reports_its_mig_devices():
+    data = json.loads(run(["discover", "--simulate", "dgx-a100", "-o", "json"])[1])
+    for g in data["gpus"]:
+        assert g["migCapable"] and g["migEnabled"]
+        assert sorted(m["profile"] for m in g["migDevices"]) == [
+            "1g.5gb", "1g.5gb", "2g.10gb", "3g.20gb",
+        ]  # fmt: skip
+
+
+def test_yaml_equals_json():
+    j = json.loads(run(["discover", "--simulate", "mixed", "-o", "json"])[1])
+    y = yaml.safe_load(run(["discover", "--simulate", "mixed", "-o", "yaml"])[1])
+    assert j == y
+
+
+def test_table_output_names_gpus_and_nics():
+    code, out, _ = run(["discover", "--simulate", "l40s-pcie"])
+    assert code == 0
+    assert "NVIDIA L40S" in out and "mlx5_0" in out and "4 GPUs" in out
+
+
+def test_topo_matrix_and_dot():
+    code, out, _ = run(["topo", "--simulate", "mixed"])
+    assert code == 0
+    assert out.splitlines()[0].split("\t")[1:3] == ["GPU0", "GPU1"]
+    assert "Legend:" in out and "NV12" in out
+    code, dot, _ = run(["topo", "--simulate", "mixed", "--format", "dot"])
+    assert code == 0 and dot.lstrip().startswith("graph") and dot.count("{") == dot.count("}")
+
+
+def test_sim_models_lists_every_model_with_a_description():
+    code, out, _ = run(["sim", "models"])
+    lines = out.splitlines()
+    assert code == 0 and [line.split()[0] for line in lines] == model_names()
+    assert all(len(line.split(None, 1)) == 2 for line in lines)
+
+
+def test_simulate_from_environment():
+    code, out, _ = run(["discover", "-o", "json"], {"TESSERA_SIMULATE": "mixed"})
+    assert code == 0 and len(json.loads(out)["gpus"]) == 4
+
+
+def test_state_dir_keeps_simulated_mig_state_between_commands(tmp_path):
+    args = ["discover", "--simulate", "dgx-h100", "--state-dir", str(tmp_path), "-o", "json"]
+    first = json.loads(run([*args, "--sim-mig-layout", "all-1g"])[1])
+    assert [len(g["migDevices"]) for g in first["gpus"]] == [7] * 8
+    again = json.loads(run(args)[1])  # no layout given: the GPUs keep their state
+    assert [m["uuid"] for m in again["gpus"][0]["migDevices"]] == [
+        m["uuid"] for m in first["gpus"][0]["migDevices"]
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["discover", "--simulate", "dgx-z900"], "unknown simulated node model 'dgx-z900'"),
+        (["discover", "--simulate", "dgx-h100", "--sim-mig-layout", "half"], "'half'"),
+        (["topo", "--simulate", "l40s-pcie", "--sysfs-root", "/nonexistent"], "/nonexistent"),
+    ],
+    ids=["unknown-model", "unknown-layout", "missing-sysfs"],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, needle):
+    code, out, err = run(argv)
+    assert code == 2 and out == ""
+    assert needle in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("command", ["discover", "topo"])
+def test_no_driver_without_simulate(command):
+    code, _, err = run([command])
+    assert code == 2
+    assert "no NVIDIA driver found" in err and "--simulate" in err
+    assert err.count("\n") == 1
+
+
+def test_no_driver_run_says_so_without_traceback(tmp_path):
+    """The installed console script, in a real process, on this driverless machine."""
+    tessera = os.path.join(os.path.dirname(sys.executable), "tessera")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+    p = subprocess.run(
+        [tessera, "run", "--state-dir", str(tmp_path), "--metrics-address", "127.0.0.1:0"],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert p.returncode == 2
+    assert "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith("tessera: no NVIDIA driver found")
