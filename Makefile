@@ -24,7 +24,7 @@ run: $(STAMP)
 	@echo "  $(VENV)/bin/tessera discover --simulate $(MODEL) --state-dir $(RUN_DIR)/state"
 	@echo "  $(VENV)/bin/tessera topo --simulate $(MODEL) --state-dir $(RUN_DIR)/state"
 	@echo "Ctrl-C stops it."
-	$(VENV)/bin/tessera run --simulate $(MODEL) --state-dir $(RUN_DIR)/state \
+	$(VENV)/bin/tessera run --simulate $(MODEL) --state-dir $(RUN_DIR)/state --no-kube \
 		--metrics-address $(METRICS) --log-format text
 
 lint: $(STAMP)

@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="run the node agent (daemon) in the foreground")
-    add_settings(run, ("node", "daemon"))
+    add_settings(run, ("node", "driver", "daemon"))
 
     disc = sub.add_parser("discover", help="print the node inventory (GPUs, NICs, topology)")
     add_settings(disc, ("node",))
@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     topo = sub.add_parser("topo", help="print the GPU/NIC topology matrix or a DOT graph")
     add_settings(topo, ("node",))
     topo.add_argument("--format", choices=("matrix", "dot"), default="matrix")
+
+    slices = sub.add_parser("slices", help="print the ResourceSlices this node would publish")
+    add_settings(slices, ("node", "driver"))
+    slices.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml")
 
     sim = sub.add_parser("sim", help="simulator controls")
     simsub = sim.add_subparsers(dest="sim_command", required=True, metavar="SIM_COMMAND")
@@ -93,6 +97,26 @@ def cmd_topo(config: Config, args: argparse.Namespace, out: IO[str]) -> int:
     return 0
 
 
+def cmd_slices(config: Config, args: argparse.Namespace, out: IO[str]) -> int:
+    from dra_driver.devices import DevicePolicy, advertised_devices
+    from dra_driver.slices import SlicePolicy, build_slices
+
+    with node_session(config) as source:
+        inv = discover(source)
+    model = advertised_devices(
+        inv, DevicePolicy(driver_name=config.driver_name, mig_mode=config.mig_mode)
+    )
+    policy = SlicePolicy(
+        driver_name=config.driver_name, node_name=source.hostname, layout=config.kube_layout
+    )
+    objs = build_slices(model, policy, generation=1)
+    if args.output == "json":
+        out.write(json.dumps(objs, indent=2) + "\n")
+    else:
+        out.write(yaml.safe_dump_all(objs, sort_keys=False))
+    return 0
+
+
 def cmd_sim(config: Config, args: argparse.Namespace, out: IO[str]) -> int:
     from agent.sim.model import load_model, model_names
 
@@ -114,14 +138,14 @@ def cmd_run(config: Config, args: argparse.Namespace, out: IO[str]) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    build_agent(config, log).run(stop)
-    return 0
+    return build_agent(config, log).run(stop)
 
 
 COMMANDS: dict[str, Callable[[Config, argparse.Namespace, IO[str]], int]] = {
     "run": cmd_run,
     "discover": cmd_discover,
     "topo": cmd_topo,
+    "slices": cmd_slices,
     "sim": cmd_sim,
 }
 

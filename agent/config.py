@@ -24,7 +24,8 @@ class SettingMeta:
 
     help: str
     groups: tuple[str, ...]
-    """Which option groups carry it: ``node`` (every command that looks at a node), ``daemon``."""
+    """Option groups carrying it: ``node`` (commands that look at a node), ``driver`` (commands
+    that compute what the driver advertises), ``daemon`` (only `run`)."""
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
     extra_env: tuple[str, ...] = ()
@@ -100,6 +101,52 @@ class Config:
         choices=("debug", "info", "warning", "error"),
     )
 
+    driver_name: str = setting(
+        "gpu.tessera.dev",
+        "DRA driver name: ResourceSlice spec.driver, the kubelet plugin name, the CDI vendor.",
+        groups=("driver",),
+        metavar="NAME",
+    )
+    mig_mode: str = setting(
+        "static",
+        "How MIG is advertised: static (existing MIG devices only) or dynamic (the whole GPU and"
+        " every profile x placement as partitionable devices; needs the DRAPartitionableDevices"
+        " feature gate).",
+        groups=("driver",),
+        choices=("static", "dynamic"),
+    )
+    kube_layout: str = setting(
+        "1.35",
+        "ResourceSlice layout: 1.35 (counters in their own slice) or 1.34 (counters and the"
+        " devices consuming them in one slice).",
+        groups=("driver",),
+        choices=("1.35", "1.34"),
+    )
+    no_kube: bool = setting(
+        False,
+        "Standalone mode: no API server; ResourceSlices are written as YAML files under"
+        " <state-dir>/resourceslices/.",
+        groups=("daemon",),
+    )
+    kubeconfig: Path | None = setting(
+        None,
+        "kubeconfig file for the API server. Unset: the in-cluster service account.",
+        groups=("daemon",),
+        metavar="FILE",
+    )
+    cleanup_on_exit: bool = setting(
+        False,
+        "Delete this node's ResourceSlices when the agent exits cleanly.",
+        groups=("daemon",),
+    )
+    resync_interval: float = setting(
+        600.0,
+        "Seconds between full re-reads of the published ResourceSlices (drift is also repaired"
+        " at once through a watch); nothing is written when nothing changed.",
+        groups=("daemon",),
+        metavar="SECONDS",
+    )
+
     def metrics_host_port(self) -> tuple[str, int]:
         return parse_host_port("metrics-address", self.metrics_address)
 
@@ -142,6 +189,15 @@ def add_settings(parser: argparse.ArgumentParser, groups: tuple[str, ...]) -> No
             continue
         envs = ", ".join((env_name(name), *meta.extra_env))
         shown = "" if default is None else f" Default: {default}."
+        if isinstance(default, bool):
+            parser.add_argument(
+                flag_name(name),
+                dest=name,
+                default=None,
+                action="store_true",
+                help=f"{meta.help} Env: {envs}=true.",
+            )
+            continue
         parser.add_argument(
             flag_name(name),
             dest=name,
@@ -152,15 +208,42 @@ def add_settings(parser: argparse.ArgumentParser, groups: tuple[str, ...]) -> No
         )
 
 
-def _convert(name: str, raw: str, meta: SettingMeta, annotation: Any) -> Any:
+TRUE = ("1", "true", "yes", "on")
+FALSE = ("0", "false", "no", "off")
+
+
+def _bool(raw: str) -> bool:
+    low = raw.strip().lower()
+    if low not in TRUE + FALSE:
+        raise ValueError("expected one of " + ", ".join(TRUE + FALSE))
+    return low in TRUE
+
+
+def _seconds(raw: str) -> float:
+    value = float(raw)
+    if not value > 0:
+        raise ValueError("expected a number of seconds > 0")
+    return value
+
+
+def _convert(name: str, raw: str, meta: SettingMeta, default: Any, annotation: Any) -> Any:
     if meta.choices is not None and raw not in meta.choices:
         raise ConfigError(
             f"{flag_name(name)}: {raw!r} is not allowed; choose one of: {', '.join(meta.choices)}"
         )
-    convert: Callable[[str], Any] = Path if "Path" in str(annotation) else str
     if raw == "":
         raise ConfigError(f"{flag_name(name)}: empty value is not allowed")
-    return convert(raw)
+    convert: Callable[[str], Any] = str
+    if isinstance(default, bool):
+        convert = _bool
+    elif isinstance(default, float):
+        convert = _seconds
+    elif "Path" in str(annotation):
+        convert = Path
+    try:
+        return convert(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{flag_name(name)}: {raw!r} is not valid: {exc}") from exc
 
 
 def load_config(
@@ -181,7 +264,8 @@ def load_config(
                     raw = env[var]
                     break
         if raw is not None:
-            values[f.name] = _convert(f.name, str(raw), meta, f.type)
+            default = None if f.default is MISSING else f.default
+            values[f.name] = _convert(f.name, str(raw), meta, default, f.type)
     return Config(**values)
 
 
@@ -198,7 +282,7 @@ def render_config_docs() -> str:
         "| flag | environment | default | commands | meaning |",
         "|---|---|---|---|---|",
     ]
-    commands = {"node": "run, discover, topo", "daemon": "run"}
+    commands = {"node": "run, discover, topo, slices", "daemon": "run", "driver": "run, slices"}
     for name, meta, default in settings():
         envs = "<br>".join(f"`{e}`" for e in (env_name(name), *meta.extra_env))
         shown = "(unset)" if default is None else f"`{default}`"

@@ -2,21 +2,28 @@
 
 ``build_agent`` is the composition root: it turns a Config into a ready-to-start ``Agent`` with
 every dependency passed in explicitly. ``Agent.start``/``stop`` bring the loops up and down in
-order; ``run`` blocks until asked to stop (SIGINT/SIGTERM in the CLI).
+order; ``run`` blocks until asked to stop (SIGINT/SIGTERM in the CLI) or until a task fails.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.config import Config
 from agent.discovery.inventory import NodeInventory
+from agent.errors import KubeError
 from agent.http import HttpEndpoint, Readiness
 from agent.logs import fields_
 from agent.node import NodeSource, discover, open_node
+from agent.supervisor import Supervisor
+from dra_driver.devices import DevicePolicy, advertised_devices
+from dra_driver.kube import KubeClient
+from dra_driver.publisher import DirSliceStore, KubeSliceStore, Publisher, SliceStore
+from dra_driver.slices import SlicePolicy
 
 DEFAULT_STATE_DIR = Path("/var/lib/tessera")
 
@@ -28,16 +35,36 @@ class Agent:
     state_dir: Path
     http: HttpEndpoint
     readiness: Readiness
+    publisher: Publisher
+    kube: KubeClient | None
     log: logging.Logger
+    stop_event: threading.Event = field(default_factory=threading.Event)
     inventory: NodeInventory | None = None
+    supervisor: Supervisor | None = None
 
     def start(self) -> None:
-        """Initialize NVML, discover the node, then open the HTTP endpoint."""
-        self.source.nvml.init()
+        """Discover the node, start publishing, open the HTTP endpoint (NVML is initialized)."""
         self.inventory = discover(self.source)
         self._log_inventory(self.inventory)
-        inventory_ok = self.inventory is not None
-        self.readiness.add("inventory", lambda: (inventory_ok, "node discovered"))
+        self.readiness.add("inventory", lambda: (True, "node discovered"))
+        if self.kube is not None:
+            uid = node_uid(self.kube, self.publisher.policy.node_name, self.log)
+            self.publisher.policy = dataclasses.replace(self.publisher.policy, node_uid=uid)
+        policy = DevicePolicy(driver_name=self.config.driver_name, mig_mode=self.config.mig_mode)
+        self.publisher.set_devices(advertised_devices(self.inventory, policy))
+        self.readiness.add(
+            "resourceslices",
+            lambda: (
+                self.publisher.ready,
+                f"published generation {self.publisher.published_generation}"
+                if self.publisher.ready
+                else f"not yet published ({self.publisher.stats.last_error or 'pending'})",
+            ),
+        )
+        self.supervisor = Supervisor(self.log, self.stop_event.set)
+        self.supervisor.spawn("publisher", lambda: self.publisher.run(self.stop_event))
+        if self.publisher.store.watchable:
+            self.supervisor.spawn("slice-watch", lambda: self.publisher.watch_loop(self.stop_event))
         self.http.start()
         host, port = self.http.address
         self.log.info(
@@ -45,23 +72,41 @@ class Agent:
             extra=fields_(
                 node=self.source.hostname,
                 simulated=self.source.model,
+                driver=self.config.driver_name,
+                mode="standalone" if self.kube is None else "kube",
                 healthz=f"http://{host}:{port}/healthz",
                 state_dir=str(self.state_dir),
             ),
         )
 
     def stop(self) -> None:
-        """Stop in reverse order of start; safe to call more than once."""
+        """Stop in reverse order of start."""
+        self.stop_event.set()
         self.http.stop()
+        self.publisher.stop()
+        if self.supervisor is not None:
+            stuck = self.supervisor.join()
+            if stuck:
+                self.log.warning("tasks did not stop in time", extra=fields_(tasks=stuck))
+        if self.config.cleanup_on_exit:
+            try:
+                self.publisher.cleanup()
+            except KubeError as exc:
+                self.log.error("could not remove ResourceSlices", extra=fields_(error=str(exc)))
+        if self.kube is not None:
+            self.kube.close()
         self.source.nvml.shutdown()
         self.log.info("agent stopped")
 
-    def run(self, stop: threading.Event) -> None:
+    def run(self, stop: threading.Event) -> int:
+        """Run until ``stop`` is set or a task fails; the exit code (1 when a task failed)."""
         self.start()
         try:
-            stop.wait()
+            while not stop.wait(0.2) and not self.stop_event.is_set():
+                pass
         finally:
             self.stop()
+        return 1 if self.supervisor and self.supervisor.failures else 0
 
     def _log_inventory(self, inv: NodeInventory) -> None:
         for g in inv.gpus:
@@ -95,19 +140,47 @@ class Agent:
         )
 
 
+def node_uid(kube: KubeClient, name: str, log: logging.Logger) -> str | None:
+    """The Node's uid for slice ownerReferences; None (logged) when it cannot be read."""
+    try:
+        uid = kube.request("GET", f"/api/v1/nodes/{name}").get("metadata", {}).get("uid")
+    except KubeError as exc:
+        log.warning("cannot read the Node; slices get no owner", extra=fields_(error=str(exc)))
+        return None
+    return str(uid) if uid else None
+
+
 def build_agent(config: Config, log: logging.Logger) -> Agent:
-    """Compose the agent from its configuration. Creates the state directory; starts nothing."""
+    """Compose the agent from its configuration: creates the state directory and initializes
+    NVML first (no driver is the most basic failure), starts no loop."""
     state_dir = config.state_dir or DEFAULT_STATE_DIR
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
     source = open_node(config, state_dir)
+    source.nvml.init()
     readiness = Readiness()
     host, port = config.metrics_host_port()
     http = HttpEndpoint(host, port, readiness)
+    kube = None if config.no_kube else KubeClient.from_config(config.kubeconfig)
+    store: SliceStore = (
+        DirSliceStore(state_dir / "resourceslices")
+        if kube is None
+        else KubeSliceStore(kube, config.driver_name, source.hostname)
+    )
+    publisher = Publisher(
+        store,
+        SlicePolicy(
+            driver_name=config.driver_name, node_name=source.hostname, layout=config.kube_layout
+        ),
+        log.getChild("publisher"),
+        resync_interval=config.resync_interval,
+    )
     return Agent(
         config=config,
         source=source,
         state_dir=state_dir,
         http=http,
         readiness=readiness,
+        publisher=publisher,
+        kube=kube,
         log=log,
     )

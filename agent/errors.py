@@ -13,7 +13,9 @@ boundary with ``raise ... from exc`` so callers only ever handle these::
     │   ├── NvmlGpuLost          the GPU fell off the bus
     │   └── NvmlInsufficientResources / NvmlInUse / NvmlInvalidArgument
     ├── MigError                 a MIG layout or placement that the rules forbid
-    └── DiscoveryError           sysfs tree unreadable or inconsistent
+    ├── DiscoveryError           sysfs tree unreadable or inconsistent
+    └── KubeError                the API server said no, or could not be reached
+        └── KubeConflict         409: someone else changed the object; re-read and retry
 
 ``temporary`` on an error says whether retrying the same operation later may succeed.
 """
@@ -89,3 +91,19 @@ class NvmlInUse(NvmlError):
 
 class NvmlInvalidArgument(NvmlError):
     """NVML rejected an argument."""
+
+
+class KubeError(TesseraError):
+    """An API-server request failed. ``status`` is the HTTP status (0: no response at all)."""
+
+    def __init__(self, status: int, reason: str, message: str, method: str, path: str) -> None:
+        self.status = status
+        self.reason = reason
+        self.method = method
+        self.path = path
+        self.temporary = status in (0, 408, 429) or status >= 500
+        super().__init__(f"{method} {path}: {status} {reason}: {message}")
+
+
+class KubeConflict(KubeError):
+    """409 Conflict: the object changed since it was read."""

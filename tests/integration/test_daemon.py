@@ -6,10 +6,12 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
 
 def start_daemon(state_dir: Path, *extra: str) -> subprocess.Popen[str]:
@@ -17,7 +19,7 @@ def start_daemon(state_dir: Path, *extra: str) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
     return subprocess.Popen(
         [tessera, "run", "--simulate", "dgx-h100", "--state-dir", str(state_dir),
-         "--metrics-address", "127.0.0.1:0", *extra],
+         "--metrics-address", "127.0.0.1:0", "--no-kube", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
 
@@ -37,6 +39,20 @@ def read_logs_until(proc: subprocess.Popen[str], msg: str, timeout: float = 60) 
     raise AssertionError(f"no {msg!r} within {timeout}s")
 
 
+def wait_ready(url: str, timeout: float = 30) -> dict:
+    """Poll /readyz until 200; it is 503 until the first publish."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            e.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_daemon_serves_health_and_stops_on_signal(tmp_path, sig):
     proc = start_daemon(tmp_path)
@@ -50,8 +66,13 @@ def test_daemon_serves_health_and_stops_on_signal(tmp_path, sig):
         healthz = logs[-1]["healthz"]
         with urllib.request.urlopen(healthz, timeout=5) as r:
             assert r.status == 200 and r.read() == b"ok\n"
-        with urllib.request.urlopen(healthz.replace("healthz", "readyz"), timeout=5) as r:
-            assert r.status == 200 and json.loads(r.read())["ready"] is True
+        ready = wait_ready(healthz.replace("healthz", "readyz"))
+        assert ready["checks"]["resourceslices"] == "published generation 1"
+        slices = sorted((tmp_path / "resourceslices").glob("*.yaml"))
+        assert len(slices) == 1
+        obj = yaml.safe_load(slices[0].read_text())
+        assert obj["spec"]["nodeName"] == "dgx-h100"
+        assert len(obj["spec"]["devices"]) == 8
         proc.send_signal(sig)
         assert proc.wait(timeout=20) == 0
         assert proc.stderr is not None
@@ -79,7 +100,7 @@ def test_daemon_refuses_a_busy_metrics_port(tmp_path):
         tessera = os.path.join(os.path.dirname(sys.executable), "tessera")
         p = subprocess.run(
             [tessera, "run", "--simulate", "mixed", "--state-dir", str(tmp_path),
-             "--metrics-address", f"127.0.0.1:{port}"],
+             "--metrics-address", f"127.0.0.1:{port}", "--no-kube"],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
     assert p.returncode == 2

@@ -1,0 +1,127 @@
+"""The Kubernetes API boundary: JSON requests through the ``kubernetes`` client's ApiClient.
+
+Objects stay plain dicts (exactly what the API server stores), so fields this client version does
+not model survive a read-modify-write. Every failure becomes ``agent.errors.KubeError`` (with
+``temporary`` set for 429, 5xx and lost connections) or ``KubeConflict`` for 409.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import urllib3
+from kubernetes import client as kclient
+from kubernetes import config as kconfig
+from kubernetes.client.exceptions import ApiException
+
+from agent.errors import ConfigError, KubeConflict, KubeError
+
+DEFAULT_TIMEOUT = (5.0, 30.0)
+"""(connect, read) seconds for one request."""
+
+
+class KubeClient:
+    """A thin JSON client. ``api_client`` carries server address, credentials and TLS."""
+
+    def __init__(
+        self, api_client: kclient.ApiClient, timeout: tuple[float, float] = DEFAULT_TIMEOUT
+    ) -> None:
+        self._api = api_client
+        self._timeout = timeout
+
+    @classmethod
+    def from_config(cls, kubeconfig: Path | None) -> KubeClient:
+        """From a kubeconfig file, else the in-cluster service account. Touches no global state."""
+        cfg = kclient.Configuration()
+        try:
+            if kubeconfig is not None:
+                kconfig.load_kube_config(config_file=str(kubeconfig), client_configuration=cfg)
+            else:
+                kconfig.load_incluster_config(client_configuration=cfg)
+        except (kconfig.ConfigException, OSError) as exc:
+            where = f"--kubeconfig {kubeconfig}" if kubeconfig else "in-cluster configuration"
+            raise ConfigError(
+                f"cannot load {where}: {exc}; pass --kubeconfig FILE, or --no-kube to run"
+                " standalone"
+            ) from exc
+        return cls(kclient.ApiClient(cfg))
+
+    def close(self) -> None:
+        self._api.close()
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        query: Mapping[str, str] | None,
+        body: Any,
+        timeout: tuple[float, float] | None,
+    ) -> Any:
+        params = self._api.param_serialize(
+            method,
+            path,
+            query_params=list((query or {}).items()),
+            header_params={"Accept": "application/json", "Content-Type": "application/json"},
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        try:
+            resp = self._api.call_api(*params, _request_timeout=timeout or self._timeout)
+        except ApiException as exc:
+            raise KubeError(int(exc.status or 0), str(exc.reason), "", method, path) from exc
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise KubeError(0, "ConnectionError", str(exc), method, path) from exc
+        if not 200 <= resp.status < 300:
+            raw = _read(resp, method, path)
+            try:
+                status = json.loads(raw)
+                message = str(status.get("message", ""))
+                reason = str(status.get("reason", resp.reason))
+            except ValueError:
+                message, reason = raw.decode(errors="replace")[:200], str(resp.reason)
+            cls = KubeConflict if resp.status == 409 else KubeError
+            raise cls(resp.status, reason, message, method, path)
+        return resp
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        query: Mapping[str, str] | None = None,
+        body: Any = None,
+    ) -> dict[str, Any]:
+        """One request; the decoded JSON answer."""
+        resp = self._send(method, path, query, body, None)
+        data: dict[str, Any] = json.loads(_read(resp, method, path) or b"{}")
+        return data
+
+    def watch(
+        self, path: str, query: Mapping[str, str], timeout_s: int
+    ) -> Iterator[dict[str, Any]]:
+        """Watch events (``{"type", "object"}``) until the server ends the stream."""
+        q = {**query, "watch": "true", "timeoutSeconds": str(timeout_s)}
+        resp = self._send("GET", path, q, None, (self._timeout[0], timeout_s + 10.0))
+        raw = resp.response
+        try:
+            buf = b""
+            for chunk in raw.stream(4096, decode_content=True):
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    if line.strip():
+                        yield json.loads(line)
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise KubeError(0, "ConnectionError", str(exc), "WATCH", path) from exc
+        finally:
+            raw.release_conn()
+
+
+def _read(resp: Any, method: str, path: str) -> bytes:
+    try:
+        data: bytes = resp.read()
+    except (urllib3.exceptions.HTTPError, OSError) as exc:
+        raise KubeError(0, "ConnectionError", str(exc), method, path) from exc
+    return data

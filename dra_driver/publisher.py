@@ -1,0 +1,376 @@
+"""Keep this node's ResourceSlices published and correct.
+
+``plan_changes`` (pure) compares what the store holds with what the devices should look like and
+says what to create, update and delete; nothing when nothing changed. ``Publisher`` applies plans:
+on start, whenever the devices change, when a watch shows someone else touched our slices, and
+every resync interval. Conflicts (409) re-read and retry at once; temporary failures (429, 5xx,
+lost connections) back off exponentially with jitter, capped.
+
+Stores: ``KubeSliceStore`` (the API server; only slices with our driver and node, selected by
+field selectors) and ``DirSliceStore`` (standalone: YAML files in a directory).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import yaml
+
+from agent.errors import KubeConflict, KubeError
+from agent.fsutil import atomic_write
+from agent.logs import fields_
+from dra_driver.devices import DeviceModel
+from dra_driver.kube import KubeClient
+from dra_driver.slices import SlicePolicy, build_slices, spec_equal
+
+SLICES_PATH = "/apis/resource.k8s.io/v1/resourceslices"
+CONFLICT_RETRIES = 3
+
+Obj = dict[str, Any]
+
+
+class SliceStore(Protocol):
+    """Where slices live. Every method raises KubeError on failure."""
+
+    watchable: bool
+
+    def list(self) -> tuple[list[Obj], str]:
+        """Our slices and the list's resourceVersion."""
+        ...
+
+    def create(self, obj: Obj) -> Obj: ...
+
+    def replace(self, obj: Obj) -> Obj:
+        """Update; ``metadata.resourceVersion`` must match the stored one (else KubeConflict)."""
+        ...
+
+    def delete(self, name: str) -> None: ...
+
+    def watch(self, resource_version: str, timeout_s: int) -> Iterator[Obj]: ...
+
+
+class KubeSliceStore:
+    watchable = True
+
+    def __init__(self, kube: KubeClient, driver: str, node: str) -> None:
+        self._kube = kube
+        self._selector = f"spec.nodeName={node},spec.driver={driver}"
+
+    def list(self) -> tuple[list[Obj], str]:
+        data = self._kube.request("GET", SLICES_PATH, {"fieldSelector": self._selector})
+        items: list[Obj] = data.get("items") or []
+        return items, str(data.get("metadata", {}).get("resourceVersion", ""))
+
+    def create(self, obj: Obj) -> Obj:
+        return self._kube.request("POST", SLICES_PATH, body=obj)
+
+    def replace(self, obj: Obj) -> Obj:
+        return self._kube.request("PUT", f"{SLICES_PATH}/{obj['metadata']['name']}", body=obj)
+
+    def delete(self, name: str) -> None:
+        try:
+            self._kube.request("DELETE", f"{SLICES_PATH}/{name}")
+        except KubeError as exc:
+            if exc.status != 404:
+                raise
+
+    def watch(self, resource_version: str, timeout_s: int) -> Iterator[Obj]:
+        query = {"fieldSelector": self._selector, "allowWatchBookmarks": "true"}
+        if resource_version:
+            query["resourceVersion"] = resource_version
+        return self._kube.watch(SLICES_PATH, query, timeout_s)
+
+
+class DirSliceStore:
+    """Standalone mode: one YAML file per slice, replaced atomically."""
+
+    watchable = False
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def _path(self, name: str) -> Path:
+        return self.directory / f"{name}.yaml"
+
+    def list(self) -> tuple[list[Obj], str]:
+        if not self.directory.is_dir():
+            return [], "0"
+        items = []
+        for p in sorted(self.directory.glob("*.yaml")):
+            obj = yaml.safe_load(p.read_text())
+            if isinstance(obj, dict) and obj.get("kind") == "ResourceSlice":
+                items.append(obj)
+        rv = max((int(o["metadata"].get("resourceVersion", 0)) for o in items), default=0)
+        return items, str(rv)
+
+    def _write(self, obj: Obj, previous: int) -> Obj:
+        stored = copy.deepcopy(obj)
+        stored["metadata"]["resourceVersion"] = str(previous + 1)
+        atomic_write(self._path(obj["metadata"]["name"]), yaml.safe_dump(stored).encode())
+        return stored
+
+    def create(self, obj: Obj) -> Obj:
+        name = obj["metadata"]["name"]
+        if self._path(name).exists():
+            raise KubeConflict(
+                409, "AlreadyExists", f"{name} exists", "CREATE", str(self.directory)
+            )
+        return self._write(obj, 0)
+
+    def replace(self, obj: Obj) -> Obj:
+        name = obj["metadata"]["name"]
+        path = self._path(name)
+        current = yaml.safe_load(path.read_text()) if path.exists() else None
+        if current is None:
+            raise KubeError(404, "NotFound", f"{name} not found", "REPLACE", str(self.directory))
+        rv = str(current["metadata"].get("resourceVersion", "0"))
+        if obj["metadata"].get("resourceVersion") not in (None, rv):
+            raise KubeConflict(409, "Conflict", f"{name} changed", "REPLACE", str(self.directory))
+        return self._write(obj, int(rv))
+
+    def delete(self, name: str) -> None:
+        self._path(name).unlink(missing_ok=True)
+
+    def watch(self, resource_version: str, timeout_s: int) -> Iterator[Obj]:
+        return iter(())
+
+
+@dataclass(frozen=True)
+class Plan:
+    generation: int
+    creates: tuple[Obj, ...] = ()
+    updates: tuple[Obj, ...] = ()
+    deletes: tuple[str, ...] = ()
+
+    @property
+    def writes(self) -> int:
+        return len(self.creates) + len(self.updates) + len(self.deletes)
+
+
+def plan_changes(existing: list[Obj], model: DeviceModel, policy: SlicePolicy) -> Plan:
+    """What to write so the store holds exactly the slices for ``model``. Pure.
+
+    The pool generation stays when nothing changed; otherwise every slice of the pool is written
+    with generation + 1 (the scheduler only trusts slices of a pool's newest generation).
+    """
+    current = max((int(o["spec"]["pool"].get("generation", 0)) for o in existing), default=0)
+    by_name = {o["metadata"]["name"]: o for o in existing}
+    desired = build_slices(model, policy, current)
+    unchanged = len(existing) == len(desired) and all(
+        d["metadata"]["name"] in by_name
+        and spec_equal(d, by_name[d["metadata"]["name"]])
+        and int(by_name[d["metadata"]["name"]]["spec"]["pool"].get("generation", 0)) == current
+        for d in desired
+    )
+    if unchanged:
+        return Plan(current)
+    desired = build_slices(model, policy, current + 1)
+    creates, updates = [], []
+    for d in desired:
+        old = by_name.get(d["metadata"]["name"])
+        if old is None:
+            creates.append(d)
+        else:
+            upd = copy.deepcopy(d)
+            upd["metadata"]["resourceVersion"] = old["metadata"].get("resourceVersion")
+            updates.append(upd)
+    wanted = {d["metadata"]["name"] for d in desired}
+    deletes = tuple(sorted(n for n in by_name if n not in wanted))
+    return Plan(current + 1, tuple(creates), tuple(updates), deletes)
+
+
+@dataclass
+class PublisherStats:
+    reconciles: int = 0
+    creates: int = 0
+    updates: int = 0
+    deletes: int = 0
+    conflicts: int = 0
+    errors: int = 0
+    last_error: str | None = None
+
+    @property
+    def writes(self) -> int:
+        return self.creates + self.updates + self.deletes
+
+
+@dataclass
+class Backoff:
+    """Capped exponential backoff with jitter (delay in [d/2, d])."""
+
+    base: float = 0.5
+    cap: float = 30.0
+    rng: random.Random = field(default_factory=random.Random)
+
+    def delay(self, failures: int) -> float:
+        d: float = min(self.cap, self.base * 2.0 ** max(0, failures - 1))
+        return d * (0.5 + self.rng.random() / 2)
+
+
+class Publisher:
+    """Applies plans; ``step(now)`` does one round and says how long until the next."""
+
+    def __init__(
+        self,
+        store: SliceStore,
+        policy: SlicePolicy,
+        log: logging.Logger,
+        *,
+        resync_interval: float = 600.0,
+        backoff: Backoff | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.policy = policy
+        self.log = log
+        self.resync_interval = resync_interval
+        self.backoff = backoff or Backoff()
+        self.clock = clock
+        self.stats = PublisherStats()
+        self.published_generation: int | None = None
+        self._model: DeviceModel | None = None
+        self._lock = threading.Lock()
+        self._dirty = False
+        self._failures = 0
+        self._next_at = 0.0
+        self._list_rv = ""
+        self._wake = threading.Event()
+
+    @property
+    def ready(self) -> bool:
+        """True once the current devices have been published."""
+        return self.published_generation is not None and not self._dirty
+
+    def set_devices(self, model: DeviceModel) -> None:
+        with self._lock:
+            self._model = model
+            self._dirty = True
+        self._wake.set()
+
+    def poke(self) -> None:
+        """Something may have drifted: reconcile at the next step."""
+        with self._lock:
+            self._dirty = True
+        self._wake.set()
+
+    def reconcile(self) -> Plan:
+        """List, plan and apply once, re-reading on conflicts. Raises KubeError."""
+        with self._lock:
+            model = self._model
+        if model is None:
+            raise RuntimeError("reconcile before set_devices")
+        for attempt in range(CONFLICT_RETRIES + 1):
+            existing, self._list_rv = self.store.list()
+            plan = plan_changes(existing, model, self.policy)
+            try:
+                self._apply(plan)
+                self.stats.reconciles += 1
+                return plan
+            except KubeConflict:
+                self.stats.conflicts += 1
+                if attempt == CONFLICT_RETRIES:
+                    raise
+                self.log.info("slice conflict, re-reading", extra=fields_(attempt=attempt + 1))
+        raise AssertionError("unreachable")
+
+    def _apply(self, plan: Plan) -> None:
+        for obj in plan.creates:
+            self.store.create(obj)
+            self.stats.creates += 1
+        for obj in plan.updates:
+            self.store.replace(obj)
+            self.stats.updates += 1
+        for name in plan.deletes:
+            self.store.delete(name)
+            self.stats.deletes += 1
+        if plan.writes:
+            self.log.info(
+                "published ResourceSlices",
+                extra=fields_(
+                    generation=plan.generation,
+                    created=len(plan.creates),
+                    updated=len(plan.updates),
+                    deleted=len(plan.deletes),
+                ),
+            )
+
+    def step(self, now: float) -> float:
+        """Reconcile if due (devices changed, drift seen, resync or retry time reached)."""
+        with self._lock:
+            due = self._dirty or now >= self._next_at
+            self._dirty = False
+        if due and self._model is not None:
+            try:
+                plan = self.reconcile()
+            except KubeError as exc:
+                self._failures += 1
+                self.stats.errors += 1
+                self.stats.last_error = str(exc)
+                delay = self.backoff.delay(self._failures)
+                self._next_at = now + delay
+                with self._lock:
+                    self._dirty = False
+                self.log.warning(
+                    "publishing ResourceSlices failed, will retry",
+                    extra=fields_(
+                        error=str(exc), temporary=exc.temporary, retry_in_s=round(delay, 2)
+                    ),
+                )
+            else:
+                self._failures = 0
+                self.published_generation = plan.generation
+                self._next_at = now + self.resync_interval
+        return max(0.0, float(self._next_at) - now)
+
+    def run(self, stop: threading.Event) -> None:
+        """The publisher loop (a thread). Returns when ``stop`` is set."""
+        while not stop.is_set():
+            delay = self.step(self.clock())
+            self._wake.wait(delay)
+            self._wake.clear()
+
+    def stop(self) -> None:
+        self._wake.set()
+
+    def watch_loop(self, stop: threading.Event, timeout_s: int = 300) -> None:
+        """Watch our slices; any change we did not expect triggers a reconcile (a thread)."""
+        failures = 0
+        while not stop.is_set() and self.store.watchable:
+            started, events = self.clock(), 0
+            try:
+                for event in self.store.watch(self._list_rv, timeout_s):
+                    if stop.is_set():
+                        return
+                    failures, events = 0, events + 1
+                    obj = event.get("object") or {}
+                    if event.get("type") == "ERROR":
+                        self._list_rv = ""  # too old (410): start over from a fresh list
+                        self.poke()
+                        break
+                    self._list_rv = str(obj.get("metadata", {}).get("resourceVersion", ""))
+                    if event.get("type") != "BOOKMARK":
+                        self.poke()
+            except KubeError as exc:
+                failures += 1
+                self.log.info("slice watch interrupted", extra=fields_(error=str(exc)))
+                stop.wait(self.backoff.delay(failures))
+                continue
+            if events == 0 and self.clock() - started < 1.0:
+                failures += 1  # a server that ends streams at once must not make us spin
+                stop.wait(self.backoff.delay(failures))
+
+    def cleanup(self) -> int:
+        """Delete every slice of ours; returns how many."""
+        existing, _ = self.store.list()
+        for obj in existing:
+            self.store.delete(obj["metadata"]["name"])
+        self.log.info("removed ResourceSlices", extra=fields_(count=len(existing)))
+        return len(existing)

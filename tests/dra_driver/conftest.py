@@ -1,0 +1,61 @@
+"""Fixtures for the DRA driver tests: simulated inventories and a tiny counter allocator.
+
+``inventory(model, layout=None)`` discovers a simulated node once per session (through the real
+NVML facade over the simulator, as the agent does); ``layout`` is a ``sim_mig_layout``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import pytest
+
+from agent.config import Config
+from agent.discovery.inventory import NodeInventory
+from agent.node import discover, open_node
+from dra_driver.devices import AdvertisedDevice, DeviceModel
+
+Inventory = Callable[..., NodeInventory]
+
+
+@pytest.fixture(scope="session")
+def inventory(tmp_path_factory: pytest.TempPathFactory) -> Inventory:
+    cache: dict[tuple[str, str | None], NodeInventory] = {}
+
+    def get(model: str, layout: str | None = None) -> NodeInventory:
+        key = (model, layout)
+        if key not in cache:
+            state = tmp_path_factory.mktemp(f"{model}-{layout or 'default'}")
+            src = open_node(Config(simulate=model, sim_mig_layout=layout), state)
+            src.nvml.init()
+            try:
+                cache[key] = discover(src)
+            finally:
+                src.nvml.shutdown()
+        return cache[key]
+
+    return get
+
+
+def _fits(model: DeviceModel, devices: Iterable[AdvertisedDevice]) -> bool:
+    """Whether the devices can all be allocated together: for every counter, the sum of what
+    they consume is at most the counter's value (what the scheduler checks)."""
+    capacity = {(cs.name, c): int(q) for cs in model.counter_sets for c, q in cs.counters}
+    used: dict[tuple[str, str], int] = {}
+    for dev in devices:
+        for set_name, counters in dev.consumes_counters:
+            for c, q in counters:
+                key = (set_name, c)
+                if key not in capacity:
+                    return False
+                used[key] = used.get(key, 0) + int(q)
+    return all(v <= capacity[k] for k, v in used.items())
+
+
+Fits = Callable[[DeviceModel, Iterable[AdvertisedDevice]], bool]
+
+
+@pytest.fixture(scope="session")
+def fits() -> Fits:
+    """``fits(model, devices)``: the pure allocator check above."""
+    return _fits

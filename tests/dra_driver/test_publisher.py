@@ -1,0 +1,156 @@
+"""The publisher's plans and loop against the standalone store and a scripted failing store."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+
+import pytest
+import yaml
+
+from agent.errors import KubeConflict, KubeError
+from dra_driver.devices import DevicePolicy, advertised_devices
+from dra_driver.publisher import Backoff, DirSliceStore, Publisher, plan_changes
+from dra_driver.slices import SlicePolicy
+
+LOG = logging.getLogger("test.publisher")
+POLICY = SlicePolicy(driver_name="gpu.tessera.dev", node_name="node-a")
+
+
+@pytest.fixture
+def h100(inventory):
+    return advertised_devices(inventory("dgx-h100"), DevicePolicy())
+
+
+@pytest.fixture
+def a100_dynamic(inventory):
+    return advertised_devices(inventory("dgx-a100"), DevicePolicy(mig_mode="dynamic"))
+
+
+def publisher(store, model, **kw) -> Publisher:
+    p = Publisher(store, POLICY, LOG, backoff=Backoff(rng=random.Random(1)), **kw)
+    p.set_devices(model)
+    return p
+
+
+def test_plan_from_empty_creates_everything_at_generation_1(a100_dynamic):
+    plan = plan_changes([], a100_dynamic, POLICY)
+    assert plan.generation == 1 and not plan.updates and not plan.deletes
+    assert len(plan.creates) == plan.creates[0]["spec"]["pool"]["resourceSliceCount"] > 1
+
+
+def test_first_publish_then_nothing_to_write(tmp_path, h100):
+    store = DirSliceStore(tmp_path)
+    p = publisher(store, h100)
+    assert p.reconcile().writes == 1
+    again = p.reconcile()
+    assert again.writes == 0 and again.generation == 1
+    (obj,) = store.list()[0]
+    assert obj["spec"]["pool"] == {"name": "node-a", "generation": 1, "resourceSliceCount": 1}
+
+
+def test_restart_adopts_published_slices_without_writing(tmp_path, a100_dynamic):
+    first = publisher(DirSliceStore(tmp_path), a100_dynamic)
+    created = first.reconcile().writes
+    second = publisher(DirSliceStore(tmp_path), a100_dynamic)
+    assert created > 1
+    assert second.reconcile().writes == 0
+    assert second.stats.writes == 0
+
+
+def test_ten_minutes_of_steady_state_write_nothing(tmp_path, h100):
+    p = publisher(DirSliceStore(tmp_path), h100, resync_interval=30.0)
+    now = 0.0
+    while now <= 600.0:  # t = 0, 30, ..., 600
+        now += p.step(now) or 30.0
+    assert p.stats.writes == 1  # the first publish only
+    assert p.stats.reconciles == 21  # start + one resync every 30 s
+
+
+def test_one_device_change_is_one_pass_at_a_new_generation(tmp_path, inventory, h100):
+    store = DirSliceStore(tmp_path)
+    p = publisher(store, h100)
+    p.reconcile()
+    changed = advertised_devices(inventory("dgx-h100", "all-1g"), DevicePolicy())
+    p.set_devices(changed)
+    plan = p.reconcile()
+    assert plan.generation == 2 and plan.writes == 1
+    (obj,) = store.list()[0]
+    assert len(obj["spec"]["devices"]) == 56 and obj["spec"]["pool"]["generation"] == 2
+
+
+def test_drift_is_repaired(tmp_path, h100):
+    store = DirSliceStore(tmp_path)
+    p = publisher(store, h100)
+    p.reconcile()
+    (obj,) = store.list()[0]
+    edited = copy.deepcopy(obj)
+    edited["spec"]["devices"] = edited["spec"]["devices"][:2]
+    store.replace(edited)  # someone else edits our slice
+    stray = copy.deepcopy(obj)
+    stray["metadata"]["name"] = "node-a-leftover"
+    store.create(stray)  # and an old slice of ours lingers
+    plan = p.reconcile()
+    assert plan.deletes == ("node-a-leftover",) and len(plan.updates) == 1
+    (fixed,) = store.list()[0]
+    assert len(fixed["spec"]["devices"]) == 8 and fixed["spec"]["pool"]["generation"] == 2
+
+
+def test_cleanup_removes_every_slice(tmp_path, a100_dynamic):
+    store = DirSliceStore(tmp_path)
+    p = publisher(store, a100_dynamic)
+    n = p.reconcile().writes
+    assert p.cleanup() == n and store.list()[0] == []
+
+
+def test_standalone_files_are_whole_yaml_documents(tmp_path, h100):
+    publisher(DirSliceStore(tmp_path), h100).reconcile()
+    (path,) = tmp_path.glob("*.yaml")
+    assert yaml.safe_load(path.read_text())["kind"] == "ResourceSlice"
+    assert not list(tmp_path.glob(".*.tmp"))  # no temp files left behind
+
+
+class Scripted(DirSliceStore):
+    """A store whose next calls fail as scripted (a list of exceptions, consumed in order)."""
+
+    def __init__(self, path, faults):
+        super().__init__(path)
+        self.faults = list(faults)
+
+    def _maybe_fail(self):
+        if self.faults:
+            raise self.faults.pop(0)
+
+    def create(self, obj):
+        self._maybe_fail()
+        return super().create(obj)
+
+    def replace(self, obj):
+        self._maybe_fail()
+        return super().replace(obj)
+
+
+def test_conflict_rereads_and_retries_at_once(tmp_path, h100):
+    store = Scripted(tmp_path, [KubeConflict(409, "Conflict", "", "POST", "/x")])
+    p = publisher(store, h100)
+    assert p.step(0.0) == 600.0
+    assert p.ready and p.stats.conflicts == 1 and p.stats.writes == 1
+
+
+def test_temporary_failures_back_off_exponentially_then_recover(tmp_path, h100):
+    faults = [KubeError(503, "ServiceUnavailable", "", "POST", "/x") for _ in range(4)]
+    p = publisher(Scripted(tmp_path, faults), h100)
+    now, delays = 0.0, []
+    for _ in range(4):
+        delays.append(p.step(now))
+        now += delays[-1]
+        assert not p.ready
+    assert all(0.5 * 0.5 * 2**i <= d <= 0.5 * 2**i for i, d in enumerate(delays))
+    assert p.step(now) == 600.0 and p.ready
+    assert p.stats.errors == 4 and "503" in (p.stats.last_error or "")
+
+
+def test_backoff_is_capped():
+    b = Backoff(base=0.5, cap=30.0, rng=random.Random(3))
+    assert all(15.0 <= b.delay(n) <= 30.0 for n in range(8, 40))
