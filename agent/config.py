@@ -8,6 +8,7 @@ below the CLI reads ``os.environ``: the CLI passes the environment in.
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 from agent.errors import ConfigError
 
 ENV_PREFIX = "TESSERA_"
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,13 @@ class Config:
         groups=("daemon",),
         metavar="SECONDS",
     )
+
+    def __post_init__(self) -> None:
+        if not DNS_SUBDOMAIN.fullmatch(self.driver_name) or len(self.driver_name) > 63:
+            raise ConfigError(
+                f"--driver-name: {self.driver_name!r} must be a lower-case DNS subdomain of at"
+                " most 63 characters, e.g. gpu.example.com"
+            )
 
     def metrics_host_port(self) -> tuple[str, int]:
         return parse_host_port("metrics-address", self.metrics_address)

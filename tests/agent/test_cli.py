@@ -135,3 +135,34 @@ def test_no_driver_run_says_so_without_traceback(tmp_path):
     assert p.returncode == 2
     assert "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines()[-1].startswith("tessera: no NVIDIA driver found")
+
+
+@pytest.mark.parametrize("layout", ["1.35", "1.34"])
+def test_slices_prints_valid_resourceslices(layout):
+    import kubernetes_validate
+
+    code, out, err = run(
+        ["slices", "--simulate", "dgx-a100", "--mig-mode", "dynamic", "--kube-layout", layout]
+    )
+    assert code == 0, err
+    docs = list(yaml.safe_load_all(out))
+    assert len(docs) == docs[0]["spec"]["pool"]["resourceSliceCount"] > 1
+    for d in docs:
+        for v in ("1.34.0", "1.35.0"):
+            kubernetes_validate.validate(d, v, strict=True)
+    names = [dev["name"] for d in docs for dev in d["spec"].get("devices", [])]
+    assert "gpu-0" in names and "gpu-0-mig-3g20gb-9-4" in names
+
+
+def test_slices_json_static_mig_and_node_name_from_env():
+    code, out, _ = run(["slices", "--simulate", "dgx-a100", "-o", "json"], {"NODE_NAME": "gpu-7"})
+    assert code == 0
+    (s,) = json.loads(out)
+    assert s["spec"]["nodeName"] == "gpu-7" and s["spec"]["pool"]["name"] == "gpu-7"
+    assert len(s["spec"]["devices"]) == 32  # 8 GPUs x 4 MIG devices, no whole GPUs
+    assert {d["attributes"]["type"]["string"] for d in s["spec"]["devices"]} == {"mig"}
+
+
+def test_slices_driver_name_flag():
+    code, out, _ = run(["slices", "--simulate", "l40s-pcie", "--driver-name", "gpu.example.com"])
+    assert code == 0 and yaml.safe_load(out)["spec"]["driver"] == "gpu.example.com"

@@ -18,6 +18,13 @@ def test_defaults_are_pinned():
     assert c.metrics_address == "127.0.0.1:9400"
     assert c.log_format == "json"
     assert c.log_level == "info"
+    assert c.driver_name == "gpu.tessera.dev"
+    assert c.mig_mode == "static"
+    assert c.kube_layout == "1.35"
+    assert c.no_kube is False
+    assert c.kubeconfig is None
+    assert c.cleanup_on_exit is False
+    assert c.resync_interval == 600.0
 
 
 def test_every_setting_has_an_env_variable_and_a_flag_on_run():
@@ -58,3 +65,19 @@ def test_bad_metrics_address_is_reported():
     with pytest.raises(ConfigError, match="HOST:PORT"):
         load_config({"metrics_address": "localhost"}, {}).metrics_host_port()
     assert load_config({"metrics_address": "[::1]:9400"}, {}).metrics_host_port() == ("::1", 9400)
+
+
+@pytest.mark.parametrize("bad", ["GPU.example.com", "gpu_x.com", "-gpu.com", "a" * 64])
+def test_driver_name_must_be_a_dns_subdomain(bad):
+    with pytest.raises(ConfigError, match="--driver-name"):
+        load_config({"driver_name": bad}, {})
+
+
+def test_booleans_and_seconds_from_the_environment():
+    c = load_config({}, {"TESSERA_NO_KUBE": "true", "TESSERA_RESYNC_INTERVAL": "30"})
+    assert c.no_kube is True and c.resync_interval == 30.0
+    assert load_config({}, {"TESSERA_NO_KUBE": "off"}).no_kube is False
+    with pytest.raises(ConfigError, match="'maybe'"):
+        load_config({}, {"TESSERA_CLEANUP_ON_EXIT": "maybe"})
+    with pytest.raises(ConfigError, match="--resync-interval"):
+        load_config({}, {"TESSERA_RESYNC_INTERVAL": "-1"})
