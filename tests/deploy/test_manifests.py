@@ -8,11 +8,12 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = sorted((ROOT / "deploy" / "daemonset").glob("*.yaml"))
+EXAMPLES = sorted((ROOT / "deploy" / "daemonset" / "examples").glob("*.yaml"))
 VERSIONS = ["1.34.0", "1.35.0"]
 
 
 def k8s_objects():
-    for path in MANIFESTS:
+    for path in MANIFESTS + EXAMPLES:
         if path.name == "kustomization.yaml":
             continue
         for i, doc in enumerate(yaml.safe_load_all(path.read_text())):

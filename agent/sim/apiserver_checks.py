@@ -1,0 +1,87 @@
+"""Checks of objects written to the API-server emulator: body shape and JSON schemas."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import kubernetes_validate
+
+from agent.sim import apiserver_errors as err
+from agent.sim.apiserver_errors import ApiError
+from agent.sim.apiserver_types import ResourceType
+
+Obj = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A write answered 422 Invalid (``version``: the schema version it failed, if any)."""
+
+    method: str
+    resource: str
+    name: str
+    message: str
+    version: str | None
+    object: Obj
+
+
+def k8s_path(path: Sequence[Any]) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "<root>"
+
+
+def prepare_body(rt: ResourceType, namespace: str | None, body: Any) -> Obj:
+    """A copy of ``body`` with apiVersion/kind/namespace checked and set."""
+    if not isinstance(body, dict):
+        raise err.bad_request("the body of the request must be a JSON object")
+    api_version, kind = body.get("apiVersion") or rt.api_version, body.get("kind") or rt.kind
+    if api_version != rt.api_version:
+        raise err.bad_request(
+            f"the API version in the data ({api_version}) does not match the expected API"
+            f" version ({rt.api_version})"
+        )
+    if kind != rt.kind:
+        raise err.bad_request(
+            f"the kind in the data ({kind}) does not match the expected kind ({rt.kind})"
+        )
+    rest = {k: copy.deepcopy(v) for k, v in body.items() if k not in ("apiVersion", "kind")}
+    obj: Obj = {"apiVersion": rt.api_version, "kind": rt.kind, **rest}
+    meta = obj.setdefault("metadata", {})
+    if not isinstance(meta, dict):
+        raise err.bad_request("metadata must be a JSON object")
+    if rt.namespaced:
+        if namespace and meta.get("namespace") not in (None, "", namespace):
+            raise err.bad_request(
+                "the namespace of the provided object does not match the namespace sent on"
+                " the request"
+            )
+        meta["namespace"] = namespace or meta.get("namespace") or ""
+        if not meta["namespace"]:
+            raise err.bad_request("the namespace of the object is not set")
+    else:
+        meta.pop("namespace", None)
+    return obj
+
+
+def schema_failure(
+    rt: ResourceType, obj: Obj, versions: Sequence[str]
+) -> tuple[str, ApiError] | None:
+    """(version, 422 error) for the first Kubernetes version whose schema rejects ``obj``.
+
+    Strict: an unknown field is a failure. A kind the schemas of a version lack is skipped.
+    """
+    for version in versions:
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.SchemaNotFoundError:
+            continue
+        except kubernetes_validate.ValidationError as exc:
+            name = str(obj["metadata"].get("name", ""))
+            message = f"{exc.message} (Kubernetes {exc.version} schema)"
+            return version, err.invalid(rt, name, k8s_path(exc.path), "FieldValueInvalid", message)
+    return None

@@ -1,0 +1,195 @@
+"""Fault injection and the request log of the API-server emulator.
+
+A test arms faults with :meth:`FaultInjector.add`; the next ``times`` requests that match (method,
+path regex, optionally query regex) get the fault instead of (``"409"``, ``"429"``, ``"500"``,
+``"503"``, ``"drop"``) or before (``"slow:<seconds>"``) their normal answer.
+
+:class:`RequestLog` records ``(method, path, query, status)`` for every request; status 0 means the
+connection was dropped without an answer.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import NamedTuple, overload
+from urllib.parse import parse_qsl
+
+from agent.sim.apiserver_types import resource_of
+
+ERROR_KINDS = ("409", "429", "500", "503")
+WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+@dataclass
+class Fault:
+    """One armed fault; ``remaining`` counts down as matching requests consume it."""
+
+    method: str | None
+    path: re.Pattern[str] | None
+    query: re.Pattern[str] | None
+    kind: str
+    remaining: int
+
+    @property
+    def delay(self) -> float:
+        """Seconds a ``slow:<seconds>`` fault waits (0 for the other kinds)."""
+        return float(self.kind.split(":", 1)[1]) if self.kind.startswith("slow:") else 0.0
+
+    def matches(self, method: str, path: str, query: str) -> bool:
+        if self.method is not None and self.method != method:
+            return False
+        if self.path is not None and not self.path.search(path):
+            return False
+        return self.query is None or bool(self.query.search(query))
+
+
+def check_kind(kind: str) -> None:
+    """Raise ValueError unless ``kind`` is a fault kind."""
+    if kind in ERROR_KINDS or kind == "drop":
+        return
+    if kind.startswith("slow:"):
+        try:
+            seconds = float(kind[5:])
+        except ValueError:
+            seconds = -1.0
+        if seconds >= 0:
+            return
+    raise ValueError(
+        f"unknown fault kind {kind!r}: use one of {', '.join(ERROR_KINDS)}, drop, slow:<seconds>"
+    )
+
+
+class FaultInjector:
+    """The armed faults of one server (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._faults: list[Fault] = []
+
+    def add(
+        self,
+        method: str | None,
+        path_regex: str | None,
+        kind: str,
+        times: int = 1,
+        *,
+        query_regex: str | None = None,
+    ) -> Fault:
+        """Arm ``kind`` for the next ``times`` requests matching ``method`` and the regexes.
+
+        ``method`` None matches every method; ``path_regex`` (searched in the URL path, without
+        the query) None matches every path; ``query_regex`` is searched in the raw query string.
+        """
+        check_kind(kind)
+        if times < 1:
+            raise ValueError(f"times must be at least 1, not {times}")
+        fault = Fault(
+            method.upper() if method else None,
+            re.compile(path_regex) if path_regex is not None else None,
+            re.compile(query_regex) if query_regex is not None else None,
+            kind,
+            times,
+        )
+        with self._lock:
+            self._faults.append(fault)
+        return fault
+
+    def take(self, method: str, path: str, query: str) -> Fault | None:
+        """Consume and return the first armed fault matching the request, or None."""
+        with self._lock:
+            for fault in self._faults:
+                if fault.matches(method, path, query):
+                    fault.remaining -= 1
+                    if fault.remaining <= 0:
+                        self._faults.remove(fault)
+                    return fault
+        return None
+
+    def pending(self) -> list[Fault]:
+        """The faults still armed."""
+        with self._lock:
+            return list(self._faults)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._faults.clear()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._faults)
+
+
+class RequestRecord(NamedTuple):
+    """One request: method, URL path, raw query string, HTTP status (0: dropped)."""
+
+    method: str
+    path: str
+    query: str
+    status: int
+
+    @property
+    def params(self) -> dict[str, str]:
+        """The query parameters (last value wins)."""
+        return dict(parse_qsl(self.query, keep_blank_values=True))
+
+    @property
+    def resource(self) -> str | None:
+        """The resource (plural) the request is about, if any."""
+        return resource_of(self.path)
+
+
+class RequestLog:
+    """Thread-safe log of every request the server answered (or dropped)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._records: list[RequestRecord] = []
+
+    def append(self, record: RequestRecord) -> None:
+        with self._lock:
+            self._records.append(record)
+
+    def snapshot(self) -> list[RequestRecord]:
+        with self._lock:
+            return list(self._records)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._records.clear()
+
+    def count(self, method: str | None = None, resource: str | None = None) -> int:
+        """Requests with ``method`` (any when None) about ``resource`` (any when None)."""
+        return sum(
+            1
+            for r in self.snapshot()
+            if (method is None or r.method == method)
+            and (resource is None or r.resource == resource)
+        )
+
+    def writes(self, resource: str | None = None) -> int:
+        """POST/PUT/PATCH/DELETE requests (answered or not), about ``resource`` when given."""
+        return sum(
+            1
+            for r in self.snapshot()
+            if r.method in WRITE_METHODS and (resource is None or r.resource == resource)
+        )
+
+    def __iter__(self) -> Iterator[RequestRecord]:
+        return iter(self.snapshot())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._records)
+
+    @overload
+    def __getitem__(self, index: int) -> RequestRecord: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[RequestRecord]: ...
+
+    def __getitem__(self, index: int | slice) -> RequestRecord | list[RequestRecord]:
+        with self._lock:
+            return self._records[index]

@@ -1,0 +1,417 @@
+"""The HTTP side of the API-server emulator: a threading HTTP/1.1 server and its request handler.
+
+Every request is logged, checked against the armed faults, then routed: discovery documents,
+or a resource route (list/watch/create/delete-collection on a collection; get/update/patch/delete
+on an object; get/update/patch on ``/status``). Watches stream chunked JSON lines until
+``timeoutSeconds``, a 410 from the history, the client going away, or the server stopping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import select
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+from agent.sim import apiserver_errors as err
+from agent.sim import apiserver_types as types
+from agent.sim.apiserver_errors import ApiError
+from agent.sim.apiserver_faults import FaultInjector, RequestLog, RequestRecord
+from agent.sim.apiserver_history import ADDED, DELETED, MODIFIED, WatchEvent
+from agent.sim.apiserver_select import (
+    FieldTerm,
+    Selection,
+    SelectorError,
+    parse_fields,
+    parse_labels,
+)
+from agent.sim.apiserver_store import Obj, Store
+
+log = logging.getLogger(__name__)
+
+_TRUE = frozenset({"1", "t", "T", "true", "TRUE", "True"})
+_POLL = 0.25  # how often an idle watch checks whether its client went away
+
+
+@dataclass
+class Context:
+    """What the handlers of one server share."""
+
+    store: Store
+    faults: FaultInjector
+    requests: RequestLog
+    kube_version: str
+    bookmark_interval: float
+    watch_timeout: float
+    stopping: threading.Event = field(default_factory=threading.Event)
+    watch_count: int = 0
+    watch_done: threading.Condition = field(default_factory=threading.Condition)
+
+
+class HttpServer(ThreadingHTTPServer):
+    """A ThreadingHTTPServer that knows its connections, so that stop() can end them."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], ctx: Context) -> None:
+        self.ctx = ctx
+        self._conn_lock = threading.Lock()
+        self._conns: dict[threading.Thread, socket.socket] = {}
+        super().__init__(address, Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        thread = threading.Thread(
+            target=self._serve_connection,
+            args=(request, client_address),
+            name=f"apiserver-conn-{client_address[1]}",
+            daemon=True,
+        )
+        with self._conn_lock:
+            self._conns[thread] = request
+        thread.start()
+
+    def _serve_connection(self, request: Any, client_address: Any) -> None:
+        try:
+            self.process_request_thread(request, client_address)
+        finally:
+            with self._conn_lock:
+                self._conns.pop(threading.current_thread(), None)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.debug("connection from %s ended with an error", client_address, exc_info=True)
+
+    def close_connections(self, timeout: float) -> None:
+        """Shut every open connection down and wait (up to ``timeout``) for its thread."""
+        with self._conn_lock:
+            conns = dict(self._conns)
+        for sock in conns.values():
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + timeout
+        for thread in conns:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _params(query: str) -> dict[str, str]:
+    return dict(parse_qsl(query, keep_blank_values=True))
+
+
+def _int_param(params: dict[str, str], name: str) -> int | None:
+    if not params.get(name):
+        return None
+    try:
+        return int(params[name])
+    except ValueError:
+        raise err.bad_request(f"invalid value for {name}: {params[name]!r}") from None
+
+
+def selection_for(
+    rt: types.ResourceType, namespace: str | None, params: dict[str, str], name: str | None = None
+) -> Selection:
+    """The Selection a list/watch asks for (400 on an unsupported field or a bad selector)."""
+    what = None if rt.fields == types.DEFAULT_FIELDS else f"{rt.api_version}, Kind={rt.kind}"
+    try:
+        fields = parse_fields(params.get("fieldSelector", ""), rt.fields, what)
+        labels = parse_labels(params.get("labelSelector", ""))
+    except SelectorError as exc:
+        raise err.bad_request(str(exc)) from None
+    if name is not None:
+        fields.append(FieldTerm("metadata.name", True, name))
+    return Selection(namespace, tuple(fields), tuple(labels))
+
+
+def event_for(event: WatchEvent, selection: Selection) -> tuple[str, Obj] | None:
+    """What a watcher with ``selection`` sees of ``event`` (an object leaving it is DELETED)."""
+    now = selection.matches(event.obj)
+    before = event.old is not None and selection.matches(event.old)
+    if event.type == ADDED:
+        return (ADDED, event.obj) if now else None
+    if event.type == DELETED:
+        return (DELETED, event.obj) if now or before else None
+    if now:
+        return (MODIFIED if before else ADDED, event.obj)
+    return (DELETED, event.obj) if before else None
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: HttpServer
+    timeout = 30  # an idle keep-alive connection ends after this
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s " + format, self.address_string(), *args)
+
+    def do_GET(self) -> None:
+        self._serve("GET")
+
+    def do_POST(self) -> None:
+        self._serve("POST")
+
+    def do_PUT(self) -> None:
+        self._serve("PUT")
+
+    def do_PATCH(self) -> None:
+        self._serve("PATCH")
+
+    def do_DELETE(self) -> None:
+        self._serve("DELETE")
+
+    # ------------------------------------------------------------------------------- plumbing
+
+    def _record(self, status: int) -> None:
+        self._responded = True
+        self.server.ctx.requests.append(
+            RequestRecord(self._method, self._path, self._query, status)
+        )
+
+    def _read_body(self) -> bytes:
+        length = self.headers.get("Content-Length")
+        if length:
+            return self.rfile.read(int(length))
+        if "chunked" not in self.headers.get("Transfer-Encoding", "").lower():
+            return b""
+        out = bytearray()
+        while True:
+            size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                self.rfile.readline()
+                return bytes(out)
+            out += self.rfile.read(size)
+            self.rfile.readline()
+
+    def _send(
+        self, status: int, data: bytes, content_type: str, headers: dict[str, str] | None = None
+    ) -> None:
+        self._record(status)
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Cache-Control", "no-cache, private")
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _send_json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
+        data = json.dumps(obj, separators=(",", ":")).encode()
+        self._send(status, data, "application/json", headers)
+
+    def _send_error(self, error: ApiError) -> None:
+        self._send_json(error.code, error.status(), error.headers)
+
+    def _serve(self, method: str) -> None:
+        url = urlsplit(self.path)
+        self._method, self._path, self._query = method, url.path, url.query
+        self._responded = False
+        ctx = self.server.ctx
+        try:
+            body = self._read_body()
+        except (ValueError, OSError):
+            self.close_connection = True
+            self._send_error(err.bad_request("malformed request body"))
+            return
+        fault = ctx.faults.take(method, url.path, url.query)
+        if fault is not None:
+            if fault.kind == "drop":
+                self._record(0)
+                self.close_connection = True
+                return
+            if fault.delay:
+                ctx.stopping.wait(fault.delay)
+            else:
+                self._send_error(err.injected(fault.kind, url.path))
+                return
+        try:
+            self._dispatch(method, url.path, _params(url.query), body)
+        except ApiError as exc:
+            self._send_error(exc)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+        except Exception as exc:
+            log.exception("emulated API server failed on %s %s", method, self.path)
+            if self._responded:  # mid-stream: all that is left is to hang up
+                self.close_connection = True
+            else:
+                self._send_error(err.internal(f"{type(exc).__name__}: {exc}"))
+
+    # ------------------------------------------------------------------------------- routing
+
+    def _discovery(self, path: str) -> Any:
+        store = self.server.ctx.store
+        known = list(store.types.values())
+        segs = [s for s in path.split("/") if s]
+        if segs == ["version"]:
+            return types.version_info(self.server.ctx.kube_version)
+        if segs == ["api"]:
+            host, port = self.server.server_address[:2]
+            return types.api_versions(known, f"{host!s}:{port}")
+        if segs == ["apis"]:
+            return types.api_group_list(known)
+        if len(segs) == 2 and segs[0] == "apis":
+            return types.api_group(known, segs[1])
+        if len(segs) == 2 and segs[0] == "api":
+            return types.api_resource_list(known, "", segs[1])
+        if len(segs) == 3 and segs[0] == "apis":
+            return types.api_resource_list(known, segs[1], segs[2])
+        return None
+
+    def _dispatch(self, method: str, path: str, params: dict[str, str], raw: bytes) -> None:
+        if path in ("/healthz", "/livez", "/readyz"):
+            self._send(200, b"ok", "text/plain; charset=utf-8")
+            return
+        store = self.server.ctx.store
+        try:
+            route = types.resolve(list(store.types.values()), path)
+        except types.RouteError:
+            raise err.path_not_found() from None
+        if route is None:
+            doc = self._discovery(path) if method == "GET" else None
+            if doc is None:
+                raise err.path_not_found()
+            self._send_json(200, doc)
+            return
+        body: Any = None
+        if raw.strip():
+            try:
+                body = json.loads(raw)
+            except ValueError as exc:
+                raise err.bad_request(f"the request body is not valid JSON: {exc}") from None
+        rt, ns, name, sub = route.rt, route.namespace, route.name, route.subresource
+        dry_run = params.get("dryRun") == "All"
+        if name is None or route.watch_path:
+            selection = selection_for(rt, ns, params, name)
+            if method == "GET" and (route.watch_path or params.get("watch") in _TRUE):
+                self._watch(rt, selection, params)
+            elif method == "GET":
+                limit = _int_param(params, "limit") or 0
+                token = params.get("continue", "")
+                self._send_json(200, store.list_objects(rt, selection, limit=limit, token=token))
+            elif method == "POST" and (ns is not None or not rt.namespaced):
+                self._send_json(201, store.create(rt, ns, body, dry_run=dry_run))
+            elif method == "DELETE":
+                self._send_json(200, store.delete_collection(rt, selection))
+            else:
+                raise err.method_not_allowed(method, f"{rt.qualified} collections")
+        elif method == "GET":
+            self._send_json(200, store.get(rt, ns, name))
+        elif method == "PUT":
+            self._send_json(200, store.update(rt, ns, name, body, subresource=sub, dry_run=dry_run))
+        elif method == "PATCH":
+            kind = self.headers.get("Content-Type", "application/merge-patch+json")
+            self._send_json(
+                200, store.patch(rt, ns, name, kind, body, subresource=sub, dry_run=dry_run)
+            )
+        elif method == "DELETE" and sub is None:
+            self._send_json(*store.delete(rt, ns, name, body, dry_run=dry_run))
+        else:
+            raise err.method_not_allowed(method, rt.qualified)
+
+    # ------------------------------------------------------------------------------- watch
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+
+    def _event(self, kind: str, obj: Obj) -> None:
+        self._chunk(
+            json.dumps({"type": kind, "object": obj}, separators=(",", ":")).encode() + b"\n"
+        )
+
+    def _peer_closed(self) -> bool:
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
+    def _watch(self, rt: types.ResourceType, selection: Selection, params: dict[str, str]) -> None:
+        ctx = self.server.ctx
+        timeout = _int_param(params, "timeoutSeconds")
+        deadline = time.monotonic() + (ctx.watch_timeout if timeout is None else timeout)
+        bookmarks = params.get("allowWatchBookmarks") in _TRUE
+        error: ApiError | None = None
+        try:
+            cursor, initial = ctx.store.watch_start(
+                rt, selection, params.get("resourceVersion", "")
+            )
+        except ApiError as exc:
+            if exc.code != 410:
+                raise
+            cursor, initial, error = 0, [], exc
+        self._record(200)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.send_header("Cache-Control", "no-cache, private")
+        self.end_headers()
+        with ctx.watch_done:
+            ctx.watch_count += 1
+        try:
+            self._stream(rt, selection, cursor, initial, error, deadline, bookmarks, params)
+            self.wfile.write(b"0\r\n\r\n")
+        except OSError:
+            self.close_connection = True
+        finally:
+            if ctx.stopping.is_set():
+                self.close_connection = True
+            with ctx.watch_done:
+                ctx.watch_count -= 1
+                ctx.watch_done.notify_all()
+
+    def _stream(
+        self,
+        rt: types.ResourceType,
+        selection: Selection,
+        cursor: int,
+        initial: list[WatchEvent],
+        error: ApiError | None,
+        deadline: float,
+        bookmarks: bool,
+        params: dict[str, str],
+    ) -> None:
+        ctx = self.server.ctx
+
+        def bookmark(rv: int, annotations: dict[str, str] | None = None) -> None:
+            meta: Obj = {"resourceVersion": str(rv)}
+            if annotations:
+                meta["annotations"] = annotations
+            self._event(
+                "BOOKMARK", {"kind": rt.kind, "apiVersion": rt.api_version, "metadata": meta}
+            )
+
+        if error is not None:
+            self._event("ERROR", error.status())
+            return
+        for event in initial:
+            self._event(ADDED, event.obj)
+        if bookmarks and params.get("sendInitialEvents") in _TRUE:
+            bookmark(cursor, {"k8s.io/initial-events-end": "true"})
+        next_bookmark = time.monotonic() + ctx.bookmark_interval
+        while not ctx.store.closed:
+            now = time.monotonic()
+            if now >= deadline:
+                return
+            wait = min(deadline - now, _POLL, max(0.0, next_bookmark - now) if bookmarks else _POLL)
+            try:
+                events, current = ctx.store.wait_events(rt, cursor, wait)
+            except ApiError as exc:
+                self._event("ERROR", exc.status())
+                return
+            for event in events:
+                seen = event_for(event, selection)
+                if seen is not None:
+                    self._event(*seen)
+                cursor = event.rv
+            if bookmarks and time.monotonic() >= next_bookmark:
+                cursor = max(cursor, current)
+                bookmark(cursor)
+                next_bookmark = time.monotonic() + ctx.bookmark_interval
+            if not events and self._peer_closed():
+                self.close_connection = True
+                return

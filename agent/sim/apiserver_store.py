@@ -1,0 +1,483 @@
+"""The object store of the API-server emulator: CRUD with the real server's semantics.
+
+One lock guards everything; watchers wait on :attr:`Store.changed`, a condition on that lock.
+Stored objects are never mutated once stored (every write stores a fresh dict), so an event or an
+answer can be serialized outside the lock.
+
+What the real server does and the store copies:
+
+* one global, increasing ``resourceVersion`` (a string on the wire); a no-op update changes
+  nothing and emits no event;
+* create sets ``uid``, ``creationTimestamp`` (and ``generation`` = 1 where the resource keeps one),
+  honours ``generateName`` and drops ``status`` where the resource has a status subresource;
+* update checks ``metadata.resourceVersion`` when set (409 Conflict), keeps the server-owned
+  metadata, ignores status changes (normal update) or everything but status (``/status``);
+* delete of an object with finalizers only sets ``deletionTimestamp`` (202); the object goes when
+  an update empties its finalizers;
+* every written object is validated against the Kubernetes JSON schemas (strict) of each version
+  in ``validate_versions``; failures are 422 Invalid and recorded in :attr:`Store.rejected`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import copy
+import json
+import random
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from agent.sim import apiserver_errors as err
+from agent.sim.apiserver_checks import Rejection, prepare_body, schema_failure
+from agent.sim.apiserver_errors import ApiError
+from agent.sim.apiserver_history import ADDED, DELETED, MODIFIED, History, WatchEvent
+from agent.sim.apiserver_patch import PatchError, apply_patch
+from agent.sim.apiserver_select import Selection
+from agent.sim.apiserver_types import ResourceType
+
+Obj = dict[str, Any]
+Key = tuple[str, str]  # (namespace, or "" for cluster-scoped; name)
+
+_NAME_CHARS = "bcdfghjklmnpqrstvwxz2456789"  # what the real server draws generated names from
+
+
+class Store:
+    """All objects of one emulated API server."""
+
+    def __init__(
+        self,
+        types: Sequence[ResourceType],
+        *,
+        validate_versions: Sequence[str],
+        rng: random.Random,
+        history_size: int,
+        clock: Callable[[], datetime],
+    ) -> None:
+        self.types = {t.plural: t for t in types}
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
+        self.rv = 0
+        self.closed = False
+        self.rejected: list[Rejection] = []
+        self._validate_versions = tuple(validate_versions)
+        self._rng = rng
+        self._clock = clock
+        self._objects: dict[str, dict[Key, Obj]] = {t: {} for t in self.types}
+        self._history = History(self.types, history_size)
+
+    def type_of(self, resource: str) -> ResourceType:
+        try:
+            return self.types[resource]
+        except KeyError:
+            raise ValueError(
+                f"unknown resource {resource!r}: served are {', '.join(sorted(self.types))}"
+            ) from None
+
+    def close(self) -> None:
+        """Wake every watcher for good (they end their streams)."""
+        with self.changed:
+            self.closed = True
+            self.changed.notify_all()
+
+    # ------------------------------------------------------------------------------- helpers
+
+    def _now(self) -> str:
+        return self._clock().astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    def _uid(self) -> str:
+        return str(uuid.UUID(int=self._rng.getrandbits(128), version=4))
+
+    def _commit(self, rt: ResourceType, kind: str, key: Key, obj: Obj, old: Obj | None) -> Obj:
+        """Store (or drop, for DELETED) ``obj`` under a new resourceVersion; lock held."""
+        self.rv += 1
+        obj["metadata"]["resourceVersion"] = str(self.rv)
+        if kind == DELETED:
+            del self._objects[rt.plural][key]
+        else:
+            self._objects[rt.plural][key] = obj
+        self._history.record(rt.plural, WatchEvent(self.rv, kind, obj, old))
+        self.changed.notify_all()
+        return copy.deepcopy(obj)
+
+    def _reject(
+        self, method: str, rt: ResourceType, obj: Obj, error: ApiError, version: str | None = None
+    ) -> ApiError:
+        name = str((obj.get("metadata") or {}).get("name") or "")
+        self.rejected.append(
+            Rejection(method, rt.plural, name, error.message, version, copy.deepcopy(obj))
+        )
+        return error
+
+    def _validate(self, method: str, rt: ResourceType, obj: Obj) -> None:
+        failure = schema_failure(rt, obj, self._validate_versions)
+        if failure is not None:
+            raise self._reject(method, rt, obj, failure[1], failure[0])
+
+    def _key(self, rt: ResourceType, namespace: str | None, name: str) -> Key:
+        return (namespace or "" if rt.namespaced else "", name)
+
+    def _existing(self, rt: ResourceType, namespace: str | None, name: str) -> tuple[Key, Obj]:
+        key = self._key(rt, namespace, name)
+        old = self._objects[rt.plural].get(key)
+        if old is None:
+            raise err.not_found(rt, name)
+        return key, old
+
+    # ------------------------------------------------------------------------------- reads
+
+    def get(self, rt: ResourceType, namespace: str | None, name: str) -> Obj:
+        with self.lock:
+            return copy.deepcopy(self._existing(rt, namespace, name)[1])
+
+    def objects(
+        self, rt: ResourceType, selection: Selection | None = None, *, name: str | None = None
+    ) -> list[Obj]:
+        selection = selection or Selection()
+        with self.lock:
+            found = sorted(self._objects[rt.plural].items())
+            return [
+                copy.deepcopy(o)
+                for k, o in found
+                if selection.matches(o) and (name is None or k[1] == name)
+            ]
+
+    def list_objects(
+        self, rt: ResourceType, selection: Selection, *, limit: int = 0, token: str = ""
+    ) -> Obj:
+        """The ``<Kind>List`` of the selected objects (items without kind/apiVersion, as real)."""
+        start: list[str] | None = None
+        if token:
+            try:
+                start = list(json.loads(base64.urlsafe_b64decode(token.encode()))["start"])
+            except (ValueError, KeyError, TypeError, binascii.Error):
+                raise err.bad_request(f"continue key is not valid: {token!r}") from None
+        with self.lock:
+            rv = self.rv
+            found = [
+                (k, o)
+                for k, o in sorted(self._objects[rt.plural].items())
+                if selection.matches(o) and (start is None or list(k) > start)
+            ]
+        meta: Obj = {"resourceVersion": str(rv)}
+        if limit > 0 and len(found) > limit:
+            last = found[limit - 1][0]
+            meta["continue"] = base64.urlsafe_b64encode(
+                json.dumps({"rv": rv, "start": list(last)}).encode()
+            ).decode()
+            meta["remainingItemCount"] = len(found) - limit
+            found = found[:limit]
+        items = [
+            {k: copy.deepcopy(v) for k, v in o.items() if k not in ("apiVersion", "kind")}
+            for _, o in found
+        ]
+        return {
+            "kind": f"{rt.kind}List",
+            "apiVersion": rt.api_version,
+            "metadata": meta,
+            "items": items,
+        }
+
+    # ------------------------------------------------------------------------------- writes
+
+    def create(
+        self, rt: ResourceType, namespace: str | None, body: Any, *, dry_run: bool = False
+    ) -> Obj:
+        obj = prepare_body(rt, namespace, body)
+        meta = obj["metadata"]
+        with self.lock:
+            if rt.namespaced and "namespaces" in self.types:
+                ns = meta["namespace"]
+                if ("", ns) not in self._objects["namespaces"]:
+                    raise err.not_found(self.types["namespaces"], ns)
+            if meta.get("resourceVersion"):
+                raise ApiError(
+                    500, "Unknown", "resourceVersion should not be set on objects to be created"
+                )
+            name = str(meta.get("name") or "")
+            if not name and meta.get("generateName"):
+                for _ in range(8):
+                    suffix = "".join(self._rng.choice(_NAME_CHARS) for _ in range(5))
+                    name = f"{meta['generateName']}{suffix}"
+                    if self._key(rt, meta.get("namespace"), name) not in self._objects[rt.plural]:
+                        break
+                meta["name"] = name
+            if not name:
+                error = err.invalid(
+                    rt,
+                    "",
+                    "metadata.name",
+                    "FieldValueRequired",
+                    "Required value: name or generateName is required",
+                )
+                raise self._reject("POST", rt, obj, error)
+            problem = rt.check_name(name)
+            if problem:
+                error = err.invalid(
+                    rt,
+                    name,
+                    "metadata.name",
+                    "FieldValueInvalid",
+                    f'Invalid value: "{name}": {problem}',
+                )
+                raise self._reject("POST", rt, obj, error)
+            key = self._key(rt, meta.get("namespace"), name)
+            if key in self._objects[rt.plural]:
+                raise err.already_exists(rt, name)
+            meta["uid"] = self._uid()
+            meta["creationTimestamp"] = self._now()
+            for server_owned in ("deletionTimestamp", "deletionGracePeriodSeconds"):
+                meta.pop(server_owned, None)
+            if rt.generation:
+                meta["generation"] = 1
+            if rt.initial_status is not None:
+                obj["status"] = copy.deepcopy(rt.initial_status)
+            elif rt.status and not rt.keep_status_on_create:
+                obj.pop("status", None)
+            self._validate("POST", rt, obj)
+            if dry_run:
+                return copy.deepcopy(obj)
+            return self._commit(rt, ADDED, key, obj, None)
+
+    def update(
+        self,
+        rt: ResourceType,
+        namespace: str | None,
+        name: str,
+        body: Any,
+        *,
+        subresource: str | None = None,
+        dry_run: bool = False,
+        method: str = "PUT",
+    ) -> Obj:
+        obj = prepare_body(rt, namespace, body)
+        if obj["metadata"].get("name", "") != name:
+            raise err.bad_request(
+                f"the name of the object ({obj['metadata'].get('name', '')}) does not match the"
+                f" name on the URL ({name})"
+            )
+        with self.lock:
+            key, old = self._existing(rt, namespace, name)
+            return self._update_locked(rt, key, old, obj, subresource, dry_run, method)
+
+    def patch(
+        self,
+        rt: ResourceType,
+        namespace: str | None,
+        name: str,
+        content_type: str,
+        patch: Any,
+        *,
+        subresource: str | None = None,
+        dry_run: bool = False,
+    ) -> Obj:
+        with self.lock:
+            key, old = self._existing(rt, namespace, name)
+            try:
+                patched = apply_patch(content_type, old, patch)
+            except PatchError as exc:
+                if "unsupported patch type" in str(exc):
+                    raise ApiError(415, "UnsupportedMediaType", str(exc)) from None
+                raise ApiError(422, "Invalid", str(exc)) from None
+            obj = prepare_body(rt, namespace, patched)
+            if obj["metadata"].get("name") != name:
+                raise err.bad_request("metadata.name cannot be changed by a patch")
+            return self._update_locked(rt, key, old, obj, subresource, dry_run, "PATCH")
+
+    def _update_locked(
+        self,
+        rt: ResourceType,
+        key: Key,
+        old: Obj,
+        obj: Obj,
+        subresource: str | None,
+        dry_run: bool,
+        method: str,
+    ) -> Obj:
+        meta, old_meta = obj["metadata"], old["metadata"]
+        name = key[1]
+        asked = meta.get("resourceVersion")
+        if asked and asked != old_meta["resourceVersion"]:
+            raise err.conflict(rt, name)
+        if subresource == "status":
+            new = copy.deepcopy(old)
+            if "status" in obj:
+                new["status"] = obj["status"]
+            else:
+                new.pop("status", None)
+        else:
+            new = obj
+            uid = meta.get("uid")
+            if uid and uid != old_meta.get("uid"):
+                error = err.invalid(
+                    rt,
+                    name,
+                    "metadata.uid",
+                    "FieldValueInvalid",
+                    f'Invalid value: "{uid}": field is immutable',
+                )
+                raise self._reject(method, rt, obj, error)
+            for owned in (
+                "uid",
+                "creationTimestamp",
+                "generation",
+                "deletionTimestamp",
+                "deletionGracePeriodSeconds",
+            ):
+                if owned in old_meta:
+                    meta[owned] = copy.deepcopy(old_meta[owned])
+                else:
+                    meta.pop(owned, None)
+            if rt.spec_immutable and new.get("spec") != old.get("spec"):
+                error = err.invalid(
+                    rt, name, "spec", "FieldValueInvalid", "Invalid value: field is immutable"
+                )
+                raise self._reject(method, rt, obj, error)
+            if rt.generation and new.get("spec") != old.get("spec"):
+                meta["generation"] = int(old_meta.get("generation", 0)) + 1
+            if rt.status:
+                if "status" in old:
+                    new["status"] = copy.deepcopy(old["status"])
+                else:
+                    new.pop("status", None)
+        new["metadata"]["resourceVersion"] = old_meta["resourceVersion"]
+        self._validate(method, rt, new)
+        if new == old or dry_run:
+            return copy.deepcopy(new)
+        if new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers"):
+            return self._commit(rt, DELETED, key, new, old)
+        return self._commit(rt, MODIFIED, key, new, old)
+
+    def delete(
+        self,
+        rt: ResourceType,
+        namespace: str | None,
+        name: str,
+        options: Any = None,
+        *,
+        dry_run: bool = False,
+    ) -> tuple[int, Obj]:
+        """(HTTP status, object): 200 and the last state, or 202 while finalizers remain."""
+        pre = (options or {}).get("preconditions") or {} if isinstance(options, dict) else {}
+        with self.lock:
+            key, old = self._existing(rt, namespace, name)
+            meta = old["metadata"]
+            for field in ("uid", "resourceVersion"):
+                want, have = pre.get(field), meta.get(field)
+                if want and want != have:
+                    label = "UID" if field == "uid" else "ResourceVersion"
+                    raise err.conflict(
+                        rt,
+                        name,
+                        f"Precondition failed: {label} in precondition: {want}, {label} in object"
+                        f" meta: {have}",
+                    )
+            return self._delete_locked(rt, key, old, dry_run)
+
+    def _delete_locked(
+        self, rt: ResourceType, key: Key, old: Obj, dry_run: bool, force: bool = False
+    ) -> tuple[int, Obj]:
+        if rt.plural == "namespaces" and not dry_run:
+            for other in self.types.values():
+                if other.namespaced:
+                    for k, o in sorted(self._objects[other.plural].items()):
+                        if k[0] == key[1]:
+                            self._commit(other, DELETED, k, copy.deepcopy(o), o)
+        if old["metadata"].get("finalizers") and not force:
+            if old["metadata"].get("deletionTimestamp"):
+                return 202, copy.deepcopy(old)
+            new = copy.deepcopy(old)
+            new["metadata"]["deletionTimestamp"] = self._now()
+            new["metadata"]["deletionGracePeriodSeconds"] = 0
+            return 202, new if dry_run else self._commit(rt, MODIFIED, key, new, old)
+        gone = copy.deepcopy(old)
+        return 200, gone if dry_run else self._commit(rt, DELETED, key, gone, old)
+
+    def delete_collection(self, rt: ResourceType, selection: Selection) -> Obj:
+        """Delete every selected object; the ``<Kind>List`` of what was deleted."""
+        with self.lock:
+            items = []
+            for key, obj in sorted(self._objects[rt.plural].items()):
+                if selection.matches(obj):
+                    items.append(self._delete_locked(rt, key, obj, False)[1])
+            rv = self.rv
+        return {
+            "kind": f"{rt.kind}List",
+            "apiVersion": rt.api_version,
+            "metadata": {"resourceVersion": str(rv)},
+            "items": items,
+        }
+
+    # ------------------------------------------------------------------------------- seeding
+
+    def put(self, rt: ResourceType, body: Any) -> Obj:
+        """Store ``body`` as is (no validation), creating or replacing; emits the event."""
+        namespace = (
+            (body.get("metadata") or {}).get("namespace") if isinstance(body, dict) else None
+        )
+        obj = prepare_body(rt, namespace, body)
+        meta = obj["metadata"]
+        with self.lock:
+            if not meta.get("name") and meta.get("generateName"):
+                meta["name"] = meta["generateName"] + "".join(
+                    self._rng.choice(_NAME_CHARS) for _ in range(5)
+                )
+            if not meta.get("name"):
+                raise ValueError("put_object needs metadata.name or metadata.generateName")
+            key = self._key(rt, meta.get("namespace"), meta["name"])
+            old = self._objects[rt.plural].get(key)
+            old_meta = old["metadata"] if old else {}
+            meta.setdefault("uid", old_meta.get("uid") or self._uid())
+            meta.setdefault("creationTimestamp", old_meta.get("creationTimestamp") or self._now())
+            if rt.generation:
+                meta.setdefault("generation", old_meta.get("generation", 1))
+            return self._commit(rt, MODIFIED if old else ADDED, key, obj, old)
+
+    def remove(self, rt: ResourceType, namespace: str | None, name: str) -> Obj | None:
+        """Delete at once, finalizers or not; the last state, or None when absent."""
+        with self.lock:
+            key = self._key(rt, namespace, name)
+            old = self._objects[rt.plural].get(key)
+            return None if old is None else self._delete_locked(rt, key, old, False, True)[1]
+
+    # ------------------------------------------------------------------------------- watch
+
+    def watch_start(
+        self, rt: ResourceType, selection: Selection, resource_version: str
+    ) -> tuple[int, list[WatchEvent]]:
+        """(cursor, initial events) of a watch from ``resource_version`` ("" or "0": now,
+        with an ADDED event for every selected object, like the real server)."""
+        with self.lock:
+            if resource_version in ("", "0"):
+                found = sorted(self._objects[rt.plural].items())
+                initial = [WatchEvent(self.rv, ADDED, o, None) for _, o in found]
+                return self.rv, [e for e in initial if selection.matches(e.obj)]
+            try:
+                asked = int(resource_version)
+            except ValueError:
+                raise err.bad_request(
+                    f"invalid resource version {resource_version!r}: must be an integer"
+                ) from None
+            self._history.check(rt.plural, asked)
+            return asked, []
+
+    def wait_events(
+        self, rt: ResourceType, cursor: int, timeout: float
+    ) -> tuple[list[WatchEvent], int]:
+        """(events after ``cursor``, current resourceVersion), waiting up to ``timeout`` for one.
+
+        Raises 410 (an ApiError) when events after ``cursor`` already left the history.
+        """
+        with self.changed:
+            if not self._history.has_after(rt.plural, cursor) and not self.closed and timeout > 0:
+                self.changed.wait(timeout)
+            self._history.check(rt.plural, cursor)
+            return self._history.after(rt.plural, cursor), self.rv
+
+    def compact(self) -> None:
+        """Forget the watch history: a watch from any older resourceVersion gets 410."""
+        with self.lock:
+            self._history.compact(self.rv)
