@@ -155,13 +155,18 @@ class Plan:
         return len(self.creates) + len(self.updates) + len(self.deletes)
 
 
-def plan_changes(existing: list[Obj], model: DeviceModel, policy: SlicePolicy) -> Plan:
+def plan_changes(
+    existing: list[Obj], model: DeviceModel, policy: SlicePolicy, floor: int = 0
+) -> Plan:
     """What to write so the store holds exactly the slices for ``model``. Pure.
 
     The pool generation stays when nothing changed; otherwise every slice of the pool is written
     with generation + 1 (the scheduler only trusts slices of a pool's newest generation).
+    ``floor`` is the highest generation this process already published: generations never go
+    back, even when someone deleted every slice of the pool.
     """
     current = max((int(o["spec"]["pool"].get("generation", 0)) for o in existing), default=0)
+    current = max(current, floor)
     by_name = {o["metadata"]["name"]: o for o in existing}
     desired = build_slices(model, policy, current)
     unchanged = len(existing) == len(desired) and all(
@@ -269,10 +274,11 @@ class Publisher:
             raise RuntimeError("reconcile before set_devices")
         for attempt in range(CONFLICT_RETRIES + 1):
             existing, self._list_rv = self.store.list()
-            plan = plan_changes(existing, model, self.policy)
+            plan = plan_changes(existing, model, self.policy, self.published_generation or 0)
             try:
                 self._apply(plan)
                 self.stats.reconciles += 1
+                self.published_generation = plan.generation
                 return plan
             except KubeConflict:
                 self.stats.conflicts += 1
@@ -309,7 +315,7 @@ class Publisher:
             self._dirty = False
         if due and self._model is not None:
             try:
-                plan = self.reconcile()
+                self.reconcile()
             except KubeError as exc:
                 self._failures += 1
                 self.stats.errors += 1
@@ -326,7 +332,6 @@ class Publisher:
                 )
             else:
                 self._failures = 0
-                self.published_generation = plan.generation
                 self._next_at = now + self.resync_interval
         return max(0.0, float(self._next_at) - now)
 

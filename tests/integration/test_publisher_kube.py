@@ -1,0 +1,239 @@
+"""The publisher against the API-server emulator over real HTTP, through the production client."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from agent.config import Config
+from agent.node import discover, open_node
+from agent.sim.apiserver import ApiServer
+from dra_driver.devices import DevicePolicy, advertised_devices
+from dra_driver.kube import KubeClient
+from dra_driver.publisher import Backoff, KubeSliceStore, Publisher
+from dra_driver.slices import SlicePolicy
+
+LOG = logging.getLogger("test.kube")
+DRIVER = "gpu.tessera.dev"
+NODE = "node-a"
+
+
+def model(tmp_path_factory, name, mig_mode="static", layout=None):
+    src = open_node(Config(simulate=name, sim_mig_layout=layout), tmp_path_factory.mktemp(name))
+    src.nvml.init()
+    try:
+        return advertised_devices(discover(src), DevicePolicy(mig_mode=mig_mode))
+    finally:
+        src.nvml.shutdown()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return {
+        "h100": model(tmp_path_factory, "dgx-h100"),
+        "h100-1g": model(tmp_path_factory, "dgx-h100", layout="all-1g"),
+        "a100-dyn": model(tmp_path_factory, "dgx-a100", mig_mode="dynamic"),
+    }
+
+
+@pytest.fixture
+def server(tmp_path) -> Iterator[ApiServer]:
+    with ApiServer() as s:
+        s.put_object("nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}})
+        yield s
+
+
+@pytest.fixture
+def make_publisher(server, tmp_path) -> Iterator[Callable[..., Publisher]]:
+    clients: list[KubeClient] = []
+
+    def make(devices, layout="1.35", node_uid=None) -> Publisher:
+        kube = KubeClient.from_config(server.kubeconfig(tmp_path))
+        clients.append(kube)
+        policy = SlicePolicy(DRIVER, NODE, node_uid=node_uid, layout=layout)
+        p = Publisher(
+            KubeSliceStore(kube, DRIVER, NODE),
+            policy,
+            LOG,
+            resync_interval=600.0,
+            backoff=Backoff(base=0.05, cap=0.5, rng=random.Random(7)),
+        )
+        p.set_devices(devices)
+        return p
+
+    yield make
+    for c in clients:
+        c.close()
+
+
+def ours(server):
+    return [
+        o
+        for o in server.objects("resourceslices")
+        if o["spec"]["driver"] == DRIVER and o["spec"].get("nodeName") == NODE
+    ]
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("layout", ["1.35", "1.34"])
+def test_first_publish_is_valid_and_owned_by_the_node(server, make_publisher, models, layout):
+    uid = server.get_object("nodes", NODE)["metadata"]["uid"]
+    p = make_publisher(models["a100-dyn"], layout=layout, node_uid=uid)
+    plan = p.reconcile()
+    slices = ours(server)
+    assert server.rejected == []  # every write passed the 1.34 and 1.35 schemas
+    assert len(slices) == plan.writes == slices[0]["spec"]["pool"]["resourceSliceCount"]
+    assert server.writes("resourceslices") == plan.writes
+    for s in slices:
+        assert s["metadata"]["ownerReferences"][0]["uid"] == uid
+        assert s["spec"]["pool"]["generation"] == 1
+
+
+def test_other_drivers_and_nodes_are_never_touched(server, make_publisher, models):
+    foreign = []
+    for driver, node in (("nic.example.com", NODE), (DRIVER, "node-b")):
+        obj = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceSlice",
+            "metadata": {"name": f"{node}-{driver}"},
+            "spec": {
+                "driver": driver,
+                "nodeName": node,
+                "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                "devices": [],
+            },
+        }
+        foreign.append(server.put_object("resourceslices", obj)["metadata"]["resourceVersion"])
+    p = make_publisher(models["h100"])
+    p.reconcile()
+    p.cleanup()
+    left = {
+        o["metadata"]["name"]: o["metadata"]["resourceVersion"]
+        for o in server.objects("resourceslices")
+    }
+    assert sorted(left.values()) == sorted(foreign)
+
+
+def test_restart_adopts_and_steady_state_writes_nothing(server, make_publisher, models):
+    make_publisher(models["a100-dyn"]).reconcile()
+    server.clear_log()
+    again = make_publisher(models["a100-dyn"])
+    now = 0.0
+    while now <= 600.0:
+        now += again.step(now) or 60.0
+    assert server.writes("resourceslices") == 0
+    assert again.ready and again.published_generation == 1
+
+
+def test_one_device_change_is_one_pass(server, make_publisher, models):
+    p = make_publisher(models["h100"])
+    p.reconcile()
+    server.clear_log()
+    p.set_devices(models["h100-1g"])
+    p.step(0.0)
+    assert server.writes("resourceslices") == 1
+    (s,) = ours(server)
+    assert s["spec"]["pool"]["generation"] == 2 and len(s["spec"]["devices"]) == 56
+
+
+@pytest.fixture
+def running(make_publisher, models) -> Iterator[Publisher]:
+    p = make_publisher(models["h100"])
+    stop = threading.Event()
+    threads = [
+        threading.Thread(target=p.run, args=(stop,)),
+        threading.Thread(target=p.watch_loop, args=(stop, 2)),
+    ]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: p.ready)
+        yield p
+    finally:
+        stop.set()
+        p.stop()
+        for t in threads:
+            t.join(10)
+        assert not any(t.is_alive() for t in threads)
+
+
+def test_drift_is_repaired_through_the_watch(server, running):
+    (s,) = ours(server)
+    s["spec"]["devices"] = s["spec"]["devices"][:1]
+    server.put_object("resourceslices", s)  # someone else edits our slice
+    wait_for(lambda: len(ours(server)[0]["spec"]["devices"]) == 8)
+    assert ours(server)[0]["spec"]["pool"]["generation"] == 2
+    server.delete_object("resourceslices", s["metadata"]["name"])  # or deletes it
+    wait_for(lambda: len(ours(server)) == 1)
+    assert ours(server)[0]["spec"]["pool"]["generation"] == 3
+
+
+@pytest.mark.parametrize(
+    ("method", "kind"),
+    [("POST", "500"), ("POST", "drop"), ("POST", "429"), ("GET", "503"), ("PUT", "409")],
+    ids=["post-500", "post-drop", "post-429", "list-503", "put-409"],
+)
+def test_recovers_after_faults(server, make_publisher, models, method, kind):
+    p = make_publisher(models["h100"])
+    if method == "PUT":  # a conflict needs an existing slice to update
+        p.reconcile()
+        p.set_devices(models["h100-1g"])
+    server.faults.add(method, r"/resourceslices", kind, times=2)
+    now = 0.0
+    for _ in range(10):
+        now += p.step(now)
+        if p.ready:
+            break
+    assert p.ready, p.stats
+    assert not server.faults.pending()
+    (s,) = ours(server)
+    expected = 56 if method == "PUT" else 8
+    assert len(s["spec"]["devices"]) == expected
+    assert server.rejected == []
+
+
+def test_daemon_publishes_in_kube_mode_and_cleans_up(server, tmp_path):
+    kubeconfig = server.kubeconfig(tmp_path)
+    tessera = os.path.join(os.path.dirname(sys.executable), "tessera")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+    proc = subprocess.Popen(
+        [tessera, "run", "--simulate", "dgx-a100", "--mig-mode", "dynamic",
+         "--node-name", NODE, "--state-dir", str(tmp_path / "state"),
+         "--kubeconfig", str(kubeconfig), "--cleanup-on-exit",
+         "--metrics-address", "127.0.0.1:0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: len(ours(server)) == 5, timeout=60)
+        node_uid = server.get_object("nodes", NODE)["metadata"]["uid"]
+        assert all(s["metadata"]["ownerReferences"][0]["uid"] == node_uid for s in ours(server))
+        assert server.rejected == []
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert ours(server) == []
+        assert proc.stderr is not None
+        logs = [json.loads(line) for line in proc.stderr.read().splitlines()]
+        assert any(r["msg"] == "removed ResourceSlices" and r["count"] == 5 for r in logs)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stderr:
+            proc.stderr.close()
