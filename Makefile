@@ -28,8 +28,8 @@ run: $(STAMP)
 		--metrics-address $(METRICS) --log-format text
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check agent dra_driver tests
-	$(VENV)/bin/ruff format --check agent dra_driver tests
+	$(VENV)/bin/ruff check agent dra_driver tests bench
+	$(VENV)/bin/ruff format --check agent dra_driver tests bench
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

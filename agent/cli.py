@@ -57,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("sim", help="simulator controls")
     simsub = sim.add_subparsers(dest="sim_command", required=True, metavar="SIM_COMMAND")
     simsub.add_parser("models", help="list the simulated node models")
+    api = simsub.add_parser(
+        "apiserver",
+        help="serve an in-memory Kubernetes API server (for kube mode without a cluster)",
+    )
+    api.add_argument("--port", type=int, default=0, help="TCP port on 127.0.0.1 (0: any free one)")
+    api.add_argument(
+        "--kubeconfig-out", type=Path, required=True, help="write a kubeconfig for it to this file"
+    )
     return parser
 
 
@@ -118,10 +126,27 @@ def cmd_slices(config: Config, args: argparse.Namespace, out: IO[str]) -> int:
 
 
 def cmd_sim(config: Config, args: argparse.Namespace, out: IO[str]) -> int:
+    if args.sim_command == "apiserver":
+        return sim_apiserver(args.port, args.kubeconfig_out, out)
     from agent.sim.model import load_model, model_names
 
     for name in model_names():
         out.write(f"{name:<12} {load_model(name).description}\n")
+    return 0
+
+
+def sim_apiserver(port: int, kubeconfig: Path, out: IO[str]) -> int:
+    """Serve the API-server emulator until SIGINT/SIGTERM."""
+    from agent.sim.apiserver import ApiServer
+
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with ApiServer(port=port) as server:
+        server.kubeconfig(kubeconfig)
+        out.write(f"API server emulator on {server.url}; kubeconfig: {kubeconfig}\n")
+        out.flush()
+        stop.wait()
     return 0
 
 

@@ -8,6 +8,7 @@ not model survive a read-modify-write. Every failure becomes ``agent.errors.Kube
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,9 @@ class KubeClient:
     ) -> None:
         self._api = api_client
         self._timeout = timeout
+        self._watches: set[Any] = set()
+        self._watch_lock = threading.Lock()
+        self._closed = False
 
     @classmethod
     def from_config(cls, kubeconfig: Path | None) -> KubeClient:
@@ -49,7 +53,16 @@ class KubeClient:
             ) from exc
         return cls(kclient.ApiClient(cfg))
 
+    def abort_watches(self) -> None:
+        """End every open watch stream now (their iterators finish); new ones end at once."""
+        with self._watch_lock:
+            self._closed = True
+            open_streams = list(self._watches)
+        for raw in open_streams:
+            raw.shutdown()
+
     def close(self) -> None:
+        self.abort_watches()
         self._api.close()
 
     def _send(
@@ -105,6 +118,11 @@ class KubeClient:
         q = {**query, "watch": "true", "timeoutSeconds": str(timeout_s)}
         resp = self._send("GET", path, q, None, (self._timeout[0], timeout_s + 10.0))
         raw = resp.response
+        with self._watch_lock:
+            if self._closed:
+                raw.release_conn()
+                return
+            self._watches.add(raw)
         try:
             buf = b""
             for chunk in raw.stream(4096, decode_content=True):
@@ -114,8 +132,12 @@ class KubeClient:
                     if line.strip():
                         yield json.loads(line)
         except (urllib3.exceptions.HTTPError, OSError) as exc:
+            if self._closed:
+                return
             raise KubeError(0, "ConnectionError", str(exc), "WATCH", path) from exc
         finally:
+            with self._watch_lock:
+                self._watches.discard(raw)
             raw.release_conn()
 
 

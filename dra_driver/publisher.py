@@ -56,6 +56,10 @@ class SliceStore(Protocol):
 
     def watch(self, resource_version: str, timeout_s: int) -> Iterator[Obj]: ...
 
+    def abort_watches(self) -> None:
+        """Make any running ``watch`` iterator finish now (shutdown)."""
+        ...
+
 
 class KubeSliceStore:
     watchable = True
@@ -87,6 +91,9 @@ class KubeSliceStore:
         if resource_version:
             query["resourceVersion"] = resource_version
         return self._kube.watch(SLICES_PATH, query, timeout_s)
+
+    def abort_watches(self) -> None:
+        self._kube.abort_watches()
 
 
 class DirSliceStore:
@@ -141,6 +148,9 @@ class DirSliceStore:
 
     def watch(self, resource_version: str, timeout_s: int) -> Iterator[Obj]:
         return iter(())
+
+    def abort_watches(self) -> None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -343,7 +353,9 @@ class Publisher:
             self._wake.clear()
 
     def stop(self) -> None:
+        """Wake the loops so they see their stop event; end a running watch."""
         self._wake.set()
+        self.store.abort_watches()
 
     def watch_loop(self, stop: threading.Event, timeout_s: int = 300) -> None:
         """Watch our slices; any change we did not expect triggers a reconcile (a thread)."""

@@ -1,0 +1,105 @@
+"""ResourceSlices: build time for dgx-a100 in dynamic MIG mode, and API writes per situation
+(first publish, 10 simulated minutes of steady state, one device change), counted at the
+API-server emulator over real HTTP."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+
+from agent.sim.apiserver import ApiServer
+from bench.common import ms, report, simulated_inventory, timings
+from dra_driver.devices import DeviceModel, DevicePolicy, advertised_devices
+from dra_driver.kube import KubeClient
+from dra_driver.publisher import KubeSliceStore, Publisher
+from dra_driver.slices import SlicePolicy, build_slices
+
+DRIVER, NODE = "gpu.tessera.dev", "bench-node"
+
+
+def without_gpu(model: DeviceModel, minor: int) -> DeviceModel:
+    """The device model with one GPU (its devices and counter set) gone."""
+    return DeviceModel(
+        devices=tuple(d for d in model.devices if d.gpu_minor != minor),
+        counter_sets=tuple(c for c in model.counter_sets if c.name != f"gpu-{minor}-counter-set"),
+    )
+
+
+def run() -> None:
+    dynamic = DevicePolicy(driver_name=DRIVER, mig_mode="dynamic")
+    policy = SlicePolicy(driver_name=DRIVER, node_name=NODE)
+    with simulated_inventory("dgx-a100") as inv:
+        model = advertised_devices(inv, dynamic)
+        slices = build_slices(model, policy, 1)
+        build = timings(lambda: build_slices(advertised_devices(inv, dynamic), policy, 1), 200)
+
+    log = logging.getLogger("bench")
+    log.addHandler(logging.NullHandler())
+    log.propagate = False
+    with ApiServer() as server, tempfile.TemporaryDirectory() as tmp:
+        kube = KubeClient.from_config(server.kubeconfig(Path(tmp)))
+        pub = Publisher(KubeSliceStore(kube, DRIVER, NODE), policy, log, resync_interval=600.0)
+        # (the publisher is driven step by step on a simulated clock: no threads, no waiting)
+        pub.set_devices(model)
+        pub.step(0.0)
+        first = server.writes("resourceslices")
+        server.clear_log()
+        now, steps = 0.0, 0
+        while now < 600.0:  # ten simulated minutes at the default 600 s resync
+            now += max(pub.step(now), 1.0)
+            steps += 1
+        steady = server.writes("resourceslices")
+        # the same ten minutes with a 30 s resync: reads, still no writes
+        pub.resync_interval = 30.0
+        for t in range(0, 600, 30):
+            pub.step(600.0 + t)
+        steady_30 = server.writes("resourceslices")
+        reads_30 = server.requests.count("GET", "resourceslices")
+        server.clear_log()
+        # one device change in static mode: the MIG layout changes -> one pass, one slice
+        with simulated_inventory("dgx-a100") as inv:
+            a = advertised_devices(inv, DevicePolicy(driver_name=DRIVER))
+        with simulated_inventory("dgx-a100", "all-1g") as inv:
+            b = advertised_devices(inv, DevicePolicy(driver_name=DRIVER))
+        pub.set_devices(a)
+        pub.step(2000.0)
+        server.clear_log()
+        pub.set_devices(b)
+        pub.step(2001.0)
+        change = server.writes("resourceslices")
+        # dynamic mode: one GPU disappears from a 5-slice pool -> every slice moves generation
+        pub.set_devices(model)
+        pub.step(3000.0)
+        server.clear_log()
+        pub.set_devices(without_gpu(model, 7))
+        pub.step(3001.0)
+        change_dynamic = server.writes("resourceslices")
+        kube.close()
+
+    devices = sum(len(s["spec"].get("devices", [])) for s in slices)
+    rows = [
+        ("dgx-a100 dynamic: devices / slices", f"{devices} / {len(slices)}"),
+        ("build time p50 / p99", f"{ms(build['p50_s'])} / {ms(build['p99_s'])}"),
+        ("API writes: first publish", str(first)),
+        ("API writes: 10 min steady state (resync 600 s)", str(steady)),
+        ("API writes: 10 min steady state (resync 30 s)", f"{steady_30} ({reads_30} lists)"),
+        ("API writes: one device change (static, 1 slice)", str(change)),
+        ("API writes: one GPU gone (dynamic, whole pool)", str(change_dynamic)),
+    ]
+    report(
+        "slices",
+        "ResourceSlices (bench/slices.py)",
+        rows,
+        {
+            "devices": devices,
+            "slices": len(slices),
+            "build": build,
+            "writes_first_publish": first,
+            "writes_steady_10min_resync600": steady,
+            "writes_steady_10min_resync30": steady_30,
+            "lists_steady_10min_resync30": reads_30,
+            "writes_one_device_change": change,
+            "writes_one_gpu_gone_dynamic": change_dynamic,
+        },
+    )
