@@ -239,3 +239,29 @@ def test_daemon_publishes_in_kube_mode_and_cleans_up(server, tmp_path):
             proc.wait()
         if proc.stderr:
             proc.stderr.close()
+
+
+def test_recovers_after_a_timeout(server, models):
+    """The server answers too late: the request times out, the next round succeeds."""
+    kube = KubeClient(server.api_client(retries=False), timeout=(1.0, 0.5))
+    try:
+        p = Publisher(
+            KubeSliceStore(kube, DRIVER, NODE),
+            SlicePolicy(DRIVER, NODE),
+            LOG,
+            backoff=Backoff(base=0.05, cap=0.5, rng=random.Random(7)),
+        )
+        p.set_devices(models["h100"])
+        server.faults.add("POST", r"/resourceslices", "slow:1.5")
+        now = p.step(0.0)
+        assert not p.ready and "ConnectionError" in (p.stats.last_error or "")
+        for _ in range(5):
+            if p.ready:
+                break
+            time.sleep(0.5)  # let the slow request finish on the server side
+            now += p.step(now)
+        assert p.ready
+        (s,) = ours(server)
+        assert len(s["spec"]["devices"]) == 8
+    finally:
+        kube.close()
