@@ -8,7 +8,7 @@ RUN_DIR := .run
 MODEL ?= dgx-h100
 METRICS ?= 127.0.0.1:9400
 
-.PHONY: run test lint typecheck unit reliability bench clean docs
+.PHONY: run test lint typecheck unit reliability bench clean docs proto
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,3 +50,9 @@ clean:
 
 docs: $(STAMP)
 	$(PY) -c "from agent.config import render_config_docs; open('docs/configuration.md','w').write(render_config_docs())"
+
+# Generated gRPC modules live in the package that uses them; a test fails when they are stale.
+PROTO_GEN := $(PY) -m grpc_tools.protoc -Idra_driver/kubeletapi=proto/kubelet \
+	--python_out=. --grpc_python_out=. --pyi_out=.
+proto: $(STAMP)
+	$(PROTO_GEN) $(patsubst proto/kubelet/%,dra_driver/kubeletapi/%,$(wildcard proto/kubelet/*.proto))
