@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings(slices, ("node", "driver"))
     slices.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml")
 
+    from dra_driver.kubelet_cli import add_kubelet_parser
+
+    add_kubelet_parser(sub)
+
     sim = sub.add_parser("sim", help="simulator controls")
     simsub = sim.add_subparsers(dest="sim_command", required=True, metavar="SIM_COMMAND")
     simsub.add_parser("models", help="list the simulated node models")
@@ -125,6 +129,12 @@ def cmd_slices(config: Config, args: argparse.Namespace, out: IO[str]) -> int:
     return 0
 
 
+def _kubelet(args: argparse.Namespace, out: IO[str]) -> int:
+    from dra_driver.kubelet_cli import cmd_kubelet
+
+    return cmd_kubelet(args, out)
+
+
 def cmd_sim(config: Config, args: argparse.Namespace, out: IO[str]) -> int:
     if args.sim_command == "apiserver":
         return sim_apiserver(args.port, args.kubeconfig_out, out)
@@ -171,6 +181,7 @@ COMMANDS: dict[str, Callable[[Config, argparse.Namespace, IO[str]], int]] = {
     "discover": cmd_discover,
     "topo": cmd_topo,
     "slices": cmd_slices,
+    "kubelet": lambda config, args, out: _kubelet(args, out),
     "sim": cmd_sim,
 }
 

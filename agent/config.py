@@ -149,7 +149,46 @@ class Config:
         metavar="SECONDS",
     )
 
+    kubelet_registry_dir: Path | None = setting(
+        None,
+        "Kubelet plugin registry directory (the registration socket <driver>-reg.sock goes here)."
+        " Unset: /var/lib/kubelet/plugins_registry, or <state-dir>/kubelet/plugins_registry"
+        " with --simulate.",
+        groups=("daemon",),
+        metavar="DIR",
+    )
+    kubelet_plugins_dir: Path | None = setting(
+        None,
+        "Kubelet plugins directory (the DRA socket is <dir>/<driver>/dra.sock). Unset:"
+        " /var/lib/kubelet/plugins, or <state-dir>/kubelet/plugins with --simulate.",
+        groups=("daemon",),
+        metavar="DIR",
+    )
+    cdi_root: Path | None = setting(
+        None,
+        "Directory for the CDI specs written at prepare. Unset: /var/run/cdi, or"
+        " <state-dir>/cdi with --simulate.",
+        groups=("daemon",),
+        metavar="DIR",
+    )
+    driver_root: Path | None = setting(
+        None,
+        "Root of the NVIDIA driver installation (libraries, /proc/driver/nvidia). Unset: /, or"
+        " the simulator's driver root under --state-dir with --simulate.",
+        groups=("daemon",),
+        metavar="DIR",
+    )
+    sim_crash_at: str | None = setting(
+        None,
+        "Fault injection, --simulate only: the daemon kills itself (SIGKILL) when a prepare or"
+        " unprepare reaches this point; for crash-safety tests.",
+        groups=("daemon",),
+        choices=("after-started", "after-cdi", "after-completed", "before-unprepare-commit"),
+    )
+
     def __post_init__(self) -> None:
+        if self.sim_crash_at is not None and self.simulate is None:
+            raise ConfigError("--sim-crash-at: fault injection is only allowed with --simulate")
         if not DNS_SUBDOMAIN.fullmatch(self.driver_name) or len(self.driver_name) > 63:
             raise ConfigError(
                 f"--driver-name: {self.driver_name!r} must be a lower-case DNS subdomain of at"

@@ -9,23 +9,53 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.config import Config
 from agent.discovery.inventory import NodeInventory
-from agent.errors import KubeError
+from agent.errors import ClaimError, KubeError
 from agent.http import HttpEndpoint, Readiness
 from agent.logs import fields_
 from agent.node import NodeSource, discover, open_node
 from agent.supervisor import Supervisor
-from dra_driver.devices import DevicePolicy, advertised_devices
+from dra_driver.cdi import CdiWriter
+from dra_driver.checkpoint import CheckpointStore
+from dra_driver.claims import ClaimSource, DirClaimSource, KubeClaimSource
+from dra_driver.devices import DeviceModel, DevicePolicy, advertised_devices
+from dra_driver.health import HealthBoard
 from dra_driver.kube import KubeClient
+from dra_driver.plugin import PluginServer
+from dra_driver.prepare import Preparer
 from dra_driver.publisher import DirSliceStore, KubeSliceStore, Publisher, SliceStore
 from dra_driver.slices import SlicePolicy
 
 DEFAULT_STATE_DIR = Path("/var/lib/tessera")
+KUBELET_REGISTRY_DIR = Path("/var/lib/kubelet/plugins_registry")
+KUBELET_PLUGINS_DIR = Path("/var/lib/kubelet/plugins")
+CDI_ROOT = Path("/var/run/cdi")
+
+
+class CurrentDevices:
+    """What the node advertises right now: discovery sets it, prepare reads it."""
+
+    def __init__(self) -> None:
+        self._model: DeviceModel | None = None
+        self._lock = threading.Lock()
+
+    def set(self, model: DeviceModel) -> None:
+        with self._lock:
+            self._model = model
+
+    def get(self) -> DeviceModel:
+        with self._lock:
+            if self._model is None:
+                raise ClaimError("the node has not been discovered yet; retry shortly")
+            return self._model
 
 
 @dataclass
@@ -36,9 +66,13 @@ class Agent:
     http: HttpEndpoint
     readiness: Readiness
     publisher: Publisher
+    preparer: Preparer
+    plugin: PluginServer
+    health: HealthBoard
     kube: KubeClient | None
     log: logging.Logger
     stop_event: threading.Event = field(default_factory=threading.Event)
+    devices: CurrentDevices = field(default_factory=lambda: CurrentDevices())
     inventory: NodeInventory | None = None
     supervisor: Supervisor | None = None
 
@@ -51,7 +85,24 @@ class Agent:
             uid = node_uid(self.kube, self.publisher.policy.node_name, self.log)
             self.publisher.policy = dataclasses.replace(self.publisher.policy, node_uid=uid)
         policy = DevicePolicy(driver_name=self.config.driver_name, mig_mode=self.config.mig_mode)
-        self.publisher.set_devices(advertised_devices(self.inventory, policy))
+        model = advertised_devices(self.inventory, policy)
+        self.devices.set(model)
+        self.publisher.set_devices(model)
+        self.health.set_devices(d.name for d in model.devices)
+        self.preparer.reconcile_on_start()
+        self.plugin.start()
+        standalone = self.kube is None
+        self.readiness.add(
+            "kubelet",
+            lambda: (
+                standalone or self.plugin.registered,
+                "standalone mode"
+                if standalone
+                else "registered"
+                if self.plugin.registered
+                else f"not registered ({self.plugin.registration_error or 'waiting for kubelet'})",
+            ),
+        )
         self.readiness.add(
             "resourceslices",
             lambda: (
@@ -83,6 +134,8 @@ class Agent:
         """Stop in reverse order of start."""
         self.stop_event.set()
         self.http.stop()
+        self.plugin.stop()
+        self.preparer.close()
         self.publisher.stop()
         if self.supervisor is not None:
             stuck = self.supervisor.join()
@@ -166,6 +219,18 @@ def build_agent(config: Config, log: logging.Logger) -> Agent:
         if kube is None
         else KubeSliceStore(kube, config.driver_name, source.hostname)
     )
+    claims: ClaimSource = (
+        DirClaimSource(state_dir / "resourceclaims") if kube is None else KubeClaimSource(kube)
+    )
+    sim = config.simulate is not None
+    registry_dir = config.kubelet_registry_dir or (
+        state_dir / "kubelet" / "plugins_registry" if sim else KUBELET_REGISTRY_DIR
+    )
+    plugins_dir = config.kubelet_plugins_dir or (
+        state_dir / "kubelet" / "plugins" if sim else KUBELET_PLUGINS_DIR
+    )
+    cdi_root = config.cdi_root or (state_dir / "cdi" if sim else CDI_ROOT)
+    health = HealthBoard(pool=source.hostname)
     publisher = Publisher(
         store,
         SlicePolicy(
@@ -174,6 +239,26 @@ def build_agent(config: Config, log: logging.Logger) -> Agent:
         log.getChild("publisher"),
         resync_interval=config.resync_interval,
     )
+    driver_version = source.nvml.system().driver_version
+    devices = CurrentDevices()
+    preparer = Preparer(
+        driver_name=config.driver_name,
+        pool=source.hostname,
+        claims=claims,
+        store=CheckpointStore(state_dir / "checkpoint.json", source.boot_id),
+        cdi=CdiWriter(cdi_root, config.driver_name, source.driver_root, driver_version),
+        devices=devices.get,
+        log=log.getChild("prepare"),
+        crash_hook=crash_hook(config.sim_crash_at),
+    )
+    plugin = PluginServer(
+        driver_name=config.driver_name,
+        registry_dir=registry_dir,
+        plugins_dir=plugins_dir,
+        preparer=preparer,
+        health=health,
+        log=log.getChild("plugin"),
+    )
     return Agent(
         config=config,
         source=source,
@@ -181,6 +266,20 @@ def build_agent(config: Config, log: logging.Logger) -> Agent:
         http=http,
         readiness=readiness,
         publisher=publisher,
+        preparer=preparer,
+        plugin=plugin,
+        health=health,
         kube=kube,
         log=log,
+        devices=devices,
     )
+
+
+def crash_hook(point: str | None) -> Callable[[str], None]:
+    """Simulation fault injection: SIGKILL ourselves when prepare reaches ``point``."""
+
+    def hook(reached: str) -> None:
+        if reached == point:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook

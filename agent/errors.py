@@ -14,8 +14,15 @@ boundary with ``raise ... from exc`` so callers only ever handle these::
     │   └── NvmlInsufficientResources / NvmlInUse / NvmlInvalidArgument
     ├── MigError                 a MIG layout or placement that the rules forbid
     ├── DiscoveryError           sysfs tree unreadable or inconsistent
-    └── KubeError                the API server said no, or could not be reached
-        └── KubeConflict         409: someone else changed the object; re-read and retry
+    ├── KubeError                the API server said no, or could not be reached
+    │   └── KubeConflict         409: someone else changed the object; re-read and retry
+    ├── KubeletApiError          a kubelet-plugin gRPC call failed (gRPC status name, details)
+    ├── ClaimError               a ResourceClaim that cannot be prepared here (per-claim error)
+    ├── ParamsError              opaque device configuration that does not parse or validate
+    ├── CheckpointError          the driver checkpoint cannot be read or written
+    │   ├── CheckpointCorrupt    unreadable JSON, bad checksum, wrong kind or field types
+    │   └── CheckpointTooNew     written by a newer Tessera (upgrade or move the file aside)
+    └── CdiError                 a CDI spec that cannot be built, validated, written or removed
 
 ``temporary`` on an error says whether retrying the same operation later may succeed.
 """
@@ -107,3 +114,56 @@ class KubeError(TesseraError):
 
 class KubeConflict(KubeError):
     """409 Conflict: the object changed since it was read."""
+
+
+class ClaimError(TesseraError):
+    """A claim cannot be prepared: not found, UID mismatch, not allocated, another node, …"""
+
+
+class ParamsError(TesseraError):
+    """Opaque configuration parameters that do not parse or validate (the message has the path,
+    the offending value and what is allowed)."""
+
+
+class KubeletApiError(TesseraError):
+    """A gRPC call on a kubelet plugin socket failed.
+
+    ``method`` is the full gRPC method name, ``socket`` the unix socket path, ``code`` the gRPC
+    status name (e.g. ``"UNAVAILABLE"``) and ``details`` the status message.
+    """
+
+    def __init__(self, method: str, socket: str, code: str, details: str) -> None:
+        self.method = method
+        self.socket = socket
+        self.code = code
+        self.details = details
+        self.temporary = code in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED")
+        super().__init__(f"{method} on {socket}: {code}: {details}")
+
+
+class CheckpointError(TesseraError):
+    """The driver's checkpoint file could not be read or written (the message names the file)."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """The checkpoint is not valid JSON, fails its checksum, or has the wrong kind or types."""
+
+
+class CheckpointTooNew(CheckpointError):
+    """The checkpoint was written by a newer Tessera whose format this build cannot read.
+
+    ``path`` is the file, ``version`` its format version, ``supported`` the newest this build reads.
+    """
+
+    def __init__(self, path: str, version: int, supported: int) -> None:
+        self.path = path
+        self.version = version
+        self.supported = supported
+        super().__init__(
+            f"checkpoint {path} has format version {version}, but this Tessera reads versions up"
+            f" to {supported}: upgrade Tessera or move the file aside"
+        )
+
+
+class CdiError(TesseraError):
+    """A CDI spec could not be built, validated, written or removed (the message says why)."""

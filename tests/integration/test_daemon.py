@@ -54,7 +54,8 @@ def wait_ready(url: str, timeout: float = 30) -> dict:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_daemon_serves_health_and_stops_on_signal(tmp_path, sig):
+def test_daemon_serves_health_and_stops_on_signal(short_tmp, sig):
+    tmp_path = short_tmp
     proc = start_daemon(tmp_path)
     try:
         logs = read_logs_until(proc, "agent started")
@@ -90,7 +91,8 @@ def test_daemon_serves_health_and_stops_on_signal(tmp_path, sig):
     assert (tmp_path / "sim" / "sys" / "bus" / "pci" / "devices" / "0000:1b:00.0").is_symlink()
 
 
-def test_daemon_refuses_a_busy_metrics_port(tmp_path):
+def test_daemon_refuses_a_busy_metrics_port(short_tmp):
+    tmp_path = short_tmp
     import socket
 
     with socket.socket() as s:

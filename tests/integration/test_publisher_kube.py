@@ -209,7 +209,8 @@ def test_recovers_after_faults(server, make_publisher, models, method, kind):
     assert server.rejected == []
 
 
-def test_daemon_publishes_in_kube_mode_and_cleans_up(server, tmp_path):
+def test_daemon_publishes_in_kube_mode_and_cleans_up(server, short_tmp):
+    tmp_path = short_tmp
     kubeconfig = server.kubeconfig(tmp_path)
     tessera = os.path.join(os.path.dirname(sys.executable), "tessera")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}

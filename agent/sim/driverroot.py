@@ -1,0 +1,143 @@
+"""Write a realistic NVIDIA driver root for a simulated node (what the CDI writer reads).
+
+Layout under ``root`` (as the driver has it under ``/``)::
+
+    proc/driver/nvidia/version                                 NVRM line with the driver version
+    proc/driver/nvidia/capabilities/mig/{config,monitor}
+    proc/driver/nvidia/capabilities/gpu<minor>/mig/gi<G>/access            G in 0..14
+    proc/driver/nvidia/capabilities/gpu<minor>/mig/gi<G>/ci<C>/access      C in 0..7
+    usr/lib/x86_64-linux-gnu/lib{cuda,nvidia-ml,nvidia-ptxjitcompiler}.so.<version>  (empty)
+    usr/lib/x86_64-linux-gnu/lib….so.1 -> lib….so.<version>
+
+The per-GPU capability files exist only for MIG-capable GPUs and, as with the real driver, for
+every possible GPU and compute instance whether or not it exists. The GPU minor is the NVML index
+(the simulator gives GPU ``i`` ``/dev/nvidia<i>``).
+
+Capability files hold ``DeviceFileMinor``/``DeviceFileMode``/``DeviceFileModify``. The minors
+follow the table ``nvidia-caps`` publishes in ``/proc/driver/nvidia-caps/mig-minors``:
+``config`` 1, ``monitor`` 2, then per GPU 135 minors (15 GPU instances x (1 + 8 compute
+instances))::
+
+    gpu<g>/gi<G>/access       3 + 135*g + 9*G
+    gpu<g>/gi<G>/ci<C>/access 4 + 135*g + 9*G + C
+
+which is unique per node. Readers must never compute minors: on a real node they come from the
+files (and from nvidia-caps), so anything that reads them must read them.
+
+``caps_minor`` is pure; ``write_driver_root`` does the I/O, and is idempotent.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from agent.errors import ConfigError
+from agent.sim.model import NodeModel
+
+GPU_INSTANCES = 15
+COMPUTE_INSTANCES = 8
+CAPS_DIR = "proc/driver/nvidia/capabilities"
+LIB_DIR = "usr/lib/x86_64-linux-gnu"
+LIBRARIES = ("libcuda.so", "libnvidia-ml.so", "libnvidia-ptxjitcompiler.so")
+CONFIG_MINOR = 1
+MONITOR_MINOR = 2
+_PER_GPU = GPU_INSTANCES * (1 + COMPUTE_INSTANCES)
+MODE_CONFIG = 256  # 0400: only root may reconfigure MIG
+MODE_READ = 292  # 0444
+
+
+def caps_minor(gpu_minor: int, gi: int, ci: int | None = None) -> int:
+    """The simulated nvidia-caps minor of a GPU instance (``ci`` None) or compute instance. Pure."""
+    base = 3 + _PER_GPU * gpu_minor + (1 + COMPUTE_INSTANCES) * gi
+    return base if ci is None else base + 1 + ci
+
+
+def _caps_text(minor: int, mode: int) -> str:
+    return f"DeviceFileMinor: {minor}\nDeviceFileMode: {mode}\nDeviceFileModify: 1\n"
+
+
+def _version_text(version: str) -> str:
+    return (
+        f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {version}"
+        "  Tue Jan  2 00:00:00 UTC 2024\n"
+        "GCC version:  gcc version 12.3.0 (Ubuntu 12.3.0-1ubuntu1~22.04)\n"
+    )
+
+
+def _write(path: Path, text: str) -> None:
+    """Write ``text`` atomically; leave the file alone when it already holds it."""
+    try:
+        if path.read_text() == text:
+            return
+    except OSError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _symlink(link: Path, target: str) -> None:
+    if link.is_symlink() and os.readlink(link) == target:
+        return
+    tmp = link.with_name(f".{link.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target)
+    os.replace(tmp, link)
+
+
+def _write_tree(model: NodeModel, root: Path) -> None:
+    nvidia = root / "proc" / "driver" / "nvidia"
+    _write(nvidia / "version", _version_text(model.driver_version))
+    caps = root / CAPS_DIR
+    _write(caps / "mig" / "config", _caps_text(CONFIG_MINOR, MODE_CONFIG))
+    _write(caps / "mig" / "monitor", _caps_text(MONITOR_MINOR, MODE_READ))
+    gpu_dirs = {"mig"}
+    for gpu in model.gpus:
+        if not gpu.spec.mig_capable:
+            continue
+        minor = gpu.index
+        gpu_dirs.add(f"gpu{minor}")
+        mig = caps / f"gpu{minor}" / "mig"
+        for gi in range(GPU_INSTANCES):
+            _write(mig / f"gi{gi}" / "access", _caps_text(caps_minor(minor, gi), MODE_READ))
+            for ci in range(COMPUTE_INSTANCES):
+                text = _caps_text(caps_minor(minor, gi, ci), MODE_READ)
+                _write(mig / f"gi{gi}" / f"ci{ci}" / "access", text)
+    # GPUs an earlier write (of another model) had and this one does not
+    for entry in caps.iterdir():
+        if entry.name not in gpu_dirs and entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+
+    libs = root / LIB_DIR
+    libs.mkdir(parents=True, exist_ok=True)
+    keep: set[str] = set()
+    for lib in LIBRARIES:
+        real = f"{lib}.{model.driver_version}"
+        _write(libs / real, "")
+        _symlink(libs / f"{lib}.1", real)
+        keep.update((real, f"{lib}.1"))
+    # libraries of another driver version left by an earlier write
+    for entry in libs.iterdir():
+        if entry.name.startswith(LIBRARIES) and entry.name not in keep:
+            entry.unlink()
+
+
+def write_driver_root(model: NodeModel, root: Path) -> None:
+    """Write (or rewrite) the simulated driver root of ``model`` under ``root``.
+
+    Idempotent: unchanged files are left alone, changed ones replaced atomically, and the GPUs
+    and library versions a previous model had are removed. Raises ConfigError for ``/`` itself
+    or when the tree cannot be written.
+    """
+    root = Path(root)
+    if os.path.realpath(root) == "/":
+        raise ConfigError("refusing to write a simulated driver root over the real /")
+    try:
+        _write_tree(model, root)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write the simulated driver root under {root}: {exc.strerror or exc}"
+        ) from exc

@@ -1,0 +1,498 @@
+"""The driver's checkpoint: which claims are prepared on this node, with which devices.
+
+File format (version 1), written with sorted keys::
+
+    {"apiVersion": "tessera.dev/v1", "kind": "Checkpoint", "version": 1, "bootID": "<boot id>",
+     "claims": {"<claim uid>": {"uid", "namespace", "name", "state", "updatedAt",
+                                "devices": [{"requestNames", "pool", "device", "cdiDeviceIDs",
+                                             "kind", "gpuUUID", "gpuMinor", "migUUID",
+                                             "gpuInstanceID", "computeInstanceID"}]}},
+     "checksum": "sha256:<hex>"}
+
+The checksum covers the canonical JSON (sorted keys, no whitespace, UTF-8) of the object without
+``checksum``. Decoding is lenient about unknown fields (a later build of the same version may add
+some) and strict about types: a wrong type is treated like any other corruption.
+
+Older formats are converted step by step through ``MIGRATIONS`` (version N -> N+1). Version 0 is
+the pre-release shape (no apiVersion, kind or checksum)::
+
+    {"version": 0, "bootId": "<boot id>",
+     "preparedClaims": [{"uid", "namespace", "name", "status": "PrepareStarted|PrepareCompleted",
+                         "devices": [{"requests": [...], "pool", "device", "cdiDevices": [...],
+                                      "type": "gpu|mig", "uuid", "minor",
+                                      "migUuid"?, "giId"?, "ciId"?}]}]}
+
+It had no update time; converted claims get ``updatedAt`` 0.
+
+Crash safety: ``save`` replaces the file atomically (temp file, fsync, rename, fsync the
+directory). ``load`` never loses a file it cannot read: a corrupt file is moved aside to
+``<name>.corrupt-<UTC timestamp>`` (never overwriting an earlier one) and an empty checkpoint is
+returned; a file from a newer Tessera is left alone and ``CheckpointTooNew`` raised. A checkpoint
+from another boot (the node rebooted: partitions, MPS daemons and device state are gone) loads
+as empty with ``rebooted=True``.
+
+``encode``, ``decode`` and the migrations are pure; ``CheckpointStore`` does the I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from agent.errors import CheckpointCorrupt, CheckpointError, CheckpointTooNew
+from agent.fsutil import atomic_write, fsync_dir
+from agent.logs import fields_
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_VERSION = 1
+API_VERSION = "tessera.dev/v1"
+KIND = "Checkpoint"
+PREPARE_STARTED = "PrepareStarted"
+PREPARE_COMPLETED = "PrepareCompleted"
+STATES = (PREPARE_STARTED, PREPARE_COMPLETED)
+DEVICE_KINDS = ("gpu", "mig")
+CHECKSUM_PREFIX = "sha256:"
+FILE_MODE = 0o600
+
+
+@dataclass(frozen=True)
+class PreparedDevice:
+    """One allocated device of a claim, as prepared on this node."""
+
+    request_names: tuple[str, ...]
+    pool: str
+    device: str
+    """Device name in the pool: ``gpu-0`` or ``gpu-0-mig-1g5gb-19-0``."""
+    cdi_device_ids: tuple[str, ...]
+    kind: str
+    """``gpu`` or ``mig``."""
+    gpu_uuid: str
+    gpu_minor: int
+    mig_uuid: str | None = None
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "request_names", tuple(self.request_names))
+        object.__setattr__(self, "cdi_device_ids", tuple(self.cdi_device_ids))
+
+
+@dataclass(frozen=True)
+class ClaimEntry:
+    """A claim's record: its identity, where prepare got to, and its devices."""
+
+    uid: str
+    namespace: str
+    name: str
+    state: str
+    """``PREPARE_STARTED`` or ``PREPARE_COMPLETED``."""
+    devices: tuple[PreparedDevice, ...]
+    updated_at: float
+    """Unix seconds."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", tuple(self.devices))
+
+
+def _empty_claims() -> Mapping[str, ClaimEntry]:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The prepared claims of one boot of this node. Immutable (and so not hashable)."""
+
+    boot_id: str
+    claims: Mapping[str, ClaimEntry] = field(default_factory=_empty_claims)
+    """By claim UID; a read-only copy of what was passed in."""
+
+    def __post_init__(self) -> None:
+        claims = dict(self.claims)
+        for uid, entry in claims.items():
+            if uid != entry.uid:
+                raise ValueError(f"claim stored under {uid!r} has uid {entry.uid!r}")
+        object.__setattr__(self, "claims", MappingProxyType(claims))
+
+    def with_claim(self, entry: ClaimEntry) -> Checkpoint:
+        """A copy with ``entry`` added, or replacing the entry of the same UID."""
+        return Checkpoint(self.boot_id, {**self.claims, entry.uid: entry})
+
+    def without_claim(self, uid: str) -> Checkpoint:
+        """A copy without the claim ``uid`` (an equal copy when it is not there)."""
+        return Checkpoint(self.boot_id, {k: v for k, v in self.claims.items() if k != uid})
+
+    def holder_of(self, pool: str, device: str) -> ClaimEntry | None:
+        """The claim (in any state) that holds ``device`` of ``pool``; the lowest UID if several."""
+        for uid in sorted(self.claims):
+            entry = self.claims[uid]
+            if any(d.pool == pool and d.device == device for d in entry.devices):
+                return entry
+        return None
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    checkpoint: Checkpoint
+    rebooted: bool
+    """The stored boot id differs from this boot's: the prepared state was discarded."""
+    corrupt_moved_to: Path | None
+    """A corrupt file was moved here and an empty checkpoint returned."""
+    migrated_from: int | None
+    """An older format version was read and converted."""
+    corrupt_reason: str | None = None
+    """Why the moved file was corrupt (for the log and events)."""
+
+
+# --- encoding (pure) --------------------------------------------------------------------------
+
+
+def _canonical(obj: Mapping[str, Any]) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def checksum_of(obj: Mapping[str, Any]) -> str:
+    """``sha256:<hex>`` of the canonical JSON of ``obj`` without its ``checksum``. Pure."""
+    body = {k: v for k, v in obj.items() if k != "checksum"}
+    return CHECKSUM_PREFIX + hashlib.sha256(_canonical(body)).hexdigest()
+
+
+def _device_json(d: PreparedDevice) -> dict[str, Any]:
+    return {
+        "requestNames": list(d.request_names),
+        "pool": d.pool,
+        "device": d.device,
+        "cdiDeviceIDs": list(d.cdi_device_ids),
+        "kind": d.kind,
+        "gpuUUID": d.gpu_uuid,
+        "gpuMinor": d.gpu_minor,
+        "migUUID": d.mig_uuid,
+        "gpuInstanceID": d.gpu_instance_id,
+        "computeInstanceID": d.compute_instance_id,
+    }
+
+
+def _claim_json(c: ClaimEntry) -> dict[str, Any]:
+    return {
+        "uid": c.uid,
+        "namespace": c.namespace,
+        "name": c.name,
+        "state": c.state,
+        "devices": [_device_json(d) for d in c.devices],
+        "updatedAt": c.updated_at,
+    }
+
+
+def to_json(cp: Checkpoint) -> dict[str, Any]:
+    """The current-version file object of ``cp``, checksum included. Pure."""
+    obj: dict[str, Any] = {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "version": CHECKPOINT_VERSION,
+        "bootID": cp.boot_id,
+        "claims": {uid: _claim_json(cp.claims[uid]) for uid in sorted(cp.claims)},
+    }
+    obj["checksum"] = checksum_of(obj)
+    return obj
+
+
+def encode(cp: Checkpoint) -> bytes:
+    """The file contents for ``cp`` (indented for people; the checksum is over the canonical
+    form). Pure."""
+    return (json.dumps(to_json(cp), sort_keys=True, indent=2, ensure_ascii=False) + "\n").encode()
+
+
+# --- strict field readers ---------------------------------------------------------------------
+
+
+def _get(obj: Mapping[str, Any], key: str, where: str) -> Any:
+    if key not in obj:
+        raise CheckpointCorrupt(f"{where}: missing field {key!r}")
+    return obj[key]
+
+
+def _str(obj: Mapping[str, Any], key: str, where: str) -> str:
+    v = _get(obj, key, where)
+    if not isinstance(v, str):
+        raise CheckpointCorrupt(f"{where}.{key}: expected a string, got {type(v).__name__}")
+    return v
+
+
+def _int(obj: Mapping[str, Any], key: str, where: str) -> int:
+    v = _get(obj, key, where)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise CheckpointCorrupt(f"{where}.{key}: expected an integer, got {type(v).__name__}")
+    return v
+
+
+def _opt_str(obj: Mapping[str, Any], key: str, where: str) -> str | None:
+    return None if obj.get(key) is None else _str(obj, key, where)
+
+
+def _opt_int(obj: Mapping[str, Any], key: str, where: str) -> int | None:
+    return None if obj.get(key) is None else _int(obj, key, where)
+
+
+def _number(obj: Mapping[str, Any], key: str, where: str) -> float:
+    v = _get(obj, key, where)
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        raise CheckpointCorrupt(f"{where}.{key}: expected a number, got {type(v).__name__}")
+    return float(v)
+
+
+def _strs(obj: Mapping[str, Any], key: str, where: str) -> tuple[str, ...]:
+    v = _get(obj, key, where)
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise CheckpointCorrupt(f"{where}.{key}: expected a list of strings")
+    return tuple(v)
+
+
+def _objects(obj: Mapping[str, Any], key: str, where: str) -> list[Mapping[str, Any]]:
+    v = _get(obj, key, where)
+    if not isinstance(v, list) or not all(isinstance(o, dict) for o in v):
+        raise CheckpointCorrupt(f"{where}.{key}: expected a list of objects")
+    return v
+
+
+def _one_of(value: str, allowed: tuple[str, ...], where: str) -> str:
+    if value not in allowed:
+        raise CheckpointCorrupt(f"{where}: {value!r} is not one of {', '.join(allowed)}")
+    return value
+
+
+# --- decoding (pure) --------------------------------------------------------------------------
+
+
+def _device(obj: Mapping[str, Any], where: str) -> PreparedDevice:
+    return PreparedDevice(
+        request_names=_strs(obj, "requestNames", where),
+        pool=_str(obj, "pool", where),
+        device=_str(obj, "device", where),
+        cdi_device_ids=_strs(obj, "cdiDeviceIDs", where),
+        kind=_one_of(_str(obj, "kind", where), DEVICE_KINDS, f"{where}.kind"),
+        gpu_uuid=_str(obj, "gpuUUID", where),
+        gpu_minor=_int(obj, "gpuMinor", where),
+        mig_uuid=_opt_str(obj, "migUUID", where),
+        gpu_instance_id=_opt_int(obj, "gpuInstanceID", where),
+        compute_instance_id=_opt_int(obj, "computeInstanceID", where),
+    )
+
+
+def _claim(uid: str, obj: Any, where: str) -> ClaimEntry:
+    if not isinstance(obj, dict):
+        raise CheckpointCorrupt(f"{where}: expected an object")
+    stored_uid = _str(obj, "uid", where)
+    if stored_uid != uid:
+        raise CheckpointCorrupt(f"{where}: stored under {uid!r} but has uid {stored_uid!r}")
+    return ClaimEntry(
+        uid=uid,
+        namespace=_str(obj, "namespace", where),
+        name=_str(obj, "name", where),
+        state=_one_of(_str(obj, "state", where), STATES, f"{where}.state"),
+        devices=tuple(
+            _device(d, f"{where}.devices[{i}]")
+            for i, d in enumerate(_objects(obj, "devices", where))
+        ),
+        updated_at=_number(obj, "updatedAt", where),
+    )
+
+
+def _from_current(obj: Mapping[str, Any]) -> Checkpoint:
+    claims = _get(obj, "claims", "checkpoint")
+    if not isinstance(claims, dict):
+        raise CheckpointCorrupt("checkpoint.claims: expected an object")
+    return Checkpoint(
+        boot_id=_str(obj, "bootID", "checkpoint"),
+        claims={uid: _claim(uid, c, f"claims[{uid!r}]") for uid, c in claims.items()},
+    )
+
+
+def _v0_to_v1(obj: dict[str, Any]) -> dict[str, Any]:
+    """Convert the pre-release shape (see the module docstring) to version 1. Pure."""
+    claims: dict[str, Any] = {}
+    for i, c in enumerate(_objects(obj, "preparedClaims", "checkpoint")):
+        where = f"preparedClaims[{i}]"
+        uid = _str(c, "uid", where)
+        if uid in claims:
+            raise CheckpointCorrupt(f"{where}: claim {uid!r} appears twice")
+        devices = []
+        for j, d in enumerate(_objects(c, "devices", where)):
+            dw = f"{where}.devices[{j}]"
+            devices.append(
+                {
+                    "requestNames": list(_strs(d, "requests", dw)),
+                    "pool": _str(d, "pool", dw),
+                    "device": _str(d, "device", dw),
+                    "cdiDeviceIDs": list(_strs(d, "cdiDevices", dw)),
+                    "kind": _str(d, "type", dw),
+                    "gpuUUID": _str(d, "uuid", dw),
+                    "gpuMinor": _int(d, "minor", dw),
+                    "migUUID": _opt_str(d, "migUuid", dw),
+                    "gpuInstanceID": _opt_int(d, "giId", dw),
+                    "computeInstanceID": _opt_int(d, "ciId", dw),
+                }
+            )
+        claims[uid] = {
+            "uid": uid,
+            "namespace": _str(c, "namespace", where),
+            "name": _str(c, "name", where),
+            "state": _str(c, "status", where),
+            "devices": devices,
+            "updatedAt": 0.0,
+        }
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "version": 1,
+        "bootID": _str(obj, "bootId", "checkpoint"),
+        "claims": claims,
+    }
+
+
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {0: _v0_to_v1}
+"""Format version N -> a version N+1 object (no checksum needed: it is checked on the input)."""
+
+
+def decode(data: bytes, source: str = "<checkpoint>") -> tuple[Checkpoint, int | None]:
+    """The checkpoint stored in ``data`` and the older version it was migrated from (or None).
+
+    Pure. Raises CheckpointCorrupt (unreadable JSON, wrong kind, bad checksum, wrong types) or
+    CheckpointTooNew (a version newer than ``CHECKPOINT_VERSION``; ``source`` names the file).
+    """
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointCorrupt(f"not valid JSON: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise CheckpointCorrupt(f"expected a JSON object, got {type(obj).__name__}")
+    version = _int(obj, "version", "checkpoint")
+    if version >= 1 and obj.get("kind") != KIND:
+        raise CheckpointCorrupt(f"kind is {obj.get('kind')!r}, not {KIND!r}")
+    if version > CHECKPOINT_VERSION:
+        raise CheckpointTooNew(source, version, CHECKPOINT_VERSION)
+    if version not in MIGRATIONS and version != CHECKPOINT_VERSION:
+        raise CheckpointCorrupt(f"unknown checkpoint version {version}")
+    if version >= 1:
+        if obj.get("apiVersion") != API_VERSION:
+            raise CheckpointCorrupt(f"apiVersion is {obj.get('apiVersion')!r}, not {API_VERSION!r}")
+        stored = _str(obj, "checksum", "checkpoint")
+        if stored != checksum_of(obj):
+            raise CheckpointCorrupt("checksum mismatch: the file was changed or partly written")
+    current = obj
+    for v in range(version, CHECKPOINT_VERSION):
+        current = MIGRATIONS[v](current)
+    return _from_current(current), (version if version != CHECKPOINT_VERSION else None)
+
+
+# --- I/O --------------------------------------------------------------------------------------
+
+
+def read_boot_id(path: Path = Path("/proc/sys/kernel/random/boot_id")) -> str:
+    """This boot's id (changes on every reboot). Raises CheckpointError when it is unreadable."""
+    try:
+        boot_id = path.read_text().strip()
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot read the boot id from {path}: {exc.strerror or exc}"
+        ) from exc
+    if not boot_id:
+        raise CheckpointError(f"the boot id file {path} is empty")
+    return boot_id
+
+
+class CheckpointStore:
+    """The checkpoint file at ``path`` for the boot ``boot_id``.
+
+    Not locked: the caller serializes load/save (prepare holds its lock around both).
+    ``clock`` (unix seconds) only names moved-aside corrupt files.
+    """
+
+    def __init__(self, path: Path, boot_id: str, *, clock: Callable[[], float] = time.time) -> None:
+        self.path = Path(path)
+        self.boot_id = boot_id
+        self._clock = clock
+
+    def load(self) -> LoadResult:
+        """Read the checkpoint (see the module docstring for what each case returns).
+
+        Raises CheckpointTooNew for a newer format (the file is left alone) and CheckpointError
+        when the file cannot be read or a corrupt one cannot be moved aside.
+        """
+        empty = Checkpoint(self.boot_id)
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return LoadResult(empty, rebooted=False, corrupt_moved_to=None, migrated_from=None)
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot read checkpoint {self.path}: {exc.strerror or exc}"
+            ) from exc
+        try:
+            stored, migrated_from = decode(data, str(self.path))
+        except CheckpointCorrupt as exc:
+            moved = self._move_aside()
+            log.warning(
+                "checkpoint is corrupt; moved it aside and starting empty",
+                extra=fields_(path=str(self.path), moved_to=str(moved), reason=str(exc)),
+            )
+            return LoadResult(
+                empty,
+                rebooted=False,
+                corrupt_moved_to=moved,
+                migrated_from=None,
+                corrupt_reason=str(exc),
+            )
+        if migrated_from is not None:
+            log.info(
+                "checkpoint converted from an older format",
+                extra=fields_(path=str(self.path), version=migrated_from),
+            )
+        if stored.boot_id != self.boot_id:
+            log.info(
+                "checkpoint is from another boot; prepared state discarded",
+                extra=fields_(path=str(self.path), claims=len(stored.claims)),
+            )
+            return LoadResult(
+                empty, rebooted=True, corrupt_moved_to=None, migrated_from=migrated_from
+            )
+        return LoadResult(
+            stored, rebooted=False, corrupt_moved_to=None, migrated_from=migrated_from
+        )
+
+    def save(self, cp: Checkpoint) -> None:
+        """Replace the file with ``cp`` atomically (mode 0600). Raises CheckpointError."""
+        try:
+            atomic_write(self.path, encode(cp), mode=FILE_MODE)
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot write checkpoint {self.path}: {exc.strerror or exc}"
+            ) from exc
+
+    def _move_aside(self) -> Path:
+        """Rename the file to ``<name>.corrupt-<UTC timestamp>[.N]``, never replacing a file."""
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(self._clock()))
+        base = f"{self.path.name}.corrupt-{stamp}"
+        try:
+            for n in range(1000):
+                target = self.path.with_name(base if n == 0 else f"{base}.{n}")
+                try:
+                    os.link(self.path, target)  # fails, unlike rename, when target exists
+                except FileExistsError:
+                    continue
+                self.path.unlink()
+                fsync_dir(self.path.parent)
+                return target
+        except OSError as exc:
+            raise CheckpointError(
+                f"checkpoint {self.path} is corrupt and cannot be moved aside: "
+                f"{exc.strerror or exc}"
+            ) from exc
+        raise CheckpointError(f"checkpoint {self.path} is corrupt; too many earlier copies aside")

@@ -1,0 +1,212 @@
+"""The kubelet plugin: registration and DRA services over unix sockets.
+
+- ``<registry-dir>/<driver>-reg.sock`` serves ``pluginregistration.Registration``;
+- ``<plugins-dir>/<driver>/dra.sock`` serves ``DRAPlugin`` v1 and v1beta1 (one implementation)
+  and ``v1alpha1.DRAResourceHealth``.
+
+Sockets are created 0600 in 0750 directories, a stale socket from an earlier run is replaced, and
+both are removed on shutdown. Each gRPC call runs on the server's thread pool; claim work runs on
+the preparer's own pool under a deadline, so a slow claim never stalls other calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import grpc
+
+from agent.errors import ConfigError
+from agent.logs import fields_
+from dra_driver.claims import ClaimKey
+from dra_driver.health import HealthBoard
+from dra_driver.kubeletapi import (
+    dra_v1_pb2,
+    dra_v1_pb2_grpc,
+    dra_v1beta1_pb2,
+    dra_v1beta1_pb2_grpc,
+    health_v1alpha1_pb2,
+    health_v1alpha1_pb2_grpc,
+    registration_pb2,
+    registration_pb2_grpc,
+)
+from dra_driver.prepare import ClaimResult, Preparer
+
+MAX_MESSAGE = 16 * 1024 * 1024
+SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth")
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+]
+
+
+class RegistrationService(registration_pb2_grpc.RegistrationServicer):
+    def __init__(self, plugin: PluginServer) -> None:
+        self.plugin = plugin
+
+    def GetInfo(self, request: Any, context: Any) -> Any:
+        return registration_pb2.PluginInfo(
+            type="DRAPlugin",
+            name=self.plugin.driver_name,
+            endpoint=str(self.plugin.dra_socket),
+            supported_versions=list(SUPPORTED_VERSIONS),
+        )
+
+    def NotifyRegistrationStatus(self, request: Any, context: Any) -> Any:
+        self.plugin.registered = bool(request.plugin_registered)
+        self.plugin.registration_error = request.error or None
+        if request.plugin_registered:
+            self.plugin.log.info("registered with the kubelet")
+        else:
+            self.plugin.log.error(
+                "the kubelet refused the registration", extra=fields_(reason=request.error)
+            )
+        return registration_pb2.RegistrationStatusResponse()
+
+
+class DraService:
+    """DRAPlugin for one API version; the message classes come from that version's module."""
+
+    def __init__(self, pb2: ModuleType, preparer: Preparer) -> None:
+        self.pb2 = pb2
+        self.preparer = preparer
+
+    @staticmethod
+    def _keys(request: Any) -> list[ClaimKey]:
+        return [ClaimKey(c.namespace, c.name, c.uid) for c in request.claims]
+
+    def _device(self, d: Any) -> Any:
+        return self.pb2.Device(
+            request_names=list(d.request_names),
+            pool_name=d.pool,
+            device_name=d.device,
+            cdi_device_ids=list(d.cdi_device_ids),
+        )
+
+    def NodePrepareResources(self, request: Any, context: Any) -> Any:
+        results: dict[str, ClaimResult] = self.preparer.prepare(self._keys(request))
+        resp = self.pb2.NodePrepareResourcesResponse()
+        for uid, r in results.items():
+            entry = resp.claims[uid]
+            entry.error = r.error
+            entry.devices.extend(self._device(d) for d in r.devices)
+        return resp
+
+    def NodeUnprepareResources(self, request: Any, context: Any) -> Any:
+        results = self.preparer.unprepare(self._keys(request))
+        resp = self.pb2.NodeUnprepareResourcesResponse()
+        for uid, r in results.items():
+            resp.claims[uid].error = r.error
+        return resp
+
+
+class HealthService(health_v1alpha1_pb2_grpc.DRAResourceHealthServicer):
+    def __init__(self, board: HealthBoard, stop: threading.Event, resend_interval: float) -> None:
+        self.board = board
+        self.stop = stop
+        self.resend_interval = resend_interval
+
+    def NodeWatchResources(self, request: Any, context: Any) -> Any:
+        pb = health_v1alpha1_pb2
+        seen = -1
+        while not self.stop.is_set() and context.is_active():
+            version, states = self.board.snapshot()
+            if version != seen:
+                seen = version
+                yield pb.NodeWatchResourcesResponse(
+                    devices=[
+                        pb.DeviceHealth(
+                            device=pb.DeviceIdentifier(pool_name=s.pool, device_name=s.device),
+                            health=s.health,
+                            last_updated_time=s.updated_at,
+                            health_check_timeout_seconds=int(self.resend_interval * 3),
+                        )
+                        for s in states
+                    ]
+                )
+            if not self.board.wait_change(seen, self.resend_interval):
+                seen = -1  # nothing changed: resend the full list anyway
+
+
+def _prepare_dir(path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o750)
+
+
+MAX_SOCKET_PATH = 107  # sockaddr_un.sun_path holds 108 bytes with the terminating NUL
+
+
+def _bind(server: grpc.Server, socket: Path) -> None:
+    if len(os.fsencode(socket)) > MAX_SOCKET_PATH:
+        raise ConfigError(
+            f"unix socket path {socket} is {len(os.fsencode(socket))} bytes; the limit is"
+            f" {MAX_SOCKET_PATH}: choose shorter --kubelet-registry-dir/--kubelet-plugins-dir"
+            " (or --state-dir with --simulate)"
+        )
+    socket.unlink(missing_ok=True)  # a stale socket from an earlier run
+    server.add_insecure_port(f"unix://{socket}")
+
+
+class PluginServer:
+    def __init__(
+        self,
+        *,
+        driver_name: str,
+        registry_dir: Path,
+        plugins_dir: Path,
+        preparer: Preparer,
+        health: HealthBoard,
+        log: logging.Logger,
+        max_workers: int = 16,
+        resend_interval: float = 20.0,
+    ) -> None:
+        self.driver_name = driver_name
+        self.reg_socket = (registry_dir / f"{driver_name}-reg.sock").absolute()
+        self.dra_socket = (plugins_dir / driver_name / "dra.sock").absolute()
+        self.preparer = preparer
+        self.health = health
+        self.log = log
+        self.registered = False
+        self.registration_error: str | None = None
+        self._stop = threading.Event()
+        self._reg = grpc.server(ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
+        self._dra = grpc.server(ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
+        registration_pb2_grpc.add_RegistrationServicer_to_server(
+            RegistrationService(self), self._reg
+        )
+        dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(DraService(dra_v1_pb2, preparer), self._dra)
+        dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(
+            DraService(dra_v1beta1_pb2, preparer), self._dra
+        )
+        health_v1alpha1_pb2_grpc.add_DRAResourceHealthServicer_to_server(
+            HealthService(health, self._stop, resend_interval), self._dra
+        )
+
+    def start(self) -> None:
+        """DRA socket first: when the kubelet sees the registration socket, the service is up."""
+        for sock in (self.dra_socket, self.reg_socket):
+            _prepare_dir(sock.parent)
+        _bind(self._dra, self.dra_socket)
+        self._dra.start()
+        os.chmod(self.dra_socket, 0o600)
+        _bind(self._reg, self.reg_socket)
+        self._reg.start()
+        os.chmod(self.reg_socket, 0o600)
+        self.log.info(
+            "kubelet plugin serving",
+            extra=fields_(registration=str(self.reg_socket), dra=str(self.dra_socket)),
+        )
+
+    def stop(self, grace: float = 2.0) -> None:
+        """Stop serving (registration first, so the kubelet stops calling), remove sockets."""
+        self._stop.set()
+        self.health.wake_all()
+        self._reg.stop(grace).wait()
+        self._dra.stop(grace).wait()
+        for sock in (self.reg_socket, self.dra_socket):
+            sock.unlink(missing_ok=True)

@@ -1,0 +1,304 @@
+"""Prepare and unprepare claims: the per-claim state machine.
+
+Every prepare is a short fixed sequence (see ``Preparer._prepare_one``):
+
+1. read the claim and compute the plan (``plan_claim``, pure): our devices, their configs;
+2. under the checkpoint lock: a ``PrepareCompleted`` entry is returned unchanged; a
+   ``PrepareStarted`` one is rolled back first; the exclusivity rule is checked; the claim is
+   recorded as ``PrepareStarted`` (the devices are now reserved);
+3. side effects: the CDI spec (idempotent, discoverable by its file name);
+4. under the lock: the entry becomes ``PrepareCompleted``.
+
+A crash between any two steps is repaired by the next prepare of the claim (the kubelet retries)
+or by ``reconcile_on_start``. Claims touching different devices run concurrently; the same claim
+from many callers is serialized by a per-claim lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+from agent.errors import ClaimError, KubeError, ParamsError, TesseraError
+from agent.logs import fields_
+from dra_driver import params
+from dra_driver.cdi import CdiRequest, CdiWriter
+from dra_driver.checkpoint import (
+    PREPARE_COMPLETED,
+    PREPARE_STARTED,
+    Checkpoint,
+    CheckpointStore,
+    ClaimEntry,
+    PreparedDevice,
+)
+from dra_driver.claims import Allocation, ClaimKey, ClaimSource, configs_for, parse_allocation
+from dra_driver.devices import AdvertisedDevice, DeviceModel
+
+CrashHook = Callable[[str], None]
+CRASH_POINTS = ("after-started", "after-cdi", "after-completed", "before-unprepare-commit")
+
+
+@dataclass(frozen=True)
+class PlannedDevice:
+    device: AdvertisedDevice
+    request_names: tuple[str, ...]
+    config: params.DeviceConfig | None
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    devices: tuple[PreparedDevice, ...] = ()
+    error: str = ""
+
+
+def plan_claim(allocation: Allocation, model: DeviceModel) -> list[PlannedDevice]:
+    """Our devices of the allocation, each with its request names and effective config. Pure.
+
+    Raises ClaimError for devices this node does not advertise or cannot prepare, ParamsError
+    for configs that do not parse or validate."""
+    requests: dict[str, list[str]] = {}
+    for d in allocation.devices:
+        requests.setdefault(d.device, [])
+        if d.request not in requests[d.device]:
+            requests[d.device].append(d.request)
+    for i, c in enumerate(allocation.configs):  # every config of ours must be valid
+        params.validate(c.parameters, f"config[{i}].opaque.parameters")
+    planned = []
+    for name, reqs in requests.items():
+        try:
+            dev = model.device(name)
+        except KeyError:
+            raise ClaimError(
+                f"claim {allocation.claim}: device {name!r} is not advertised by this node"
+            ) from None
+        if dev.kind == "mig" and dev.gpu_instance_id is None:
+            raise ClaimError(
+                f"claim {allocation.claim}: {name} is a dynamic MIG placement; creating MIG"
+                " devices at prepare time is not supported by this driver version"
+            )
+        config = None
+        for r in reqs:
+            for c in configs_for(allocation, r):
+                cfg = params.validate(c.parameters)
+                if cfg.applies_to(dev.kind):
+                    config = cfg  # later entries win
+        planned.append(PlannedDevice(dev, tuple(reqs), config))
+    return planned
+
+
+def exclusive_conflict(
+    cp: Checkpoint, claim: ClaimKey, pool: str, devices: Sequence[PlannedDevice]
+) -> None:
+    """The one rule for who may hold a device: a device prepared for another claim is refused.
+    (Sharing modes relax this here, and only here.) Raises ClaimError naming both claims."""
+    for p in devices:
+        holder = cp.holder_of(pool, p.device.name)
+        if holder is not None and holder.uid != claim.uid:
+            raise ClaimError(
+                f"device {p.device.name} is already prepared for claim {holder.namespace}/"
+                f"{holder.name} ({holder.uid}); claim {claim} cannot have it too"
+            )
+
+
+class Preparer:
+    def __init__(
+        self,
+        *,
+        driver_name: str,
+        pool: str,
+        claims: ClaimSource,
+        store: CheckpointStore,
+        cdi: CdiWriter,
+        devices: Callable[[], DeviceModel],
+        log: logging.Logger,
+        crash_hook: CrashHook = lambda point: None,
+        workers: int = 8,
+        deadline_s: float = 40.0,
+    ) -> None:
+        self.driver_name = driver_name
+        self.pool = pool
+        self.claims = claims
+        self.store = store
+        self.cdi = cdi
+        self.devices = devices
+        self.log = log
+        self.crash = crash_hook
+        self.deadline_s = deadline_s
+        self._cp_lock = threading.Lock()
+        self._claim_locks: dict[str, threading.Lock] = {}
+        self._locks_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prepare")
+        self._cp: Checkpoint | None = None
+
+    # -- checkpoint access -------------------------------------------------------------------
+    @property
+    def checkpoint(self) -> Checkpoint:
+        if self._cp is None:
+            raise RuntimeError("reconcile_on_start() first")
+        return self._cp
+
+    def _commit(self, cp: Checkpoint) -> None:
+        """Save, then adopt: memory never runs ahead of the file. Caller holds _cp_lock."""
+        self.store.save(cp)
+        self._cp = cp
+
+    def _claim_lock(self, uid: str) -> threading.Lock:
+        with self._locks_lock:
+            return self._claim_locks.setdefault(uid, threading.Lock())
+
+    # -- start-up ----------------------------------------------------------------------------
+    def reconcile_on_start(self) -> None:
+        """Load the checkpoint and make reality match it, logging every action."""
+        result = self.store.load()
+        cp = result.checkpoint
+        if result.corrupt_moved_to is not None:
+            self.log.error(
+                "checkpoint was corrupt; moved aside, starting empty; orphaned CDI specs are kept"
+                " this time (they may belong to running pods)",
+                extra=fields_(moved_to=str(result.corrupt_moved_to)),
+            )
+        if result.rebooted:
+            self.log.warning("node rebooted since the checkpoint: prepared state discarded")
+        if result.migrated_from is not None:
+            self.log.info("checkpoint migrated", extra=fields_(from_version=result.migrated_from))
+        with self._cp_lock:
+            for entry in list(cp.claims.values()):
+                if entry.state == PREPARE_STARTED:
+                    self.cdi.remove(entry.uid)
+                    cp = cp.without_claim(entry.uid)
+                    self.log.warning(
+                        "rolled back an interrupted prepare",
+                        extra=fields_(claim=f"{entry.namespace}/{entry.name}", uid=entry.uid),
+                    )
+            if result.corrupt_moved_to is None:
+                for uid in sorted(self.cdi.claim_uids() - set(cp.claims)):
+                    self.cdi.remove(uid)
+                    self.log.warning("removed orphaned CDI spec", extra=fields_(uid=uid))
+            self._commit(cp)
+
+    # -- prepare -----------------------------------------------------------------------------
+    def prepare(self, claims: Sequence[ClaimKey]) -> dict[str, ClaimResult]:
+        """Prepare every claim (concurrently); one result per claim UID, errors per claim."""
+        return self._batch(claims, self._prepare_one)
+
+    def unprepare(self, claims: Sequence[ClaimKey]) -> dict[str, ClaimResult]:
+        return self._batch(claims, self._unprepare_one)
+
+    def _batch(
+        self, claims: Sequence[ClaimKey], fn: Callable[[ClaimKey], ClaimResult]
+    ) -> dict[str, ClaimResult]:
+        deadline = time.monotonic() + self.deadline_s
+        futures = {c.uid: (c, self._pool.submit(self._guard, fn, c)) for c in claims}
+        out: dict[str, ClaimResult] = {}
+        for uid, (claim, fut) in futures.items():
+            try:
+                out[uid] = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                out[uid] = ClaimResult(
+                    error=f"claim {claim}: not done within {self.deadline_s:.0f} s; it goes on in"
+                    " the background and a retry returns its result"
+                )
+        return out
+
+    def _guard(self, fn: Callable[[ClaimKey], ClaimResult], claim: ClaimKey) -> ClaimResult:
+        try:
+            return fn(claim)
+        except TesseraError as exc:
+            self.log.warning(
+                f"{fn.__name__.strip('_').replace('_one', '')} failed",
+                extra=fields_(claim=str(claim), error=str(exc)),
+            )
+            return ClaimResult(error=str(exc))
+
+    def _prepare_one(self, claim: ClaimKey) -> ClaimResult:
+        with self._claim_lock(claim.uid):
+            existing = self.checkpoint.claims.get(claim.uid)
+            if existing is not None and existing.state == PREPARE_COMPLETED:
+                return ClaimResult(devices=existing.devices)
+            try:
+                obj = self.claims.get(claim.namespace, claim.name)
+            except KubeError as exc:
+                raise ClaimError(f"claim {claim}: cannot read it: {exc}") from exc
+            allocation = parse_allocation(obj, claim, self.driver_name, self.pool)
+            try:
+                planned = plan_claim(allocation, self.devices())
+            except ParamsError as exc:
+                raise ClaimError(f"claim {claim}: invalid configuration: {exc}") from exc
+            prepared = tuple(self._prepared_device(claim, p) for p in planned)
+            with self._cp_lock:
+                cp = self.checkpoint
+                if claim.uid in cp.claims:  # PrepareStarted left by a crash: roll back first
+                    self.cdi.remove(claim.uid)
+                    cp = cp.without_claim(claim.uid)
+                exclusive_conflict(cp, claim, self.pool, planned)
+                self._commit(cp.with_claim(self._entry(claim, PREPARE_STARTED, prepared)))
+            self.crash("after-started")
+            requests = [
+                CdiRequest(
+                    device_name=p.device.name,
+                    gpu_minor=p.device.gpu_minor,
+                    gpu_instance_id=p.device.gpu_instance_id,
+                    compute_instance_id=p.device.compute_instance_id,
+                )
+                for p in planned
+            ]
+            if requests:
+                self.cdi.write(claim.uid, self.cdi.build_spec(claim.uid, requests))
+            self.crash("after-cdi")
+            with self._cp_lock:
+                self._commit(
+                    self.checkpoint.with_claim(self._entry(claim, PREPARE_COMPLETED, prepared))
+                )
+            self.crash("after-completed")
+            self.log.info(
+                "prepared claim",
+                extra=fields_(claim=str(claim), devices=",".join(d.device for d in prepared)),
+            )
+            return ClaimResult(devices=prepared)
+
+    def _prepared_device(self, claim: ClaimKey, p: PlannedDevice) -> PreparedDevice:
+        d = p.device
+        return PreparedDevice(
+            request_names=p.request_names,
+            pool=self.pool,
+            device=d.name,
+            cdi_device_ids=(self.cdi.device_id(claim.uid, d.name),),
+            kind=d.kind,
+            gpu_uuid=d.parent_uuid,
+            gpu_minor=d.gpu_minor,
+            mig_uuid=d.uuid if d.kind == "mig" else None,
+            gpu_instance_id=d.gpu_instance_id,
+            compute_instance_id=d.compute_instance_id,
+        )
+
+    @staticmethod
+    def _entry(claim: ClaimKey, state: str, devices: tuple[PreparedDevice, ...]) -> ClaimEntry:
+        return ClaimEntry(
+            uid=claim.uid,
+            namespace=claim.namespace,
+            name=claim.name,
+            state=state,
+            devices=devices,
+            updated_at=time.time(),
+        )
+
+    # -- unprepare ---------------------------------------------------------------------------
+    def _unprepare_one(self, claim: ClaimKey) -> ClaimResult:
+        with self._claim_lock(claim.uid):
+            if claim.uid not in self.checkpoint.claims:
+                self.cdi.remove(claim.uid)  # a spec without an entry is an orphan anyway
+                return ClaimResult()
+            self.cdi.remove(claim.uid)
+            self.crash("before-unprepare-commit")
+            with self._cp_lock:
+                self._commit(self.checkpoint.without_claim(claim.uid))
+            self.log.info("unprepared claim", extra=fields_(claim=str(claim)))
+            return ClaimResult()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=False)

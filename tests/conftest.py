@@ -1,0 +1,21 @@
+"""Fixtures shared by every test package."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A temporary directory with a short path: unix socket paths are limited to 107 bytes and
+    pytest's tmp_path is long."""
+    path = Path(tempfile.mkdtemp(prefix="ts-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

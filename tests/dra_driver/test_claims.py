@@ -1,0 +1,96 @@
+import pytest
+import yaml
+
+from agent.errors import ClaimError
+from dra_driver.claims import ClaimKey, DirClaimSource, configs_for, parse_allocation
+
+DRIVER, NODE = "gpu.tessera.dev", "node-a"
+KEY = ClaimKey("default", "c1", "uid-1")
+
+
+def claim(results=None, config=None, uid="uid-1", node_selector=None, allocated=True):
+    obj = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": "c1", "namespace": "default", "uid": uid},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "x"}}]}},
+    }
+    if allocated:
+        alloc = {"devices": {"results": results or [], "config": config or []}}
+        if node_selector is not None:
+            alloc["nodeSelector"] = node_selector
+        obj["status"] = {"allocation": alloc}
+    return obj
+
+
+def result(device="gpu-0", request="gpu", driver=DRIVER, pool=NODE):
+    return {"request": request, "driver": driver, "pool": pool, "device": device}
+
+
+def opaque(source, params, requests=None, driver=DRIVER):
+    c = {"source": source, "opaque": {"driver": driver, "parameters": params}}
+    if requests:
+        c["requests"] = requests
+    return c
+
+
+def test_picks_only_this_drivers_results():
+    a = parse_allocation(
+        claim([result(), result("nic-0", "nic", driver="nic.example.com", pool="x")]),
+        KEY, DRIVER, NODE,
+    )  # fmt: skip
+    assert [d.device for d in a.devices] == ["gpu-0"]
+
+
+def test_config_precedence_class_first_claim_wins_later_wins_request_scoped():
+    cfgs = [
+        opaque("FromClaim", {"n": 3}),
+        opaque("FromClass", {"n": 1}),
+        opaque("FromClaim", {"n": 4}, requests=["other"]),
+        opaque("FromClass", {"n": 2}),
+        opaque("FromClaim", {"n": 5}, requests=["gpu"]),
+        opaque("FromClaim", {"n": 99}, driver="nic.example.com"),
+    ]
+    a = parse_allocation(claim([result()], cfgs), KEY, DRIVER, NODE)
+    assert [c.parameters["n"] for c in configs_for(a, "gpu")] == [1, 2, 3, 5]
+    assert [c.parameters["n"] for c in configs_for(a, "gpu/big")] == [1, 2, 3, 5]
+    assert [c.parameters["n"] for c in configs_for(a, "other")] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    ("obj", "needle"),
+    [
+        (claim([result()], uid="uid-2"), "has UID 'uid-2', the kubelet asked for 'uid-1'"),
+        (claim(allocated=False), "is not allocated"),
+        (claim([result(pool="node-b")]), "pool 'node-b', which is another node's"),
+        (
+            claim([result()], node_selector={"nodeSelectorTerms": [{"matchFields": [
+                {"key": "metadata.name", "operator": "In", "values": ["node-b"]}]}]}),
+            "allocated to another node",
+        ),
+    ],
+    ids=["uid-mismatch", "not-allocated", "other-pool", "other-node-selector"],
+)  # fmt: skip
+def test_bad_claims(obj, needle):
+    with pytest.raises(ClaimError) as e:
+        parse_allocation(obj, KEY, DRIVER, NODE)
+    assert needle in str(e.value)
+
+
+def test_node_selector_for_this_node_is_accepted():
+    sel = {"nodeSelectorTerms": [{"matchFields": [
+        {"key": "metadata.name", "operator": "In", "values": [NODE]}]}]}  # fmt: skip
+    assert parse_allocation(claim([result()], node_selector=sel), KEY, DRIVER, NODE).devices
+
+
+def test_dir_source_reads_multi_document_files(tmp_path):
+    (tmp_path / "claims.yaml").write_text(
+        yaml.safe_dump_all([claim([result()]), {"kind": "ConfigMap", "metadata": {"name": "c1"}}])
+    )
+    src = DirClaimSource(tmp_path)
+    assert src.get("default", "c1")["metadata"]["uid"] == "uid-1"
+    with pytest.raises(ClaimError, match="claim default/c2 not found"):
+        src.get("default", "c2")
+    (tmp_path / "broken.yaml").write_text("a: [")
+    with pytest.raises(ClaimError, match="cannot read claim file"):
+        src.get("default", "c1")
