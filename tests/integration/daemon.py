@@ -1,0 +1,152 @@
+"""A `tessera run --simulate` daemon as a real subprocess, with its sockets and files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DRIVER = "gpu.tessera.dev"
+
+
+class Daemon:
+    def __init__(self, state: Path, model: str, *extra: str) -> None:
+        self.state = state
+        self.model = model
+        self.extra = list(extra)
+        self.proc: subprocess.Popen[str] | None = None
+        self.logs: list[dict[str, Any]] = []
+        self._reader: threading.Thread | None = None
+
+    @property
+    def node(self) -> str:
+        return self.model  # the simulated model's host name
+
+    @property
+    def reg_socket(self) -> Path:
+        return self.state / "kubelet" / "plugins_registry" / f"{DRIVER}-reg.sock"
+
+    @property
+    def dra_socket(self) -> Path:
+        return self.state / "kubelet" / "plugins" / DRIVER / "dra.sock"
+
+    @property
+    def cdi_dir(self) -> Path:
+        return self.state / "cdi"
+
+    def start(self, *extra: str, wait: bool = True) -> Daemon:
+        tessera = os.path.join(os.path.dirname(sys.executable), "tessera")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+        args = [tessera, "run", "--simulate", self.model, "--state-dir", str(self.state),
+                "--metrics-address", "127.0.0.1:0", *self.extra, *extra]  # fmt: skip
+        if "--kubeconfig" not in args:
+            args.append("--no-kube")
+        self.logs = []
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        if wait:
+            self.wait_log("agent started")
+        return self
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stderr is not None
+        for line in self.proc.stderr:
+            try:
+                self.logs.append(json.loads(line))
+            except ValueError:
+                self.logs.append({"msg": line.rstrip()})
+
+    def wait_log(self, msg: str, timeout: float = 60) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for rec in list(self.logs):
+                if rec.get("msg") == msg:
+                    return rec
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited {self.proc.returncode}: {self.logs[-5:]}")
+            time.sleep(0.05)
+        raise AssertionError(f"no log {msg!r} in {timeout}s")
+
+    def wait_exit(self, timeout: float = 30) -> int:
+        assert self.proc is not None
+        code = self.proc.wait(timeout=timeout)
+        if self._reader is not None:
+            self._reader.join(5)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
+        return code
+
+    def stop(self) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.wait_exit() if self.proc is not None else 0
+        self.proc.send_signal(signal.SIGTERM)
+        return self.wait_exit()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.wait_exit()
+
+    def checkpoint(self) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads((self.state / "checkpoint.json").read_text())
+        return data
+
+    def cdi_files(self) -> list[str]:
+        return sorted(p.name for p in self.cdi_dir.glob("*.json")) if self.cdi_dir.exists() else []
+
+
+def claim_manifest(
+    name: str,
+    uid: str,
+    devices: list[tuple[str, str]],
+    pool: str,
+    namespace: str = "default",
+    config: list[dict[str, Any]] | None = None,
+    allocated: bool = True,
+) -> dict[str, Any]:
+    """A ResourceClaim with status.allocation: ``devices`` = [(request, device name)]."""
+    requests = sorted({r.split("/")[0] for r, _ in devices}) or ["gpu"]
+    obj: dict[str, Any] = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": namespace, "uid": uid},
+        "spec": {
+            "devices": {
+                "requests": [
+                    {"name": r, "exactly": {"deviceClassName": "gpu.tessera.dev"}} for r in requests
+                ]
+            }
+        },
+    }
+    if allocated:
+        obj["status"] = {
+            "allocation": {
+                "devices": {
+                    "results": [
+                        {"request": r, "driver": DRIVER, "pool": pool, "device": d}
+                        for r, d in devices
+                    ],
+                    "config": config or [],
+                }
+            }
+        }
+    return obj
+
+
+def write_claims(state: Path, *claims: dict[str, Any]) -> None:
+    d = state / "resourceclaims"
+    d.mkdir(parents=True, exist_ok=True)
+    for c in claims:
+        meta = c["metadata"]
+        (d / f"{meta['namespace']}-{meta['name']}.yaml").write_text(yaml.safe_dump(c))
