@@ -16,13 +16,21 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+SAMPLE_UID := 0b9e7a3c-5d0e-4c7a-9b1e-2f6d8c4a1e01
+
 run: $(STAMP)
-	@mkdir -p $(RUN_DIR)
+	@mkdir -p $(RUN_DIR)/state/resourceclaims
+	@sed 's/dgx-h100/$(MODEL)/g' deploy/daemonset/examples/allocated-gpu-claim.yaml \
+		> $(RUN_DIR)/state/resourceclaims/sample-gpu.yaml
 	@echo "Tessera on a simulated $(MODEL) node; state, simulator and sysfs tree under $(RUN_DIR)/state"
 	@echo "Try it from another terminal:"
 	@echo "  curl http://$(METRICS)/healthz ; curl http://$(METRICS)/readyz"
 	@echo "  $(VENV)/bin/tessera discover --simulate $(MODEL) --state-dir $(RUN_DIR)/state"
 	@echo "  $(VENV)/bin/tessera topo --simulate $(MODEL) --state-dir $(RUN_DIR)/state"
+	@echo "  ls $(RUN_DIR)/state/resourceslices/"
+	@echo "  $(VENV)/bin/tessera kubelet info --socket $(RUN_DIR)/state/kubelet/plugins_registry/gpu.tessera.dev-reg.sock"
+	@echo "  $(VENV)/bin/tessera kubelet prepare --socket $(RUN_DIR)/state/kubelet/plugins/gpu.tessera.dev/dra.sock \\"
+	@echo "      --claim default/sample-gpu/$(SAMPLE_UID)    # then: cat $(RUN_DIR)/state/cdi/*.json"
 	@echo "Ctrl-C stops it."
 	$(VENV)/bin/tessera run --simulate $(MODEL) --state-dir $(RUN_DIR)/state --no-kube \
 		--metrics-address $(METRICS) --log-format text

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from bench import slices
+from bench import prepare, slices
 
-BENCHMARKS = {"slices": slices.run}
+BENCHMARKS = {"slices": slices.run, "prepare": prepare.run}
 
 
 def main(argv: list[str]) -> int:

@@ -9,6 +9,7 @@ claim object: ``KubeClaimSource`` from the API server, ``DirClaimSource`` from
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,8 @@ import yaml
 
 from agent.errors import ClaimError, KubeError
 from dra_driver.kube import KubeClient
+
+YamlLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when installed
 
 
 @dataclass(frozen=True)
@@ -156,22 +159,37 @@ class KubeClaimSource:
 
 
 class DirClaimSource:
-    """Standalone mode: ResourceClaim manifests (with status.allocation) in a directory."""
+    """Standalone mode: ResourceClaim manifests (with status.allocation) in a directory.
+
+    Parsed files are cached by (mtime, size), so a batch of claims parses each file once."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
+        self._cache: dict[Path, tuple[tuple[int, int], list[dict[str, Any]]]] = {}
+        self._lock = threading.Lock()
+
+    def _file(self, path: Path) -> list[dict[str, Any]]:
+        try:
+            st = path.stat()
+            key = (st.st_mtime_ns, st.st_size)
+            with self._lock:
+                cached = self._cache.get(path)
+            if cached is not None and cached[0] == key:
+                return cached[1]
+            docs = [
+                d for d in yaml.load_all(path.read_text(), Loader=YamlLoader) if isinstance(d, dict)
+            ]
+        except (OSError, yaml.YAMLError) as exc:
+            raise ClaimError(f"cannot read claim file {path}: {exc}") from exc
+        with self._lock:
+            self._cache[path] = (key, docs)
+        return docs
 
     def _documents(self) -> Sequence[dict[str, Any]]:
-        docs: list[dict[str, Any]] = []
         if not self.directory.is_dir():
-            return docs
-        for path in sorted(self.directory.glob("*.yaml")) + sorted(self.directory.glob("*.yml")):
-            try:
-                loaded = list(yaml.safe_load_all(path.read_text()))
-            except (OSError, yaml.YAMLError) as exc:
-                raise ClaimError(f"cannot read claim file {path}: {exc}") from exc
-            docs.extend(d for d in loaded if isinstance(d, dict))
-        return docs
+            return []
+        paths = sorted(self.directory.glob("*.yaml")) + sorted(self.directory.glob("*.yml"))
+        return [d for path in paths for d in self._file(path)]
 
     def get(self, namespace: str, name: str) -> dict[str, Any]:
         for doc in self._documents():

@@ -94,3 +94,12 @@ def test_dir_source_reads_multi_document_files(tmp_path):
     (tmp_path / "broken.yaml").write_text("a: [")
     with pytest.raises(ClaimError, match="cannot read claim file"):
         src.get("default", "c1")
+
+
+def test_dir_source_sees_edited_files(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(claim([result()])))
+    src = DirClaimSource(tmp_path)
+    assert src.get("default", "c1")["metadata"]["uid"] == "uid-1"
+    path.write_text(yaml.safe_dump(claim([result()], uid="uid-22")))
+    assert src.get("default", "c1")["metadata"]["uid"] == "uid-22"
