@@ -312,3 +312,18 @@ def test_kube_mode_reads_claims_from_the_api_server_and_waits_for_registration(s
             assert server.rejected == []
         finally:
             d.kill()
+
+
+def test_reboot_discards_prepared_state(short_tmp):
+    d = Daemon(short_tmp, "dgx-h100").start()
+    try:
+        ref = gpu_claim(d, "before", "uid-before", "gpu-1")
+        assert prepare(d, ref)["uid-before"]["error"] == ""
+        assert d.stop() == 0
+        (short_tmp / "sim" / "boot_id").unlink()  # the simulated node reboots
+        d.start()
+        d.wait_log("node rebooted since the checkpoint: prepared state discarded")
+        assert d.cdi_files() == [] and d.checkpoint()["claims"] == {}
+        assert prepare(d, ref)["uid-before"]["error"] == ""  # the kubelet prepares again
+    finally:
+        d.kill()
