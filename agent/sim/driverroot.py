@@ -35,6 +35,7 @@ from pathlib import Path
 
 from agent.errors import ConfigError
 from agent.sim.model import NodeModel
+from agent.sim.tree import symlink, write_text
 
 GPU_INSTANCES = 15
 COMPUTE_INSTANCES = 8
@@ -66,34 +67,12 @@ def _version_text(version: str) -> str:
     )
 
 
-def _write(path: Path, text: str) -> None:
-    """Write ``text`` atomically; leave the file alone when it already holds it."""
-    try:
-        if path.read_text() == text:
-            return
-    except OSError:
-        pass
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _symlink(link: Path, target: str) -> None:
-    if link.is_symlink() and os.readlink(link) == target:
-        return
-    tmp = link.with_name(f".{link.name}.tmp")
-    tmp.unlink(missing_ok=True)
-    tmp.symlink_to(target)
-    os.replace(tmp, link)
-
-
 def _write_tree(model: NodeModel, root: Path) -> None:
     nvidia = root / "proc" / "driver" / "nvidia"
-    _write(nvidia / "version", _version_text(model.driver_version))
+    write_text(nvidia / "version", _version_text(model.driver_version))
     caps = root / CAPS_DIR
-    _write(caps / "mig" / "config", _caps_text(CONFIG_MINOR, MODE_CONFIG))
-    _write(caps / "mig" / "monitor", _caps_text(MONITOR_MINOR, MODE_READ))
+    write_text(caps / "mig" / "config", _caps_text(CONFIG_MINOR, MODE_CONFIG))
+    write_text(caps / "mig" / "monitor", _caps_text(MONITOR_MINOR, MODE_READ))
     gpu_dirs = {"mig"}
     for gpu in model.gpus:
         if not gpu.spec.mig_capable:
@@ -102,10 +81,10 @@ def _write_tree(model: NodeModel, root: Path) -> None:
         gpu_dirs.add(f"gpu{minor}")
         mig = caps / f"gpu{minor}" / "mig"
         for gi in range(GPU_INSTANCES):
-            _write(mig / f"gi{gi}" / "access", _caps_text(caps_minor(minor, gi), MODE_READ))
+            write_text(mig / f"gi{gi}" / "access", _caps_text(caps_minor(minor, gi), MODE_READ))
             for ci in range(COMPUTE_INSTANCES):
                 text = _caps_text(caps_minor(minor, gi, ci), MODE_READ)
-                _write(mig / f"gi{gi}" / f"ci{ci}" / "access", text)
+                write_text(mig / f"gi{gi}" / f"ci{ci}" / "access", text)
     # GPUs an earlier write (of another model) had and this one does not
     for entry in caps.iterdir():
         if entry.name not in gpu_dirs and entry.is_dir() and not entry.is_symlink():
@@ -116,8 +95,8 @@ def _write_tree(model: NodeModel, root: Path) -> None:
     keep: set[str] = set()
     for lib in LIBRARIES:
         real = f"{lib}.{model.driver_version}"
-        _write(libs / real, "")
-        _symlink(libs / f"{lib}.1", real)
+        write_text(libs / real, "")
+        symlink(libs / f"{lib}.1", real)
         keep.update((real, f"{lib}.1"))
     # libraries of another driver version left by an earlier write
     for entry in libs.iterdir():

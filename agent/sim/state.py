@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from agent.fsutil import fsync_dir
 from agent.sim.model import NodeModel
 
 log = logging.getLogger(__name__)
@@ -212,14 +213,6 @@ def belongs_to(state: SimState, model: NodeModel) -> bool:
 # -- the store (I/O) ----------------------------------------------------------------------------
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class StateStore:
     """The state of one model, kept in a directory and shared between processes."""
 
@@ -272,7 +265,7 @@ class StateStore:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         self._state = state
         self._seen = self._stat_key()
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from agent.errors import ConfigError, ModelError
 from agent.sim.model import BDF_RE, MELLANOX_VENDOR, NVIDIA_VENDOR, ROOT_RE, NodeModel
+from agent.sim.tree import remove, symlink, write_text
 
 CLASS_3D_CONTROLLER = 0x030200
 CLASS_NVSWITCH = 0x068000
@@ -135,45 +136,13 @@ def pci_functions(model: NodeModel) -> tuple[SimFunction, ...]:
     )
 
 
-def _write(path: Path, text: str) -> None:
-    """Write ``text`` atomically; leave the file alone when it already holds it."""
-    try:
-        if path.read_text() == text:
-            return
-    except OSError:
-        pass
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.is_symlink() or path.exists():
-        path.unlink()
-
-
-def _symlink(link: Path, target: str) -> None:
-    """Point ``link`` at ``target`` (relative), atomically replacing what was there."""
-    if link.is_symlink() and os.readlink(link) == target:
-        return
-    if link.is_dir() and not link.is_symlink():
-        shutil.rmtree(link)
-    tmp = link.with_name(f".{link.name}.tmp")
-    if tmp.is_symlink() or tmp.exists():
-        tmp.unlink()
-    tmp.symlink_to(target)
-    os.replace(tmp, link)
-
-
 def _prune(directory: Path, keep: set[str]) -> None:
     """Remove the entries of ``directory`` not named in ``keep`` (temp files included)."""
     if not directory.is_dir():
         return
     for entry in directory.iterdir():
         if entry.name not in keep:
-            _remove(entry)
+            remove(entry)
 
 
 def _prune_pci(directory: Path, rel: str, expected: set[str]) -> None:
@@ -195,13 +164,13 @@ def _write_function(devices: Path, fn: SimFunction, model: NodeModel, nr_cpus: i
     d = devices / fn.rel_path
     d.mkdir(parents=True, exist_ok=True)
     cpulist = model.numa_nodes[fn.numa]
-    _write(d / "vendor", f"0x{fn.vendor:04x}\n")
-    _write(d / "device", f"0x{fn.device:04x}\n")
-    _write(d / "class", f"0x{fn.pci_class:06x}\n")
-    _write(d / "numa_node", f"{fn.numa}\n")
-    _write(d / "local_cpulist", f"{cpulist}\n")
-    _write(d / "local_cpus", f"{cpulist_to_mask(cpulist, nr_cpus)}\n")
-    _write(
+    write_text(d / "vendor", f"0x{fn.vendor:04x}\n")
+    write_text(d / "device", f"0x{fn.device:04x}\n")
+    write_text(d / "class", f"0x{fn.pci_class:06x}\n")
+    write_text(d / "numa_node", f"{fn.numa}\n")
+    write_text(d / "local_cpulist", f"{cpulist}\n")
+    write_text(d / "local_cpus", f"{cpulist_to_mask(cpulist, nr_cpus)}\n")
+    write_text(
         d / "uevent",
         f"PCI_CLASS={fn.pci_class:X}\nPCI_ID={fn.vendor:04X}:{fn.device:04X}\n"
         f"PCI_SLOT_NAME={fn.bus}\n",
@@ -222,7 +191,7 @@ def _write_tree(model: NodeModel, root: Path) -> None:
         _write_function(devices, fn, model, nr_cpus)
         parts = fn.rel_path.split("/")
         expected.update("/".join(parts[: i + 1]) for i in range(len(parts)))
-        _symlink(bus_links / fn.bus, f"../../../devices/{fn.rel_path}")
+        symlink(bus_links / fn.bus, f"../../../devices/{fn.rel_path}")
 
     nic_keep: dict[str, tuple[set[str], set[str]]] = {}
     for nic in model.nics:
@@ -230,13 +199,13 @@ def _write_tree(model: NodeModel, root: Path) -> None:
         d = devices / rel
         ib = d / "infiniband" / nic.name
         (ib / "ports" / "1").mkdir(parents=True, exist_ok=True)
-        _write(ib / "ports" / "1" / "link_layer", f"{nic.link_layer}\n")
-        _write(ib / "ports" / "1" / "state", "4: ACTIVE\n")
-        _symlink(ib / "device", f"../../../{nic.bus}")
+        write_text(ib / "ports" / "1" / "link_layer", f"{nic.link_layer}\n")
+        write_text(ib / "ports" / "1" / "state", "4: ACTIVE\n")
+        symlink(ib / "device", f"../../../{nic.bus}")
         net = d / "net" / nic.netdev
         net.mkdir(parents=True, exist_ok=True)
-        _write(net / "type", f"{ARPHRD.get(nic.link_layer, 1)}\n")
-        _symlink(net / "device", f"../../../{nic.bus}")
+        write_text(net / "type", f"{ARPHRD.get(nic.link_layer, 1)}\n")
+        symlink(net / "device", f"../../../{nic.bus}")
         keep = nic_keep.setdefault(rel, (set(), set()))
         keep[0].add(nic.name)
         keep[1].add(nic.netdev)
@@ -246,17 +215,17 @@ def _write_tree(model: NodeModel, root: Path) -> None:
     net_class.mkdir(parents=True, exist_ok=True)
     for nic in model.nics:
         rel = by_bus[nic.bus].rel_path
-        _symlink(ib_class / nic.name, f"../../devices/{rel}/infiniband/{nic.name}")
-        _symlink(net_class / nic.netdev, f"../../devices/{rel}/net/{nic.netdev}")
+        symlink(ib_class / nic.name, f"../../devices/{rel}/infiniband/{nic.name}")
+        symlink(net_class / nic.netdev, f"../../devices/{rel}/net/{nic.netdev}")
 
     node_dir = devices / "system" / "node"
     node_dir.mkdir(parents=True, exist_ok=True)
     ids = format_cpulist(list(model.numa_nodes))
     for name in ("online", "possible", "has_cpu"):
-        _write(node_dir / name, f"{ids}\n")
+        write_text(node_dir / name, f"{ids}\n")
     for node, cpulist in model.numa_nodes.items():
         (node_dir / f"node{node}").mkdir(exist_ok=True)
-        _write(node_dir / f"node{node}" / "cpulist", f"{cpulist}\n")
+        write_text(node_dir / f"node{node}" / "cpulist", f"{cpulist}\n")
 
     # What an earlier write (of another model) left behind goes; readers never see a gap.
     _prune(bus_links, {f.bus for f in functions})

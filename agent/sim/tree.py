@@ -1,0 +1,43 @@
+"""Writing the simulator's file trees (sysfs, driver root): idempotent, atomic per entry, and
+quiet when nothing changed, so a reader running at the same time never sees a gap."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write ``text`` atomically; leave the file alone when it already holds it."""
+    try:
+        if path.read_text() == text:
+            return
+    except OSError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def symlink(link: Path, target: str) -> None:
+    """Point ``link`` at ``target`` (relative), atomically replacing what was there."""
+    if link.is_symlink() and os.readlink(link) == target:
+        return
+    if link.is_dir() and not link.is_symlink():
+        shutil.rmtree(link)
+    link.parent.mkdir(parents=True, exist_ok=True)
+    tmp = link.with_name(f".{link.name}.tmp")
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    tmp.symlink_to(target)
+    os.replace(tmp, link)
+
+
+def remove(path: Path) -> None:
+    """Remove a file, link or directory tree if it exists."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.is_symlink() or path.exists():
+        path.unlink()
