@@ -1,0 +1,67 @@
+"""The sampler's output: one immutable ``Snapshot`` per tick. Scrapes, the gRPC stream and
+`tessera top` only ever read the latest snapshot; nothing on those paths calls NVML."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agent.nvml.samples import GpuSample
+
+
+@dataclass(frozen=True)
+class GpuTelemetry:
+    sample: GpuSample
+    name: str
+    """Product name (the ``model`` label)."""
+    pci_bus_id: str
+    energy_joules_total: float | None
+    """Tessera's energy counter for the GPU: monotonic across driver reloads and agent restarts."""
+    xid_counts: tuple[tuple[int, int], ...]
+    """(XID, times seen since the agent started counting), sorted by XID."""
+    healthy: bool
+    mig_profiles: tuple[tuple[int, str], ...] = ()
+    """(GPU instance id, profile name) of the GPU's MIG devices, for labels."""
+
+
+@dataclass(frozen=True)
+class ClaimUsage:
+    """What one prepared device has cost one claim so far (counters, monotonic)."""
+
+    namespace: str
+    claim: str
+    uid: str
+    pool: str
+    device: str
+    gpu_index: int
+    rule: str
+    """How the GPU's energy was split: ``exclusive``, ``mig-sm-share``, ``process-utilization``
+    or ``even`` (see docs/metrics.md)."""
+    energy_joules_total: float
+    gpu_seconds_total: float
+
+
+@dataclass(frozen=True)
+class PreparedDevice:
+    pool: str
+    device: str
+    gpu_index: int
+    namespace: str
+    claim: str
+    uid: str
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    node: str
+    tick: int
+    wall_time: float
+    """Unix seconds when the tick finished."""
+    monotonic: float
+    interval_seconds: float
+    gpus: tuple[GpuTelemetry, ...]
+    claims: tuple[ClaimUsage, ...]
+    prepared: tuple[PreparedDevice, ...]
+    tick_duration_seconds: float
+    """How long the tick's reads took."""
+    lag_seconds: float
+    """How late the tick started against its schedule."""
