@@ -64,3 +64,5 @@ PROTO_GEN := $(PY) -m grpc_tools.protoc -Idra_driver/kubeletapi=proto/kubelet \
 	--python_out=. --grpc_python_out=. --pyi_out=.
 proto: $(STAMP)
 	$(PROTO_GEN) $(patsubst proto/kubelet/%,dra_driver/kubeletapi/%,$(wildcard proto/kubelet/*.proto))
+	$(PY) -m grpc_tools.protoc -Iagent/telemetry/api=proto/telemetry \
+		--python_out=. --grpc_python_out=. --pyi_out=. agent/telemetry/api/telemetry.proto

@@ -54,7 +54,7 @@ class CurrentDevices:
     def get(self) -> DeviceModel:
         with self._lock:
             if self._model is None:
-                raise ClaimError("the node has not been discovered yet; retry shortly")
+                raise ClaimError("the node has not been discovered yet; retry shortly", "not_ready")
             return self._model
 
 

@@ -117,7 +117,13 @@ class KubeConflict(KubeError):
 
 
 class ClaimError(TesseraError):
-    """A claim cannot be prepared: not found, UID mismatch, not allocated, another node, …"""
+    """A claim cannot be prepared: not found, UID mismatch, not allocated, another node, …
+
+    ``reason`` is a short stable word for metrics (``tessera_prepare_errors_total{reason}``)."""
+
+    def __init__(self, message: str, reason: str = "invalid_claim") -> None:
+        self.reason = reason
+        super().__init__(message)
 
 
 class ParamsError(TesseraError):

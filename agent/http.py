@@ -1,4 +1,4 @@
-"""The agent's HTTP endpoint: /healthz, /readyz (and, later, /metrics).
+"""The agent's HTTP endpoint: /healthz, /readyz and /metrics.
 
 Readiness is a set of named checks; /readyz answers 200 only when every check passes and lists
 the failing ones otherwise. Nothing on these paths touches NVML or Kubernetes.
@@ -14,6 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from agent.errors import ConfigError
 
 Check = Callable[[], tuple[bool, str]]
+Exposition = Callable[[], tuple[bytes, str]]
+"""Renders /metrics: (body, content type)."""
 
 
 class Readiness:
@@ -38,8 +40,11 @@ class Readiness:
 class HttpEndpoint:
     """A small threaded HTTP server on one address."""
 
-    def __init__(self, host: str, port: int, readiness: Readiness) -> None:
+    def __init__(
+        self, host: str, port: int, readiness: Readiness, metrics: Exposition | None = None
+    ) -> None:
         self.readiness = readiness
+        self.metrics = metrics
         endpoint = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -47,6 +52,9 @@ class HttpEndpoint:
                 path = self.path.split("?", 1)[0]
                 if path == "/healthz":
                     self._send(200, "text/plain; charset=utf-8", b"ok\n")
+                elif path == "/metrics" and endpoint.metrics is not None:
+                    body, ctype = endpoint.metrics()
+                    self._send(200, ctype, body)
                 elif path == "/readyz":
                     ok, detail = endpoint.readiness.evaluate()
                     body = json.dumps({"ready": ok, "checks": detail}, indent=1).encode() + b"\n"

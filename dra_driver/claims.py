@@ -85,13 +85,18 @@ def parse_allocation(obj: dict[str, Any], key: ClaimKey, driver: str, node: str)
     if meta.get("uid") != key.uid:
         raise ClaimError(
             f"claim {key.namespace}/{key.name} has UID {meta.get('uid')!r}, the kubelet asked for"
-            f" {key.uid!r} (the claim was deleted and re-created?)"
+            f" {key.uid!r} (the claim was deleted and re-created?)",
+            reason="uid_mismatch",
         )
     allocation = (obj.get("status") or {}).get("allocation")
     if not allocation:
-        raise ClaimError(f"claim {key} is not allocated (status.allocation is empty)")
+        raise ClaimError(
+            f"claim {key} is not allocated (status.allocation is empty)", reason="not_allocated"
+        )
     if not _node_allowed(allocation.get("nodeSelector"), node):
-        raise ClaimError(f"claim {key} is allocated to another node, not {node!r}")
+        raise ClaimError(
+            f"claim {key} is allocated to another node, not {node!r}", reason="other_node"
+        )
     devices_status = allocation.get("devices") or {}
     results = []
     for r in devices_status.get("results") or []:
@@ -100,7 +105,8 @@ def parse_allocation(obj: dict[str, Any], key: ClaimKey, driver: str, node: str)
         if r.get("pool") != node:
             raise ClaimError(
                 f"claim {key}: device {r.get('device')!r} is allocated from pool"
-                f" {r.get('pool')!r}, which is another node's (this node is {node!r})"
+                f" {r.get('pool')!r}, which is another node's (this node is {node!r})",
+                reason="other_node",
             )
         results.append(
             AllocatedDevice(
@@ -154,7 +160,7 @@ class KubeClaimSource:
             )
         except KubeError as exc:
             if exc.status == 404:
-                raise ClaimError(f"claim {namespace}/{name} not found") from exc
+                raise ClaimError(f"claim {namespace}/{name} not found", "not_found") from exc
             raise
 
 
@@ -180,7 +186,7 @@ class DirClaimSource:
                 d for d in yaml.load_all(path.read_text(), Loader=YamlLoader) if isinstance(d, dict)
             ]
         except (OSError, yaml.YAMLError) as exc:
-            raise ClaimError(f"cannot read claim file {path}: {exc}") from exc
+            raise ClaimError(f"cannot read claim file {path}: {exc}", "claim_source") from exc
         with self._lock:
             self._cache[path] = (key, docs)
         return docs
@@ -200,4 +206,4 @@ class DirClaimSource:
                 and meta.get("namespace", "default") == namespace
             ):
                 return doc
-        raise ClaimError(f"claim {namespace}/{name} not found in {self.directory}")
+        raise ClaimError(f"claim {namespace}/{name} not found in {self.directory}", "not_found")

@@ -40,6 +40,8 @@ from dra_driver.claims import Allocation, ClaimKey, ClaimSource, configs_for, pa
 from dra_driver.devices import AdvertisedDevice, DeviceModel
 
 CrashHook = Callable[[str], None]
+Observer = Callable[[str, float, str | None], None]
+"""``observe(operation, seconds, error reason or None)`` after every claim (for metrics)."""
 CRASH_POINTS = ("after-started", "after-cdi", "after-completed", "before-unprepare-commit")
 
 
@@ -74,12 +76,14 @@ def plan_claim(allocation: Allocation, model: DeviceModel) -> list[PlannedDevice
             dev = model.device(name)
         except KeyError:
             raise ClaimError(
-                f"claim {allocation.claim}: device {name!r} is not advertised by this node"
+                f"claim {allocation.claim}: device {name!r} is not advertised by this node",
+                "unknown_device",
             ) from None
         if dev.kind == "mig" and dev.gpu_instance_id is None:
             raise ClaimError(
                 f"claim {allocation.claim}: {name} is a dynamic MIG placement; creating MIG"
-                " devices at prepare time is not supported by this driver version"
+                " devices at prepare time is not supported by this driver version",
+                "unsupported_device",
             )
         config = None
         for r in reqs:
@@ -101,8 +105,14 @@ def exclusive_conflict(
         if holder is not None and holder.uid != claim.uid:
             raise ClaimError(
                 f"device {p.device.name} is already prepared for claim {holder.namespace}/"
-                f"{holder.name} ({holder.uid}); claim {claim} cannot have it too"
+                f"{holder.name} ({holder.uid}); claim {claim} cannot have it too",
+                "device_busy",
             )
+
+
+def _snake(name: str) -> str:
+    """``CdiError`` -> ``cdi_error``."""
+    return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
 
 
 class Preparer:
@@ -117,6 +127,7 @@ class Preparer:
         devices: Callable[[], DeviceModel],
         log: logging.Logger,
         crash_hook: CrashHook = lambda point: None,
+        observe: Observer = lambda op, seconds, reason: None,
         workers: int = 8,
         deadline_s: float = 40.0,
     ) -> None:
@@ -128,6 +139,7 @@ class Preparer:
         self.devices = devices
         self.log = log
         self.crash = crash_hook
+        self.observe = observe
         self.deadline_s = deadline_s
         self._cp_lock = threading.Lock()
         self._claim_locks: dict[str, threading.Lock] = {}
@@ -199,6 +211,9 @@ class Preparer:
             try:
                 out[uid] = fut.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
+                self.observe(
+                    fn.__name__.strip("_").removesuffix("_one"), self.deadline_s, "timeout"
+                )
                 out[uid] = ClaimResult(
                     error=f"claim {claim}: not done within {self.deadline_s:.0f} s; it goes on in"
                     " the background and a retry returns its result"
@@ -206,14 +221,19 @@ class Preparer:
         return out
 
     def _guard(self, fn: Callable[[ClaimKey], ClaimResult], claim: ClaimKey) -> ClaimResult:
+        op = fn.__name__.strip("_").removesuffix("_one")
+        started = time.monotonic()
         try:
-            return fn(claim)
+            result = fn(claim)
         except TesseraError as exc:
+            reason = getattr(exc, "reason", None) or _snake(type(exc).__name__)
+            self.observe(op, time.monotonic() - started, reason)
             self.log.warning(
-                f"{fn.__name__.strip('_').replace('_one', '')} failed",
-                extra=fields_(claim=str(claim), error=str(exc)),
+                f"{op} failed", extra=fields_(claim=str(claim), error=str(exc), reason=reason)
             )
             return ClaimResult(error=str(exc))
+        self.observe(op, time.monotonic() - started, None)
+        return result
 
     def _prepare_one(self, claim: ClaimKey) -> ClaimResult:
         with self._claim_lock(claim.uid):
@@ -223,12 +243,14 @@ class Preparer:
             try:
                 obj = self.claims.get(claim.namespace, claim.name)
             except KubeError as exc:
-                raise ClaimError(f"claim {claim}: cannot read it: {exc}") from exc
+                raise ClaimError(f"claim {claim}: cannot read it: {exc}", "api_error") from exc
             allocation = parse_allocation(obj, claim, self.driver_name, self.pool)
             try:
                 planned = plan_claim(allocation, self.devices())
             except ParamsError as exc:
-                raise ClaimError(f"claim {claim}: invalid configuration: {exc}") from exc
+                raise ClaimError(
+                    f"claim {claim}: invalid configuration: {exc}", "invalid_config"
+                ) from exc
             prepared = tuple(self._prepared_device(claim, p) for p in planned)
             with self._cp_lock:
                 cp = self.checkpoint

@@ -16,21 +16,25 @@ from dra_driver.kubeletapi import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = sorted((ROOT / "proto" / "kubelet").glob("*.proto"))
 
 
-def test_generated_modules_are_current(tmp_path):
-    args = [f"dra_driver/kubeletapi/{p.name}" for p in SOURCES]
+@pytest.mark.parametrize(
+    ("package", "source"),
+    [("dra_driver/kubeletapi", "proto/kubelet"), ("agent/telemetry/api", "proto/telemetry")],
+    ids=["kubelet", "telemetry"],
+)
+def test_generated_modules_are_current(tmp_path, package, source):
+    args = [f"{package}/{p.name}" for p in sorted((ROOT / source).glob("*.proto"))]
     subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", "-Idra_driver/kubeletapi=proto/kubelet",
+        [sys.executable, "-m", "grpc_tools.protoc", f"-I{package}={source}",
          f"--python_out={tmp_path}", f"--grpc_python_out={tmp_path}", f"--pyi_out={tmp_path}",
          *args],
         cwd=ROOT, check=True, capture_output=True,
     )  # fmt: skip
-    fresh = sorted((tmp_path / "dra_driver" / "kubeletapi").iterdir())
+    fresh = sorted((tmp_path / package).iterdir())
     assert fresh, "protoc produced nothing"
     for f in fresh:
-        committed = ROOT / "dra_driver" / "kubeletapi" / f.name
+        committed = ROOT / package / f.name
         assert committed.exists(), f"{f.name} missing: run `make proto`"
         assert committed.read_text() == f.read_text(), f"{f.name} is stale: run `make proto`"
 

@@ -1,0 +1,142 @@
+"""`tessera top`: a live terminal view over the telemetry API (rich).
+
+Per GPU and MIG device: utilization bars, memory, power, energy, temperature and the claims
+holding it. ``--once`` prints one frame and exits (scripts, tests).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import grpc
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from agent.errors import TesseraError
+from agent.telemetry.api import telemetry_pb2 as pb
+from agent.telemetry.api import telemetry_pb2_grpc as pb_grpc
+
+GIB = 1024**3
+
+
+class TopError(TesseraError):
+    """The telemetry API could not be reached or answered with an error."""
+
+
+def target(endpoint: str | None, state_dir: Path) -> str:
+    """``unix:///path`` or ``host:port``; default the agent's socket under the state dir."""
+    if not endpoint:
+        return f"unix://{(state_dir / 'telemetry.sock').absolute()}"
+    return endpoint
+
+
+def bar(ratio: float | None, width: int = 12) -> Text:
+    if ratio is None:
+        return Text("n/a".ljust(width + 5), style="dim")
+    filled = round(max(0.0, min(1.0, ratio)) * width)
+    style = "green" if ratio < 0.5 else "yellow" if ratio < 0.85 else "red"
+    return Text("█" * filled + "░" * (width - filled), style=style) + Text(f" {ratio:4.0%}")
+
+
+def _opt(msg: Any, field: str) -> Any:
+    return getattr(msg, field) if msg.HasField(field) else None
+
+
+def _mem(used: int | None, total: int | None) -> str:
+    if used is None:
+        return "n/a"
+    return f"{used / GIB:.1f}/{total / GIB:.0f} GiB" if total else f"{used / GIB:.1f} GiB"
+
+
+def render(sample: Any) -> Group:
+    """One frame for one ``Sample`` message. Pure."""
+    table = Table(
+        title=f"{sample.node} — tick {sample.tick}, {sample.tick_duration_seconds * 1000:.1f} ms",
+        title_justify="left",
+        expand=False,
+    )
+    for col in ("GPU", "Device", "Util", "Memory", "Power", "Energy", "Temp", "Claim"):
+        table.add_column(col)
+    for g in sample.gpus:
+        holders = ", ".join(f"{h.namespace}/{h.claim}" for h in g.holders) or "-"
+        status = "LOST" if g.lost else ("" if g.healthy else "UNHEALTHY")
+        power = _opt(g, "power_watts")
+        energy = _opt(g, "energy_joules_total")
+        temp = _opt(g, "temperature_gpu_celsius")
+        table.add_row(
+            str(g.index),
+            Text(f"{g.name} {status}".strip(), style="bold red" if status else ""),
+            bar(_opt(g, "utilization_gpu")),
+            _mem(_opt(g, "memory_used_bytes"), _opt(g, "memory_total_bytes")),
+            "n/a" if power is None else f"{power:.0f} W",
+            "n/a" if energy is None else f"{energy / 3.6e6:.3f} kWh",
+            "n/a" if temp is None else f"{temp:.0f} °C",
+            holders,
+        )
+        by_device = {h.device: f"{h.namespace}/{h.claim}" for h in g.holders}
+        for m in g.mig:
+            held = next((c for d, c in by_device.items() if f"-{m.gpu_instance_id}-" in d), "-")
+            table.add_row(
+                "",
+                f"  └ {m.profile or 'mig'} (GI {m.gpu_instance_id})",
+                bar(_opt(m, "utilization")),
+                _mem(_opt(m, "memory_used_bytes"), _opt(m, "memory_total_bytes")),
+                "",
+                "",
+                "",
+                held,
+            )
+    return Group(table)
+
+
+class TopClient:
+    def __init__(self, endpoint: str, timeout: float = 10.0) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(endpoint)
+        self._stub = pb_grpc.TelemetryStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def snapshot(self) -> Any:
+        try:
+            return self._stub.Snapshot(pb.SnapshotRequest(), timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise TopError(
+                f"telemetry API at {self.endpoint}: {exc.code().name}: {exc.details()}"
+            ) from exc
+
+    def watch(self, interval: float) -> Iterator[Any]:
+        call = self._stub.Watch(pb.WatchRequest(interval_seconds=interval))
+        try:
+            yield from call
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                raise TopError(
+                    f"telemetry API at {self.endpoint}: {exc.code().name}: {exc.details()}"
+                ) from exc
+        finally:
+            call.cancel()
+
+
+def run_top(endpoint: str, once: bool, interval: float, out: IO[str], stop: threading.Event) -> int:
+    client = TopClient(endpoint)
+    try:
+        if once:
+            Console(file=out, width=140, highlight=False).print(render(client.snapshot()))
+            return 0
+        console = Console(file=out)
+        with Live(render(client.snapshot()), console=console, auto_refresh=False) as live:
+            for sample in client.watch(interval):
+                live.update(render(sample), refresh=True)
+                if stop.is_set():
+                    break
+        return 0
+    finally:
+        client.close()

@@ -1,0 +1,170 @@
+"""The Prometheus exposition: conventions, absent-not-zero, consistency, documentation."""
+
+from __future__ import annotations
+
+import re
+import threading
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent.telemetry.metrics import (
+    AGENT_SPECS,
+    SPECS,
+    AgentCollector,
+    AgentStatus,
+    DriverMetrics,
+    SnapshotCollector,
+)
+from tests.telemetry.snapshots import make_snapshot
+
+ROOT = Path(__file__).resolve().parents[2]
+UNIT_SUFFIXES = (
+    "_ratio", "_bytes", "_watts", "_joules", "_celsius", "_hertz", "_seconds",
+    "_bytes_per_second", "_timestamp_seconds",
+)  # fmt: skip
+UNITLESS = {
+    "tessera_gpu_clock_throttle_active", "tessera_gpu_pcie_replays", "tessera_gpu_ecc_errors",
+    "tessera_gpu_remapped_rows", "tessera_gpu_row_remap_pending", "tessera_gpu_xid_errors",
+    "tessera_gpu_healthy", "tessera_gpu_processes", "tessera_device_prepared",
+    "tessera_sampler_ticks", "tessera_kubelet_registered", "tessera_resourceslice_pool_generation",
+    "tessera_resourceslice_writes", "tessera_resourceslice_errors", "tessera_prepare_errors",
+}  # fmt: skip
+UNIT_WORDS = ("bytes", "watts", "joules", "celsius", "hertz", "seconds", "ratio")
+
+
+def registry(snapshot_fn, status=None) -> CollectorRegistry:
+    reg = CollectorRegistry()
+    reg.register(SnapshotCollector(snapshot_fn))
+    reg.register(AgentCollector(status or (lambda: AgentStatus("node-a", True, 3, 7, 1))))
+    m = DriverMetrics(reg)
+    m.observe("prepare", 0.004, None)
+    m.observe("prepare", 0.010, "device_busy")
+    return reg
+
+
+def exposition(reg) -> str:
+    return generate_latest(reg).decode()
+
+
+def test_exposition_follows_the_conventions():
+    text = exposition(registry(lambda: make_snapshot(tick=3)))
+    families = list(text_string_to_metric_families(text))
+    assert families, "nothing exposed"
+    assert "# HELP tessera_gpu_power_watts" in text
+    for fam in families:
+        name = fam.name
+        if name.endswith("_created"):
+            continue  # prometheus_client's own creation timestamps for its instruments
+        assert re.fullmatch(r"tessera_[a-z][a-z0-9_]*", name), name
+        assert fam.documentation.strip(), f"{name} has no HELP"
+        if fam.type == "counter":
+            assert all(s.name.endswith(("_total", "_created")) for s in fam.samples), name
+        base = name
+        if base not in UNITLESS:
+            assert base.endswith(UNIT_SUFFIXES) or fam.type == "histogram", f"{name}: no unit"
+        for word in UNIT_WORDS:  # a unit appears only as the suffix
+            assert f"_{word}_" not in base.replace("_bytes_per_second", "") or base.endswith(
+                "_timestamp_seconds"
+            ), name
+        seen = set()
+        for s in fam.samples:
+            for label in s.labels:
+                assert re.fullmatch(r"[a-z][a-z0-9_]*", label), (name, label)
+            key = (s.name, tuple(sorted(s.labels.items())))
+            assert key not in seen, f"duplicate series {key}"
+            seen.add(key)
+
+
+def test_labels_identify_gpu_mig_and_claim():
+    fams = {f.name: f for f in text_string_to_metric_families(exposition(registry(make_snapshot)))}
+    (power0,) = [s for s in fams["tessera_gpu_power_watts"].samples if s.labels["gpu"] == "0"]
+    assert power0.labels == {
+        "node": "node-a", "gpu": "0", "uuid": "GPU-0", "pci_bus_id": "0000:1b:00.0",
+        "model": "NVIDIA H100 80GB HBM3",
+    }  # fmt: skip
+    mig = fams["tessera_mig_memory_used_bytes"].samples[0].labels
+    assert mig["mig_profile"] == "1g.10gb" and mig["gpu_instance"] == "1"
+    claim = fams["tessera_claim_energy_joules"].samples[0].labels
+    assert {"namespace", "claim", "pool", "device", "rule"} <= set(claim)
+    assert fams["tessera_prepare_errors"].samples[0].labels == {
+        "operation": "prepare", "reason": "device_busy",
+    }  # fmt: skip
+
+
+def test_absent_fields_are_absent_not_zero():
+    fams = {f.name: f for f in text_string_to_metric_families(exposition(registry(make_snapshot)))}
+    util_gpus = {s.labels["gpu"] for s in fams["tessera_gpu_utilization_ratio"].samples}
+    assert util_gpus == {"0", "1"}  # the lost GPU 2 reports no utilization at all
+    sensors = {
+        (s.labels["gpu"], s.labels["sensor"])
+        for s in fams["tessera_gpu_temperature_celsius"].samples
+    }
+    assert ("0", "memory") not in sensors  # not supported there: no series, not 0
+    healthy = {s.labels["gpu"]: s.value for s in fams["tessera_gpu_healthy"].samples}
+    assert healthy == {"0": 1.0, "1": 1.0, "2": 0.0}
+    migutil = fams["tessera_mig_utilization_ratio"].samples
+    assert len(migutil) == 1  # one MIG device has GPM data, the other none
+
+
+def test_no_snapshot_yet_still_describes_and_serves_empty_families():
+    reg = registry(lambda: None)
+    text = exposition(reg)
+    assert "# TYPE tessera_gpu_power_watts gauge" in text
+    assert "tessera_gpu_power_watts{" not in text
+
+
+def test_describe_matches_collect_and_does_not_read_the_snapshot():
+    calls = []
+
+    def latest():
+        calls.append(1)
+        return make_snapshot()
+
+    collector = SnapshotCollector(latest)
+    described = [m.name for m in collector.describe()]
+    assert calls == []
+    assert described == [m.name for m in collector.collect()]
+    assert len(calls) == 1
+
+
+def test_concurrent_scrapes_see_one_snapshot_each():
+    state = {"snap": make_snapshot(tick=1)}
+    reg = registry(lambda: state["snap"])
+    stop = threading.Event()
+    problems: list[str] = []
+
+    def swap():
+        tick = 1
+        while not stop.is_set():
+            tick += 1
+            state["snap"] = make_snapshot(tick=tick)
+
+    def scrape():
+        for _ in range(20):
+            fams = {f.name: f for f in text_string_to_metric_families(exposition(reg))}
+            tick = fams["tessera_sampler_ticks"].samples[0].value
+            powers = {s.value for s in fams["tessera_gpu_power_watts"].samples}
+            if powers != {100 + tick}:
+                problems.append(f"tick {tick} but power {powers}")
+
+    swapper = threading.Thread(target=swap)
+    swapper.start()
+    scrapers = [threading.Thread(target=scrape) for _ in range(20)]
+    for t in scrapers:
+        t.start()
+    for t in scrapers:
+        t.join()
+    stop.set()
+    swapper.join()
+    assert problems == []
+
+
+def test_every_metric_is_documented():
+    doc = (ROOT / "docs" / "metrics.md").read_text()
+    for spec in (*SPECS, *AGENT_SPECS):
+        name = spec.name + ("_total" if spec.kind == "counter" else "")
+        assert f"`{name}`" in doc, f"{name} missing from docs/metrics.md"
+    for name in ("tessera_prepare_duration_seconds", "tessera_prepare_errors_total"):
+        assert f"`{name}`" in doc
