@@ -1,0 +1,142 @@
+"""The telemetry gRPC API and `tessera top --once` over a real unix socket."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from agent.telemetry.api import telemetry_pb2 as pb
+from agent.telemetry.api import telemetry_pb2_grpc as pb_grpc
+from agent.telemetry.stream import TelemetryServer
+from agent.telemetry.top import TopError, render, run_top
+from tests.telemetry.snapshots import make_snapshot
+
+LOG = logging.getLogger("test.stream")
+
+
+class Producer:
+    """Stands in for the sampler: a new snapshot every ``period`` seconds."""
+
+    def __init__(self, period: float) -> None:
+        self.period = period
+        first = make_snapshot(tick=1)
+        self.snap = type(first)(**{**first.__dict__, "monotonic": 0.0, "interval_seconds": period})
+        self.server: TelemetryServer | None = None
+        self.stop = threading.Event()
+        self.ticks = 1
+        self.thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        start = time.monotonic()
+        while not self.stop.wait(self.period):
+            self.ticks += 1
+            s = make_snapshot(tick=self.ticks)
+            self.snap = type(s)(**{**s.__dict__, "monotonic": time.monotonic() - start,
+                                   "interval_seconds": self.period})  # fmt: skip
+            if self.server is not None:
+                self.server.notify()
+
+
+@pytest.fixture
+def served(short_tmp) -> Iterator[tuple[Producer, str]]:
+    prod = Producer(0.02)
+    server = TelemetryServer(lambda: prod.snap, short_tmp / "telemetry.sock", LOG)
+    prod.server = server
+    server.start()
+    prod.thread.start()
+    try:
+        yield prod, f"unix://{short_tmp / 'telemetry.sock'}"
+    finally:
+        prod.stop.set()
+        prod.thread.join()
+        server.stop()
+
+
+def stub(target: str):
+    channel = grpc.insecure_channel(target)
+    return channel, pb_grpc.TelemetryStub(channel)
+
+
+def test_snapshot_and_device_filter(served):
+    _, target = served
+    channel, api = stub(target)
+    with channel:
+        full = api.Snapshot(pb.SnapshotRequest(), timeout=5)
+        assert [g.index for g in full.gpus] == [0, 1, 2]
+        assert full.gpus[2].lost and not full.gpus[2].healthy
+        assert not full.gpus[2].HasField("utilization_gpu")  # absent, not zero
+        assert [h.claim for h in full.gpus[0].holders] == ["job-0"]
+        one = api.Snapshot(pb.SnapshotRequest(devices=["GPU-0"]), timeout=5)
+        assert [g.uuid for g in one.gpus] == ["GPU-0"]
+        assert [c.device for c in one.claims] == ["gpu-0"]
+        mig = api.Snapshot(pb.SnapshotRequest(devices=["MIG-1"]), timeout=5)
+        assert [g.index for g in mig.gpus] == [1] and [m.uuid for m in mig.gpus[0].mig] == ["MIG-1"]
+
+
+def test_watch_delivers_samples_at_the_asked_interval(served):
+    _, target = served
+    channel, api = stub(target)
+    with channel:
+        call = api.Watch(pb.WatchRequest(interval_seconds=0.1))
+        stamps = []
+        for sample in call:
+            stamps.append((time.monotonic(), sample.tick))
+            if len(stamps) == 6:
+                call.cancel()
+                break
+    gaps = [b[0] - a[0] for a, b in itertools.pairwise(stamps)]
+    assert all(0.05 <= g <= 0.5 for g in gaps), gaps  # about 0.1 s, never every 0.02 s tick
+    ticks = [t for _, t in stamps]
+    assert ticks == sorted(set(ticks))
+
+
+def test_a_slow_watcher_does_not_slow_the_producer(served):
+    prod, target = served
+    channel, api = stub(target)
+    with channel:
+        call = api.Watch(pb.WatchRequest(interval_seconds=0))
+        first = next(call)
+        before = prod.ticks
+        time.sleep(0.5)  # the client reads nothing for a while
+        assert prod.ticks - before >= 10  # the producer kept its pace
+        # only what the transport already buffered is stale; then the server sends the latest
+        reads, latest = 0, first
+        while latest.tick < first.tick + 10 and reads < 20:
+            latest, reads = next(call), reads + 1
+        assert latest.tick >= first.tick + 10, f"still {latest.tick} after {reads} reads"
+        assert reads < 20
+        call.cancel()
+
+
+def test_negative_interval_is_refused(served):
+    _, target = served
+    channel, api = stub(target)
+    with channel, pytest.raises(grpc.RpcError) as e:
+        next(api.Watch(pb.WatchRequest(interval_seconds=-1)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_top_once_renders_a_frame(served):
+    _, target = served
+    out = io.StringIO()
+    assert run_top(target, once=True, interval=1.0, out=out, stop=threading.Event()) == 0
+    text = out.getvalue()
+    assert "node-a" in text and "NVIDIA H100 80GB HBM3" in text
+    assert "team-a/job-0" in text and "LOST" in text and "1g.10gb" in text
+    assert "50%" in text and "W" in text
+
+
+def test_top_without_an_agent_says_so(short_tmp):
+    with pytest.raises(TopError, match="UNAVAILABLE"):
+        run_top(f"unix://{short_tmp}/none.sock", True, 1.0, io.StringIO(), threading.Event())
+
+
+def test_render_is_pure_and_handles_an_empty_sample():
+    assert render(pb.Sample(node="n")) is not None
