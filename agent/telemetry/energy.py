@@ -1,0 +1,454 @@
+"""Energy and usage accounting: monotonic energy per GPU, energy and GPU-seconds per claim.
+
+``EnergyAccounting.update`` is fed every sampler tick with each GPU's sample and the checkpoint
+(who holds which device). It keeps two kinds of counters, both monotonic: the energy of each GPU
+and, for every (claim, prepared device), the energy and GPU-seconds attributed to it.
+
+**GPU energy.** Each interval's energy comes from the driver's total-energy counter when two
+consecutive readings have it: the delta is the difference. The counter restarts at 0 when the
+driver reloads, so a difference that is negative (the counter went backwards) or larger than the
+GPU could draw in the interval (``max_watts`` x seconds, 2000 W by default: above every current
+GPU's power limit) is treated as a reset, and the new reading itself is the delta (the energy
+since the reset) when it is plausible; when it is not (a garbage read), the interval is integrated
+from power as below, or counts nothing. A delta is never negative. When either reading lacks
+the counter (the GPU does not support it, or the call failed), the interval is integrated from
+``power_watts`` with the trapezoid rule (the mean of the two readings' power, or the one that is
+known, x seconds). A reading with neither counter nor power (a lost GPU, a failed read) accounts
+nothing and leaves the baseline where it was, so the next good reading covers the gap. The first
+reading after the agent starts is only a baseline: energy used while the agent was down is not
+counted, by the GPUs or by the claims. Totals never decrease.
+
+**Which GPU a device is on.** A checkpoint device's GPU is found by its ``gpuUUID`` (stable across
+reboots and index renumbering), else by its ``gpuMinor``; a device on no known GPU is ignored
+(logged once). Only claims in ``PrepareCompleted`` hold devices: ``PrepareStarted`` ones run no
+workload yet. The holders read at the end of an interval own the whole interval.
+
+**Attribution.** Each holder of a GPU gets a share of the GPU's energy delta and of the interval's
+elapsed seconds (its GPU-seconds, which accrue while a claim holds the device, even when the GPU
+is lost or idle); the ``rule`` label of its ``ClaimUsage`` says which rule gave
+its latest share:
+
+- ``exclusive``: the only holder of the whole GPU gets 100 %. A whole GPU held for 10 s is 10
+  GPU-seconds.
+- ``mig-sm-share``: a MIG device gets its profile's SMs / the SMs of the whole GPU as MIG divides
+  it (the largest profile, ``7g``): on an A100 a ``1g.5gb`` gets 14/98 of the GPU's energy, and
+  10 s of it are 10 x 14/98 = 1.43 GPU-seconds. The profile comes from the device name's profile
+  id (``gpu-0-mig-1g5gb-19-0``), else the GPU instance's SMs. The share of idle slices (MIG
+  devices no claim holds, and SMs no profile combination covers: seven H100 ``1g`` devices are
+  7 x 16 of 132 SMs) is attributed to no one; so is a MIG device whose SMs are unknown.
+- ``process-utilization``: several holders of one GPU (time-slicing, MPS, memory shares) or of one
+  MIG device split it by the SM utilization of each claim's processes, where NVML reports it
+  (``ProcessSample.sm_utilization``; a process is matched to its claim by the injected
+  ``process_claim(pid) -> claim uid``; processes of other MIG devices do not count). A claim
+  that ran nothing gets 0; a claim with several devices on the unit splits its part evenly.
+- ``even``: the same holders split evenly when no holder's processes report utilization (or
+  ``process_claim`` is not given).
+
+Shares on one GPU never sum to more than 1 (they are scaled down if a malformed checkpoint made
+them). With the GPU fully held, the claims' energy sums to the GPU's energy for the same window.
+
+**Persistence and retention.** GPU totals (by UUID) and claim counters are written to
+``state_file`` (JSON, atomically) at most every ``persist_interval`` seconds (15 by default) and
+on ``close()``, and read back at start, so a restart after a clean shutdown never moves a counter
+backwards; after a crash, the increments since the last write (at most ``persist_interval``
+seconds' worth) are lost once. A corrupt state file is moved aside
+(``<name>.corrupt-<UTC timestamp>``) and accounting starts from zero. A claim that is no longer
+prepared keeps its final counters (it is still listed, frozen) for ``retention`` seconds (1 hour
+by default) after it was first seen gone, so Prometheus sees the counter's last value instead of
+a vanishing series; a claim that comes back (same UID and device) continues from its counters.
+When the checkpoint cannot be read (``holders`` is None) nothing is attributed or released.
+
+Times: sample timestamps (monotonic) measure intervals; ``clock`` (unix seconds) times the
+persistence interval and retention, which must survive a restart.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent.fsutil import atomic_write
+from agent.logs import fields_
+from agent.nvml.samples import GpuSample
+from agent.telemetry.attribution import Holding, HoldingKey, holdings, shares
+from agent.telemetry.gpuinfo import GpuInfo
+from agent.telemetry.snapshot import ClaimUsage, PreparedDevice
+from dra_driver.checkpoint import Checkpoint
+
+STATE_KIND = "TesseraEnergyState"
+STATE_VERSION = 1
+MAX_WATTS = 2000.0
+"""Above any GPU's power draw: a counter delta larger than this x seconds is not believed."""
+
+COUNTER, COUNTER_RESET, POWER, NONE = "counter", "counter-reset", "power", "none"
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What one sample says about energy: the baseline of the next interval."""
+
+    timestamp: float
+    energy_joules: float | None
+    power_watts: float | None
+
+
+def _power(watts: float | None, max_watts: float) -> float | None:
+    if watts is None or not math.isfinite(watts):
+        return None
+    return min(max(watts, 0.0), max_watts)
+
+
+def energy_delta(prev: Reading, now: Reading, max_watts: float = MAX_WATTS) -> tuple[float, str]:
+    """Joules used between two readings and how they were found (``counter``,
+    ``counter-reset``, ``power`` or ``none``); never negative. Pure; rules in the module
+    docstring."""
+    dt = now.timestamp - prev.timestamp
+    if dt <= 0:
+        return 0.0, NONE
+    limit = max_watts * dt
+    if prev.energy_joules is not None and now.energy_joules is not None:
+        diff = now.energy_joules - prev.energy_joules
+        if 0 <= diff <= limit:
+            return diff, COUNTER
+        if 0 <= now.energy_joules <= limit:
+            return now.energy_joules, COUNTER_RESET
+    a, b = _power(prev.power_watts, max_watts), _power(now.power_watts, max_watts)
+    if a is None and b is None:
+        return 0.0, NONE
+    mean = (a + b) / 2 if a is not None and b is not None else (a if a is not None else b)
+    assert mean is not None
+    return mean * dt, POWER
+
+
+@dataclass
+class _Gpu:
+    energy_joules: float = 0.0
+    known: bool = False
+    """A reading or a stored total exists: the total is meaningful."""
+    index: int | None = None
+    baseline: Reading | None = None
+    last_timestamp: float | None = None
+
+
+@dataclass
+class _Usage:
+    namespace: str
+    claim: str
+    gpu_index: int
+    gpu_uuid: str
+    rule: str
+    energy_joules: float = 0.0
+    gpu_seconds: float = 0.0
+    released_at: float | None = None
+    """Unix seconds when the claim was first seen gone; None while it is prepared."""
+
+
+@dataclass(frozen=True)
+class Accounted:
+    """The accounting's answer to one update."""
+
+    gpu_energy: Mapping[int, float | None]
+    """GPU index -> monotonic energy total (None before any energy reading)."""
+    claims: tuple[ClaimUsage, ...]
+    prepared: tuple[PreparedDevice, ...]
+    """The devices held now, on known GPUs."""
+
+
+class EnergyAccounting:
+    """Monotonic energy and usage counters (see the module docstring). Thread-safe."""
+
+    def __init__(
+        self,
+        state_file: Path,
+        clock: Callable[[], float] = time.time,
+        *,
+        log: logging.Logger | None = None,
+        persist_interval: float = 15.0,
+        retention: float = 3600.0,
+        max_watts: float = MAX_WATTS,
+        process_claim: Callable[[int], str | None] | None = None,
+    ) -> None:
+        self.state_file = Path(state_file)
+        self._clock = clock
+        self._log = log or logging.getLogger(__name__)
+        self.persist_interval = persist_interval
+        self.retention = retention
+        self.max_watts = max_watts
+        self._process_claim = process_claim
+        self._lock = threading.Lock()
+        self._gpus: dict[str, _Gpu] = {}
+        self._usage: dict[HoldingKey, _Usage] = {}
+        self._warned: set[HoldingKey] = set()
+        self._load()
+        self._saved_at = clock()
+
+    # -- accounting ------------------------------------------------------------------------------
+
+    def update(
+        self, samples: Sequence[GpuSample], gpus: Sequence[GpuInfo], holders: Checkpoint | None
+    ) -> Accounted:
+        """Account one tick: ``samples`` (one per GPU), ``gpus`` (their identities) and the
+        checkpoint (None: unknown this tick)."""
+        with self._lock:
+            now = self._clock()
+            by_uuid = {g.uuid: g for g in gpus}
+            held = None
+            if holders is not None:
+                held, unknown = holdings(holders, gpus)
+                self._warn_unknown(unknown)
+            for sample in samples:
+                self._account(sample, by_uuid.get(sample.uuid), held)
+            if held is not None:
+                self._release(now, {h.key for h in held})
+            if now - self._saved_at >= self.persist_interval:
+                self._save(now)
+            prepared = tuple(
+                PreparedDevice(h.pool, h.device, h.gpu_index, h.namespace, h.claim, h.uid)
+                for h in held or ()
+            )
+            energy = {
+                g.index: (st.energy_joules if st.known else None)
+                for g in gpus
+                for st in [self._gpus.get(g.uuid, _Gpu())]
+            }
+            return Accounted(energy, self._claims(), prepared)
+
+    def _account(
+        self, sample: GpuSample, gpu: GpuInfo | None, held: Sequence[Holding] | None
+    ) -> None:
+        st = self._gpus.setdefault(sample.uuid, _Gpu())
+        st.index = sample.index
+        elapsed = None
+        if st.last_timestamp is not None and sample.timestamp > st.last_timestamp:
+            elapsed = sample.timestamp - st.last_timestamp
+        st.last_timestamp = sample.timestamp
+        delta = 0.0
+        if not sample.lost and (sample.energy_joules is not None or sample.power_watts is not None):
+            reading = Reading(sample.timestamp, sample.energy_joules, sample.power_watts)
+            st.known = True
+            if st.baseline is None or reading.timestamp <= st.baseline.timestamp:
+                st.baseline = reading
+            else:
+                delta, source = energy_delta(st.baseline, reading, self.max_watts)
+                both = None not in (reading.energy_joules, st.baseline.energy_joules)
+                if both and source != COUNTER:
+                    self._log.warning(
+                        "GPU energy counter went backwards or jumped implausibly (driver reset?)",
+                        extra=fields_(
+                            gpu=sample.index,
+                            previous=st.baseline.energy_joules,
+                            current=reading.energy_joules,
+                            used=source,
+                            joules=round(delta, 3),
+                        ),
+                    )
+                st.baseline = reading
+                st.energy_joules += delta
+        if gpu is None or held is None:
+            return
+        members = [h for h in held if h.gpu_uuid == gpu.uuid]
+        for s in shares(gpu, members, sample, self._process_claim):
+            h = next(m for m in members if m.key == s.key)
+            u = self._usage.get(s.key)
+            if u is None:
+                u = self._usage[s.key] = _Usage(h.namespace, h.claim, gpu.index, gpu.uuid, s.rule)
+            u.namespace, u.claim, u.rule, u.released_at = h.namespace, h.claim, s.rule, None
+            u.gpu_index, u.gpu_uuid = gpu.index, gpu.uuid
+            u.energy_joules += delta * s.share
+            if elapsed is not None:
+                u.gpu_seconds += elapsed * s.share
+
+    def _release(self, now: float, current: set[HoldingKey]) -> None:
+        for key in list(self._usage):
+            u = self._usage[key]
+            if key in current:
+                continue
+            if u.released_at is None:
+                u.released_at = now
+            elif now - u.released_at > self.retention:
+                del self._usage[key]
+
+    def _warn_unknown(self, unknown: Sequence[HoldingKey]) -> None:
+        for key in unknown:
+            if key not in self._warned:
+                self._warned.add(key)
+                self._log.warning(
+                    "prepared device is on no known GPU; not attributed",
+                    extra=fields_(claim_uid=key[0], pool=key[1], device=key[2]),
+                )
+
+    def _claims(self) -> tuple[ClaimUsage, ...]:
+        out = [
+            ClaimUsage(
+                namespace=u.namespace,
+                claim=u.claim,
+                uid=key[0],
+                pool=key[1],
+                device=key[2],
+                gpu_index=u.gpu_index,
+                rule=u.rule,
+                energy_joules_total=u.energy_joules,
+                gpu_seconds_total=u.gpu_seconds,
+            )
+            for key, u in self._usage.items()
+        ]
+        return tuple(sorted(out, key=lambda c: (c.namespace, c.claim, c.uid, c.pool, c.device)))
+
+    def usage(self) -> tuple[ClaimUsage, ...]:
+        """Every claim-device's counters, prepared or retained."""
+        with self._lock:
+            return self._claims()
+
+    def gpu_energy(self, uuid: str) -> float | None:
+        """The GPU's energy total; None before any reading or stored total."""
+        with self._lock:
+            st = self._gpus.get(uuid)
+            return st.energy_joules if st is not None and st.known else None
+
+    # -- persistence -----------------------------------------------------------------------------
+
+    def save(self) -> None:
+        """Write the state file now (errors are logged, not raised)."""
+        with self._lock:
+            self._save(self._clock())
+
+    def close(self) -> None:
+        """Write the state file a last time (the sampler has stopped)."""
+        self.save()
+
+    def _state(self, now: float) -> dict[str, Any]:
+        return {
+            "kind": STATE_KIND,
+            "version": STATE_VERSION,
+            "savedAt": now,
+            "gpus": {
+                uuid: {"index": st.index, "energyJoules": st.energy_joules}
+                for uuid, st in sorted(self._gpus.items())
+                if st.known
+            },
+            "claims": [
+                {
+                    "uid": key[0],
+                    "pool": key[1],
+                    "device": key[2],
+                    "namespace": u.namespace,
+                    "claim": u.claim,
+                    "gpuIndex": u.gpu_index,
+                    "gpuUUID": u.gpu_uuid,
+                    "rule": u.rule,
+                    "energyJoules": u.energy_joules,
+                    "gpuSeconds": u.gpu_seconds,
+                    "releasedAt": u.released_at,
+                }
+                for key, u in sorted(self._usage.items())
+            ],
+        }
+
+    def _save(self, now: float) -> None:
+        self._saved_at = now
+        data = json.dumps(self._state(now), sort_keys=True, indent=1).encode() + b"\n"
+        try:
+            atomic_write(self.state_file, data, mode=0o600)
+        except OSError as exc:
+            self._log.warning(
+                "cannot write the energy state file; counters would restart from the last one",
+                extra=fields_(path=str(self.state_file), error=str(exc.strerror or exc)),
+            )
+
+    def _load(self) -> None:
+        try:
+            raw = self.state_file.read_bytes()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            self._log.error(
+                "cannot read the energy state file; counters start from zero",
+                extra=fields_(path=str(self.state_file), error=str(exc.strerror or exc)),
+            )
+            return
+        try:
+            gpus, usage = decode_state(raw)
+        except (ValueError, TypeError, KeyError) as exc:
+            moved = self._move_aside()
+            self._log.error(
+                "energy state file is corrupt; moved aside, counters start from zero",
+                extra=fields_(path=str(self.state_file), moved_to=str(moved), reason=str(exc)),
+            )
+            return
+        self._gpus, self._usage = gpus, usage
+
+    def _move_aside(self) -> Path | None:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(self._clock()))
+        target = self.state_file.with_name(f"{self.state_file.name}.corrupt-{stamp}")
+        try:
+            os.replace(self.state_file, target)
+        except OSError:
+            return None
+        return target
+
+
+def _num(obj: Mapping[str, Any], key: str) -> float:
+    v = obj[key]
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+        raise ValueError(f"{key}: expected a non-negative number, got {v!r}")
+    return float(v)
+
+
+def _text(obj: Mapping[str, Any], key: str) -> str:
+    v = obj[key]
+    if not isinstance(v, str):
+        raise TypeError(f"{key}: expected a string, got {type(v).__name__}")
+    return v
+
+
+def _opt_int(obj: Mapping[str, Any], key: str) -> int | None:
+    v = obj.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{key}: expected an integer, got {type(v).__name__}")
+    return int(v)
+
+
+def _check_str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise TypeError(f"expected a string key, got {type(v).__name__}")
+    return v
+
+
+def decode_state(raw: bytes) -> tuple[dict[str, _Gpu], dict[HoldingKey, _Usage]]:
+    """The GPU totals and claim counters stored in a state file. Pure; raises ValueError,
+    TypeError or KeyError on anything malformed."""
+    obj = json.loads(raw.decode("utf-8"))
+    if not isinstance(obj, dict) or obj.get("kind") != STATE_KIND:
+        raise ValueError(f"not a {STATE_KIND} object")
+    if obj.get("version") != STATE_VERSION:
+        raise ValueError(f"unsupported version {obj.get('version')!r}")
+    gpus: dict[str, _Gpu] = {}
+    for uuid, g in dict(obj["gpus"]).items():
+        gpus[_check_str(uuid)] = _Gpu(
+            energy_joules=_num(g, "energyJoules"), known=True, index=_opt_int(g, "index")
+        )
+    usage: dict[HoldingKey, _Usage] = {}
+    for c in list(obj["claims"]):
+        released = c.get("releasedAt")
+        index = _opt_int(c, "gpuIndex")
+        usage[(_text(c, "uid"), _text(c, "pool"), _text(c, "device"))] = _Usage(
+            namespace=_text(c, "namespace"),
+            claim=_text(c, "claim"),
+            gpu_index=-1 if index is None else index,
+            gpu_uuid=_text(c, "gpuUUID"),
+            rule=_text(c, "rule"),
+            energy_joules=_num(c, "energyJoules"),
+            gpu_seconds=_num(c, "gpuSeconds"),
+            released_at=None if released is None else _num(c, "releasedAt"),
+        )
+    return gpus, usage

@@ -1,0 +1,320 @@
+"""The telemetry sampler: one round of reads per interval, published as an immutable ``Snapshot``.
+
+Each tick reads every GPU through the injected ``read(index, now)`` (the NVML facade's reader in
+production, anything in tests), drains the XID events seen since the last tick, feeds the energy
+accounting with the samples and the checkpoint's holders, and publishes a ``Snapshot``:
+
+- ``latest`` is a plain reference swapped after the snapshot is complete, so readers (scrapes, the
+  gRPC stream, ``tessera top``) never block the sampler and never see a half-built tick;
+- ``subscribe()`` gives a bounded, latest-wins queue: a slow consumer misses intermediate
+  snapshots, and publishing never waits for it.
+
+A read that raises (anything) never stops the others: that GPU's sample for the tick is
+``lost=True`` with the error in ``errors``. Failures are logged when a GPU starts and stops failing,
+not every tick.
+
+**Health.** A GPU is unhealthy while its sample is lost (a failed read or NVML's GpuIsLost), and
+from the first hardware or fatal XID (``FATAL_XIDS``) seen since the agent started on. Application
+XIDs (``APPLICATION_XIDS``: the workload faulted, the GPU is fine) and XIDs in neither set are
+counted but keep the GPU healthy. ``on_health_change(index, healthy)`` is called on every change
+(every GPU starts healthy, as the plugin's health board does).
+
+**Schedule.** ``run`` ticks at fixed slots ``start + k * interval`` (no drift: the next slot is the
+previous slot plus the interval, whatever the tick took). A tick that starts late records
+``lag_seconds``; when a tick overran whole slots, they are skipped (counted in ``missed_ticks``)
+and the sampler ticks at the latest slot already due. ``tick_duration_seconds`` is the wall time
+of the whole tick (reads, XIDs, holders, accounting), everything it costs the agent.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from agent.logs import fields_
+from agent.nvml.samples import GpuSample, XidEvent
+from agent.telemetry.energy import EnergyAccounting
+from agent.telemetry.gpuinfo import GpuInfo
+from agent.telemetry.snapshot import GpuTelemetry, Snapshot
+from dra_driver.checkpoint import Checkpoint
+
+FATAL_XIDS = frozenset({48, 63, 64, 74, 79, 92, 94, 95})
+"""Hardware or fatal XIDs: the GPU is unhealthy from then on (48 DBE, 63/64 row remapping, 74
+NVLink, 79 fallen off the bus, 92 high SBE rate, 94/95 contained/uncontained ECC)."""
+APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
+"""Caused by the workload (graphics engine exception, MMU fault, stopped/preempted context,
+video decoder, context switch timeout): counted, the GPU stays healthy."""
+STALE_INTERVALS = 3
+"""``fresh()``: the latest snapshot is younger than this many intervals."""
+
+
+class Subscription:
+    """A bounded, latest-wins queue of snapshots (``Sampler.subscribe``)."""
+
+    def __init__(self, maxsize: int, on_close: Callable[[Subscription], None]) -> None:
+        if maxsize < 1:
+            raise ValueError("maxsize must be at least 1")
+        self._queue: collections.deque[Snapshot] = collections.deque(maxlen=maxsize)
+        self._cond = threading.Condition()
+        self._closed = False
+        self._on_close = on_close
+        self.dropped = 0
+        """Snapshots replaced by newer ones before the consumer got them."""
+
+    def put(self, snap: Snapshot) -> None:
+        """Add ``snap``, dropping the oldest queued one when full. Never blocks for long."""
+        with self._cond:
+            if self._closed:
+                return
+            if len(self._queue) == self._queue.maxlen:
+                self.dropped += 1
+            self._queue.append(snap)
+            self._cond.notify()
+
+    def get(self, timeout: float | None = None) -> Snapshot | None:
+        """The oldest queued snapshot; None after ``timeout`` seconds or once closed."""
+        with self._cond:
+            self._cond.wait_for(lambda: bool(self._queue) or self._closed, timeout)
+            if self._closed or not self._queue:
+                return None
+            return self._queue.popleft()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Stop receiving; a blocked ``get`` returns None."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.clear()
+            self._cond.notify_all()
+        self._on_close(self)
+
+
+class Sampler:
+    """Samples every GPU each interval and publishes ``Snapshot`` values (module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        node: str,
+        read: Callable[[int, float], GpuSample],
+        gpus: Sequence[GpuInfo],
+        holders: Callable[[], Checkpoint | None],
+        accounting: EnergyAccounting,
+        log: logging.Logger,
+        interval: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        xids: Callable[[], list[XidEvent]] | None = None,
+        on_health_change: Callable[[int, bool], None] | None = None,
+    ) -> None:
+        if interval <= 0:
+            raise ValueError("interval must be positive")
+        self.node = node
+        self.interval = interval
+        self._read = read
+        self._gpus = tuple(gpus)
+        self._holders = holders
+        self._accounting = accounting
+        self._log = log
+        self._clock = clock
+        self._wall = wall
+        self._xids = xids
+        self._on_health_change = on_health_change
+        self._latest: Snapshot | None = None
+        self._subs: list[Subscription] = []
+        self._subs_lock = threading.Lock()
+        self._tick_lock = threading.Lock()
+        self._ticks = 0
+        self._xid_counts: dict[int, collections.Counter[int]] = {}
+        self._fatal: set[int] = set()
+        self._healthy: dict[int, bool] = {}
+        self._failing: dict[int, str] = {}
+        self.missed_ticks = 0
+        """Schedule slots skipped because a tick overran them."""
+
+    # -- public ----------------------------------------------------------------------------------
+
+    @property
+    def latest(self) -> Snapshot | None:
+        """The latest snapshot (None before the first tick). Never blocks."""
+        return self._latest
+
+    @property
+    def gpus(self) -> tuple[GpuInfo, ...]:
+        return self._gpus
+
+    def set_gpus(self, gpus: Sequence[GpuInfo]) -> None:
+        """The inventory changed (MIG reconfigured, a GPU added or gone): read these from the
+        next tick on. XID counts and health stay with the GPU index."""
+        self._gpus = tuple(gpus)
+
+    def subscribe(self, maxsize: int = 1) -> Subscription:
+        """A queue that receives every snapshot published from now on (latest-wins)."""
+        sub = Subscription(maxsize, self._unsubscribe)
+        with self._subs_lock:
+            self._subs.append(sub)
+        return sub
+
+    def fresh(self, max_age: float | None = None) -> bool:
+        """The latest snapshot is younger than ``max_age`` seconds (default: 3 intervals)."""
+        snap = self._latest
+        limit = STALE_INTERVALS * self.interval if max_age is None else max_age
+        return snap is not None and self._clock() - snap.monotonic < limit
+
+    def tick(self) -> Snapshot:
+        """One round: read, account, publish. Returns the published snapshot."""
+        return self._tick(0.0)
+
+    def run(self, stop: threading.Event) -> None:
+        """Tick at fixed slots every ``interval`` seconds until ``stop`` is set."""
+        due = self._clock()
+        while not stop.is_set():
+            lag = max(0.0, self._clock() - due)
+            self._tick(lag)
+            due += self.interval
+            now = self._clock()
+            if now - due >= self.interval:
+                skipped = int((now - due) // self.interval)
+                self.missed_ticks += skipped
+                due += skipped * self.interval
+                self._log.warning(
+                    "telemetry tick overran its interval; skipped slots",
+                    extra=fields_(skipped=skipped, interval=self.interval),
+                )
+            stop.wait(max(0.0, due - now))
+
+    # -- one tick --------------------------------------------------------------------------------
+
+    def _tick(self, lag: float) -> Snapshot:
+        with self._tick_lock:
+            started = self._clock()
+            gpus = self._gpus
+            samples = [self._read_one(g) for g in gpus]
+            self._drain_xids({g.index for g in gpus})
+            holders = self._read_holders()
+            accounted = self._accounting.update(samples, gpus, holders)
+            telemetry = tuple(
+                GpuTelemetry(
+                    sample=s,
+                    name=g.name,
+                    pci_bus_id=g.pci_bus_id,
+                    energy_joules_total=accounted.gpu_energy.get(g.index),
+                    xid_counts=tuple(sorted(self._xid_counts.get(g.index, {}).items())),
+                    healthy=self._health(g.index, s.lost),
+                    mig_profiles=g.mig_profiles,
+                )
+                for g, s in zip(gpus, samples, strict=True)
+            )
+            self._ticks += 1
+            finished = self._clock()
+            snap = Snapshot(
+                node=self.node,
+                tick=self._ticks,
+                wall_time=self._wall(),
+                monotonic=finished,
+                interval_seconds=self.interval,
+                gpus=telemetry,
+                claims=accounted.claims,
+                prepared=accounted.prepared,
+                tick_duration_seconds=finished - started,
+                lag_seconds=lag,
+            )
+            self._publish(snap)
+            return snap
+
+    def _read_one(self, gpu: GpuInfo) -> GpuSample:
+        try:
+            sample = self._read(gpu.index, self._clock())
+        except Exception as exc:
+            error = f"read: {type(exc).__name__}: {exc}"
+            if self._failing.get(gpu.index) != error:
+                self._log.warning(
+                    "GPU read failed; reported as lost",
+                    extra=fields_(gpu=gpu.index, uuid=gpu.uuid, error=error),
+                )
+            self._failing[gpu.index] = error
+            return GpuSample(
+                index=gpu.index, uuid=gpu.uuid, timestamp=self._clock(), lost=True, errors=(error,)
+            )
+        if self._failing.pop(gpu.index, None) is not None:
+            self._log.info("GPU read works again", extra=fields_(gpu=gpu.index, uuid=gpu.uuid))
+        return sample
+
+    def _drain_xids(self, known: set[int]) -> None:
+        if self._xids is None:
+            return
+        try:
+            events = self._xids()
+        except Exception as exc:
+            self._log.warning(
+                "reading XID events failed; retried next tick",
+                extra=fields_(error=f"{type(exc).__name__}: {exc}"),
+            )
+            return
+        for ev in events:
+            if ev.gpu_index not in known:
+                self._log.warning(
+                    "XID for an unknown GPU ignored", extra=fields_(gpu=ev.gpu_index, xid=ev.xid)
+                )
+                continue
+            self._xid_counts.setdefault(ev.gpu_index, collections.Counter())[ev.xid] += 1
+            fatal = ev.xid in FATAL_XIDS
+            if fatal:
+                self._fatal.add(ev.gpu_index)
+            (self._log.error if fatal else self._log.info)(
+                "XID event",
+                extra=fields_(
+                    gpu=ev.gpu_index,
+                    xid=ev.xid,
+                    gpu_instance=ev.gpu_instance_id,
+                    compute_instance=ev.compute_instance_id,
+                    fatal=fatal,
+                ),
+            )
+
+    def _read_holders(self) -> Checkpoint | None:
+        try:
+            return self._holders()
+        except Exception as exc:
+            self._log.warning(
+                "reading the prepared claims failed; no attribution this tick",
+                extra=fields_(error=f"{type(exc).__name__}: {exc}"),
+            )
+            return None
+
+    def _health(self, index: int, lost: bool) -> bool:
+        healthy = not lost and index not in self._fatal
+        if self._healthy.get(index, True) != healthy:
+            self._log.warning(
+                "GPU health changed",
+                extra=fields_(
+                    gpu=index, healthy=healthy, lost=lost, fatal_xid=index in self._fatal
+                ),
+            )
+            if self._on_health_change is not None:
+                try:
+                    self._on_health_change(index, healthy)
+                except Exception:
+                    self._log.exception("health change hook failed", extra=fields_(gpu=index))
+        self._healthy[index] = healthy
+        return healthy
+
+    def _publish(self, snap: Snapshot) -> None:
+        self._latest = snap
+        with self._subs_lock:
+            subs = list(self._subs)
+        for sub in subs:
+            sub.put(snap)
+
+    def _unsubscribe(self, sub: Subscription) -> None:
+        with self._subs_lock:
+            if sub in self._subs:
+                self._subs.remove(sub)
