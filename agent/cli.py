@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument(
         "--kubeconfig-out", type=Path, required=True, help="write a kubeconfig for it to this file"
     )
+    from agent.sim.faults_cli import add_fault_parser
+
+    add_fault_parser(simsub)
     return parser
 
 
@@ -138,6 +141,10 @@ def _kubelet(args: argparse.Namespace, out: IO[str]) -> int:
 def cmd_sim(config: Config, args: argparse.Namespace, out: IO[str]) -> int:
     if args.sim_command == "apiserver":
         return sim_apiserver(args.port, args.kubeconfig_out, out)
+    if args.sim_command == "fault":
+        from agent.sim.faults_cli import cmd_sim_fault
+
+        return cmd_sim_fault(config, args, out)
     from agent.sim.model import load_model, model_names
 
     for name in model_names():

@@ -178,6 +178,20 @@ class Config:
         groups=("daemon",),
         metavar="DIR",
     )
+    telemetry_interval: float = setting(
+        1.0,
+        "Seconds between telemetry samples (NVML reads); metrics and the telemetry API serve the"
+        " latest sample.",
+        groups=("daemon",),
+        metavar="SECONDS",
+    )
+    telemetry_address: str | None = setting(
+        None,
+        "Also serve the telemetry gRPC API on this TCP host:port (it is always served on"
+        " <state-dir>/telemetry.sock).",
+        groups=("daemon",),
+        metavar="HOST:PORT",
+    )
     sim_crash_at: str | None = setting(
         None,
         "Fault injection, --simulate only: the daemon kills itself (SIGKILL) when a prepare or"

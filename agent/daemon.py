@@ -16,13 +16,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
 from agent.config import Config
 from agent.discovery.inventory import NodeInventory
 from agent.errors import ClaimError, KubeError
 from agent.http import HttpEndpoint, Readiness
 from agent.logs import fields_
 from agent.node import NodeSource, discover, open_node
+from agent.nvml.events import EventWatcher
+from agent.nvml.telemetry import read_sample
 from agent.supervisor import Supervisor
+from agent.telemetry.energy import EnergyAccounting
+from agent.telemetry.gpuinfo import gpu_info
+from agent.telemetry.metrics import AgentCollector, AgentStatus, DriverMetrics, SnapshotCollector
+from agent.telemetry.sampler import Sampler
+from agent.telemetry.stream import TelemetryServer
 from dra_driver.cdi import CdiWriter
 from dra_driver.checkpoint import CheckpointStore
 from dra_driver.claims import ClaimSource, DirClaimSource, KubeClaimSource
@@ -71,6 +80,10 @@ class Agent:
     health: HealthBoard
     kube: KubeClient | None
     log: logging.Logger
+    sampler: Sampler
+    accounting: EnergyAccounting
+    events: EventWatcher
+    telemetry_server: TelemetryServer
     stop_event: threading.Event = field(default_factory=threading.Event)
     devices: CurrentDevices = field(default_factory=lambda: CurrentDevices())
     inventory: NodeInventory | None = None
@@ -112,7 +125,10 @@ class Agent:
                 else f"not yet published ({self.publisher.stats.last_error or 'pending'})",
             ),
         )
+        self._start_telemetry(self.inventory)
         self.supervisor = Supervisor(self.log, self.stop_event.set)
+        self.supervisor.spawn("sampler", lambda: self.sampler.run(self.stop_event))
+        self.supervisor.spawn("telemetry-notify", self._notify_watchers)
         self.supervisor.spawn("publisher", lambda: self.publisher.run(self.stop_event))
         if self.publisher.store.watchable:
             self.supervisor.spawn("slice-watch", lambda: self.publisher.watch_loop(self.stop_event))
@@ -134,6 +150,7 @@ class Agent:
         """Stop in reverse order of start."""
         self.stop_event.set()
         self.http.stop()
+        self.telemetry_server.stop()
         self.plugin.stop()
         self.preparer.close()
         self.publisher.stop()
@@ -141,6 +158,8 @@ class Agent:
             stuck = self.supervisor.join()
             if stuck:
                 self.log.warning("tasks did not stop in time", extra=fields_(tasks=stuck))
+        self.accounting.close()
+        self.events.close()
         if self.config.cleanup_on_exit:
             try:
                 self.publisher.cleanup()
@@ -160,6 +179,29 @@ class Agent:
         finally:
             self.stop()
         return 1 if self.supervisor and self.supervisor.failures else 0
+
+    def _start_telemetry(self, inv: NodeInventory) -> None:
+        """Sample the discovered GPUs; serve the telemetry API once a first sample exists."""
+        self.sampler.set_gpus([gpu_info(g.device) for g in inv.gpus])
+        self.sampler.tick()
+        self.readiness.add(
+            "sampler",
+            lambda: (
+                self.sampler.fresh(),
+                "fresh" if self.sampler.fresh() else "no recent sample",
+            ),
+        )
+        self.telemetry_server.start()
+
+    def _notify_watchers(self) -> None:
+        """Wake telemetry watchers on every new snapshot (a latest-wins subscription)."""
+        sub = self.sampler.subscribe()
+        try:
+            while not self.stop_event.is_set():
+                if sub.get(timeout=0.5) is not None:
+                    self.telemetry_server.notify()
+        finally:
+            sub.close()
 
     def _log_inventory(self, inv: NodeInventory) -> None:
         for g in inv.gpus:
@@ -211,8 +253,12 @@ def build_agent(config: Config, log: logging.Logger) -> Agent:
     source = open_node(config, state_dir)
     source.nvml.init()
     readiness = Readiness()
+    registry = CollectorRegistry(auto_describe=True)
+    driver_metrics = DriverMetrics(registry)
     host, port = config.metrics_host_port()
-    http = HttpEndpoint(host, port, readiness)
+    http = HttpEndpoint(
+        host, port, readiness, metrics=lambda: (generate_latest(registry), CONTENT_TYPE_LATEST)
+    )
     kube = None if config.no_kube else KubeClient.from_config(config.kubeconfig)
     store: SliceStore = (
         DirSliceStore(state_dir / "resourceslices")
@@ -250,6 +296,7 @@ def build_agent(config: Config, log: logging.Logger) -> Agent:
         devices=devices.get,
         log=log.getChild("prepare"),
         crash_hook=crash_hook(config.sim_crash_at),
+        observe=driver_metrics.observe,
     )
     plugin = PluginServer(
         driver_name=config.driver_name,
@@ -259,6 +306,22 @@ def build_agent(config: Config, log: logging.Logger) -> Agent:
         health=health,
         log=log.getChild("plugin"),
     )
+    nvml = source.nvml
+    events = EventWatcher(nvml)
+    accounting = EnergyAccounting(state_dir / "energy.json", log=log.getChild("energy"))
+    sampler = Sampler(
+        node=source.hostname,
+        read=lambda index, now: read_sample(nvml, index, now),
+        gpus=[],
+        holders=lambda: preparer.checkpoint,
+        accounting=accounting,
+        log=log.getChild("sampler"),
+        interval=config.telemetry_interval,
+        xids=lambda: events.wait(0),
+        on_health_change=health_to_board(devices, health, log),
+    )
+    registry.register(SnapshotCollector(lambda: sampler.latest))
+    registry.register(AgentCollector(agent_status(source.hostname, kube, plugin, publisher)))
     return Agent(
         config=config,
         source=source,
@@ -272,7 +335,47 @@ def build_agent(config: Config, log: logging.Logger) -> Agent:
         kube=kube,
         log=log,
         devices=devices,
+        sampler=sampler,
+        accounting=accounting,
+        events=events,
+        telemetry_server=TelemetryServer(
+            lambda: sampler.latest,
+            state_dir / "telemetry.sock",
+            log.getChild("telemetry"),
+            config.telemetry_address,
+        ),
     )
+
+
+def health_to_board(
+    devices: CurrentDevices, health: HealthBoard, log: logging.Logger
+) -> Callable[[int, bool], None]:
+    """The sampler's GPU health changes, told to the kubelet (every device on that GPU)."""
+
+    def on_health(index: int, healthy: bool) -> None:
+        for d in devices.get().devices:
+            if d.gpu_index == index:
+                health.mark(d.name, "HEALTHY" if healthy else "UNHEALTHY")
+        log.warning("GPU health changed", extra=fields_(gpu=index, healthy=healthy))
+
+    return on_health
+
+
+def agent_status(
+    node: str, kube: KubeClient | None, plugin: PluginServer, publisher: Publisher
+) -> Callable[[], AgentStatus]:
+    """The agent's own state for /metrics (in-memory reads only)."""
+
+    def status() -> AgentStatus:
+        return AgentStatus(
+            node=node,
+            kubelet_registered=None if kube is None else plugin.registered,
+            slice_generation=publisher.published_generation,
+            slice_writes=publisher.stats.writes,
+            slice_errors=publisher.stats.errors,
+        )
+
+    return status
 
 
 def crash_hook(point: str | None) -> Callable[[str], None]:

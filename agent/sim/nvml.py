@@ -16,9 +16,13 @@ class too (``FakeNvml.NVML_ERROR_NOT_FOUND``, ``FakeNvml.NVMLError``, ``FakeNvml
 Units are NVML's: bytes for memory, MiB for MIG profile ``memorySizeMB``.
 
 Simulator controls (not pynvml functions): ``reset_gpu(index)``, ``apply_mig_layout(name)``,
-``state``, ``state_dir`` (see :class:`agent.sim.nvml_core.NvmlCore`). MIG calls are in
-:mod:`agent.sim.nvml_mig`. The MIG state lives in ``<state_dir>/nvml-state.json``, shared with
-other processes (:mod:`agent.sim.state`).
+``state``, ``state_dir`` (see :class:`agent.sim.nvml_core.NvmlCore`); the load and faults
+(``set_load``, ``add_process``, ``inject_xid``, ``lose_gpu``, ``reload_driver``, …, see
+:class:`agent.sim.telemetry.TelemetryBase`), driven by the ``clock`` keyword (default
+``time.monotonic``). MIG calls are in :mod:`agent.sim.nvml_mig`; telemetry calls in
+:mod:`agent.sim.telemetry_calls`; events and GPM in :mod:`agent.sim.telemetry_events`. The MIG
+state lives in ``<state_dir>/nvml-state.json``, the load, counters and faults in
+``<state_dir>/telemetry-state.json``, both shared with other processes.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from agent.sim.model import NodeModel
 from agent.sim.nvml_core import pci_info, pynvml_constants
 from agent.sim.nvml_mig import MigCalls
 from agent.sim.specs import MIB
+from agent.sim.telemetry_calls import TelemetryCalls
+from agent.sim.telemetry_events import EventCalls, GpmCalls
 
 RESERVED_MIB = 512
 """Memory the simulated driver reserves on a whole GPU (v2 ``reserved``; part of v1 ``used``)."""
@@ -95,7 +101,7 @@ def nvlink_table(model: NodeModel) -> dict[int, tuple[LinkEnd | None, ...]]:
     return table
 
 
-class FakeNvml(MigCalls):
+class FakeNvml(TelemetryCalls, EventCalls, GpmCalls, MigCalls):
     """The simulated pynvml module for one node model (see the module docstring)."""
 
     _link_table: dict[int, tuple[LinkEnd | None, ...]] | None = None
@@ -222,15 +228,19 @@ class FakeNvml(MigCalls):
     # -- memory ----------------------------------------------------------------------------------
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: Any = None) -> Any:
         """Bytes. A whole GPU reserves :data:`RESERVED_MIB` (v1 counts it as used); a MIG device
-        has its GPU instance's memory and nothing reserved. No processes: nothing else is used."""
+        has its GPU instance's memory and nothing reserved. ``used`` follows the load: scripted
+        memory plus the processes' (a MIG device: its processes')."""
         slot, instance = self._device(handle)
+        self._inject("nvmlDeviceGetMemoryInfo", slot.index)
         if instance is None:
             total, reserved = slot.spec.memory_bytes, RESERVED_MIB * MIB
+            used = min(self._memory_used(slot.index, None), total - reserved)
         else:
             total, reserved = slot.spec.profile(instance[0].profile_id).memory_mib * MIB, 0
+            used = min(self._memory_used(slot.index, instance[0].id), total)
         if not version:
             v1 = pynvml.c_nvmlMemory_t()
-            v1.total, v1.used, v1.free = total, reserved, total - reserved
+            v1.total, v1.used, v1.free = total, reserved + used, total - reserved - used
             return v1
         if version != pynvml.nvmlMemory_v2:
             raise nvml_error(
@@ -238,7 +248,8 @@ class FakeNvml(MigCalls):
             )
         v2 = pynvml.c_nvmlMemory_v2_t()
         v2.version = version
-        v2.total, v2.reserved, v2.used, v2.free = total, reserved, 0, total - reserved
+        v2.total, v2.reserved, v2.used = total, reserved, used
+        v2.free = total - reserved - used
         return v2
 
     # -- NVLink ----------------------------------------------------------------------------------

@@ -352,7 +352,7 @@ def test_the_fake_carries_pynvml_constants_but_not_its_functions(make_fake):
     assert fake.c_nvmlGpuInstancePlacement_t is pynvml.c_nvmlGpuInstancePlacement_t
     assert fake.NVML_NVLINK_MAX_LINKS == 36
     assert FakeNvml.NVML_GPU_INSTANCE_PROFILE_COUNT == pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT
-    with pytest.raises(AttributeError, match="nvmlDeviceGetPowerUsage"):
-        fake.nvmlDeviceGetPowerUsage  # noqa: B018 - not simulated
+    with pytest.raises(AttributeError, match="nvmlDeviceGetFanSpeed"):
+        fake.nvmlDeviceGetFanSpeed  # noqa: B018 - not simulated
     assert not hasattr(fake, "nvmlLib")
     assert not hasattr(fake, "byref")

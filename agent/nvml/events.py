@@ -1,0 +1,127 @@
+"""XID events through the NVML facade.
+
+:class:`EventWatcher` creates one NVML event set, registers every GPU (or the given ones) for
+XID critical errors, and turns what ``nvmlEventSetWait`` returns into
+:class:`~agent.nvml.samples.XidEvent` values. A GPU that cannot be registered (NotSupported,
+lost, or any other NVML error) is skipped and reported in :attr:`EventWatcher.skipped`; the
+others are still watched. NVML errors of the event set itself are raised as ``agent.errors``
+NVML errors. One thread waits; :meth:`EventWatcher.close` is called after the last wait.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+from agent.errors import NvmlError, NvmlGpuLost
+from agent.nvml.facade import Nvml
+from agent.nvml.samples import XidEvent
+
+XID_CRITICAL_ERROR = 0x8
+"""nvmlEventTypeXidCriticalError."""
+NOT_MIG = 0xFFFFFFFF
+TIMEOUT = 10
+"""NVML_ERROR_TIMEOUT."""
+MAX_EVENTS_PER_WAIT = 256
+
+
+def _address(handle: Any) -> int:
+    return int(ctypes.cast(handle, ctypes.c_void_p).value or 0)
+
+
+def _instance_id(value: int) -> int | None:
+    return None if int(value) == NOT_MIG else int(value)
+
+
+class EventWatcher:
+    """Waits for XID critical-error events of the node's GPUs."""
+
+    def __init__(self, nvml: Nvml, indices: Sequence[int] | None = None) -> None:
+        """Create the event set and register ``indices`` (default: every GPU NVML counts)."""
+        self._nvml = nvml
+        self._set: Any = nvml._call("nvmlEventSetCreate")
+        self._by_address: dict[int, int] = {}
+        self._skipped: dict[int, str] = {}
+        try:
+            for index in range(nvml.device_count()) if indices is None else indices:
+                self._register(index)
+        except BaseException:
+            self.close()
+            raise
+
+    def _register(self, index: int) -> None:
+        try:
+            handle = self._nvml.handle(index)
+            self._nvml._call(
+                "nvmlDeviceRegisterEvents",
+                handle,
+                XID_CRITICAL_ERROR,
+                self._set,
+                device=str(index),
+            )
+        except NvmlError as exc:
+            self._skipped[index] = str(exc)
+            return
+        self._by_address[_address(handle)] = index
+
+    @property
+    def registered(self) -> tuple[int, ...]:
+        """The GPUs whose XIDs are watched, by index."""
+        return tuple(sorted(self._by_address.values()))
+
+    @property
+    def skipped(self) -> dict[int, str]:
+        """GPUs that could not be registered, with why (the NVML error)."""
+        return dict(self._skipped)
+
+    def wait(self, timeout_s: float) -> list[XidEvent]:
+        """XID events: blocks up to ``timeout_s`` for the first, then takes the ones already
+        queued (up to :data:`MAX_EVENTS_PER_WAIT`); empty when none came in time."""
+        if self._set is None:
+            raise RuntimeError("EventWatcher is closed")
+        if not self._by_address:
+            return []
+        out: list[XidEvent] = []
+        timeout_ms = max(0, round(timeout_s * 1000))
+        while len(out) < MAX_EVENTS_PER_WAIT:
+            data = self._next(timeout_ms if not out else 0)
+            if data is None:
+                break
+            if int(data.eventType) & XID_CRITICAL_ERROR:
+                out.append(self._event(data))
+        return out
+
+    def _next(self, timeout_ms: int) -> Any | None:
+        try:
+            return self._nvml._call("nvmlEventSetWait", self._set, timeout_ms)
+        except NvmlError as exc:
+            if exc.code == TIMEOUT:
+                return None
+            raise
+
+    def _event(self, data: Any) -> XidEvent:
+        index = self._by_address.get(_address(data.device))
+        if index is None:  # a handle NVML made anew: ask which GPU it is
+            try:
+                index = int(self._nvml._call("nvmlDeviceGetIndex", data.device))
+            except NvmlGpuLost:
+                index = -1
+        return XidEvent(
+            gpu_index=index,
+            xid=int(data.eventData),
+            gpu_instance_id=_instance_id(data.gpuInstanceId),
+            compute_instance_id=_instance_id(data.computeInstanceId),
+        )
+
+    def close(self) -> None:
+        """Free the event set (idempotent)."""
+        event_set, self._set = self._set, None
+        if event_set is not None:
+            self._nvml._call("nvmlEventSetFree", event_set)
+
+    def __enter__(self) -> EventWatcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

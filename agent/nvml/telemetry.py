@@ -1,0 +1,498 @@
+"""Telemetry reads through the NVML facade: one :class:`~agent.nvml.samples.GpuSample` per GPU.
+
+Use a :class:`TelemetryReader` per facade and call :meth:`TelemetryReader.read` once per GPU per
+tick (or :func:`read_sample`, which keeps one reader per facade). The reader is not thread-safe:
+one sampler thread owns it. Between reads it keeps, per GPU: the handle and UUID, the MIG
+devices (handles, GPU/compute instance ids, UUIDs), the calls that answered NotSupported (not
+asked again), the last process-utilization timestamp and the GPM sample buffers.
+
+NVML calls per GPU per read, once warm (the first read also looks up the handle, UUID and MIG
+devices and learns what is unsupported):
+
+* 1 ``nvmlDeviceGetFieldValues`` for every field-value metric: energy, memory temperature, PCIe
+  replays, NVLink data TX/RX (``scopeId`` 0xFFFFFFFF: summed over links), volatile ECC
+  corrected/uncorrected, remapped rows correctable/uncorrectable/pending;
+* utilization, memory, power, GPU temperature, SM clock, memory clock, clocks-event reasons,
+  PCIe TX, PCIe RX, running compute processes: 10 calls (utilization is skipped on MIG-enabled
+  GPUs, where NVML does not support it);
+* process utilization: 1 call, only when processes run (and not on MIG-enabled GPUs);
+* per MIG device: its memory (1 call); per GPU instance on Hopper+: 1 GPM sample + 1 GPM
+  metrics call (the second sample is the previous read's, so the first read has no MIG
+  utilization).
+
+So a whole GPU costs at most 12 calls per read; a MIG-enabled GPU 10 + (MIG devices) + 2 x (GPU
+instances on Hopper). The MIG device list is re-enumerated every ``mig_refresh_reads`` reads,
+when a MIG handle stops working, or when a process shows up in an unknown GPU instance.
+
+Results follow :mod:`agent.nvml.samples`: base units (W, J, Hz, bytes, ratios); NotSupported ->
+``None``; GpuIsLost anywhere -> ``GpuSample(lost=True)``; any other NVML error -> that field
+``None`` and the call's name in ``errors``. PCIe throughput (NVML "KB/s") is taken as KiB/s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.errors import (
+    NvmlError,
+    NvmlGpuLost,
+    NvmlInvalidArgument,
+    NvmlNotFound,
+    NvmlNotSupported,
+)
+from agent.nvml.facade import Nvml, text
+from agent.nvml.samples import GpuSample, MigSample, ProcessSample
+
+NOT_MIG = 0xFFFFFFFF
+ALL_LINKS = 0xFFFFFFFF
+VALUE_NOT_AVAILABLE = 0xFFFFFFFFFFFFFFFF
+"""NVML_VALUE_NOT_AVAILABLE for unsigned long long (usedGpuMemory under WDDM / without rights)."""
+
+# NVML field ids (stable C ABI values) -> the sample field each feeds, and its scope.
+FIELDS: tuple[tuple[str, str, int, int], ...] = (
+    ("energy", "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION", 83, 0),
+    ("memory_temp", "NVML_FI_DEV_MEMORY_TEMP", 82, 0),
+    ("pcie_replays", "NVML_FI_DEV_PCIE_REPLAY_COUNTER", 94, 0),
+    ("nvlink_tx", "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", 138, ALL_LINKS),
+    ("nvlink_rx", "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX", 139, ALL_LINKS),
+    ("ecc_corrected", "NVML_FI_DEV_ECC_SBE_VOL_TOTAL", 3, 0),
+    ("ecc_uncorrected", "NVML_FI_DEV_ECC_DBE_VOL_TOTAL", 4, 0),
+    ("remapped_correctable", "NVML_FI_DEV_REMAPPED_COR", 142, 0),
+    ("remapped_uncorrectable", "NVML_FI_DEV_REMAPPED_UNC", 143, 0),
+    ("remap_pending", "NVML_FI_DEV_REMAPPED_PENDING", 144, 0),
+)
+_VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
+_SUCCESS, _NOT_SUPPORTED, _FUNCTION_NOT_FOUND, _GPU_IS_LOST = 0, 3, 13, 15
+_VERSION_MISMATCH = 25
+_TEMPERATURE_GPU = 0
+_CLOCK_SM, _CLOCK_MEM = 1, 2
+_PCIE_TX, _PCIE_RX = 0, 1
+_GPM_SM_UTIL = 2
+_GPM_METRICS_GET_VERSION = 1
+MHZ = 1_000_000
+KIB = 1024
+
+
+@dataclass
+class _MigDevice:
+    gpu_instance_id: int
+    compute_instance_id: int
+    uuid: str
+    handle: Any
+
+
+@dataclass
+class _Gpm:
+    """Two GPM sample buffers of one GPU instance; ``previous`` holds the last read's."""
+
+    buffers: tuple[Any, Any]
+    previous: Any | None = None
+
+
+@dataclass
+class _Gpu:
+    handle: Any
+    uuid: str
+    skip: set[str] = field(default_factory=set)
+    """Calls that answered NotSupported since the last MIG enumeration."""
+    mig: tuple[_MigDevice, ...] = ()
+    mig_stale: bool = True
+    reads_since_enumeration: int = 0
+    last_process_timestamp: int = 0
+    gpm_supported: bool | None = None
+    """Whether the GPU has GPM (asked once per handle)."""
+    gpm: dict[int, _Gpm] = field(default_factory=dict)
+
+
+class _Lost(Exception):
+    """GpuIsLost during a read."""
+
+
+class TelemetryReader:
+    """Reads :class:`GpuSample` values through an :class:`~agent.nvml.facade.Nvml` facade."""
+
+    def __init__(self, nvml: Nvml, *, mig_refresh_reads: int = 60) -> None:
+        self._nvml = nvml
+        self._m = nvml.module
+        # pynvml raises this (not an NVMLError) for an unversioned call the driver lacks
+        self._mismatch: Any = getattr(self._m, "NVMLLibraryMismatchError", ())
+        self._gpus: dict[int, _Gpu] = {}
+        self._uuids: dict[int, str] = {}
+        self._mig_refresh_reads = mig_refresh_reads
+
+    # -- public ------------------------------------------------------------------------------
+    def read(self, index: int, now: float) -> GpuSample:
+        """One sample of GPU ``index``, stamped ``now`` (the sampler's monotonic clock)."""
+        try:
+            gpu = self._gpu(index)
+            return self._read(index, gpu, now, [])
+        except (_Lost, NvmlGpuLost):
+            self.forget(index)
+            return GpuSample(index=index, uuid=self._uuids.get(index, ""), timestamp=now, lost=True)
+
+    def read_all(self, now: float) -> tuple[GpuSample, ...]:
+        """A sample of every GPU NVML counts (one ``nvmlDeviceGetCount`` more)."""
+        return tuple(self.read(i, now) for i in range(self._nvml.device_count()))
+
+    def refresh(self, index: int | None = None) -> None:
+        """Re-enumerate MIG devices and re-probe unsupported calls at the next read."""
+        for i, gpu in self._gpus.items():
+            if index is None or i == index:
+                gpu.mig_stale = True
+
+    def forget(self, index: int) -> None:
+        """Drop everything cached for GPU ``index`` (its handle is looked up again)."""
+        gpu = self._gpus.pop(index, None)
+        if gpu is not None:
+            for gi in list(gpu.gpm):
+                self._free_gpm(gpu, gi)
+
+    def close(self) -> None:
+        """Free the GPM sample buffers."""
+        for index in list(self._gpus):
+            self.forget(index)
+
+    # -- calls -------------------------------------------------------------------------------
+    def _call(self, index: int, name: str, *args: Any) -> Any:
+        return self._nvml._call(name, *args, device=str(index))
+
+    def _get(
+        self, index: int, gpu: _Gpu, errors: list[str], key: str, name: str, *args: Any
+    ) -> Any | None:
+        """``name(*args)``; None when unsupported (then skipped until the next enumeration) or
+        failed (recorded in ``errors``); GpuIsLost ends the read."""
+        if key in gpu.skip:
+            return None
+        try:
+            return self._call(index, name, *args)
+        except NvmlGpuLost as exc:
+            raise _Lost() from exc
+        except (NvmlNotSupported, self._mismatch):
+            gpu.skip.add(key)
+            return None
+        except NvmlError:
+            errors.append(name)
+            return None
+
+    def _gpu(self, index: int) -> _Gpu:
+        gpu = self._gpus.get(index)
+        if gpu is None:
+            handle = self._nvml.handle(index)
+            uuid = text(self._call(index, "nvmlDeviceGetUUID", handle))
+            gpu = self._gpus[index] = _Gpu(handle=handle, uuid=uuid)
+            self._uuids[index] = uuid
+        return gpu
+
+    # -- one read ------------------------------------------------------------------------------
+    def _read(self, index: int, gpu: _Gpu, now: float, errors: list[str]) -> GpuSample:
+        gpu.reads_since_enumeration += 1
+        if gpu.mig_stale or gpu.reads_since_enumeration > self._mig_refresh_reads:
+            self._enumerate_mig(index, gpu, errors)
+        h = gpu.handle
+
+        def get(key: str, name: str, *args: Any) -> Any | None:
+            return self._get(index, gpu, errors, key, name, *args)
+
+        fields = self._fields(index, gpu, errors)
+        util = get("util", "nvmlDeviceGetUtilizationRates", h)
+        memory = self._memory(index, gpu, errors, h)
+        power = get("power", "nvmlDeviceGetPowerUsage", h)
+        temperature = get("temp", "nvmlDeviceGetTemperature", h, _TEMPERATURE_GPU)
+        sm_clock = get("clock_sm", "nvmlDeviceGetClockInfo", h, _CLOCK_SM)
+        mem_clock = get("clock_mem", "nvmlDeviceGetClockInfo", h, _CLOCK_MEM)
+        throttle = self._throttle(index, gpu, errors)
+        pcie_tx = get("pcie_tx", "nvmlDeviceGetPcieThroughput", h, _PCIE_TX)
+        pcie_rx = get("pcie_rx", "nvmlDeviceGetPcieThroughput", h, _PCIE_RX)
+        processes = self._processes(index, gpu, errors)
+        mig = self._mig_samples(index, gpu, errors)
+        return GpuSample(
+            index=index,
+            uuid=gpu.uuid,
+            timestamp=now,
+            utilization_gpu=None if util is None else int(util.gpu) / 100,
+            utilization_memory=None if util is None else int(util.memory) / 100,
+            memory_used_bytes=None if memory is None else int(memory.used),
+            memory_free_bytes=None if memory is None else int(memory.free),
+            memory_reserved_bytes=_reserved(memory),
+            power_watts=None if power is None else int(power) / 1000,
+            energy_joules=_scaled(fields["energy"], 1 / 1000),
+            temperature_gpu_celsius=None if temperature is None else float(temperature),
+            temperature_memory_celsius=_scaled(fields["memory_temp"], 1),
+            clock_sm_hertz=None if sm_clock is None else float(int(sm_clock) * MHZ),
+            clock_memory_hertz=None if mem_clock is None else float(int(mem_clock) * MHZ),
+            throttle_reasons=None if throttle is None else int(throttle),
+            pcie_tx_bytes_per_second=None if pcie_tx is None else float(int(pcie_tx) * KIB),
+            pcie_rx_bytes_per_second=None if pcie_rx is None else float(int(pcie_rx) * KIB),
+            pcie_replays=_int(fields["pcie_replays"]),
+            nvlink_tx_bytes=_int(fields["nvlink_tx"], KIB),
+            nvlink_rx_bytes=_int(fields["nvlink_rx"], KIB),
+            ecc_corrected=_int(fields["ecc_corrected"]),
+            ecc_uncorrected=_int(fields["ecc_uncorrected"]),
+            remapped_rows_correctable=_int(fields["remapped_correctable"]),
+            remapped_rows_uncorrectable=_int(fields["remapped_uncorrectable"]),
+            remap_pending=None
+            if fields["remap_pending"] is None
+            else bool(fields["remap_pending"]),
+            processes=processes,
+            mig=mig,
+            errors=tuple(errors),
+        )
+
+    def _fields(self, index: int, gpu: _Gpu, errors: list[str]) -> dict[str, float | None]:
+        """Every field-value metric in one call; per field: value, or None (unsupported or
+        failed, the failure named in ``errors``)."""
+        out: dict[str, float | None] = {key: None for key, _, _, _ in FIELDS}
+        request = [(field_id, scope) for _, _, field_id, scope in FIELDS]
+        values = self._get(
+            index, gpu, errors, "fields", "nvmlDeviceGetFieldValues", gpu.handle, request
+        )
+        if values is None:
+            return out
+        for i, (key, name, _, _) in enumerate(FIELDS):
+            v = values[i]
+            ret = int(v.nvmlReturn)
+            if ret == _SUCCESS and 0 <= int(v.valueType) < len(_VALUE_MEMBERS):
+                out[key] = getattr(v.value, _VALUE_MEMBERS[int(v.valueType)])
+            elif ret == _GPU_IS_LOST:
+                raise _Lost()
+            elif ret not in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND):
+                errors.append(f"nvmlDeviceGetFieldValues[{name}]")
+        return out
+
+    def _memory(self, index: int, gpu: _Gpu, errors: list[str], handle: Any) -> Any | None:
+        """v2 memory info (with ``reserved``) where NVML has it, else v1."""
+        if "memory_v2" not in gpu.skip:
+            try:
+                return self._call(index, "nvmlDeviceGetMemoryInfo", handle, self._m.nvmlMemory_v2)
+            except NvmlGpuLost as exc:
+                raise _Lost() from exc
+            except NvmlNotSupported:
+                gpu.skip.add("memory_v2")
+            except NvmlError as exc:
+                if exc.code != _VERSION_MISMATCH:
+                    errors.append("nvmlDeviceGetMemoryInfo")
+                    return None
+                gpu.skip.add("memory_v2")
+        return self._get(index, gpu, errors, "memory", "nvmlDeviceGetMemoryInfo", handle)
+
+    def _throttle(self, index: int, gpu: _Gpu, errors: list[str]) -> Any | None:
+        """Clocks-event reasons; the deprecated throttle-reasons name on older pynvml/drivers."""
+        h = gpu.handle
+        if "events_name" not in gpu.skip:
+            if not hasattr(self._m, "nvmlDeviceGetCurrentClocksEventReasons"):
+                gpu.skip.add("events_name")
+            else:
+                try:
+                    return self._call(index, "nvmlDeviceGetCurrentClocksEventReasons", h)
+                except NvmlGpuLost as exc:
+                    raise _Lost() from exc
+                except NvmlNotSupported as exc:
+                    gpu.skip.add("events_name")
+                    if exc.code != _FUNCTION_NOT_FOUND:
+                        gpu.skip.add("throttle")
+                except NvmlError:
+                    errors.append("nvmlDeviceGetCurrentClocksEventReasons")
+                    return None
+        return self._get(
+            index, gpu, errors, "throttle", "nvmlDeviceGetCurrentClocksThrottleReasons", h
+        )
+
+    def _processes(self, index: int, gpu: _Gpu, errors: list[str]) -> tuple[ProcessSample, ...]:
+        procs = self._get(
+            index, gpu, errors, "procs", "nvmlDeviceGetComputeRunningProcesses", gpu.handle
+        )
+        if not procs:
+            return ()
+        sm = self._process_utilization(index, gpu, errors)
+        known_gis = {d.gpu_instance_id for d in gpu.mig}
+        out: list[ProcessSample] = []
+        for p in procs:
+            gi = _instance_id(p.gpuInstanceId)
+            if gi is not None and gi not in known_gis:
+                gpu.mig_stale = True
+            used = p.usedGpuMemory
+            out.append(
+                ProcessSample(
+                    pid=int(p.pid),
+                    used_memory_bytes=(
+                        None if used is None or int(used) == VALUE_NOT_AVAILABLE else int(used)
+                    ),
+                    gpu_instance_id=gi,
+                    compute_instance_id=_instance_id(p.computeInstanceId),
+                    sm_utilization=sm.get(int(p.pid)),
+                )
+            )
+        return tuple(sorted(out, key=lambda p: p.pid))
+
+    def _process_utilization(self, index: int, gpu: _Gpu, errors: list[str]) -> dict[int, float]:
+        """pid -> SM share (0-1) from the samples newer than the last read's; NOT_FOUND (no
+        samples) gives none."""
+        if "proc_util" in gpu.skip:
+            return {}
+        try:
+            samples = self._call(
+                index, "nvmlDeviceGetProcessUtilization", gpu.handle, gpu.last_process_timestamp
+            )
+        except NvmlGpuLost as exc:
+            raise _Lost() from exc
+        except NvmlNotFound:
+            return {}
+        except NvmlNotSupported:
+            gpu.skip.add("proc_util")
+            return {}
+        except NvmlError:
+            errors.append("nvmlDeviceGetProcessUtilization")
+            return {}
+        latest: dict[int, tuple[int, float]] = {}
+        for s in samples:
+            stamp, pid = int(s.timeStamp), int(s.pid)
+            if pid not in latest or stamp >= latest[pid][0]:
+                latest[pid] = (stamp, min(1.0, int(s.smUtil) / 100))
+            gpu.last_process_timestamp = max(gpu.last_process_timestamp, stamp)
+        return {pid: share for pid, (_, share) in latest.items()}
+
+    # -- MIG -----------------------------------------------------------------------------------
+    def _enumerate_mig(self, index: int, gpu: _Gpu, errors: list[str]) -> None:
+        gpu.mig_stale = False
+        gpu.reads_since_enumeration = 1
+        gpu.skip.clear()
+        h = gpu.handle
+        count = self._get(index, gpu, errors, "mig_count", "nvmlDeviceGetMaxMigDeviceCount", h)
+        devices: list[_MigDevice] = []
+        for i in range(int(count or 0)):
+            try:
+                mh = self._call(index, "nvmlDeviceGetMigDeviceHandleByIndex", h, i)
+                gi = int(self._call(index, "nvmlDeviceGetGpuInstanceId", mh))
+                ci = int(self._call(index, "nvmlDeviceGetComputeInstanceId", mh))
+                uuid = text(self._call(index, "nvmlDeviceGetUUID", mh))
+            except NvmlGpuLost as exc:
+                raise _Lost() from exc
+            except (NvmlNotFound, NvmlNotSupported):
+                continue
+            except NvmlError as exc:
+                errors.append(exc.call)
+                continue
+            devices.append(_MigDevice(gi, ci, uuid, mh))
+        gpu.mig = tuple(sorted(devices, key=lambda d: (d.gpu_instance_id, d.compute_instance_id)))
+        for gi in set(gpu.gpm) - {d.gpu_instance_id for d in gpu.mig}:
+            self._free_gpm(gpu, gi)
+
+    def _mig_samples(self, index: int, gpu: _Gpu, errors: list[str]) -> tuple[MigSample, ...]:
+        utilization = {gi: self._gpm(index, gpu, errors, gi) for gi in _gis(gpu.mig)}
+        out: list[MigSample] = []
+        for d in gpu.mig:
+            try:
+                m = self._call(index, "nvmlDeviceGetMemoryInfo", d.handle)
+            except NvmlGpuLost as exc:
+                raise _Lost() from exc
+            except (NvmlInvalidArgument, NvmlNotFound):
+                gpu.mig_stale = True  # the MIG device was destroyed
+                continue
+            except NvmlError:
+                errors.append("nvmlDeviceGetMemoryInfo")
+                m = None
+            out.append(
+                MigSample(
+                    gpu_instance_id=d.gpu_instance_id,
+                    compute_instance_id=d.compute_instance_id,
+                    uuid=d.uuid,
+                    memory_used_bytes=None if m is None else int(m.used),
+                    memory_total_bytes=None if m is None else int(m.total),
+                    utilization=utilization.get(d.gpu_instance_id),
+                )
+            )
+        return tuple(out)
+
+    def _gpm(self, index: int, gpu: _Gpu, errors: list[str], gi: int) -> float | None:
+        """SM utilization (0-1) of GPU instance ``gi`` since the previous read, from GPM."""
+        if not self._gpm_supported(index, gpu):
+            return None
+        state = gpu.gpm.get(gi)
+        if state is None:
+            a = self._get(index, gpu, errors, "gpm", "nvmlGpmSampleAlloc")
+            b = self._get(index, gpu, errors, "gpm", "nvmlGpmSampleAlloc") if a else None
+            if a is None or b is None:
+                if a is not None:
+                    self._free_sample(a)
+                return None
+            state = gpu.gpm[gi] = _Gpm(buffers=(a, b))
+        current = state.buffers[1] if state.previous is state.buffers[0] else state.buffers[0]
+        taken = self._get(index, gpu, errors, "gpm", "nvmlGpmMigSampleGet", gpu.handle, gi, current)
+        if taken is None:
+            state.previous = None
+            return None
+        previous, state.previous = state.previous, current
+        if previous is None:
+            return None
+        m = self._m
+        request = m.c_nvmlGpmMetricsGet_t()
+        request.version = _GPM_METRICS_GET_VERSION
+        request.numMetrics = 1
+        request.sample1 = previous
+        request.sample2 = current
+        request.metrics[0].metricId = _GPM_SM_UTIL
+        result = self._get(index, gpu, errors, "gpm_metrics", "nvmlGpmMetricsGet", request)
+        if result is None or int(result.metrics[0].nvmlReturn) != _SUCCESS:
+            return None
+        return min(1.0, max(0.0, float(result.metrics[0].value) / 100))
+
+    def _gpm_supported(self, index: int, gpu: _Gpu) -> bool:
+        """Asked once per handle (``nvmlGpmQueryDeviceSupport``); False without GPM calls."""
+        if gpu.gpm_supported is None:
+            gpu.gpm_supported = False
+            if hasattr(self._m, "nvmlGpmMigSampleGet"):
+                try:
+                    support = self._call(index, "nvmlGpmQueryDeviceSupport", gpu.handle)
+                    gpu.gpm_supported = bool(support.isSupportedDevice)
+                except NvmlGpuLost as exc:
+                    raise _Lost() from exc
+                except NvmlError:
+                    pass
+        return gpu.gpm_supported
+
+    def _free_sample(self, sample: Any) -> None:
+        with contextlib.suppress(NvmlError):
+            self._nvml._call("nvmlGpmSampleFree", sample)
+
+    def _free_gpm(self, gpu: _Gpu, gi: int) -> None:
+        state = gpu.gpm.pop(gi, None)
+        if state is not None:
+            for s in state.buffers:
+                self._free_sample(s)
+
+
+def _gis(devices: tuple[_MigDevice, ...]) -> list[int]:
+    return sorted({d.gpu_instance_id for d in devices})
+
+
+def _instance_id(value: Any) -> int | None:
+    if value is None or int(value) == NOT_MIG:
+        return None
+    return int(value)
+
+
+def _reserved(memory: Any | None) -> int | None:
+    reserved = getattr(memory, "reserved", None) if memory is not None else None
+    return None if reserved is None else int(reserved)
+
+
+def _scaled(value: float | None, factor: float) -> float | None:
+    return None if value is None else float(value) * factor
+
+
+def _int(value: float | None, factor: int = 1) -> int | None:
+    return None if value is None else int(value) * factor
+
+
+_READERS: weakref.WeakKeyDictionary[Nvml, TelemetryReader] = weakref.WeakKeyDictionary()
+
+
+def read_sample(nvml: Nvml, index: int, now: float) -> GpuSample:
+    """:meth:`TelemetryReader.read` with one reader kept per facade (so caches and GPM work)."""
+    reader = _READERS.get(nvml)
+    if reader is None:
+        reader = _READERS[nvml] = TelemetryReader(nvml)
+    return reader.read(index, now)
