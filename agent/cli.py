@@ -54,6 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings(slices, ("node", "driver"))
     slices.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml")
 
+    top = sub.add_parser("top", help="live view of GPU telemetry and the claims holding them")
+    top.add_argument(
+        "--endpoint",
+        help="telemetry API: unix:///path/telemetry.sock or host:port"
+        " (default: <state-dir>/telemetry.sock)",
+    )
+    top.add_argument("--state-dir", type=Path, default=None, help="the agent's state directory")
+    top.add_argument("--once", action="store_true", help="print one frame and exit")
+    top.add_argument("--interval", type=float, default=1.0, help="seconds between frames")
+
     from dra_driver.kubelet_cli import add_kubelet_parser
 
     add_kubelet_parser(sub)
@@ -132,6 +142,17 @@ def cmd_slices(config: Config, args: argparse.Namespace, out: IO[str]) -> int:
     return 0
 
 
+def _top(config: Config, args: argparse.Namespace, out: IO[str]) -> int:
+    from agent.daemon import DEFAULT_STATE_DIR
+    from agent.telemetry.top import run_top, target
+
+    stop = threading.Event()
+    if not args.once:
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+    endpoint = target(args.endpoint, config.state_dir or DEFAULT_STATE_DIR)
+    return run_top(endpoint, args.once, args.interval, out, stop)
+
+
 def _kubelet(args: argparse.Namespace, out: IO[str]) -> int:
     from dra_driver.kubelet_cli import cmd_kubelet
 
@@ -189,6 +210,7 @@ COMMANDS: dict[str, Callable[[Config, argparse.Namespace, IO[str]], int]] = {
     "topo": cmd_topo,
     "slices": cmd_slices,
     "kubelet": lambda config, args, out: _kubelet(args, out),
+    "top": lambda config, args, out: _top(config, args, out),
     "sim": cmd_sim,
 }
 
