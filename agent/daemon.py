@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 
 from agent.config import Config
 from agent.discovery.inventory import NodeInventory
@@ -29,7 +29,13 @@ from agent.nvml.telemetry import read_sample
 from agent.supervisor import Supervisor
 from agent.telemetry.energy import EnergyAccounting
 from agent.telemetry.gpuinfo import gpu_info
-from agent.telemetry.metrics import AgentCollector, AgentStatus, DriverMetrics, SnapshotCollector
+from agent.telemetry.metrics import (
+    AgentCollector,
+    AgentStatus,
+    DriverMetrics,
+    Exposition,
+    SnapshotCollector,
+)
 from agent.telemetry.sampler import Sampler
 from agent.telemetry.stream import TelemetryServer
 from dra_driver.cdi import CdiWriter
@@ -256,9 +262,8 @@ def build_agent(config: Config, log: logging.Logger) -> Agent:
     registry = CollectorRegistry(auto_describe=True)
     driver_metrics = DriverMetrics(registry)
     host, port = config.metrics_host_port()
-    http = HttpEndpoint(
-        host, port, readiness, metrics=lambda: (generate_latest(registry), CONTENT_TYPE_LATEST)
-    )
+    exposition = Exposition(registry, lambda: None)
+    http = HttpEndpoint(host, port, readiness, metrics=exposition)
     kube = None if config.no_kube else KubeClient.from_config(config.kubeconfig)
     store: SliceStore = (
         DirSliceStore(state_dir / "resourceslices")
@@ -320,8 +325,14 @@ def build_agent(config: Config, log: logging.Logger) -> Agent:
         xids=lambda: events.wait(0),
         on_health_change=health_to_board(devices, health, log),
     )
+    status = agent_status(source.hostname, kube, plugin, publisher)
     registry.register(SnapshotCollector(lambda: sampler.latest))
-    registry.register(AgentCollector(agent_status(source.hostname, kube, plugin, publisher)))
+    registry.register(AgentCollector(status))
+    exposition.key = lambda: (
+        sampler.latest.tick if sampler.latest else None,
+        driver_metrics.version,
+        status(),
+    )
     return Agent(
         config=config,
         source=source,

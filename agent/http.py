@@ -37,6 +37,14 @@ class Readiness:
         return ok, {name: detail for name, (_, detail) in results.items()}
 
 
+class Server(ThreadingHTTPServer):
+    """A listen backlog for many scrapers at once (the stdlib default of 5 makes the sixth
+    concurrent connection wait a second for a SYN retry)."""
+
+    request_queue_size = 128
+    daemon_threads = True
+
+
 class HttpEndpoint:
     """A small threaded HTTP server on one address."""
 
@@ -73,12 +81,11 @@ class HttpEndpoint:
                 return  # access logs off: scrapes every few seconds would drown the real logs
 
         try:
-            self._server = ThreadingHTTPServer((host, port), Handler)
+            self._server = Server((host, port), Handler)
         except OSError as exc:
             raise ConfigError(
                 f"--metrics-address: cannot listen on {host}:{port}: {exc.strerror}"
             ) from exc
-        self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
 
     @property

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import sys
 
-from bench import prepare, slices
+from bench import prepare, rss, slices, telemetry
 
-BENCHMARKS = {"slices": slices.run, "prepare": prepare.run}
+BENCHMARKS = {
+    "slices": slices.run,
+    "prepare": prepare.run,
+    "telemetry": telemetry.run,
+    "rss": rss.run,
+}
 
 
 def main(argv: list[str]) -> int:

@@ -8,10 +8,18 @@ Every metric is declared once in ``SPECS`` (name, type, help, labels); ``describ
 
 from __future__ import annotations
 
+import itertools
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -291,10 +299,15 @@ class DriverMetrics:
             registry=registry,
         )
 
+        self._changes = itertools.count(1)
+        self.version = 0
+        """Moves on every observation (part of the exposition cache key)."""
+
     def observe(self, operation: str, seconds: float, reason: str | None) -> None:
         self.prepare_duration.labels(operation).observe(seconds)
         if reason is not None:
             self.prepare_errors.labels(operation, reason).inc()
+        self.version = next(self._changes)
 
 
 @dataclass(frozen=True)
@@ -350,3 +363,27 @@ class AgentCollector(Collector):
         _add(fams, "tessera_resourceslice_writes", node, st.slice_writes)
         _add(fams, "tessera_resourceslice_errors", node, st.slice_errors)
         yield from fams.values()
+
+
+class Exposition:
+    """Renders the registry once per state and serves those bytes until the state moves.
+
+    ``key`` must change whenever any collector's output would: the snapshot's tick, the driver
+    metrics' version and the agent status together. Scrapes between two samples (and 20
+    scrapers at once) then cost a lookup, not a render."""
+
+    def __init__(self, registry: CollectorRegistry, key: Callable[[], object]) -> None:
+        self.registry = registry
+        self.key = key
+        self._lock = threading.Lock()
+        self._cached: tuple[object, bytes] | None = None
+
+    def __call__(self) -> tuple[bytes, str]:
+        k = self.key()
+        with self._lock:
+            if self._cached is not None and self._cached[0] == k:
+                return self._cached[1], CONTENT_TYPE_LATEST
+        body = generate_latest(self.registry)
+        with self._lock:
+            self._cached = (k, body)
+        return body, CONTENT_TYPE_LATEST

@@ -168,3 +168,27 @@ def test_every_metric_is_documented():
         assert f"`{name}`" in doc, f"{name} missing from docs/metrics.md"
     for name in ("tessera_prepare_duration_seconds", "tessera_prepare_errors_total"):
         assert f"`{name}`" in doc
+
+
+def test_exposition_renders_once_per_state_and_follows_changes():
+    from agent.telemetry.metrics import Exposition
+
+    state = {"snap": make_snapshot(tick=1)}
+    calls = []
+
+    def latest():
+        calls.append(1)
+        return state["snap"]
+
+    reg = CollectorRegistry()
+    reg.register(SnapshotCollector(latest))
+    driver = DriverMetrics(reg)
+    expo = Exposition(reg, lambda: (state["snap"].tick, driver.version))
+    first, ctype = expo()
+    assert expo()[0] == first and len(calls) == 1  # served from the cache
+    assert ctype.startswith("text/plain")
+    driver.observe("prepare", 0.01, "timeout")
+    assert b'reason="timeout"' in expo()[0] and len(calls) == 2
+    state["snap"] = make_snapshot(tick=2)
+    assert b"tessera_sampler_ticks_total" in expo()[0] and len(calls) == 3
+    assert expo()[0] != first

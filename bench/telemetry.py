@@ -1,0 +1,237 @@
+"""Telemetry costs.
+
+- /metrics render time on dgx-a100 with 56 MIG devices (all-1g) and 64 claim series (56 held +
+  8 recently released, still reported), p50/p99 serially and with 20 concurrent scrapers, next
+  to the floor: the same bytes served as a static response by the same HTTP server.
+- Sampler CPU per tick, excluding the simulator's own CPU time (measured inside every NVML call
+  and subtracted), as a fraction of one core at the default 1 s interval.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from agent.config import Config
+from agent.http import HttpEndpoint, Readiness
+from agent.node import discover, open_node
+from agent.nvml.facade import Nvml
+from agent.nvml.telemetry import read_sample
+from agent.telemetry.energy import EnergyAccounting
+from agent.telemetry.gpuinfo import gpu_info
+from agent.telemetry.metrics import DriverMetrics, Exposition, SnapshotCollector
+from agent.telemetry.sampler import Sampler
+from bench.common import ms, percentile, report
+from dra_driver.checkpoint import PREPARE_COMPLETED, Checkpoint, ClaimEntry, PreparedDevice
+
+LOG = logging.getLogger("bench.telemetry")
+LOG.addHandler(logging.NullHandler())
+LOG.propagate = False
+
+
+class TimedNvml:
+    """The simulator, with the thread CPU time spent inside its nvml* calls added up."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.cpu = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if not (name.startswith("nvml") and callable(attr)):
+            return attr
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.thread_time()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self.cpu += time.thread_time() - t0
+
+        return timed
+
+
+def checkpoint(inv: Any, mig: bool) -> Checkpoint:
+    claims: dict[str, ClaimEntry] = {}
+    for g in inv.gpus:
+        d = g.device
+        units = d.mig_instances if mig else (None,)
+        for m in units:
+            i = len(claims)
+            name = f"gpu-{d.minor}"
+            if m:
+                profile = m.profile_name.replace(".", "")
+                name += f"-mig-{profile}-{m.profile_id}-{m.placement.start}"
+            dev = PreparedDevice(
+                request_names=("gpu",), pool=inv.hostname, device=name, cdi_device_ids=(),
+                kind="mig" if m else "gpu", gpu_uuid=d.uuid, gpu_minor=d.minor,
+                mig_uuid=m.uuid if m else None,
+                gpu_instance_id=m.gpu_instance_id if m else None,
+                compute_instance_id=m.compute_instance_id if m else None,
+            )  # fmt: skip
+            uid = f"uid-{'m' if mig else 'g'}{i:03d}"
+            claims[uid] = ClaimEntry(
+                uid, "team", f"job-{uid}", PREPARE_COMPLETED, (dev,), time.time()
+            )
+    return Checkpoint(boot_id="bench", claims=claims)
+
+
+def get(url: str) -> float:
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(url, timeout=30) as r:
+        r.read()
+    return time.perf_counter() - t0
+
+
+def scrape_stats(url: str, serial: int, workers: int, per_worker: int) -> dict[str, float]:
+    for _ in range(5):
+        get(url)
+    one = [get(url) for _ in range(serial)]
+    many: list[float] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        mine = [get(url) for _ in range(per_worker)]
+        with lock:
+            many.extend(mine)
+
+    threads = [threading.Thread(target=worker) for _ in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {
+        "serial_p50_s": percentile(one, 50),
+        "serial_p99_s": percentile(one, 99),
+        "concurrent_p50_s": percentile(many, 50),
+        "concurrent_p99_s": percentile(many, 99),
+    }
+
+
+def serve(body: Callable[[], tuple[bytes, str]]) -> HttpEndpoint:
+    ep = HttpEndpoint("127.0.0.1", 0, Readiness(), metrics=body)
+    ep.start()
+    return ep
+
+
+def run() -> None:
+    with tempfile.TemporaryDirectory(prefix="tt-", dir="/tmp") as tmp:
+        _run(Path(tmp))
+
+
+def _sampler(src: Any, nvml: Nvml, inv: Any, state: Path, holders: Callable[[], Any]) -> Sampler:
+    return Sampler(
+        node=inv.hostname,
+        read=lambda i, now: read_sample(nvml, i, now),
+        gpus=[gpu_info(g.device) for g in inv.gpus],
+        holders=holders,
+        accounting=EnergyAccounting(state / "energy.json", log=LOG),
+        log=LOG,
+    )
+
+
+def _run(tmp: Path) -> None:
+    # -- /metrics render ----------------------------------------------------------------------
+    src = open_node(Config(simulate="dgx-a100", sim_mig_layout="all-1g"), tmp / "a100")
+    src.nvml.init()
+    inv = discover(src)
+    whole, migs = checkpoint(inv, mig=False), checkpoint(inv, mig=True)
+    current = {"cp": whole}
+    sampler = _sampler(src, src.nvml, inv, tmp / "a100", lambda: current["cp"])
+    sampler.tick()
+    current["cp"] = migs  # the 8 whole-GPU claims are released and kept for retention
+    for _ in range(3):
+        sampler.tick()
+    snap = sampler.latest
+    assert snap is not None
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(lambda: sampler.latest))
+    DriverMetrics(registry).observe("prepare", 0.003, None)
+    rendered = serve(lambda: (generate_latest(registry), CONTENT_TYPE_LATEST))
+    live = serve(Exposition(registry, lambda: sampler.latest.tick if sampler.latest else None))
+    body = generate_latest(registry)
+    static = serve(lambda: (body, CONTENT_TYPE_LATEST))
+    try:
+        url = "http://{}:{}/metrics"
+        r = scrape_stats(url.format(*rendered.address), 300, 20, 30)
+        m = scrape_stats(url.format(*live.address), 300, 20, 30)
+        f = scrape_stats(url.format(*static.address), 300, 20, 30)
+    finally:
+        rendered.stop()
+        live.stop()
+        static.stop()
+        src.nvml.shutdown()
+    series = sum(1 for line in body.decode().splitlines() if line and not line.startswith("#"))
+
+    # -- sampler CPU per tick -----------------------------------------------------------------
+    cpu: dict[str, dict[str, float]] = {}
+    for model, layout in (("dgx-h100", None), ("dgx-a100", "all-1g")):
+        state = tmp / f"cpu-{model}"
+        s2 = open_node(Config(simulate=model, sim_mig_layout=layout), state)
+        timed = TimedNvml(s2.sim)
+        nvml = Nvml(timed)
+        nvml.init()
+        inv2 = discover(type(s2)(**{**s2.__dict__, "nvml": nvml}))
+        smp = _sampler(s2, nvml, inv2, state, lambda: None)
+        for _ in range(5):
+            smp.tick()
+        timed.cpu = 0.0
+        ticks, total = 100, 0.0
+        per_tick = []
+        for _ in range(ticks):
+            before_sim, t0 = timed.cpu, time.thread_time()
+            smp.tick()
+            spent = time.thread_time() - t0
+            total += spent
+            per_tick.append(spent - (timed.cpu - before_sim))
+        nvml.shutdown()
+        cpu[model] = {
+            "tick_cpu_total_s": total / ticks,
+            "simulator_cpu_s": timed.cpu / ticks,
+            "sampler_cpu_s": statistics.fmean(per_tick),
+            "sampler_cpu_p99_s": percentile(per_tick, 99),
+            "fraction_of_core_at_1s": statistics.fmean(per_tick) / 1.0,
+        }
+
+    rows = [
+        ("dgx-a100 all-1g: series / bytes", f"{series} / {len(body)}"),
+        ("render every scrape: serial p50 / p99",
+         f"{ms(r['serial_p50_s'])} / {ms(r['serial_p99_s'])}"),
+        ("render every scrape: 20 concurrent p50 / p99",
+         f"{ms(r['concurrent_p50_s'])} / {ms(r['concurrent_p99_s'])}"),
+        ("/metrics serial p50 / p99", f"{ms(m['serial_p50_s'])} / {ms(m['serial_p99_s'])}"),
+        ("floor (same bytes, static) serial p50 / p99",
+         f"{ms(f['serial_p50_s'])} / {ms(f['serial_p99_s'])}"),
+        ("/metrics, 20 concurrent scrapers p50 / p99",
+         f"{ms(m['concurrent_p50_s'])} / {ms(m['concurrent_p99_s'])}"),
+        ("floor, 20 concurrent scrapers p50 / p99",
+         f"{ms(f['concurrent_p50_s'])} / {ms(f['concurrent_p99_s'])}"),
+    ]  # fmt: skip
+    for model, c in cpu.items():
+        rows.append(
+            (f"sampler CPU per tick, {model}",
+             f"{ms(c['sampler_cpu_s'])} ({c['fraction_of_core_at_1s']:.2%} of a core at 1 s;"
+             f" simulator {ms(c['simulator_cpu_s'])} excluded)")
+        )  # fmt: skip
+    report(
+        "telemetry",
+        "Telemetry (bench/telemetry.py)",
+        rows,
+        {
+            "series": series,
+            "bytes": len(body),
+            "render_every_scrape": r,
+            "metrics": m,
+            "floor": f,
+            "sampler_cpu": cpu,
+        },
+    )
