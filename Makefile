@@ -24,7 +24,8 @@ run: $(STAMP)
 		> $(RUN_DIR)/state/resourceclaims/sample-gpu.yaml
 	@echo "Tessera on a simulated $(MODEL) node; state, simulator and sysfs tree under $(RUN_DIR)/state"
 	@echo "Try it from another terminal:"
-	@echo "  curl http://$(METRICS)/healthz ; curl http://$(METRICS)/readyz"
+	@echo "  curl http://$(METRICS)/metrics ; curl http://$(METRICS)/readyz"
+	@echo "  $(VENV)/bin/tessera top --state-dir $(RUN_DIR)/state"
 	@echo "  $(VENV)/bin/tessera discover --simulate $(MODEL) --state-dir $(RUN_DIR)/state"
 	@echo "  $(VENV)/bin/tessera topo --simulate $(MODEL) --state-dir $(RUN_DIR)/state"
 	@echo "  ls $(RUN_DIR)/state/resourceslices/"

@@ -53,6 +53,12 @@ def _mem(used: int | None, total: int | None) -> str:
     return f"{used / GIB:.1f}/{total / GIB:.0f} GiB" if total else f"{used / GIB:.1f} GiB"
 
 
+def _energy(joules: float | None) -> str:
+    if joules is None:
+        return "n/a"
+    return f"{joules / 3.6e6:.2f} kWh" if joules >= 3.6e6 else f"{joules / 1000:.1f} kJ"
+
+
 def render(sample: Any) -> Group:
     """One frame for one ``Sample`` message. Pure."""
     table = Table(
@@ -74,7 +80,7 @@ def render(sample: Any) -> Group:
             bar(_opt(g, "utilization_gpu")),
             _mem(_opt(g, "memory_used_bytes"), _opt(g, "memory_total_bytes")),
             "n/a" if power is None else f"{power:.0f} W",
-            "n/a" if energy is None else f"{energy / 3.6e6:.3f} kWh",
+            _energy(energy),
             "n/a" if temp is None else f"{temp:.0f} °C",
             holders,
         )
