@@ -140,3 +140,20 @@ def test_top_without_an_agent_says_so(short_tmp):
 
 def test_render_is_pure_and_handles_an_empty_sample():
     assert render(pb.Sample(node="n")) is not None
+
+
+def test_also_served_over_tcp_when_asked(short_tmp):
+    snap = make_snapshot(tick=7)
+    server = TelemetryServer(
+        lambda: snap, short_tmp / "telemetry.sock", LOG, tcp_address="127.0.0.1:0"
+    )
+    server.start()
+    try:
+        assert server.tcp_port
+        out = io.StringIO()
+        endpoint = f"127.0.0.1:{server.tcp_port}"
+        assert run_top(endpoint, True, 1.0, out, threading.Event()) == 0
+        assert "tick 7" in out.getvalue()
+    finally:
+        server.stop()
+    assert not (short_tmp / "telemetry.sock").exists()
