@@ -16,19 +16,12 @@ from values. The MIG rules that change a state live in :mod:`agent.sim.mig`.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import json
 import logging
-import os
-import tempfile
-import threading
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from agent.fsutil import fsync_dir
+from agent.sim.jsonstore import SharedJsonStore
 from agent.sim.model import NodeModel
 
 log = logging.getLogger(__name__)
@@ -213,124 +206,17 @@ def belongs_to(state: SimState, model: NodeModel) -> bool:
 # -- the store (I/O) ----------------------------------------------------------------------------
 
 
-class StateStore:
-    """The state of one model, kept in a directory and shared between processes."""
+class StateStore(SharedJsonStore[SimState]):
+    """The MIG state of one model in ``<state_dir>/nvml-state.json``, shared between processes."""
 
     def __init__(self, state_dir: Path, model: NodeModel) -> None:
-        self.dir = Path(state_dir)
-        self.path = self.dir / STATE_FILE
-        self._lock_path = self.dir / LOCK_FILE
-        self._model = model
-        self._thread_lock = threading.RLock()
-        self._state = initial_state(model)
-        self._seen: tuple[int, int, int] | None = None
-
-    # -- locking and raw I/O ----------------------------------------------------------------
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        with self._thread_lock:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                yield
-            finally:
-                os.close(fd)  # closing the descriptor releases the flock
-
-    def _stat_key(self) -> tuple[int, int, int] | None:
-        try:
-            st = self.path.stat()
-        except FileNotFoundError:
-            return None
-        return (st.st_ino, st.st_mtime_ns, st.st_size)
-
-    def _decode_file(self) -> SimState:
-        """Read and decode the file; :class:`StateFormatError` when it is unusable."""
-        try:
-            raw = json.loads(self.path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise StateFormatError(f"cannot read {self.path}: {exc}") from exc
-        return state_from_json(raw)
-
-    def _save(self, state: SimState) -> None:
-        data = json.dumps(state_to_json(state), indent=1, sort_keys=True) + "\n"
-        fd, tmp = tempfile.mkstemp(prefix=".nvml-state.", suffix=".tmp", dir=self.dir)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        fsync_dir(self.dir)
-        self._state = state
-        self._seen = self._stat_key()
-
-    def _refresh(self) -> None:
-        """Reload when the file changed since it was last seen; keep the cache otherwise."""
-        key = self._stat_key()
-        if key is None or key == self._seen:
-            return
-        try:
-            state = self._decode_file()
-        except StateFormatError as exc:
-            log.error("ignoring unreadable simulator state %s: %s", self.path, exc)
-            self._seen = key
-            return
-        if not belongs_to(state, self._model):
-            log.error("ignoring simulator state %s of another model %r", self.path, state.model)
-            self._seen = key
-            return
-        self._state = state
-        self._seen = key
-
-    # -- public -----------------------------------------------------------------------------
-    def open(self, init: Callable[[SimState | None], SimState]) -> SimState:
-        """Load the stored state and pass it (or None when absent or unusable) through ``init``.
-
-        A corrupt file is moved aside to ``nvml-state.json.corrupt``; a state of another model is
-        treated as absent. ``init``'s result is saved and becomes the current state.
-        """
-        with self._locked():
-            stored: SimState | None = None
-            if self.path.exists():
-                try:
-                    stored = self._decode_file()
-                except StateFormatError as exc:
-                    aside = self.path.with_name(STATE_FILE + ".corrupt")
-                    log.warning(
-                        "simulator state %s is unusable (%s); moved to %s", self.path, exc, aside
-                    )
-                    os.replace(self.path, aside)
-                if stored is not None and not belongs_to(stored, self._model):
-                    log.warning(
-                        "simulator state %s belongs to model %r, not %r; starting fresh",
-                        self.path,
-                        stored.model,
-                        self._model.name,
-                    )
-                    stored = None
-            self._save(init(stored))
-            return self._state
-
-    def read(self) -> SimState:
-        """The current state, reloaded from disk when another writer changed it."""
-        with self._thread_lock:
-            self._refresh()
-            return self._state
-
-    def update(self, change: Callable[[SimState], tuple[SimState, T]]) -> T:
-        """Apply ``change`` under the lock to the freshest state; save when it changed.
-
-        ``change`` returns ``(new_state, result)``; an exception leaves the stored state as it
-        was. Returns ``result``.
-        """
-        with self._locked():
-            self._refresh()
-            new_state, result = change(self._state)
-            if new_state != self._state:
-                self._save(new_state)
-            return result
+        super().__init__(
+            Path(state_dir),
+            STATE_FILE,
+            LOCK_FILE,
+            encode=state_to_json,
+            decode=state_from_json,
+            belongs=lambda s: belongs_to(s, model),
+            empty=initial_state(model),
+            format_error=StateFormatError,
+        )

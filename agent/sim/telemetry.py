@@ -49,6 +49,7 @@ from agent.sim.telemetry_state import (
     SimProcess,
     TelemetryState,
     TelemetryStore,
+    initial_telemetry,
 )
 
 XID_GPU_FELL_OFF_THE_BUS = 79
@@ -118,7 +119,10 @@ class TelemetryBase(NvmlCore):
         self._clock = clock
         self._telemetry = TelemetryStore(self.state_dir, model)
         now = clock()
-        if any(g.since > now for g in self._telemetry.open(now).gpus):
+        opened = self._telemetry.open(
+            lambda stored: stored if stored is not None else initial_telemetry(model, now)
+        )
+        if any(g.since > now for g in opened.gpus):
             # the clock restarted (CLOCK_MONOTONIC after a reboot): the driver was loaded anew
             self.reload_driver()
         self._objects_lock = threading.Lock()

@@ -17,19 +17,12 @@ Everything here except :class:`TelemetryStore` is pure.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import json
 import logging
-import os
-import tempfile
-import threading
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from agent.fsutil import fsync_dir
+from agent.sim.jsonstore import SharedJsonStore
 from agent.sim.model import NodeModel
 
 log = logging.getLogger(__name__)
@@ -296,107 +289,18 @@ def belongs_to(state: TelemetryState, model: NodeModel) -> bool:
 # -- the store (I/O) ----------------------------------------------------------------------------
 
 
-class TelemetryStore:
-    """The telemetry state of one model, kept in a directory and shared between processes."""
+class TelemetryStore(SharedJsonStore[TelemetryState]):
+    """The telemetry state of one model in ``<state_dir>/telemetry-state.json``, shared between
+    processes."""
 
     def __init__(self, state_dir: Path, model: NodeModel) -> None:
-        self.dir = Path(state_dir)
-        self.path = self.dir / STATE_FILE
-        self._lock_path = self.dir / LOCK_FILE
-        self._model = model
-        self._thread_lock = threading.RLock()
-        self._state = initial_telemetry(model, 0.0)
-        self._seen: tuple[int, int, int] | None = None
-
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        with self._thread_lock:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                yield
-            finally:
-                os.close(fd)
-
-    def _stat_key(self) -> tuple[int, int, int] | None:
-        try:
-            st = self.path.stat()
-        except FileNotFoundError:
-            return None
-        return (st.st_ino, st.st_mtime_ns, st.st_size)
-
-    def _decode_file(self) -> TelemetryState:
-        try:
-            raw = json.loads(self.path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise TelemetryFormatError(f"cannot read {self.path}: {exc}") from exc
-        return telemetry_from_json(raw)
-
-    def _save(self, state: TelemetryState) -> None:
-        data = json.dumps(telemetry_to_json(state), indent=1, sort_keys=True) + "\n"
-        fd, tmp = tempfile.mkstemp(prefix=".telemetry-state.", suffix=".tmp", dir=self.dir)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        fsync_dir(self.dir)
-        self._state = state
-        self._seen = self._stat_key()
-
-    def _refresh(self) -> None:
-        key = self._stat_key()
-        if key is None or key == self._seen:
-            return
-        self._seen = key
-        try:
-            state = self._decode_file()
-        except TelemetryFormatError as exc:
-            log.error("ignoring unreadable simulator telemetry state %s: %s", self.path, exc)
-            return
-        if not belongs_to(state, self._model):
-            log.error("ignoring simulator telemetry state %s of model %r", self.path, state.model)
-            return
-        self._state = state
-
-    def open(self, now: float) -> TelemetryState:
-        """Load the stored state, or start a fresh one at clock time ``now`` when it is absent,
-        unusable (moved aside to ``.corrupt``) or of another model."""
-        with self._locked():
-            stored: TelemetryState | None = None
-            if self.path.exists():
-                try:
-                    stored = self._decode_file()
-                except TelemetryFormatError as exc:
-                    aside = self.path.with_name(STATE_FILE + ".corrupt")
-                    log.warning("simulator telemetry state %s is unusable (%s)", self.path, exc)
-                    os.replace(self.path, aside)
-                if stored is not None and not belongs_to(stored, self._model):
-                    stored = None
-            if stored is None:
-                self._save(initial_telemetry(self._model, now))
-            else:
-                self._state = stored
-                self._seen = self._stat_key()
-            return self._state
-
-    def read(self) -> TelemetryState:
-        """The current state, reloaded from disk when another writer changed it."""
-        with self._thread_lock:
-            self._refresh()
-            return self._state
-
-    def update(self, change: Callable[[TelemetryState], tuple[TelemetryState, T]]) -> T:
-        """Apply ``change`` under the lock to the freshest state; save when it changed."""
-        with self._locked():
-            self._refresh()
-            new_state, result = change(self._state)
-            if new_state != self._state:
-                self._save(new_state)
-            return result
+        super().__init__(
+            Path(state_dir),
+            STATE_FILE,
+            LOCK_FILE,
+            encode=telemetry_to_json,
+            decode=telemetry_from_json,
+            belongs=lambda s: belongs_to(s, model),
+            empty=initial_telemetry(model, 0.0),
+            format_error=TelemetryFormatError,
+        )
