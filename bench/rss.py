@@ -74,6 +74,7 @@ def run() -> None:
             samples.append((elapsed, ps.memory_info().rss))
             time.sleep(min(15.0, max(0.0, seconds - elapsed)))
         rss_end = ps.memory_info().rss
+        samples.append((time.monotonic() - t0, rss_end))
         cpu = ps.cpu_times()
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -85,6 +86,13 @@ def run() -> None:
         ("RSS after start (claims prepared)", f"{rss_start / mib:.1f} MiB"),
         (f"RSS after {seconds:.0f} s", f"{rss_end / mib:.1f} MiB"),
         ("peak RSS seen", f"{max(r for _, r in samples) / mib:.1f} MiB"),
+        (
+            "RSS at 1/3, 2/3 of the run",
+            " / ".join(
+                f"{samples[min(len(samples) - 1, len(samples) * k // 3)][1] / mib:.1f} MiB"
+                for k in (1, 2)
+            ),
+        ),
         ("daemon CPU over the run", f"{(cpu.user + cpu.system) / seconds:.1%} of one core"),
     ]
     report(
