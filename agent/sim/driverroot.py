@@ -29,13 +29,11 @@ files (and from nvidia-caps), so anything that reads them must read them.
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
-from agent.errors import ConfigError
 from agent.sim.model import NodeModel
-from agent.sim.tree import symlink, write_text
+from agent.sim.tree import symlink, write_text, write_tree
 
 GPU_INSTANCES = 15
 COMPUTE_INSTANCES = 8
@@ -111,12 +109,4 @@ def write_driver_root(model: NodeModel, root: Path) -> None:
     and library versions a previous model had are removed. Raises ConfigError for ``/`` itself
     or when the tree cannot be written.
     """
-    root = Path(root)
-    if os.path.realpath(root) == "/":
-        raise ConfigError("refusing to write a simulated driver root over the real /")
-    try:
-        _write_tree(model, root)
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot write the simulated driver root under {root}: {exc.strerror or exc}"
-        ) from exc
+    write_tree(root, "/", "driver root", lambda r: _write_tree(model, r))

@@ -21,14 +21,13 @@ Intel's Sapphire Rapids root-port id and every deeper bridge a Broadcom PEX890xx
 from __future__ import annotations
 
 import math
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.errors import ConfigError, ModelError
+from agent.errors import ModelError
 from agent.sim.model import BDF_RE, MELLANOX_VENDOR, NVIDIA_VENDOR, ROOT_RE, NodeModel
-from agent.sim.tree import remove, symlink, write_text
+from agent.sim.tree import remove, symlink, write_text, write_tree
 
 CLASS_3D_CONTROLLER = 0x030200
 CLASS_NVSWITCH = 0x068000
@@ -248,12 +247,4 @@ def write_sysfs(model: NodeModel, root: Path) -> None:
     Raises ConfigError for ``/sys`` itself or when the tree cannot be written, ModelError when
     the model's PCIe paths are inconsistent.
     """
-    root = Path(root)
-    if os.path.realpath(root) == "/sys":
-        raise ConfigError("refusing to write a simulated sysfs tree over the real /sys")
-    try:
-        _write_tree(model, root)
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot write the simulated sysfs tree under {root}: {exc.strerror or exc}"
-        ) from exc
+    write_tree(root, "/sys", "sysfs tree", lambda r: _write_tree(model, r))

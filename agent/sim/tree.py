@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+
+from agent.errors import ConfigError
 
 
 def write_text(path: Path, text: str) -> None:
@@ -41,3 +44,17 @@ def remove(path: Path) -> None:
         shutil.rmtree(path)
     elif path.is_symlink() or path.exists():
         path.unlink()
+
+
+def write_tree(root: Path, real: str, what: str, write: Callable[[Path], None]) -> None:
+    """Run ``write(root)``, refusing to write over the real ``real`` (``/sys``, ``/``) and
+    turning I/O failures into a ConfigError that names ``what`` and the root."""
+    root = Path(root)
+    if os.path.realpath(root) == real:
+        raise ConfigError(f"refusing to write a simulated {what} over the real {real}")
+    try:
+        write(root)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write the simulated {what} under {root}: {exc.strerror or exc}"
+        ) from exc
