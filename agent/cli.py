@@ -15,6 +15,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import fields
 from pathlib import Path
 from typing import IO, Any
 
@@ -215,6 +216,43 @@ COMMANDS: dict[str, Callable[[Config, argparse.Namespace, IO[str]], int]] = {
 }
 
 
+class EnvError(str):
+    """A bad ``TESSERA_<OPTION>`` value, reported only if the command that is run uses it."""
+
+
+def apply_env_defaults(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    """Command options that are not agent settings (``-o``, ``--socket``, ``--endpoint``, …)
+    take their default from ``TESSERA_<OPTION>`` (``TESSERA_OUTPUT=json``); a flag still wins.
+    Agent settings are handled by agent.config with the same naming."""
+    settings = {f.name for f in fields(Config)}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                apply_env_defaults(sub, environ)
+            continue
+        if not action.option_strings or action.dest in settings | {"help"}:
+            continue
+        raw = environ.get("TESSERA_" + action.dest.upper())
+        if not raw:
+            continue
+        var = f"TESSERA_{action.dest.upper()} ({'/'.join(action.option_strings)})"
+        convert = action.type or str
+        value: Any
+        try:
+            if isinstance(action, argparse._StoreTrueAction):
+                value = raw.strip().lower() in ("1", "true", "yes", "on")
+            elif isinstance(action, argparse._AppendAction):
+                value = [convert(v) for v in raw.split(",") if v]  # type: ignore[operator]
+            else:
+                value = convert(raw)  # type: ignore[operator]
+        except (TypeError, ValueError) as exc:
+            value = EnvError(f"{var}: {raw!r}: {exc}")
+        if action.choices is not None and value not in action.choices:
+            value = EnvError(f"{var}: {raw!r} is not one of {', '.join(map(str, action.choices))}")
+        action.default = value
+        action.required = False
+
+
 def main(
     argv: Sequence[str] | None = None,
     environ: Mapping[str, str] | None = None,
@@ -223,12 +261,15 @@ def main(
 ) -> int:
     out = out or sys.stdout
     err = err or sys.stderr
-    args = build_parser().parse_args(argv)
+    env = os.environ if environ is None else environ
+    parser = build_parser()
+    apply_env_defaults(parser, env)
+    args = parser.parse_args(argv)
     try:
-        config = load_config(
-            {k: v for k, v in vars(args).items() if k != "command"},
-            os.environ if environ is None else environ,
-        )
+        for value in vars(args).values():
+            if isinstance(value, EnvError):
+                raise ConfigError(str(value))
+        config = load_config({k: v for k, v in vars(args).items() if k != "command"}, env)
         return COMMANDS[args.command](config, args, out)
     except DriverNotFoundError:
         err.write(f"tessera: {NO_DRIVER_HINT}\n")

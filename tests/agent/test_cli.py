@@ -166,3 +166,27 @@ def test_slices_json_static_mig_and_node_name_from_env():
 def test_slices_driver_name_flag():
     code, out, _ = run(["slices", "--simulate", "l40s-pcie", "--driver-name", "gpu.example.com"])
     assert code == 0 and yaml.safe_load(out)["spec"]["driver"] == "gpu.example.com"
+
+
+def test_command_options_come_from_tessera_variables_too(tmp_path):
+    code, out, _ = run(["discover", "--simulate", "mixed"], {"TESSERA_OUTPUT": "json"})
+    assert code == 0 and json.loads(out)["hostname"] == "mixed"
+    code, out, _ = run(  # a flag still wins over the variable
+        ["discover", "--simulate", "mixed", "-o", "yaml"], {"TESSERA_OUTPUT": "json"}
+    )
+    assert code == 0 and yaml.safe_load(out)["hostname"] == "mixed" and not out.startswith("{")
+    code, out, _ = run(["topo", "--simulate", "mixed"], {"TESSERA_FORMAT": "dot"})
+    assert code == 0 and out.lstrip().startswith("graph")
+
+
+def test_a_bad_option_variable_fails_only_the_command_that_uses_it():
+    env = {"TESSERA_OUTPUT": "table"}  # fine for discover, not for slices
+    assert run(["discover", "--simulate", "mixed"], env)[0] == 0
+    code, out, err = run(["slices", "--simulate", "mixed"], env)
+    assert code == 2 and out == ""
+    assert "TESSERA_OUTPUT (-o/--output): 'table' is not one of yaml, json" in err
+
+
+def test_required_option_from_the_environment(tmp_path):
+    code, _, err = run(["kubelet", "info"], {"TESSERA_SOCKET": str(tmp_path / "none.sock")})
+    assert code == 2 and "none.sock" in err  # the socket came from the variable
