@@ -7,6 +7,7 @@ driver says so and suggests ``--simulate``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -271,6 +272,12 @@ def main(
                 raise ConfigError(str(value))
         config = load_config({k: v for k, v in vars(args).items() if k != "command"}, env)
         return COMMANDS[args.command](config, args, out)
+    except BrokenPipeError:
+        # the reader went away (`tessera ... | head`): stop quietly, like other Unix tools
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(devnull, out.fileno())
+        return 141
     except DriverNotFoundError:
         err.write(f"tessera: {NO_DRIVER_HINT}\n")
         return EXIT_ERROR

@@ -190,3 +190,19 @@ def test_a_bad_option_variable_fails_only_the_command_that_uses_it():
 def test_required_option_from_the_environment(tmp_path):
     code, _, err = run(["kubelet", "info"], {"TESSERA_SOCKET": str(tmp_path / "none.sock")})
     assert code == 2 and "none.sock" in err  # the socket came from the variable
+
+
+def test_a_closed_pipe_is_not_a_traceback():
+    """`tessera slices ... | head -1`: the reader leaves early; no traceback, exit 141."""
+    tessera = os.path.join(os.path.dirname(sys.executable), "tessera")
+    p = subprocess.Popen(
+        [tessera, "slices", "--simulate", "dgx-a100", "--mig-mode", "dynamic", "-o", "json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={"PATH": os.environ["PATH"]},
+    )  # fmt: skip
+    assert p.stdout is not None and p.stderr is not None
+    assert p.stdout.readline().strip() == b"["
+    p.stdout.close()  # more than a pipe buffer is still to come
+    err = p.stderr.read().decode()
+    p.stderr.close()
+    assert p.wait(timeout=60) == 141
+    assert "Traceback" not in err
