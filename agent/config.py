@@ -197,7 +197,7 @@ class Config:
         "Fault injection, --simulate only: the daemon kills itself (SIGKILL) when a prepare or"
         " unprepare reaches this point; for crash-safety tests.",
         groups=("daemon",),
-        choices=("after-started", "after-cdi", "after-completed", "before-unprepare-commit"),
+        choices=("after-started", "after-cdi", "after-completed", "after-unprepare-commit"),
     )
 
     def __post_init__(self) -> None:

@@ -42,7 +42,7 @@ from dra_driver.devices import AdvertisedDevice, DeviceModel
 CrashHook = Callable[[str], None]
 Observer = Callable[[str, float, str | None], None]
 """``observe(operation, seconds, error reason or None)`` after every claim (for metrics)."""
-CRASH_POINTS = ("after-started", "after-cdi", "after-completed", "before-unprepare-commit")
+CRASH_POINTS = ("after-started", "after-cdi", "after-completed", "after-unprepare-commit")
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,19 @@ def exclusive_conflict(
                 f"{holder.name} ({holder.uid}); claim {claim} cannot have it too",
                 "device_busy",
             )
+
+
+def _cdi_requests(entry: ClaimEntry) -> list[CdiRequest]:
+    """What the CDI spec of a recorded claim contains (to write it again)."""
+    return [
+        CdiRequest(
+            device_name=d.device,
+            gpu_minor=d.gpu_minor,
+            gpu_instance_id=d.gpu_instance_id,
+            compute_instance_id=d.compute_instance_id,
+        )
+        for d in entry.devices
+    ]
 
 
 def _snake(name: str) -> str:
@@ -191,6 +204,13 @@ class Preparer:
                 for uid in sorted(self.cdi.claim_uids() - set(cp.claims)):
                     self.cdi.remove(uid)
                     self.log.warning("removed orphaned CDI spec", extra=fields_(uid=uid))
+            for entry in cp.claims.values():
+                if entry.devices and entry.uid not in self.cdi.claim_uids():
+                    self.cdi.write(entry.uid, self.cdi.build_spec(entry.uid, _cdi_requests(entry)))
+                    self.log.warning(
+                        "restored the missing CDI spec of a prepared claim",
+                        extra=fields_(claim=f"{entry.namespace}/{entry.name}", uid=entry.uid),
+                    )
             self._commit(cp)
 
     # -- prepare -----------------------------------------------------------------------------
@@ -311,15 +331,15 @@ class Preparer:
 
     # -- unprepare ---------------------------------------------------------------------------
     def _unprepare_one(self, claim: ClaimKey) -> ClaimResult:
+        """Release the record first, then clean up: a crash in between leaves only orphaned side
+        effects, which the next start sweeps (never a record whose side effects are gone)."""
         with self._claim_lock(claim.uid):
-            if claim.uid not in self.checkpoint.claims:
-                self.cdi.remove(claim.uid)  # a spec without an entry is an orphan anyway
-                return ClaimResult()
-            self.cdi.remove(claim.uid)
-            self.crash("before-unprepare-commit")
-            with self._cp_lock:
-                self._commit(self.checkpoint.without_claim(claim.uid))
-            self.log.info("unprepared claim", extra=fields_(claim=str(claim)))
+            if claim.uid in self.checkpoint.claims:
+                with self._cp_lock:
+                    self._commit(self.checkpoint.without_claim(claim.uid))
+                self.crash("after-unprepare-commit")
+                self.log.info("unprepared claim", extra=fields_(claim=str(claim)))
+            self.cdi.remove(claim.uid)  # idempotent; also a spec left by an earlier crash
             return ClaimResult()
 
     def close(self) -> None:

@@ -231,8 +231,8 @@ def test_kill_during_prepare_then_retry_is_consistent(short_tmp, point):
         d.kill()
 
 
-def test_kill_before_unprepare_commits_then_retry(short_tmp):
-    d = Daemon(short_tmp, "dgx-h100").start("--sim-crash-at", "before-unprepare-commit")
+def test_kill_during_unprepare_then_retry(short_tmp):
+    d = Daemon(short_tmp, "dgx-h100").start("--sim-crash-at", "after-unprepare-commit")
     ref = gpu_claim(d, "late", "uid-late", "gpu-6")
     try:
         assert prepare(d, ref)["uid-late"]["error"] == ""
@@ -325,5 +325,21 @@ def test_reboot_discards_prepared_state(short_tmp):
         d.wait_log("node rebooted since the checkpoint: prepared state discarded")
         assert d.cdi_files() == [] and d.checkpoint()["claims"] == {}
         assert prepare(d, ref)["uid-before"]["error"] == ""  # the kubelet prepares again
+    finally:
+        d.kill()
+
+
+def test_a_deleted_cdi_spec_of_a_prepared_claim_is_restored_at_start(short_tmp):
+    d = Daemon(short_tmp, "dgx-h100").start()
+    try:
+        ref = gpu_claim(d, "keep", "uid-keep", "gpu-4")
+        assert prepare(d, ref)["uid-keep"]["error"] == ""
+        (spec,) = d.cdi_files()
+        before = (d.cdi_dir / spec).read_text()
+        assert d.stop() == 0
+        (d.cdi_dir / spec).unlink()  # someone cleaned the CDI directory
+        d.start()
+        d.wait_log("restored the missing CDI spec of a prepared claim")
+        assert (d.cdi_dir / spec).read_text() == before
     finally:
         d.kill()
