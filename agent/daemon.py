@@ -177,9 +177,10 @@ class Agent:
         self.log.info("agent stopped")
 
     def run(self, stop: threading.Event) -> int:
-        """Run until ``stop`` is set or a task fails; the exit code (1 when a task failed)."""
-        self.start()
+        """Run until ``stop`` is set or a task fails; the exit code (1 when a task failed).
+        A start that fails half way still stops what it had started."""
         try:
+            self.start()
             while not stop.wait(0.2) and not self.stop_event.is_set():
                 pass
         finally:

@@ -100,7 +100,8 @@ class HttpEndpoint:
         self._thread.start()
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        """Stop serving; safe before start (shutdown() would wait forever for a serve loop)."""
         if self._thread is not None:
+            self._server.shutdown()
             self._thread.join(timeout=5)
+        self._server.server_close()

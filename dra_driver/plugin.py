@@ -173,6 +173,7 @@ class PluginServer:
         self.log = log
         self.registered = False
         self.registration_error: str | None = None
+        self._bound: list[Path] = []
         self._stop = threading.Event()
         self._reg = grpc.server(ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
         self._dra = grpc.server(ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
@@ -192,9 +193,11 @@ class PluginServer:
         for sock in (self.dra_socket, self.reg_socket):
             _prepare_dir(sock.parent)
         _bind(self._dra, self.dra_socket)
+        self._bound.append(self.dra_socket)
         self._dra.start()
         os.chmod(self.dra_socket, 0o600)
         _bind(self._reg, self.reg_socket)
+        self._bound.append(self.reg_socket)
         self._reg.start()
         os.chmod(self.reg_socket, 0o600)
         self.log.info(
@@ -208,5 +211,6 @@ class PluginServer:
         self.health.wake_all()
         self._reg.stop(grace).wait()
         self._dra.stop(grace).wait()
-        for sock in (self.reg_socket, self.dra_socket):
+        for sock in self._bound:  # only our own: never another instance's sockets
             sock.unlink(missing_ok=True)
+        self._bound.clear()

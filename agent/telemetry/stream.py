@@ -161,6 +161,7 @@ class TelemetryServer:
         self.tcp_address = tcp_address
         self.log = log
         self.tcp_port: int | None = None
+        self._started = False
         self._stop = threading.Event()
         self.wake = threading.Condition()
         self._server = grpc.server(
@@ -187,6 +188,7 @@ class TelemetryServer:
             if not self.tcp_port:
                 raise ConfigError(f"--telemetry-address: cannot listen on {self.tcp_address}")
         self._server.start()
+        self._started = True
         os.chmod(self.socket, 0o660)
         self.log.info(
             "telemetry API serving",
@@ -197,4 +199,6 @@ class TelemetryServer:
         self._stop.set()
         self.notify()
         self._server.stop(grace).wait()
-        self.socket.unlink(missing_ok=True)
+        if self._started:  # only our own socket, never another instance's
+            self.socket.unlink(missing_ok=True)
+            self._started = False

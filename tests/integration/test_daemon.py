@@ -108,3 +108,25 @@ def test_daemon_refuses_a_busy_metrics_port(short_tmp):
     assert p.returncode == 2
     assert "Traceback" not in p.stderr
     assert f"127.0.0.1:{port}" in p.stderr.splitlines()[-1]
+
+
+def test_a_start_that_fails_half_way_exits_cleanly():
+    """The kubelet socket path is too long: a clear error, exit 2, no hanging threads."""
+    import shutil
+    import tempfile
+
+    state = Path(tempfile.mkdtemp(prefix="ts-" + "x" * 60, dir="/tmp"))
+    try:
+        tessera = os.path.join(os.path.dirname(sys.executable), "tessera")
+        p = subprocess.run(
+            [tessera, "run", "--simulate", "mixed", "--state-dir", str(state), "--no-kube",
+             "--metrics-address", "127.0.0.1:0"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert p.returncode == 2, p.stderr[-2000:]
+        last = p.stderr.strip().splitlines()[-1]
+        assert "unix socket path" in last and "the limit is 107" in last
+        assert "Traceback" not in p.stderr
+        assert json.loads(p.stderr.strip().splitlines()[-2])["msg"] == "agent stopped"
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
