@@ -25,7 +25,7 @@ from agent.http import HttpEndpoint, Readiness
 from agent.logs import fields_
 from agent.node import NodeSource, discover, open_node
 from agent.nvml.events import EventWatcher
-from agent.nvml.telemetry import read_sample
+from agent.nvml.telemetry import TelemetryReader
 from agent.supervisor import Supervisor
 from agent.telemetry.energy import EnergyAccounting
 from agent.telemetry.gpuinfo import gpu_info
@@ -87,6 +87,7 @@ class Agent:
     kube: KubeClient | None
     log: logging.Logger
     sampler: Sampler
+    reader: TelemetryReader
     accounting: EnergyAccounting
     events: EventWatcher
     telemetry_server: TelemetryServer
@@ -165,6 +166,7 @@ class Agent:
             if stuck:
                 self.log.warning("tasks did not stop in time", extra=fields_(tasks=stuck))
         self.accounting.close()
+        self.reader.close()
         self.events.close()
         if self.config.cleanup_on_exit:
             try:
@@ -314,10 +316,11 @@ def build_agent(config: Config, log: logging.Logger) -> Agent:
     )
     nvml = source.nvml
     events = EventWatcher(nvml)
+    reader = TelemetryReader(nvml)
     accounting = EnergyAccounting(state_dir / "energy.json", log=log.getChild("energy"))
     sampler = Sampler(
         node=source.hostname,
-        read=lambda index, now: read_sample(nvml, index, now),
+        read=reader.read,
         gpus=[],
         holders=lambda: preparer.checkpoint,
         accounting=accounting,
@@ -348,6 +351,7 @@ def build_agent(config: Config, log: logging.Logger) -> Agent:
         log=log,
         devices=devices,
         sampler=sampler,
+        reader=reader,
         accounting=accounting,
         events=events,
         telemetry_server=TelemetryServer(

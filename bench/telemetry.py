@@ -25,7 +25,7 @@ from agent.config import Config
 from agent.http import HttpEndpoint, Readiness
 from agent.node import discover, open_node
 from agent.nvml.facade import Nvml
-from agent.nvml.telemetry import read_sample
+from agent.nvml.telemetry import TelemetryReader
 from agent.telemetry.energy import EnergyAccounting
 from agent.telemetry.gpuinfo import gpu_info
 from agent.telemetry.metrics import DriverMetrics, Exposition, SnapshotCollector
@@ -131,7 +131,7 @@ def run() -> None:
 def _sampler(src: Any, nvml: Nvml, inv: Any, state: Path, holders: Callable[[], Any]) -> Sampler:
     return Sampler(
         node=inv.hostname,
-        read=lambda i, now: read_sample(nvml, i, now),
+        read=TelemetryReader(nvml).read,
         gpus=[gpu_info(g.device) for g in inv.gpus],
         holders=holders,
         accounting=EnergyAccounting(state / "energy.json", log=LOG),

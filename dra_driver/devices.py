@@ -33,6 +33,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
+import types
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from agent.discovery.inventory import Gpu, NodeInventory
@@ -278,7 +280,7 @@ def memory_slots(profiles: tuple[MigProfile, ...]) -> int:
 
 
 @functools.cache
-def _max_layout_sums(profiles: tuple[MigProfile, ...]) -> dict[str, int]:
+def _max_layout_sums(profiles: tuple[MigProfile, ...]) -> Mapping[str, int]:
     """Per dimension, the largest sum over sets of non-overlapping placements within every
     profile's ``max_instances``. Enumerates the sets slot by slot (a few thousand per GPU)."""
     slots = memory_slots(profiles)
@@ -304,7 +306,7 @@ def _max_layout_sums(profiles: tuple[MigProfile, ...]) -> dict[str, int]:
             counts[i] -= 1
 
     walk(0, dict.fromkeys(best, 0))
-    return best
+    return types.MappingProxyType(best)  # cached and shared: read-only
 
 
 def gpu_counter_set(device: GpuDevice) -> CounterSet:

@@ -1,7 +1,7 @@
 """Telemetry reads through the NVML facade: one :class:`~agent.nvml.samples.GpuSample` per GPU.
 
-Use a :class:`TelemetryReader` per facade and call :meth:`TelemetryReader.read` once per GPU per
-tick (or :func:`read_sample`, which keeps one reader per facade). The reader is not thread-safe:
+Use one :class:`TelemetryReader` per facade (the composition root owns it) and call
+:meth:`TelemetryReader.read` once per GPU per tick. The reader is not thread-safe:
 one sampler thread owns it. Between reads it keeps, per GPU: the handle and UUID, the MIG
 devices (handles, GPU/compute instance ids, UUIDs), the calls that answered NotSupported (not
 asked again), the last process-utilization timestamp and the GPM sample buffers.
@@ -32,7 +32,6 @@ Results follow :mod:`agent.nvml.samples`: base units (W, J, Hz, bytes, ratios); 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -485,14 +484,3 @@ def _scaled(value: float | None, factor: float) -> float | None:
 
 def _int(value: float | None, factor: int = 1) -> int | None:
     return None if value is None else int(value) * factor
-
-
-_READERS: weakref.WeakKeyDictionary[Nvml, TelemetryReader] = weakref.WeakKeyDictionary()
-
-
-def read_sample(nvml: Nvml, index: int, now: float) -> GpuSample:
-    """:meth:`TelemetryReader.read` with one reader kept per facade (so caches and GPM work)."""
-    reader = _READERS.get(nvml)
-    if reader is None:
-        reader = _READERS[nvml] = TelemetryReader(nvml)
-    return reader.read(index, now)

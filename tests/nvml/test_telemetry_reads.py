@@ -8,7 +8,7 @@ import pytest
 
 from agent.nvml.facade import Nvml
 from agent.nvml.samples import GpuSample
-from agent.nvml.telemetry import TelemetryReader, read_sample
+from agent.nvml.telemetry import TelemetryReader
 from agent.sim.model import load_model
 from agent.sim.nvml import FakeNvml
 
@@ -240,13 +240,15 @@ def test_a_failing_memory_read(node, clock):
     assert s.power_watts is not None
 
 
-def test_read_sample_keeps_one_reader_per_facade(tmp_path, clock):
+def test_a_reader_keeps_its_gpm_samples_between_reads(tmp_path, clock):
     fake = FakeNvml(load_model("dgx-h100"), tmp_path, mig_layout="balanced", clock=clock)
     nvml = Nvml(fake)
     nvml.init()
-    assert read_sample(nvml, 0, clock()).mig[0].utilization is None
+    reader = TelemetryReader(nvml)
+    assert reader.read(0, clock()).mig[0].utilization is None
     clock.advance(1)
-    assert read_sample(nvml, 0, clock()).mig[0].utilization == 0.0  # GPM kept its sample
+    assert reader.read(0, clock()).mig[0].utilization == 0.0  # GPM kept its sample
+    reader.close()
 
 
 def test_read_all(node, clock):
