@@ -6,6 +6,8 @@ Pure data loading and the MIG profile naming rule; no state, no I/O beyond readi
 from __future__ import annotations
 
 import math
+import types
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -115,7 +117,7 @@ def _profile(row: list[Any]) -> MigProfileSpec:
 
 
 @cache
-def gpu_specs() -> dict[str, GpuSpec]:
+def gpu_specs() -> Mapping[str, GpuSpec]:
     """All known products, keyed by the name node models use (``H100-SXM5-80GB``)."""
     text = resources.files("agent.sim").joinpath("gpus.yaml").read_text()
     raw = yaml.safe_load(text)["products"]
@@ -135,4 +137,4 @@ def gpu_specs() -> dict[str, GpuSpec]:
             mig_hopper_style=bool(d.get("migHopperStyle", False)),
             mig_profiles=tuple(_profile(r) for r in d.get("migProfiles", [])),
         )
-    return specs
+    return types.MappingProxyType(specs)  # cached and shared: read-only
