@@ -178,7 +178,8 @@ def plan_changes(
     current = max((int(o["spec"]["pool"].get("generation", 0)) for o in existing), default=0)
     current = max(current, floor)
     by_name = {o["metadata"]["name"]: o for o in existing}
-    desired = build_slices(model, policy, current)
+    # built once at the next generation: spec_equal ignores the generation
+    desired = build_slices(model, policy, current + 1)
     unchanged = len(existing) == len(desired) and all(
         d["metadata"]["name"] in by_name
         and spec_equal(d, by_name[d["metadata"]["name"]])
@@ -187,16 +188,14 @@ def plan_changes(
     )
     if unchanged:
         return Plan(current)
-    desired = build_slices(model, policy, current + 1)
     creates, updates = [], []
-    for d in desired:
+    for d in desired:  # fresh objects, ours to annotate
         old = by_name.get(d["metadata"]["name"])
         if old is None:
             creates.append(d)
         else:
-            upd = copy.deepcopy(d)
-            upd["metadata"]["resourceVersion"] = old["metadata"].get("resourceVersion")
-            updates.append(upd)
+            d["metadata"]["resourceVersion"] = old["metadata"].get("resourceVersion")
+            updates.append(d)
     wanted = {d["metadata"]["name"] for d in desired}
     deletes = tuple(sorted(n for n in by_name if n not in wanted))
     return Plan(current + 1, tuple(creates), tuple(updates), deletes)
