@@ -39,6 +39,7 @@ run: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check agent dra_driver tests bench
 	$(VENV)/bin/ruff format --check agent dra_driver tests bench
+	$(VENV)/bin/lint-imports
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

@@ -23,8 +23,9 @@ from typing import IO, Any
 import yaml
 
 from agent.config import Config, add_settings, load_config
-from agent.errors import ConfigError, DriverNotFoundError, TesseraError
-from agent.node import NodeSource, discover, open_node
+from agent.errors import ConfigError, TesseraError
+from agent.node import NodeSource, discover
+from agent.nvml.errors import DriverNotFoundError
 
 EXIT_ERROR = 2
 NO_DRIVER_HINT = (
@@ -91,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
 def node_session(config: Config) -> Iterator[NodeSource]:
     """Open the node for a one-shot command; with --simulate and no --state-dir, use a
     temporary state directory that is removed afterwards."""
+    from agent.daemon import open_node
+
     with tempfile.TemporaryDirectory(prefix="tessera-") as tmp:
         state_dir = config.state_dir or (Path(tmp) if config.simulate else Path("/var/lib/tessera"))
         source = open_node(config, state_dir)

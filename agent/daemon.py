@@ -20,10 +20,9 @@ from prometheus_client import CollectorRegistry
 
 from agent.config import Config
 from agent.discovery.inventory import NodeInventory
-from agent.errors import ClaimError, KubeError
 from agent.http import HttpEndpoint, Readiness
 from agent.logs import fields_
-from agent.node import NodeSource, discover, open_node
+from agent.node import NodeSource, discover, real_node
 from agent.nvml.events import EventWatcher
 from agent.nvml.telemetry import TelemetryReader
 from agent.supervisor import Supervisor
@@ -42,6 +41,7 @@ from dra_driver.cdi import CdiWriter
 from dra_driver.checkpoint import CheckpointStore
 from dra_driver.claims import ClaimSource, DirClaimSource, KubeClaimSource
 from dra_driver.devices import DeviceModel, DevicePolicy, advertised_devices
+from dra_driver.errors import ClaimError, KubeError
 from dra_driver.health import HealthBoard
 from dra_driver.kube import KubeClient
 from dra_driver.plugin import PluginServer
@@ -244,6 +244,25 @@ class Agent:
         )
 
 
+def open_node(config: Config, state_dir: Path) -> NodeSource:
+    """The node this run looks at: a simulated model with ``--simulate``, else this machine
+    (NVML is not initialized yet). The one place that decides."""
+    if config.simulate:
+        from agent.sim.node import simulated_node
+
+        return simulated_node(
+            config.simulate,
+            state_dir,
+            mig_layout=config.sim_mig_layout,
+            node_name=config.node_name,
+            sysfs_root=config.sysfs_root,
+            driver_root=config.driver_root,
+        )
+    return real_node(
+        node_name=config.node_name, sysfs_root=config.sysfs_root, driver_root=config.driver_root
+    )
+
+
 def node_uid(kube: KubeClient, name: str, log: logging.Logger) -> str | None:
     """The Node's uid for slice ownerReferences; None (logged) when it cannot be read."""
     try:
@@ -322,7 +341,7 @@ def build_agent(config: Config, log: logging.Logger) -> Agent:
         node=source.hostname,
         read=reader.read,
         gpus=[],
-        holders=lambda: preparer.checkpoint,
+        holders=preparer.prepared_claims,
         accounting=accounting,
         log=log.getChild("sampler"),
         interval=config.telemetry_interval,

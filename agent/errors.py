@@ -1,30 +1,17 @@
-"""Tessera's own exceptions.
+"""The root of Tessera's exceptions, and the errors every layer may raise.
+
+Each layer owns its errors in its own ``errors`` module, all subclasses of :class:`TesseraError`
+(docs/architecture.md draws the whole tree)::
+
+    agent.errors             TesseraError, ConfigError          (every layer)
+    agent.nvml.errors        DriverNotFoundError, NvmlError and its codes
+    agent.discovery.errors   DiscoveryError
+    agent.sim.errors         ModelError, MigError               (the simulator)
+    dra_driver.errors        KubeError, ClaimError, ParamsError, CheckpointError, CdiError, ...
 
 Errors from libraries (NVML, gRPC, the Kubernetes client, the file system) are translated at the
-boundary with ``raise ... from exc`` so callers only ever handle these::
-
-    TesseraError
-    ├── ConfigError              bad flag, environment variable or config file value
-    ├── ModelError               a simulated node model that does not load or validate
-    ├── DriverNotFoundError      no NVIDIA driver / libnvidia-ml on this machine
-    ├── NvmlError                an NVML call failed (call name, device and NVML code kept)
-    │   ├── NvmlNotSupported     the device does not support the call (optional fields: "absent")
-    │   ├── NvmlNotFound         the thing asked for does not exist
-    │   ├── NvmlGpuLost          the GPU fell off the bus
-    │   └── NvmlInsufficientResources / NvmlInUse / NvmlInvalidArgument
-    ├── MigError                 a MIG layout or placement that the rules forbid
-    ├── DiscoveryError           sysfs tree unreadable or inconsistent
-    ├── KubeError                the API server said no, or could not be reached
-    │   └── KubeConflict         409: someone else changed the object; re-read and retry
-    ├── KubeletApiError          a kubelet-plugin gRPC call failed (gRPC status name, details)
-    ├── ClaimError               a ResourceClaim that cannot be prepared here (per-claim error)
-    ├── ParamsError              opaque device configuration that does not parse or validate
-    ├── CheckpointError          the driver checkpoint cannot be read or written
-    │   ├── CheckpointCorrupt    unreadable JSON, bad checksum, wrong kind or field types
-    │   └── CheckpointTooNew     written by a newer Tessera (upgrade or move the file aside)
-    └── CdiError                 a CDI spec that cannot be built, validated, written or removed
-
-``temporary`` on an error says whether retrying the same operation later may succeed.
+boundary with ``raise ... from exc`` so callers only ever handle these. ``temporary`` on an error
+says whether retrying the same operation later may succeed.
 """
 
 from __future__ import annotations
@@ -41,135 +28,3 @@ class ConfigError(TesseraError):
 
     The message names the setting, the offending value and what is allowed.
     """
-
-
-class ModelError(TesseraError):
-    """A simulated node model file is missing or does not validate."""
-
-
-class DriverNotFoundError(TesseraError):
-    """NVML (libnvidia-ml.so.1) could not be loaded: no NVIDIA driver on this machine."""
-
-
-class DiscoveryError(TesseraError):
-    """The node could not be discovered (sysfs unreadable or inconsistent with NVML)."""
-
-
-class MigError(TesseraError):
-    """A MIG operation that the placement rules forbid."""
-
-
-class NvmlError(TesseraError):
-    """An NVML call failed.
-
-    ``call`` is the pynvml function name, ``device`` the GPU (index or bus id) when there is one,
-    ``code`` the NVML return code.
-    """
-
-    def __init__(self, call: str, code: int, message: str, device: str | None = None) -> None:
-        self.call = call
-        self.code = code
-        self.device = device
-        where = f" on GPU {device}" if device is not None else ""
-        super().__init__(f"{call}{where} failed: {message} (NVML code {code})")
-
-
-class NvmlNotSupported(NvmlError):
-    """The device does not support this call."""
-
-
-class NvmlNotFound(NvmlError):
-    """The object asked for does not exist."""
-
-
-class NvmlGpuLost(NvmlError):
-    """The GPU is lost (fell off the bus)."""
-
-    temporary = False
-
-
-class NvmlInsufficientResources(NvmlError):
-    """Not enough resources (e.g. no room for a MIG instance)."""
-
-
-class NvmlInUse(NvmlError):
-    """The object is in use (e.g. a GPU instance that still has compute instances)."""
-
-
-class NvmlInvalidArgument(NvmlError):
-    """NVML rejected an argument."""
-
-
-class KubeError(TesseraError):
-    """An API-server request failed. ``status`` is the HTTP status (0: no response at all)."""
-
-    def __init__(self, status: int, reason: str, message: str, method: str, path: str) -> None:
-        self.status = status
-        self.reason = reason
-        self.method = method
-        self.path = path
-        self.temporary = status in (0, 408, 429) or status >= 500
-        super().__init__(f"{method} {path}: {status} {reason}: {message}")
-
-
-class KubeConflict(KubeError):
-    """409 Conflict: the object changed since it was read."""
-
-
-class ClaimError(TesseraError):
-    """A claim cannot be prepared: not found, UID mismatch, not allocated, another node, …
-
-    ``reason`` is a short stable word for metrics (``tessera_prepare_errors_total{reason}``)."""
-
-    def __init__(self, message: str, reason: str = "invalid_claim") -> None:
-        self.reason = reason
-        super().__init__(message)
-
-
-class ParamsError(TesseraError):
-    """Opaque configuration parameters that do not parse or validate (the message has the path,
-    the offending value and what is allowed)."""
-
-
-class KubeletApiError(TesseraError):
-    """A gRPC call on a kubelet plugin socket failed.
-
-    ``method`` is the full gRPC method name, ``socket`` the unix socket path, ``code`` the gRPC
-    status name (e.g. ``"UNAVAILABLE"``) and ``details`` the status message.
-    """
-
-    def __init__(self, method: str, socket: str, code: str, details: str) -> None:
-        self.method = method
-        self.socket = socket
-        self.code = code
-        self.details = details
-        self.temporary = code in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED")
-        super().__init__(f"{method} on {socket}: {code}: {details}")
-
-
-class CheckpointError(TesseraError):
-    """The driver's checkpoint file could not be read or written (the message names the file)."""
-
-
-class CheckpointCorrupt(CheckpointError):
-    """The checkpoint is not valid JSON, fails its checksum, or has the wrong kind or types."""
-
-
-class CheckpointTooNew(CheckpointError):
-    """The checkpoint was written by a newer Tessera whose format this build cannot read.
-
-    ``path`` is the file, ``version`` its format version, ``supported`` the newest this build reads.
-    """
-
-    def __init__(self, path: str, version: int, supported: int) -> None:
-        self.path = path
-        self.version = version
-        self.supported = supported
-        super().__init__(
-            f"checkpoint {path} has format version {version}, but this Tessera reads versions up"
-            f" to {supported}: upgrade Tessera or move the file aside"
-        )
-
-
-class CdiError(TesseraError):
-    """A CDI spec could not be built, validated, written or removed (the message says why)."""

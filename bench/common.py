@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from agent.config import Config
+from agent.daemon import open_node
 from agent.discovery.inventory import NodeInventory
-from agent.node import discover, open_node
+from agent.node import discover
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

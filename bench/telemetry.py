@@ -22,8 +22,9 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from agent.config import Config
+from agent.daemon import open_node
 from agent.http import HttpEndpoint, Readiness
-from agent.node import discover, open_node
+from agent.node import discover
 from agent.nvml.facade import Nvml
 from agent.nvml.telemetry import TelemetryReader
 from agent.telemetry.energy import EnergyAccounting
@@ -31,7 +32,7 @@ from agent.telemetry.gpuinfo import gpu_info
 from agent.telemetry.metrics import DriverMetrics, Exposition, SnapshotCollector
 from agent.telemetry.sampler import Sampler
 from bench.common import ms, percentile, report
-from dra_driver.checkpoint import PREPARE_COMPLETED, Checkpoint, ClaimEntry, PreparedDevice
+from dra_driver.checkpoint import PREPARE_COMPLETED, ClaimEntry, PreparedDevice
 
 LOG = logging.getLogger("bench.telemetry")
 LOG.addHandler(logging.NullHandler())
@@ -60,7 +61,8 @@ class TimedNvml:
         return timed
 
 
-def checkpoint(inv: Any, mig: bool) -> Checkpoint:
+def checkpoint(inv: Any, mig: bool) -> tuple[ClaimEntry, ...]:
+    """The prepared claims the driver's view would hand telemetry: one per GPU or MIG device."""
     claims: dict[str, ClaimEntry] = {}
     for g in inv.gpus:
         d = g.device
@@ -82,7 +84,7 @@ def checkpoint(inv: Any, mig: bool) -> Checkpoint:
             claims[uid] = ClaimEntry(
                 uid, "team", f"job-{uid}", PREPARE_COMPLETED, (dev,), time.time()
             )
-    return Checkpoint(boot_id="bench", claims=claims)
+    return tuple(claims.values())
 
 
 def get(url: str) -> float:

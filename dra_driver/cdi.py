@@ -37,8 +37,8 @@ import jsonschema
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT7
 
-from agent.errors import CdiError
 from agent.fsutil import atomic_write, fsync_dir
+from dra_driver.errors import CdiError
 
 CDI_VERSION = "0.5.0"
 SPEC_FILE_MODE = 0o644

@@ -47,9 +47,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from agent.errors import CheckpointCorrupt, CheckpointError, CheckpointTooNew
 from agent.fsutil import atomic_write, fsync_dir
 from agent.logs import fields_
+from dra_driver.errors import CheckpointCorrupt, CheckpointError, CheckpointTooNew
 
 log = logging.getLogger(__name__)
 
@@ -393,19 +393,6 @@ def decode(data: bytes, source: str = "<checkpoint>") -> tuple[Checkpoint, int |
 
 
 # --- I/O --------------------------------------------------------------------------------------
-
-
-def read_boot_id(path: Path = Path("/proc/sys/kernel/random/boot_id")) -> str:
-    """This boot's id (changes on every reboot). Raises CheckpointError when it is unreadable."""
-    try:
-        boot_id = path.read_text().strip()
-    except OSError as exc:
-        raise CheckpointError(
-            f"cannot read the boot id from {path}: {exc.strerror or exc}"
-        ) from exc
-    if not boot_id:
-        raise CheckpointError(f"the boot id file {path} is empty")
-    return boot_id
 
 
 class CheckpointStore:

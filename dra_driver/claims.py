@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import yaml
 
-from agent.errors import ClaimError, KubeError
+from dra_driver.errors import ClaimError, KubeError
 from dra_driver.kube import KubeClient
 
 YamlLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when installed

@@ -1,7 +1,7 @@
 """The Kubernetes API boundary: JSON requests through the ``kubernetes`` client's ApiClient.
 
 Objects stay plain dicts (exactly what the API server stores), so fields this client version does
-not model survive a read-modify-write. Every failure becomes ``agent.errors.KubeError`` (with
+not model survive a read-modify-write. Every failure becomes ``dra_driver.errors.KubeError`` (with
 ``temporary`` set for 429, 5xx and lost connections) or ``KubeConflict`` for 409.
 """
 
@@ -18,7 +18,8 @@ from kubernetes import client as kclient
 from kubernetes import config as kconfig
 from kubernetes.client.exceptions import ApiException
 
-from agent.errors import ConfigError, KubeConflict, KubeError
+from agent.errors import ConfigError
+from dra_driver.errors import KubeConflict, KubeError
 
 DEFAULT_TIMEOUT = (5.0, 30.0)
 """(connect, read) seconds for one request."""

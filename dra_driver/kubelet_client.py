@@ -30,7 +30,7 @@ import grpc  # type: ignore[import-untyped,unused-ignore]
 from google.protobuf.descriptor import FileDescriptor
 from google.protobuf.message import Message
 
-from agent.errors import KubeletApiError
+from dra_driver.errors import KubeletApiError
 from dra_driver.kubeletapi import (
     dra_v1_pb2,
     dra_v1beta1_pb2,

@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from agent.errors import ParamsError
+from dra_driver.errors import ParamsError
 
 API_VERSION = "gpu.tessera.dev/v1alpha1"
 KINDS = ("GpuConfig", "MigDeviceConfig")

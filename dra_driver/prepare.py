@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
-from agent.errors import ClaimError, KubeError, ParamsError, TesseraError
+from agent.errors import TesseraError
 from agent.logs import fields_
 from dra_driver import params
 from dra_driver.cdi import CdiRequest, CdiWriter
@@ -38,6 +38,7 @@ from dra_driver.checkpoint import (
 )
 from dra_driver.claims import Allocation, ClaimKey, ClaimSource, configs_for, parse_allocation
 from dra_driver.devices import AdvertisedDevice, DeviceModel
+from dra_driver.errors import ClaimError, KubeError, ParamsError
 
 CrashHook = Callable[[str], None]
 Observer = Callable[[str, float, str | None], None]
@@ -166,6 +167,11 @@ class Preparer:
         if self._cp is None:
             raise RuntimeError("reconcile_on_start() first")
         return self._cp
+
+    def prepared_claims(self) -> tuple[ClaimEntry, ...]:
+        """The claims whose prepare completed: who holds which device now (a read-only view for
+        telemetry; entries are immutable)."""
+        return tuple(e for e in self.checkpoint.claims.values() if e.state == PREPARE_COMPLETED)
 
     def _commit(self, cp: Checkpoint) -> None:
         """Save, then adopt: memory never runs ahead of the file. Caller holds _cp_lock."""

@@ -24,10 +24,10 @@ from typing import Any, Protocol
 
 import yaml
 
-from agent.errors import KubeConflict, KubeError
 from agent.fsutil import atomic_write
 from agent.logs import fields_
 from dra_driver.devices import DeviceModel
+from dra_driver.errors import KubeConflict, KubeError
 from dra_driver.kube import KubeClient
 from dra_driver.slices import SlicePolicy, build_slices, spec_equal
 

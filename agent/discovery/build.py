@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from agent.discovery.errors import DiscoveryError
 from agent.discovery.inventory import Gpu, Nic, NodeInventory, PcieLocation
 from agent.discovery.sysfs import PciFunction, SysfsSnapshot
 from agent.discovery.topology import (
@@ -19,7 +20,6 @@ from agent.discovery.topology import (
     nvlink_cliques,
     nvlink_edges,
 )
-from agent.errors import DiscoveryError
 from agent.nvml.types import GpuDevice, SystemInfo
 
 

@@ -20,8 +20,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.discovery.errors import DiscoveryError
 from agent.discovery.inventory import NumaNode, PcieLocation
-from agent.errors import DiscoveryError
 
 _NODE_RE = re.compile(r"^node(\d+)$")
 _NETWORK_CLASS = 0x02

@@ -4,7 +4,7 @@
 XID critical errors, and turns what ``nvmlEventSetWait`` returns into
 :class:`~agent.nvml.samples.XidEvent` values. A GPU that cannot be registered (NotSupported,
 lost, or any other NVML error) is skipped and reported in :attr:`EventWatcher.skipped`; the
-others are still watched. NVML errors of the event set itself are raised as ``agent.errors``
+others are still watched. NVML errors of the event set itself are raised as ``agent.nvml.errors``
 NVML errors. One thread waits; :meth:`EventWatcher.close` is called after the last wait.
 """
 
@@ -14,7 +14,7 @@ import ctypes
 from collections.abc import Sequence
 from typing import Any
 
-from agent.errors import NvmlError, NvmlGpuLost
+from agent.nvml.errors import NvmlError, NvmlGpuLost
 from agent.nvml.facade import Nvml
 from agent.nvml.samples import XidEvent
 

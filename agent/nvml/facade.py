@@ -2,8 +2,8 @@
 
 It takes the pynvml *module* (or the simulator's object with the same function surface) as a
 constructor argument and returns the plain frozen values of ``agent.nvml.types``. NVML errors
-become ``agent.errors.Nvml*`` errors naming the call and the device; ``NotSupported`` on optional
-fields yields ``None`` ("absent") instead of an error.
+become ``agent.nvml.errors.Nvml*`` errors naming the call and the device; ``NotSupported`` on
+optional fields yields ``None`` ("absent") instead of an error.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import ctypes
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from agent.errors import (
+from agent.nvml.errors import (
     DriverNotFoundError,
     NvmlError,
     NvmlGpuLost,

@@ -35,7 +35,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.errors import (
+from agent.nvml.errors import (
     NvmlError,
     NvmlGpuLost,
     NvmlInvalidArgument,

@@ -21,8 +21,9 @@ from dataclasses import replace
 
 import pynvml
 
-from agent.errors import ConfigError, MigError
+from agent.errors import ConfigError
 from agent.sim import mig
+from agent.sim.errors import MigError
 from agent.sim.model import NodeModel
 from agent.sim.specs import GpuSpec
 from agent.sim.state import GpuState, SimState

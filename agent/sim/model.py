@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from agent.errors import ModelError
+from agent.sim.errors import ModelError
 from agent.sim.specs import GpuSpec, gpu_specs
 
 BDF_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")

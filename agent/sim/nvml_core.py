@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import pynvml
 
-from agent.errors import ConfigError, ModelError
+from agent.errors import ConfigError
 from agent.sim import handles, layouts, mig
+from agent.sim.errors import ModelError
 from agent.sim.handles import Ref
 from agent.sim.mig import nvml_error
 from agent.sim.model import GpuSlot, NodeModel

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from agent.errors import ModelError
+from agent.sim.errors import ModelError
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB

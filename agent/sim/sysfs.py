@@ -25,7 +25,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.errors import ModelError
+from agent.sim.errors import ModelError
 from agent.sim.model import BDF_RE, MELLANOX_VENDOR, NVIDIA_VENDOR, ROOT_RE, NodeModel
 from agent.sim.tree import remove, symlink, write_text, write_tree
 

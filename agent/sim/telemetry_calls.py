@@ -17,6 +17,7 @@ import pynvml
 from agent.sim import telemetry_model as tm
 from agent.sim.mig import nvml_error
 from agent.sim.model import GpuSlot
+from agent.sim.nvlink import nvlink_table
 from agent.sim.telemetry import NOT_MIG, TelemetryBase
 from agent.sim.telemetry_state import SimGpu
 
@@ -224,8 +225,6 @@ class TelemetryCalls(TelemetryBase):
     def _active_links(self, index: int) -> tuple[bool, ...]:
         """Per link of GPU ``index``: whether it is active (the topology never changes)."""
         if self._links_active is None:
-            from agent.sim.nvml import nvlink_table  # nvml.py imports this module
-
             table = nvlink_table(self.model)
             self._links_active = {
                 i: tuple(e is not None for e in ends) for i, ends in table.items()

@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from agent.nvml.samples import GpuSample
 from agent.telemetry.gpuinfo import GpuInfo
-from dra_driver.checkpoint import PREPARE_COMPLETED, Checkpoint
 
 EXCLUSIVE = "exclusive"
 MIG_SM_SHARE = "mig-sm-share"
@@ -21,6 +21,44 @@ RULES = (EXCLUSIVE, MIG_SM_SHARE, PROCESS_UTILIZATION, EVEN)
 
 HoldingKey = tuple[str, str, str]
 """(claim uid, pool, device)."""
+
+
+class HeldDevice(Protocol):
+    """One device a claim holds, as telemetry needs to know it (a read-only view: the driver's
+    checkpoint records satisfy it; telemetry never imports the driver)."""
+
+    @property
+    def pool(self) -> str: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def kind(self) -> str:
+        """``gpu`` or ``mig``."""
+        ...
+
+    @property
+    def gpu_uuid(self) -> str: ...
+    @property
+    def gpu_minor(self) -> int: ...
+    @property
+    def gpu_instance_id(self) -> int | None: ...
+
+
+class ClaimHolder(Protocol):
+    """A claim whose prepare completed, with the devices it holds on this node."""
+
+    @property
+    def uid(self) -> str: ...
+    @property
+    def namespace(self) -> str: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def devices(self) -> Sequence[HeldDevice]: ...
+
+
+Holders = Callable[[], Sequence[ClaimHolder] | None]
+"""The claims holding devices now (prepare completed); None when that cannot be known."""
 
 
 @dataclass(frozen=True)
@@ -52,21 +90,19 @@ class Share:
 
 
 def holdings(
-    checkpoint: Checkpoint, gpus: Sequence[GpuInfo]
+    claims: Sequence[ClaimHolder], gpus: Sequence[GpuInfo]
 ) -> tuple[list[Holding], list[HoldingKey]]:
-    """The completed claims' devices mapped to GPUs, and the keys of devices on no known GPU.
+    """The holders' devices mapped to GPUs, and the keys of devices on no known GPU.
 
     A device's GPU is found by ``gpu_uuid`` (stable across reboots and index renumbering), else
-    by ``gpu_minor``. Claims still in ``PrepareStarted`` hold nothing yet. Pure.
+    by ``gpu_minor``. Pure.
     """
     by_uuid = {g.uuid: g for g in gpus}
     by_minor = {g.minor: g for g in gpus}
     found: list[Holding] = []
     unknown: list[HoldingKey] = []
-    for uid in sorted(checkpoint.claims):
-        entry = checkpoint.claims[uid]
-        if entry.state != PREPARE_COMPLETED:
-            continue
+    for entry in sorted(claims, key=lambda c: c.uid):
+        uid = entry.uid
         for d in entry.devices:
             gpu = by_uuid.get(d.gpu_uuid) or by_minor.get(d.gpu_minor)
             if gpu is None:

@@ -1,8 +1,9 @@
 """Energy and usage accounting: monotonic energy per GPU, energy and GPU-seconds per claim.
 
-``EnergyAccounting.update`` is fed every sampler tick with each GPU's sample and the checkpoint
-(who holds which device). It keeps two kinds of counters, both monotonic: the energy of each GPU
-and, for every (claim, prepared device), the energy and GPU-seconds attributed to it.
+``EnergyAccounting.update`` is fed every sampler tick with each GPU's sample and the claims that
+hold devices (a read-only view of the driver's checkpoint, :class:`attribution.ClaimHolder`). It
+keeps two kinds of counters, both monotonic: the energy of each GPU and, for every (claim,
+prepared device), the energy and GPU-seconds attributed to it.
 
 **GPU energy.** Each interval's energy comes from the driver's total-energy counter when two
 consecutive readings have it: the delta is the difference. The counter restarts at 0 when the
@@ -18,10 +19,11 @@ nothing and leaves the baseline where it was, so the next good reading covers th
 reading after the agent starts is only a baseline: energy used while the agent was down is not
 counted, by the GPUs or by the claims. Totals never decrease.
 
-**Which GPU a device is on.** A checkpoint device's GPU is found by its ``gpuUUID`` (stable across
-reboots and index renumbering), else by its ``gpuMinor``; a device on no known GPU is ignored
-(logged once). Only claims in ``PrepareCompleted`` hold devices: ``PrepareStarted`` ones run no
-workload yet. The holders read at the end of an interval own the whole interval.
+**Which GPU a device is on.** A held device's GPU is found by its ``gpu_uuid`` (stable across
+reboots and index renumbering), else by its ``gpu_minor``; a device on no known GPU is ignored
+(logged once). Only claims whose prepare completed are holders (the driver's view passes only
+those: a claim still being prepared runs no workload yet). The holders read at the end of an
+interval own the whole interval.
 
 **Attribution.** Each holder of a GPU gets a share of the GPU's energy delta and of the interval's
 elapsed seconds (its GPU-seconds, which accrue while a claim holds the device, even when the GPU
@@ -56,7 +58,7 @@ seconds' worth) are lost once. A corrupt state file is moved aside
 prepared keeps its final counters (it is still listed, frozen) for ``retention`` seconds (1 hour
 by default) after it was first seen gone, so Prometheus sees the counter's last value instead of
 a vanishing series; a claim that comes back (same UID and device) continues from its counters.
-When the checkpoint cannot be read (``holders`` is None) nothing is attributed or released.
+When the holders cannot be read (``holders`` is None) nothing is attributed or released.
 
 Times: sample timestamps (monotonic) measure intervals; ``clock`` (unix seconds) times the
 persistence interval and retention, which must survive a restart.
@@ -78,10 +80,9 @@ from typing import Any
 from agent.fsutil import atomic_write
 from agent.logs import fields_
 from agent.nvml.samples import GpuSample
-from agent.telemetry.attribution import Holding, HoldingKey, holdings, shares
+from agent.telemetry.attribution import ClaimHolder, Holding, HoldingKey, holdings, shares
 from agent.telemetry.gpuinfo import GpuInfo
 from agent.telemetry.snapshot import ClaimUsage, PreparedDevice
-from dra_driver.checkpoint import Checkpoint
 
 STATE_KIND = "TesseraEnergyState"
 STATE_VERSION = 1
@@ -193,10 +194,13 @@ class EnergyAccounting:
     # -- accounting ------------------------------------------------------------------------------
 
     def update(
-        self, samples: Sequence[GpuSample], gpus: Sequence[GpuInfo], holders: Checkpoint | None
+        self,
+        samples: Sequence[GpuSample],
+        gpus: Sequence[GpuInfo],
+        holders: Sequence[ClaimHolder] | None,
     ) -> Accounted:
         """Account one tick: ``samples`` (one per GPU), ``gpus`` (their identities) and the
-        checkpoint (None: unknown this tick)."""
+        claims holding devices (None: unknown this tick)."""
         with self._lock:
             now = self._clock()
             by_uuid = {g.uuid: g for g in gpus}

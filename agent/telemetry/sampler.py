@@ -2,7 +2,7 @@
 
 Each tick reads every GPU through the injected ``read(index, now)`` (the NVML facade's reader in
 production, anything in tests), drains the XID events seen since the last tick, feeds the energy
-accounting with the samples and the checkpoint's holders, and publishes a ``Snapshot``:
+accounting with the samples and the claims holding devices, and publishes a ``Snapshot``:
 
 - ``latest`` is a plain reference swapped after the snapshot is complete, so readers (scrapes, the
   gRPC stream, ``tessera top``) never block the sampler and never see a half-built tick;
@@ -36,10 +36,10 @@ from collections.abc import Callable, Sequence
 
 from agent.logs import fields_
 from agent.nvml.samples import GpuSample, XidEvent
+from agent.telemetry.attribution import ClaimHolder, Holders
 from agent.telemetry.energy import EnergyAccounting
 from agent.telemetry.gpuinfo import GpuInfo
 from agent.telemetry.snapshot import GpuTelemetry, Snapshot
-from dra_driver.checkpoint import Checkpoint
 
 FATAL_XIDS = frozenset({48, 63, 64, 74, 79, 92, 94, 95})
 """Hardware or fatal XIDs: the GPU is unhealthy from then on (48 DBE, 63/64 row remapping, 74
@@ -106,7 +106,7 @@ class Sampler:
         node: str,
         read: Callable[[int, float], GpuSample],
         gpus: Sequence[GpuInfo],
-        holders: Callable[[], Checkpoint | None],
+        holders: Holders,
         accounting: EnergyAccounting,
         log: logging.Logger,
         interval: float = 1.0,
@@ -280,7 +280,7 @@ class Sampler:
                 ),
             )
 
-    def _read_holders(self) -> Checkpoint | None:
+    def _read_holders(self) -> Sequence[ClaimHolder] | None:
         try:
             return self._holders()
         except Exception as exc:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from agent.discovery.build import build_inventory
+from agent.discovery.errors import DiscoveryError
 from agent.discovery.inventory import NodeInventory
 from agent.discovery.sysfs import (
     SysfsSnapshot,
@@ -17,7 +18,6 @@ from agent.discovery.sysfs import (
     parse_numa_node,
     read_sysfs,
 )
-from agent.errors import DiscoveryError
 from agent.sim.model import load_model, model_names
 from agent.sim.sysfs import pci_functions, write_sysfs
 

@@ -11,8 +11,9 @@ from collections.abc import Callable, Iterable
 import pytest
 
 from agent.config import Config
+from agent.daemon import open_node
 from agent.discovery.inventory import NodeInventory
-from agent.node import discover, open_node
+from agent.node import discover
 from dra_driver.devices import AdvertisedDevice, DeviceModel
 
 Inventory = Callable[..., NodeInventory]

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from agent.errors import CdiError
 from agent.sim.driverroot import caps_minor, write_driver_root
 from agent.sim.model import load_model
 from dra_driver.cdi import CDI_VERSION, CdiRequest, CdiWriter, validate_spec
+from dra_driver.errors import CdiError
 
 DRIVER = "gpu.tessera.dev"
 UID = "7f3c2a1e-9b8d-4c6f-a5e4-3d2c1b0a9f8e"

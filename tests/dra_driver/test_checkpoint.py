@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from agent.errors import CheckpointCorrupt, CheckpointError, CheckpointTooNew
 from dra_driver.checkpoint import (
     CHECKPOINT_VERSION,
     MIGRATIONS,
@@ -24,8 +23,8 @@ from dra_driver.checkpoint import (
     checksum_of,
     decode,
     encode,
-    read_boot_id,
 )
+from dra_driver.errors import CheckpointCorrupt, CheckpointError, CheckpointTooNew
 
 BOOT = "6f1c3c1e-4e1a-4b8a-9d51-0c1f6f1b2a3d"
 OTHER_BOOT = "0b7e1a2c-9f3d-4c5e-8a6b-7d8e9f0a1b2c"
@@ -395,24 +394,6 @@ def test_other_boot_discards_claims(path: Path) -> None:
     assert result.checkpoint == Checkpoint(BOOT)
     assert result.corrupt_moved_to is None
     assert path.exists()  # nothing is deleted until the caller saves
-
-
-def test_read_boot_id(tmp_path: Path) -> None:
-    f = tmp_path / "boot_id"
-    f.write_text(BOOT + "\n")
-    assert read_boot_id(f) == BOOT
-    with pytest.raises(CheckpointError, match="cannot read the boot id"):
-        read_boot_id(tmp_path / "missing")
-    f.write_text("\n")
-    with pytest.raises(CheckpointError, match="empty"):
-        read_boot_id(f)
-
-
-@pytest.mark.skipif(
-    not Path("/proc/sys/kernel/random/boot_id").exists(), reason="no /proc boot id here"
-)
-def test_read_real_boot_id() -> None:
-    assert len(read_boot_id()) == 36
 
 
 # --- the Checkpoint value ---------------------------------------------------------------------

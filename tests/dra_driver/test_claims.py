@@ -1,8 +1,8 @@
 import pytest
 import yaml
 
-from agent.errors import ClaimError
 from dra_driver.claims import ClaimKey, DirClaimSource, configs_for, parse_allocation
+from dra_driver.errors import ClaimError
 
 DRIVER, NODE = "gpu.tessera.dev", "node-a"
 KEY = ClaimKey("default", "c1", "uid-1")

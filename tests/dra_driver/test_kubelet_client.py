@@ -23,7 +23,8 @@ from typing import Any
 import grpc
 import pytest
 
-from agent.errors import KubeletApiError, TesseraError
+from agent.errors import TesseraError
+from dra_driver.errors import KubeletApiError
 from dra_driver.kubelet_cli import add_kubelet_parser, cmd_kubelet
 from dra_driver.kubelet_client import ClaimRef, KubeletClient, register_like_kubelet
 from dra_driver.kubeletapi import (

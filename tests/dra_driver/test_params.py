@@ -1,6 +1,6 @@
 import pytest
 
-from agent.errors import ParamsError
+from dra_driver.errors import ParamsError
 from dra_driver.params import API_VERSION, DeviceConfig, validate
 
 

@@ -9,8 +9,8 @@ import random
 import pytest
 import yaml
 
-from agent.errors import KubeConflict, KubeError
 from dra_driver.devices import DevicePolicy, advertised_devices
+from dra_driver.errors import KubeConflict, KubeError
 from dra_driver.publisher import Backoff, DirSliceStore, Publisher, plan_changes
 from dra_driver.slices import SlicePolicy
 

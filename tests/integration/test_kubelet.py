@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from agent.errors import KubeletApiError
 from dra_driver.cdi import validate_spec
+from dra_driver.errors import KubeletApiError
 from dra_driver.kubelet_client import ClaimRef, KubeletClient, register_like_kubelet
 from dra_driver.params import API_VERSION
 from tests.integration.daemon import DRIVER, Daemon, claim_manifest, write_claims

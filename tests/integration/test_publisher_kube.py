@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from agent.config import Config
-from agent.node import discover, open_node
+from agent.daemon import open_node
+from agent.node import discover
 from agent.sim.apiserver import ApiServer
 from dra_driver.devices import DevicePolicy, advertised_devices
 from dra_driver.kube import KubeClient

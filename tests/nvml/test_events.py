@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from agent.errors import NvmlError
+from agent.nvml.errors import NvmlError
 from agent.nvml.events import EventWatcher
 from agent.nvml.facade import Nvml
 from agent.nvml.samples import XidEvent

@@ -5,7 +5,7 @@ from typing import Any
 import pynvml
 import pytest
 
-from agent.errors import DriverNotFoundError, NvmlError, NvmlInvalidArgument, NvmlNotSupported
+from agent.nvml.errors import DriverNotFoundError, NvmlError, NvmlInvalidArgument, NvmlNotSupported
 from agent.nvml.facade import Nvml, nvml_bus_id, sysfs_bus_id
 from agent.sim.model import load_model
 from agent.sim.nvml import FakeNvml

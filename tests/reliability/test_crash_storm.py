@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from agent.errors import KubeletApiError
+from dra_driver.errors import KubeletApiError
 from dra_driver.kubelet_client import ClaimRef, KubeletClient
 from tests.integration.daemon import DRIVER, Daemon, claim_manifest, write_claims
 

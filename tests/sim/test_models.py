@@ -5,7 +5,7 @@ from importlib import resources
 import pytest
 import yaml
 
-from agent.errors import ModelError
+from agent.sim.errors import ModelError
 from agent.sim.model import load_model, model_names, parse_model
 from agent.sim.specs import gpu_specs, profile_name
 

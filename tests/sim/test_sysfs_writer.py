@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.errors import ConfigError, ModelError
+from agent.errors import ConfigError
+from agent.sim.errors import ModelError
 from agent.sim.model import NodeModel, load_model, model_names
 from agent.sim.sysfs import (
     cpulist_to_mask,

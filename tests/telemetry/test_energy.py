@@ -19,13 +19,7 @@ from agent.telemetry.energy import (
     energy_delta,
 )
 from agent.telemetry.gpuinfo import GpuInfo, gpu_info
-from dra_driver.checkpoint import (
-    PREPARE_COMPLETED,
-    PREPARE_STARTED,
-    Checkpoint,
-    ClaimEntry,
-    PreparedDevice,
-)
+from tests.telemetry.holders import Claim, Held
 
 A100_PROFILES = ((19, 14), (14, 28), (9, 42), (5, 56), (0, 98))
 H100_PROFILES = ((19, 16), (14, 32), (9, 60), (5, 64), (0, 132))
@@ -51,39 +45,22 @@ def gpu(index: int, *, sms: int | None = None, profiles=()) -> GpuInfo:
     )
 
 
-def whole(gpu_index: int, device: str | None = None) -> PreparedDevice:
-    return PreparedDevice(
-        request_names=("gpu",),
-        pool="node-a",
-        device=device or f"gpu-{gpu_index}",
-        cdi_device_ids=(),
-        kind="gpu",
-        gpu_uuid=f"GPU-{gpu_index}",
-        gpu_minor=gpu_index,
-    )
+def whole(gpu_index: int, device: str | None = None) -> Held:
+    return Held("node-a", device or f"gpu-{gpu_index}", "gpu", f"GPU-{gpu_index}", gpu_index)
 
 
-def mig(gpu_index: int, profile: str, profile_id: int, start: int, gi: int) -> PreparedDevice:
-    return PreparedDevice(
-        request_names=("mig",),
-        pool="node-a",
-        device=f"gpu-{gpu_index}-mig-{profile}-{profile_id}-{start}",
-        cdi_device_ids=(),
-        kind="mig",
-        gpu_uuid=f"GPU-{gpu_index}",
-        gpu_minor=gpu_index,
-        mig_uuid=f"MIG-{gpu_index}-{gi}",
-        gpu_instance_id=gi,
-        compute_instance_id=0,
-    )
+def mig(gpu_index: int, profile: str, profile_id: int, start: int, gi: int) -> Held:
+    name = f"gpu-{gpu_index}-mig-{profile}-{profile_id}-{start}"
+    return Held("node-a", name, "mig", f"GPU-{gpu_index}", gpu_index, gpu_instance_id=gi)
 
 
-def claim(uid: str, *devices: PreparedDevice, state: str = PREPARE_COMPLETED) -> ClaimEntry:
-    return ClaimEntry(uid, "team-a", f"job-{uid}", state, devices, 0.0)
+def claim(uid: str, *devices: Held) -> Claim:
+    return Claim(uid, "team-a", f"job-{uid}", devices)
 
 
-def checkpoint(*claims: ClaimEntry) -> Checkpoint:
-    return Checkpoint("boot", {c.uid: c for c in claims})
+def checkpoint(*claims: Claim) -> tuple[Claim, ...]:
+    """What the driver's view returns: the claims whose prepare completed."""
+    return claims
 
 
 def sample(index: int, t: float, energy: float | None = None, power: float | None = None, **kw):
@@ -349,15 +326,11 @@ def test_shares_never_sum_above_one():
 # -- who holds what --------------------------------------------------------------------------------
 
 
-def test_holdings_map_by_uuid_then_minor_and_skip_unknown_and_started():
+def test_holdings_map_by_uuid_then_minor_and_skip_unknown():
     gpus = [gpu(0), GpuInfo(5, "GPU-new-uuid", "x", "b", 7)]
-    by_minor = PreparedDevice(("r",), "node-a", "gpu-7", (), "gpu", "GPU-old-uuid", 7)
-    nowhere = PreparedDevice(("r",), "node-a", "gpu-9", (), "gpu", "GPU-9", 9)
-    cp = checkpoint(
-        claim("a", whole(0)),
-        claim("b", by_minor, nowhere),
-        claim("c", whole(0, "gpu-0-x"), state=PREPARE_STARTED),
-    )
+    by_minor = Held("node-a", "gpu-7", "gpu", "GPU-old-uuid", 7)
+    nowhere = Held("node-a", "gpu-9", "gpu", "GPU-9", 9)
+    cp = checkpoint(claim("b", by_minor, nowhere), claim("a", whole(0)))
     held, unknown = holdings(cp, gpus)
     assert [(h.uid, h.device, h.gpu_index) for h in held] == [("a", "gpu-0", 0), ("b", "gpu-7", 5)]
     assert unknown == [("b", "node-a", "gpu-9")]
@@ -365,7 +338,7 @@ def test_holdings_map_by_uuid_then_minor_and_skip_unknown_and_started():
 
 def test_prepared_devices_and_unknown_gpu_logged_once(tmp_path, caplog):
     acc = EnergyAccounting(tmp_path / "e.json", Clock(), log=logging.getLogger("t"))
-    stray = PreparedDevice(("r",), "node-a", "gpu-9", (), "gpu", "GPU-9", 9)
+    stray = Held("node-a", "gpu-9", "gpu", "GPU-9", 9)
     cp = checkpoint(claim("a", whole(0), stray))
     with caplog.at_level(logging.WARNING, logger="t"):
         acc.update([sample(0, 0.0, 1.0)], [gpu(0)], cp)

@@ -12,7 +12,7 @@ from agent.nvml.samples import GpuSample, XidEvent
 from agent.telemetry.energy import EnergyAccounting
 from agent.telemetry.gpuinfo import GpuInfo
 from agent.telemetry.sampler import Sampler
-from dra_driver.checkpoint import PREPARE_COMPLETED, Checkpoint, ClaimEntry, PreparedDevice
+from tests.telemetry.holders import Claim, Held
 
 LOG = logging.getLogger("tessera.test.sampler")
 
@@ -67,10 +67,8 @@ class Node:
         return GpuSample(index, f"GPU-{index}", now, energy_joules=300.0 * now, power_watts=300.0)
 
 
-def holders() -> Checkpoint:
-    dev = PreparedDevice(("gpu",), "node-a", "gpu-0", (), "gpu", "GPU-0", 0)
-    entry = ClaimEntry("uid-a", "team-a", "job-a", PREPARE_COMPLETED, (dev,), 0.0)
-    return Checkpoint("boot", {"uid-a": entry})
+def holders() -> tuple[Claim, ...]:
+    return (Claim("uid-a", "team-a", "job-a", (Held("node-a", "gpu-0", "gpu", "GPU-0", 0),)),)
 
 
 def make(tmp_path, *, gpus: int = 3, cost: float = 0.0, interval: float = 1.0, **kw):
@@ -188,7 +186,7 @@ def test_failing_sources_and_hooks_do_not_stop_the_tick(tmp_path, caplog):
     def boom() -> list[XidEvent]:
         raise OSError("event set gone")
 
-    def no_checkpoint() -> Checkpoint:
+    def no_checkpoint() -> tuple[Claim, ...]:
         raise OSError("checkpoint unreadable")
 
     def bad_hook(index: int, healthy: bool) -> None:

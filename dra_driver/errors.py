@@ -1,0 +1,92 @@
+"""Errors of the DRA driver (``dra_driver``)::
+
+TesseraError
+├── KubeError                the API server said no, or could not be reached
+│   └── KubeConflict         409: someone else changed the object; re-read and retry
+├── KubeletApiError          a kubelet-plugin gRPC call failed (gRPC status name, details)
+├── ClaimError               a ResourceClaim that cannot be prepared here (per-claim error)
+├── ParamsError              opaque device configuration that does not parse or validate
+├── CheckpointError          the driver checkpoint cannot be read or written
+│   ├── CheckpointCorrupt    unreadable JSON, bad checksum, wrong kind or field types
+│   └── CheckpointTooNew     written by a newer Tessera (upgrade or move the file aside)
+└── CdiError                 a CDI spec that cannot be built, validated, written or removed
+"""
+
+from __future__ import annotations
+
+from agent.errors import TesseraError
+
+
+class KubeError(TesseraError):
+    """An API-server request failed. ``status`` is the HTTP status (0: no response at all)."""
+
+    def __init__(self, status: int, reason: str, message: str, method: str, path: str) -> None:
+        self.status = status
+        self.reason = reason
+        self.method = method
+        self.path = path
+        self.temporary = status in (0, 408, 429) or status >= 500
+        super().__init__(f"{method} {path}: {status} {reason}: {message}")
+
+
+class KubeConflict(KubeError):
+    """409 Conflict: the object changed since it was read."""
+
+
+class ClaimError(TesseraError):
+    """A claim cannot be prepared: not found, UID mismatch, not allocated, another node, …
+
+    ``reason`` is a short stable word for metrics (``tessera_prepare_errors_total{reason}``)."""
+
+    def __init__(self, message: str, reason: str = "invalid_claim") -> None:
+        self.reason = reason
+        super().__init__(message)
+
+
+class ParamsError(TesseraError):
+    """Opaque configuration parameters that do not parse or validate (the message has the path,
+    the offending value and what is allowed)."""
+
+
+class KubeletApiError(TesseraError):
+    """A gRPC call on a kubelet plugin socket failed.
+
+    ``method`` is the full gRPC method name, ``socket`` the unix socket path, ``code`` the gRPC
+    status name (e.g. ``"UNAVAILABLE"``) and ``details`` the status message.
+    """
+
+    def __init__(self, method: str, socket: str, code: str, details: str) -> None:
+        self.method = method
+        self.socket = socket
+        self.code = code
+        self.details = details
+        self.temporary = code in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED")
+        super().__init__(f"{method} on {socket}: {code}: {details}")
+
+
+class CheckpointError(TesseraError):
+    """The driver's checkpoint file could not be read or written (the message names the file)."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """The checkpoint is not valid JSON, fails its checksum, or has the wrong kind or types."""
+
+
+class CheckpointTooNew(CheckpointError):
+    """The checkpoint was written by a newer Tessera whose format this build cannot read.
+
+    ``path`` is the file, ``version`` its format version, ``supported`` the newest this build reads.
+    """
+
+    def __init__(self, path: str, version: int, supported: int) -> None:
+        self.path = path
+        self.version = version
+        self.supported = supported
+        super().__init__(
+            f"checkpoint {path} has format version {version}, but this Tessera reads versions up"
+            f" to {supported}: upgrade Tessera or move the file aside"
+        )
+
+
+class CdiError(TesseraError):
+    """A CDI spec could not be built, validated, written or removed (the message says why)."""

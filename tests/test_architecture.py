@@ -1,0 +1,44 @@
+"""The layers contract names every module: a new module cannot slip past `lint-imports`."""
+
+from __future__ import annotations
+
+import pkgutil
+import tomllib
+from pathlib import Path
+
+import agent
+import dra_driver
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def contracts() -> dict[str, dict[str, object]]:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    return {c["id"]: c for c in config["contracts"]}
+
+
+def layered_modules() -> set[str]:
+    layers = contracts()["layers"]["layers"]
+    assert isinstance(layers, list)
+    return {m.strip() for layer in layers for m in layer.replace(":", "|").split("|")}
+
+
+def test_every_module_of_agent_is_in_a_layer():
+    children = {f"agent.{m.name}" for m in pkgutil.iter_modules(agent.__path__)}
+    assert children - layered_modules() == set()
+
+
+def test_the_driver_is_one_layer_and_no_layer_names_a_missing_module():
+    named = layered_modules()
+    assert "dra_driver" in named
+    real = {f"agent.{m.name}" for m in pkgutil.iter_modules(agent.__path__)} | {"dra_driver"}
+    assert named - real == set()
+    assert {m.name for m in pkgutil.iter_modules(dra_driver.__path__)}  # a real package
+
+
+def test_the_simulator_contract_covers_every_layer_below_the_composition_root():
+    layers = contracts()["layers"]["layers"]
+    assert isinstance(layers, list)
+    below_sim = layers[layers.index("agent.sim") + 1 :]
+    modules = {m.strip() for layer in below_sim for m in layer.replace(":", "|").split("|")}
+    assert set(contracts()["simulator"]["source_modules"]) == modules  # type: ignore[arg-type]
