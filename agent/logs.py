@@ -1,6 +1,12 @@
 """Structured logging: JSON lines by default, plain text for humans.
 
 Fields go in ``extra={"fields": {...}}``; they become top-level keys of the JSON object.
+
+``configure_logging`` installs one handler on the *root* logger, so every record of the process
+comes out in the chosen format: Tessera's own loggers (the ``tessera`` tree the composition root
+hands out), module loggers of any layer, and the libraries' (grpc, urllib3, the kubernetes
+client), Python warnings (``py.warnings``) and exceptions that escape a thread. Libraries log at
+WARNING and above unless the level is ``debug``, so their chatter does not drown the agent's.
 """
 
 from __future__ import annotations
@@ -8,10 +14,13 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
 from typing import IO, Any
 
 _RESERVED = {"ts", "level", "logger", "msg"}
+LIBRARY_LOGGERS = ("grpc", "urllib3", "kubernetes", "asyncio")
+"""Loggers held at WARNING unless the agent logs at debug."""
 
 
 class JsonFormatter(logging.Formatter):
@@ -27,6 +36,8 @@ class JsonFormatter(logging.Formatter):
             out[key if key not in _RESERVED else f"field_{key}"] = value
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            out["stack"] = record.stack_info
         return json.dumps(out, default=str)
 
 
@@ -42,16 +53,45 @@ class TextFormatter(logging.Formatter):
         return base
 
 
+class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
+    """The handler ``configure_logging`` installs (recognised so a second call replaces it)."""
+
+
 def configure_logging(fmt: str, level: str, stream: IO[str] | None = None) -> logging.Logger:
-    """Configure the ``tessera`` logger tree (not the root logger) and return it."""
-    logger = logging.getLogger("tessera")
-    logger.handlers.clear()
-    handler = logging.StreamHandler(stream or sys.stderr)
+    """Send every log record of the process to ``stream`` (stderr) in ``fmt`` (``json`` or
+    ``text``) from ``level`` up; return the ``tessera`` logger the agent's components log under.
+
+    Meant to be called once, by the process's entry point. It replaces an earlier handler of its
+    own (a second call does not duplicate lines) and leaves handlers it did not install alone.
+    """
+    root = logging.getLogger()
+    for h in [h for h in root.handlers if isinstance(h, _Handler)]:
+        root.removeHandler(h)
+    handler = _Handler(stream or sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
-    logger.addHandler(handler)
-    logger.setLevel(level.upper())
-    logger.propagate = False
-    return logger
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    library_level = logging.DEBUG if level.lower() == "debug" else logging.WARNING
+    for name in LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(library_level)
+    logging.captureWarnings(True)
+    threading.excepthook = _log_thread_exception
+    tessera = logging.getLogger("tessera")
+    tessera.setLevel(logging.NOTSET)
+    tessera.propagate = True
+    return tessera
+
+
+def _log_thread_exception(args: threading.ExceptHookArgs) -> None:
+    """An exception that escaped a thread: one structured record instead of a raw traceback."""
+    if args.exc_type is SystemExit:
+        return
+    name = args.thread.name if args.thread is not None else "?"
+    logging.getLogger("tessera").error(
+        "unhandled exception in a thread",
+        exc_info=(args.exc_type, args.exc_value or args.exc_type(), args.exc_traceback),
+        extra=fields_(thread=name),
+    )
 
 
 def fields_(**kwargs: Any) -> dict[str, Any]:

@@ -51,8 +51,6 @@ from agent.fsutil import atomic_write, fsync_dir
 from agent.logs import fields_
 from dra_driver.errors import CheckpointCorrupt, CheckpointError, CheckpointTooNew
 
-log = logging.getLogger(__name__)
-
 CHECKPOINT_VERSION = 1
 API_VERSION = "tessera.dev/v1"
 KIND = "Checkpoint"
@@ -399,13 +397,22 @@ class CheckpointStore:
     """The checkpoint file at ``path`` for the boot ``boot_id``.
 
     Not locked: the caller serializes load/save (prepare holds its lock around both).
-    ``clock`` (unix seconds) only names moved-aside corrupt files.
+    ``clock`` (unix seconds) only names moved-aside corrupt files; ``log`` gets what ``load``
+    found (a corrupt file moved aside, an older format converted, another boot's state).
     """
 
-    def __init__(self, path: Path, boot_id: str, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        path: Path,
+        boot_id: str,
+        *,
+        clock: Callable[[], float] = time.time,
+        log: logging.Logger | None = None,
+    ) -> None:
         self.path = Path(path)
         self.boot_id = boot_id
         self._clock = clock
+        self._log = log or logging.getLogger("tessera.checkpoint")
 
     def load(self) -> LoadResult:
         """Read the checkpoint (see the module docstring for what each case returns).
@@ -426,7 +433,7 @@ class CheckpointStore:
             stored, migrated_from = decode(data, str(self.path))
         except CheckpointCorrupt as exc:
             moved = self._move_aside()
-            log.warning(
+            self._log.warning(
                 "checkpoint is corrupt; moved it aside and starting empty",
                 extra=fields_(path=str(self.path), moved_to=str(moved), reason=str(exc)),
             )
@@ -438,12 +445,12 @@ class CheckpointStore:
                 corrupt_reason=str(exc),
             )
         if migrated_from is not None:
-            log.info(
+            self._log.info(
                 "checkpoint converted from an older format",
                 extra=fields_(path=str(self.path), version=migrated_from),
             )
         if stored.boot_id != self.boot_id:
-            log.info(
+            self._log.info(
                 "checkpoint is from another boot; prepared state discarded",
                 extra=fields_(path=str(self.path), claims=len(stored.claims)),
             )
