@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -194,6 +195,10 @@ def sim_apiserver(port: int, kubeconfig: Path, out: IO[str]) -> int:
 
 
 def cmd_run(config: Config, args: argparse.Namespace, out: IO[str]) -> int:
+    if config.log_format == "json":
+        # gRPC's C core writes its own plain-text lines to stderr, outside Python logging: keep
+        # the stream JSON-only unless the operator asks for them (GRPC_VERBOSITY=ERROR).
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     from agent.daemon import build_agent
     from agent.logs import configure_logging
 
@@ -206,7 +211,14 @@ def cmd_run(config: Config, args: argparse.Namespace, out: IO[str]) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    return build_agent(config, log).run(stop)
+    agent = build_agent(config, log)
+    code = agent.run(stop)
+    if agent.unfinished:
+        # Threads still busy past the shutdown deadline would hold the interpreter's exit
+        # (it joins pool workers); their work is left to the next start's reconcile.
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 COMMANDS: dict[str, Callable[[Config, argparse.Namespace, IO[str]], int]] = {

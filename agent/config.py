@@ -192,6 +192,15 @@ class Config:
         groups=("daemon",),
         metavar="HOST:PORT",
     )
+    shutdown_timeout: float = setting(
+        20.0,
+        "Seconds the whole shutdown may take after SIGTERM: claims being prepared get this long"
+        " to finish (those still running are rolled back and redone by the next start), then"
+        " every loop stops. Keep it below the pod's terminationGracePeriodSeconds (30 in the"
+        " DaemonSet).",
+        groups=("daemon",),
+        metavar="SECONDS",
+    )
     sim_crash_at: str | None = setting(
         None,
         "Fault injection, --simulate only: the daemon kills itself (SIGKILL) when a prepare or"

@@ -20,12 +20,14 @@ from prometheus_client import CollectorRegistry
 
 from agent.config import Config
 from agent.discovery.inventory import NodeInventory
+from agent.errors import ConfigError
 from agent.http import HttpEndpoint, Readiness
 from agent.logs import fields_
 from agent.node import NodeSource, discover, real_node
 from agent.nvml.events import EventWatcher
 from agent.nvml.telemetry import TelemetryReader
-from agent.supervisor import Supervisor
+from agent.statelock import StateLock
+from agent.supervisor import Deadline, Supervisor
 from agent.telemetry.energy import EnergyAccounting
 from agent.telemetry.gpuinfo import gpu_info
 from agent.telemetry.metrics import (
@@ -53,6 +55,9 @@ DEFAULT_STATE_DIR = Path("/var/lib/tessera")
 KUBELET_REGISTRY_DIR = Path("/var/lib/kubelet/plugins_registry")
 KUBELET_PLUGINS_DIR = Path("/var/lib/kubelet/plugins")
 CDI_ROOT = Path("/var/run/cdi")
+STOP_RESERVE_S = 2.0
+"""Of the shutdown timeout, what is kept for stopping the servers and loops after the claims
+(at most half of it)."""
 
 
 class CurrentDevices:
@@ -91,10 +96,13 @@ class Agent:
     accounting: EnergyAccounting
     events: EventWatcher
     telemetry_server: TelemetryServer
+    lock: StateLock
     stop_event: threading.Event = field(default_factory=threading.Event)
     devices: CurrentDevices = field(default_factory=lambda: CurrentDevices())
     inventory: NodeInventory | None = None
     supervisor: Supervisor | None = None
+    unfinished: list[str] = field(default_factory=list)
+    """What had not stopped when the shutdown deadline passed (threads still running)."""
 
     def start(self) -> None:
         """Discover the node, start publishing, open the HTTP endpoint (NVML is initialized)."""
@@ -111,6 +119,7 @@ class Agent:
         self.health.set_devices(d.name for d in model.devices)
         self.preparer.reconcile_on_start()
         self.plugin.start()
+        self.readiness.add("sockets", self._sockets_intact)
         standalone = self.kube is None
         self.readiness.add(
             "kubelet",
@@ -153,18 +162,38 @@ class Agent:
             ),
         )
 
+    def _sockets_intact(self) -> tuple[bool, str]:
+        """Ready only while the kubelet and telemetry clients can still reach our sockets."""
+        results = (self.plugin.sockets_intact(), self.telemetry_server.socket_intact())
+        problems = [detail for ok, detail in results if not ok]
+        return (not problems, "; ".join(problems) or "serving")
+
     def stop(self) -> None:
-        """Stop in reverse order of start."""
+        """Stop in reverse order of start, all of it within ``--shutdown-timeout``.
+
+        Claims being prepared get most of that time to finish (new kubelet calls are refused
+        meanwhile); claims still running at the deadline are left to the next start's
+        reconcile, and what had not stopped is listed in ``unfinished``. The state directory's
+        lock is released last."""
+        deadline = Deadline(self.config.shutdown_timeout)
         self.stop_event.set()
         self.http.stop()
-        self.telemetry_server.stop()
-        self.plugin.stop()
-        self.preparer.close()
+        total = deadline.remaining()
+        running = self.preparer.close(total - min(STOP_RESERVE_S, total / 2))
+        if running:
+            self.log.warning(
+                "claims still running at the shutdown deadline; the next start rolls them back",
+                extra=fields_(claims=running),
+            )
+            self.unfinished += [f"claim {c}" for c in running]
+        self.plugin.stop(grace=deadline.remaining(1.0))
+        self.telemetry_server.stop(grace=deadline.remaining(1.0))
         self.publisher.stop()
         if self.supervisor is not None:
-            stuck = self.supervisor.join()
+            stuck = self.supervisor.join(deadline)
             if stuck:
                 self.log.warning("tasks did not stop in time", extra=fields_(tasks=stuck))
+                self.unfinished += stuck
         self.accounting.close()
         self.reader.close()
         self.events.close()
@@ -176,7 +205,8 @@ class Agent:
         if self.kube is not None:
             self.kube.close()
         self.source.nvml.shutdown()
-        self.log.info("agent stopped")
+        self.lock.release()
+        self.log.info("agent stopped", extra=fields_(unfinished=self.unfinished))
 
     def run(self, stop: threading.Event) -> int:
         """Run until ``stop`` is set or a task fails; the exit code (1 when a task failed).
@@ -273,11 +303,36 @@ def node_uid(kube: KubeClient, name: str, log: logging.Logger) -> str | None:
     return str(uid) if uid else None
 
 
+def take_state_dir(state_dir: Path) -> StateLock:
+    """Create the state directory if needed and take its lock before anything else touches it
+    (one agent per state directory). Raises ConfigError or StateDirInUse, each one line."""
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename not in (None, str(state_dir)) else ""
+        raise ConfigError(
+            f"--state-dir: cannot create {state_dir}: {exc.strerror or exc}{where}"
+        ) from exc
+    if not state_dir.is_dir():
+        raise ConfigError(f"--state-dir: {state_dir} is not a directory")
+    lock = StateLock(state_dir)
+    lock.acquire()
+    return lock
+
+
 def build_agent(config: Config, log: logging.Logger) -> Agent:
-    """Compose the agent from its configuration: creates the state directory and initializes
-    NVML first (no driver is the most basic failure), starts no loop."""
+    """Compose the agent from its configuration: takes the state directory's lock, then
+    initializes NVML (no driver is the most basic failure); starts no loop."""
     state_dir = config.state_dir or DEFAULT_STATE_DIR
-    state_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+    lock = take_state_dir(state_dir)
+    try:
+        return _build(config, log, state_dir, lock)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _build(config: Config, log: logging.Logger, state_dir: Path, lock: StateLock) -> Agent:
     source = open_node(config, state_dir)
     source.nvml.init()
     readiness = Readiness()
@@ -318,7 +373,9 @@ def build_agent(config: Config, log: logging.Logger) -> Agent:
         driver_name=config.driver_name,
         pool=source.hostname,
         claims=claims,
-        store=CheckpointStore(state_dir / "checkpoint.json", source.boot_id),
+        store=CheckpointStore(
+            state_dir / "checkpoint.json", source.boot_id, log=log.getChild("checkpoint")
+        ),
         cdi=CdiWriter(cdi_root, config.driver_name, source.driver_root, driver_version),
         devices=devices.get,
         log=log.getChild("prepare"),
@@ -379,6 +436,7 @@ def build_agent(config: Config, log: logging.Logger) -> Agent:
             log.getChild("telemetry"),
             config.telemetry_address,
         ),
+        lock=lock,
     )
 
 

@@ -28,3 +28,18 @@ class ConfigError(TesseraError):
 
     The message names the setting, the offending value and what is allowed.
     """
+
+
+class StateDirInUse(TesseraError):
+    """Another agent holds the state directory's lock (one agent per state directory).
+
+    ``path`` is the lock file, ``holder`` the PID written in it (None when unknown)."""
+
+    def __init__(self, path: str, holder: int | None) -> None:
+        self.path = path
+        self.holder = holder
+        who = f"PID {holder}" if holder is not None else "a process whose PID is not recorded"
+        super().__init__(
+            f"another Tessera agent ({who}) holds {path}: one agent per state directory; stop it"
+            " or choose another --state-dir"
+        )

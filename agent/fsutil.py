@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
+
+SocketIdentity = tuple[int, int]
+"""(st_dev, st_ino) of a bound unix socket file."""
 
 
 def fsync_dir(path: Path) -> None:
@@ -30,3 +34,12 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o640) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def socket_identity(path: Path) -> SocketIdentity | None:
+    """The identity of the unix socket at ``path``; None when there is no socket there."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISSOCK(st.st_mode) else None

@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 
 from agent.errors import ConfigError
+from agent.fsutil import SocketIdentity, socket_identity
 from agent.logs import fields_
 from dra_driver.claims import ClaimKey
 from dra_driver.health import HealthBoard
@@ -173,7 +174,7 @@ class PluginServer:
         self.log = log
         self.registered = False
         self.registration_error: str | None = None
-        self._bound: list[Path] = []
+        self._bound: dict[Path, SocketIdentity | None] = {}
         self._stop = threading.Event()
         self._reg = grpc.server(ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
         self._dra = grpc.server(ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
@@ -193,17 +194,27 @@ class PluginServer:
         for sock in (self.dra_socket, self.reg_socket):
             _prepare_dir(sock.parent)
         _bind(self._dra, self.dra_socket)
-        self._bound.append(self.dra_socket)
+        self._bound[self.dra_socket] = None
         self._dra.start()
         os.chmod(self.dra_socket, 0o600)
+        self._bound[self.dra_socket] = socket_identity(self.dra_socket)
         _bind(self._reg, self.reg_socket)
-        self._bound.append(self.reg_socket)
+        self._bound[self.reg_socket] = None
         self._reg.start()
         os.chmod(self.reg_socket, 0o600)
+        self._bound[self.reg_socket] = socket_identity(self.reg_socket)
         self.log.info(
             "kubelet plugin serving",
             extra=fields_(registration=str(self.reg_socket), dra=str(self.dra_socket)),
         )
+
+    def sockets_intact(self) -> tuple[bool, str]:
+        """Whether the kubelet can still reach us: each socket we bound is still there and is
+        still ours (deleted or replaced by another process, the kubelet cannot call us)."""
+        if not self._bound:
+            return False, "not serving"
+        lost = [str(p) for p, ident in self._bound.items() if socket_identity(p) != ident]
+        return (not lost, f"socket gone or replaced: {', '.join(lost)}" if lost else "serving")
 
     def stop(self, grace: float = 2.0) -> None:
         """Stop serving (registration first, so the kubelet stops calling), remove sockets."""
@@ -211,6 +222,7 @@ class PluginServer:
         self.health.wake_all()
         self._reg.stop(grace).wait()
         self._dra.stop(grace).wait()
-        for sock in self._bound:  # only our own: never another instance's sockets
-            sock.unlink(missing_ok=True)
+        for sock, ident in self._bound.items():  # only our own, never another instance's
+            if ident is None or socket_identity(sock) == ident:
+                sock.unlink(missing_ok=True)
         self._bound.clear()

@@ -19,9 +19,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_futures
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from agent.errors import TesseraError
@@ -124,6 +126,42 @@ def _cdi_requests(entry: ClaimEntry) -> list[CdiRequest]:
     ]
 
 
+def _shutting_down(claim: ClaimKey) -> ClaimResult:
+    return ClaimResult(
+        error=f"claim {claim}: the agent is shutting down; the kubelet retries it with the next"
+        " agent"
+    )
+
+
+class ClaimLocks:
+    """One lock per claim UID, kept only while some call uses it: the same claim from several
+    callers is serialized, and a claim that is gone leaves nothing behind."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._locks: dict[str, tuple[threading.Lock, int]] = {}
+
+    @contextmanager
+    def hold(self, uid: str) -> Iterator[None]:
+        with self._guard:
+            lock, users = self._locks.get(uid) or (threading.Lock(), 0)
+            self._locks[uid] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._guard:
+                lock, users = self._locks[uid]
+                if users == 1:
+                    del self._locks[uid]
+                else:
+                    self._locks[uid] = (lock, users - 1)
+
+    def __len__(self) -> int:
+        with self._guard:
+            return len(self._locks)
+
+
 def _snake(name: str) -> str:
     """``CdiError`` -> ``cdi_error``."""
     return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
@@ -156,9 +194,11 @@ class Preparer:
         self.observe = observe
         self.deadline_s = deadline_s
         self._cp_lock = threading.Lock()
-        self._claim_locks: dict[str, threading.Lock] = {}
-        self._locks_lock = threading.Lock()
+        self.claim_locks = ClaimLocks()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prepare")
+        self._running: dict[Future[ClaimResult], ClaimKey] = {}
+        self._running_lock = threading.Lock()
+        self._closed = False
         self._cp: Checkpoint | None = None
 
     # -- checkpoint access -------------------------------------------------------------------
@@ -177,10 +217,6 @@ class Preparer:
         """Save, then adopt: memory never runs ahead of the file. Caller holds _cp_lock."""
         self.store.save(cp)
         self._cp = cp
-
-    def _claim_lock(self, uid: str) -> threading.Lock:
-        with self._locks_lock:
-            return self._claim_locks.setdefault(uid, threading.Lock())
 
     # -- start-up ----------------------------------------------------------------------------
     def reconcile_on_start(self) -> None:
@@ -231,11 +267,19 @@ class Preparer:
         self, claims: Sequence[ClaimKey], fn: Callable[[ClaimKey], ClaimResult]
     ) -> dict[str, ClaimResult]:
         deadline = time.monotonic() + self.deadline_s
-        futures = {c.uid: (c, self._pool.submit(self._guard, fn, c)) for c in claims}
         out: dict[str, ClaimResult] = {}
+        futures: dict[str, tuple[ClaimKey, Future[ClaimResult]]] = {}
+        for c in claims:
+            fut = self._submit(fn, c)
+            if fut is None:
+                out[c.uid] = _shutting_down(c)
+            else:
+                futures[c.uid] = (c, fut)
         for uid, (claim, fut) in futures.items():
             try:
                 out[uid] = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except CancelledError:  # still queued when the agent began to stop
+                out[uid] = _shutting_down(claim)
             except FutureTimeout:
                 self.observe(
                     fn.__name__.strip("_").removesuffix("_one"), self.deadline_s, "timeout"
@@ -245,6 +289,22 @@ class Preparer:
                     " the background and a retry returns its result"
                 )
         return out
+
+    def _submit(
+        self, fn: Callable[[ClaimKey], ClaimResult], claim: ClaimKey
+    ) -> Future[ClaimResult] | None:
+        """Run one claim on the pool; None once the preparer is closed."""
+        with self._running_lock:
+            if self._closed:
+                return None
+            fut = self._pool.submit(self._guard, fn, claim)
+            self._running[fut] = claim
+        fut.add_done_callback(self._finished)
+        return fut
+
+    def _finished(self, fut: Future[ClaimResult]) -> None:
+        with self._running_lock:
+            self._running.pop(fut, None)
 
     def _guard(self, fn: Callable[[ClaimKey], ClaimResult], claim: ClaimKey) -> ClaimResult:
         op = fn.__name__.strip("_").removesuffix("_one")
@@ -262,7 +322,7 @@ class Preparer:
         return result
 
     def _prepare_one(self, claim: ClaimKey) -> ClaimResult:
-        with self._claim_lock(claim.uid):
+        with self.claim_locks.hold(claim.uid):
             existing = self.checkpoint.claims.get(claim.uid)
             if existing is not None and existing.state == PREPARE_COMPLETED:
                 return ClaimResult(devices=existing.devices)
@@ -339,7 +399,7 @@ class Preparer:
     def _unprepare_one(self, claim: ClaimKey) -> ClaimResult:
         """Release the record first, then clean up: a crash in between leaves only orphaned side
         effects, which the next start sweeps (never a record whose side effects are gone)."""
-        with self._claim_lock(claim.uid):
+        with self.claim_locks.hold(claim.uid):
             if claim.uid in self.checkpoint.claims:
                 with self._cp_lock:
                     self._commit(self.checkpoint.without_claim(claim.uid))
@@ -348,5 +408,16 @@ class Preparer:
             self.cdi.remove(claim.uid)  # idempotent; also a spec left by an earlier crash
             return ClaimResult()
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=False)
+    def close(self, timeout: float) -> list[str]:
+        """Stop taking claims and give the running ones up to ``timeout`` seconds to finish.
+
+        New calls are answered with a per-claim "shutting down" error (the kubelet retries them
+        with the next agent). Returns the claims still running at the deadline: they are left
+        to the next start's reconcile (an interrupted prepare is rolled back and redone)."""
+        with self._running_lock:
+            self._closed = True
+            running = list(self._running)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        _, not_done = wait_futures(running, timeout=max(0.0, timeout))
+        with self._running_lock:
+            return sorted(str(self._running[f]) for f in not_done if f in self._running)

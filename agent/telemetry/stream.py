@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 
 from agent.errors import ConfigError
+from agent.fsutil import SocketIdentity, socket_identity
 from agent.logs import fields_
 from agent.telemetry.api import telemetry_pb2 as pb
 from agent.telemetry.api import telemetry_pb2_grpc as pb_grpc
@@ -162,6 +163,7 @@ class TelemetryServer:
         self.log = log
         self.tcp_port: int | None = None
         self._started = False
+        self._identity: SocketIdentity | None = None
         self._stop = threading.Event()
         self.wake = threading.Condition()
         self._server = grpc.server(
@@ -190,15 +192,25 @@ class TelemetryServer:
         self._server.start()
         self._started = True
         os.chmod(self.socket, 0o660)
+        self._identity = socket_identity(self.socket)
         self.log.info(
             "telemetry API serving",
             extra=fields_(socket=str(self.socket), tcp=self.tcp_address, tcp_port=self.tcp_port),
         )
+
+    def socket_intact(self) -> tuple[bool, str]:
+        """Whether the unix socket we bound is still there and still ours."""
+        if not self._started:
+            return False, "not serving"
+        if socket_identity(self.socket) != self._identity:
+            return False, f"socket gone or replaced: {self.socket}"
+        return True, "serving"
 
     def stop(self, grace: float = 1.0) -> None:
         self._stop.set()
         self.notify()
         self._server.stop(grace).wait()
         if self._started:  # only our own socket, never another instance's
-            self.socket.unlink(missing_ok=True)
+            if socket_identity(self.socket) == self._identity:
+                self.socket.unlink(missing_ok=True)
             self._started = False

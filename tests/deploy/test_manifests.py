@@ -42,3 +42,16 @@ def test_validation_can_fail():
     }
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(bad, "1.35.0", strict=True)
+
+
+def test_the_agent_stops_within_the_pods_grace_period():
+    """The kubelet SIGKILLs after terminationGracePeriodSeconds: the agent's own shutdown
+    deadline (what claims being prepared get to finish) must end well before that."""
+    from agent.config import Config
+
+    ds = yaml.safe_load((ROOT / "deploy" / "daemonset" / "daemonset.yaml").read_text())
+    pod = ds["spec"]["template"]["spec"]
+    grace = pod["terminationGracePeriodSeconds"]  # set explicitly, not the implicit 30
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    timeout = float(env.get("TESSERA_SHUTDOWN_TIMEOUT") or Config().shutdown_timeout)
+    assert timeout + 5 <= grace

@@ -24,6 +24,8 @@ class Daemon:
         self.extra = list(extra)
         self.proc: subprocess.Popen[str] | None = None
         self.logs: list[dict[str, Any]] = []
+        self.raw: list[str] = []
+        """Every stderr line as written (the daemon's logs must all be JSON)."""
         self._reader: threading.Thread | None = None
 
     @property
@@ -50,6 +52,7 @@ class Daemon:
         if "--kubeconfig" not in args:
             args.append("--no-kube")
         self.logs = []
+        self.raw = []
         self.proc = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
         )
@@ -62,6 +65,7 @@ class Daemon:
     def _read(self) -> None:
         assert self.proc is not None and self.proc.stderr is not None
         for line in self.proc.stderr:
+            self.raw.append(line)
             try:
                 self.logs.append(json.loads(line))
             except ValueError:
@@ -77,6 +81,10 @@ class Daemon:
                 raise AssertionError(f"daemon exited {self.proc.returncode}: {self.logs[-5:]}")
             time.sleep(0.05)
         raise AssertionError(f"no log {msg!r} in {timeout}s")
+
+    def metrics_url(self, path: str = "/readyz") -> str:
+        """``http://host:port<path>`` of the running daemon (from its "agent started" line)."""
+        return self.wait_log("agent started")["healthz"].replace("/healthz", path)
 
     def wait_exit(self, timeout: float = 30) -> int:
         assert self.proc is not None

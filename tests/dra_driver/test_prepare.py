@@ -1,0 +1,117 @@
+"""The preparer's own bookkeeping: per-claim locks, the holders view, and closing."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import pytest
+
+from dra_driver.cdi import CdiWriter
+from dra_driver.checkpoint import (
+    PREPARE_COMPLETED,
+    PREPARE_STARTED,
+    Checkpoint,
+    CheckpointStore,
+    ClaimEntry,
+    PreparedDevice,
+)
+from dra_driver.claims import ClaimKey
+from dra_driver.devices import DeviceModel
+from dra_driver.errors import ClaimError
+from dra_driver.prepare import ClaimLocks, Preparer
+
+
+class BlockingClaims:
+    """A claim source whose reads wait until released (a slow API server)."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def get(self, namespace: str, name: str) -> dict:
+        self.entered.set()
+        self.release.wait(30)
+        raise ClaimError(f"claim {namespace}/{name} not found", "not_found")
+
+
+def make_preparer(tmp_path: Path, claims: object) -> Preparer:
+    return Preparer(
+        driver_name="gpu.tessera.dev",
+        pool="node-a",
+        claims=claims,  # type: ignore[arg-type]
+        store=CheckpointStore(tmp_path / "checkpoint.json", "boot"),
+        cdi=CdiWriter(tmp_path / "cdi", "gpu.tessera.dev", tmp_path, "550.90.07"),
+        devices=lambda: DeviceModel((), ()),
+        log=logging.getLogger("test.prepare"),
+    )
+
+
+def device(name: str) -> PreparedDevice:
+    return PreparedDevice(("gpu",), "node-a", name, (), "gpu", f"GPU-{name}", 0)
+
+
+def test_claim_locks_serialize_one_claim_and_leave_nothing_behind():
+    locks = ClaimLocks()
+    inside, release, order = threading.Event(), threading.Event(), []
+
+    def first() -> None:
+        with locks.hold("uid-a"):
+            inside.set()
+            release.wait(10)
+            order.append("first")
+
+    def second() -> None:
+        inside.wait(10)
+        with locks.hold("uid-a"):
+            order.append("second")
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    inside.wait(10)
+    with locks.hold("uid-b"):  # another claim is never held up
+        assert len(locks) == 2
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert order == ["first", "second"]
+    assert len(locks) == 0  # 200k claims must not leave 200k locks
+
+
+def test_a_lock_is_released_when_the_body_raises():
+    locks = ClaimLocks()
+    with pytest.raises(RuntimeError), locks.hold("uid-a"):
+        raise RuntimeError("prepare failed")
+    assert len(locks) == 0
+    with locks.hold("uid-a"):  # and can be taken again
+        pass
+
+
+def test_prepared_claims_are_the_completed_ones(tmp_path):
+    preparer = make_preparer(tmp_path, BlockingClaims())
+    done = ClaimEntry("uid-a", "ns", "a", PREPARE_COMPLETED, (device("gpu-0"),), 0.0)
+    started = ClaimEntry("uid-b", "ns", "b", PREPARE_STARTED, (device("gpu-1"),), 0.0)
+    preparer.store.save(Checkpoint("boot", {"uid-a": done}))
+    preparer.reconcile_on_start()
+    preparer._commit(preparer.checkpoint.with_claim(started))  # a prepare under way
+    assert preparer.prepared_claims() == (done,)
+    preparer.close(0)
+
+
+def test_closing_answers_new_claims_and_reports_the_ones_still_running(tmp_path):
+    claims = BlockingClaims()
+    preparer = make_preparer(tmp_path, claims)
+    preparer.reconcile_on_start()
+    stuck = ClaimKey("ns", "slow", "uid-slow")
+    results: dict = {}
+    caller = threading.Thread(target=lambda: results.update(preparer.prepare([stuck])))
+    caller.start()
+    assert claims.entered.wait(10)
+    assert preparer.close(0) == [str(stuck)]  # left to the next start's reconcile
+    (late,) = preparer.prepare([ClaimKey("ns", "late", "uid-late")]).values()
+    assert "shutting down" in late.error
+    claims.release.set()
+    caller.join(10)
+    assert "not found" in results["uid-slow"].error

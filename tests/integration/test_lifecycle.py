@@ -1,0 +1,131 @@
+"""The agent's life as a process: one per state directory, JSON logs only, ready only while
+reachable, and a shutdown that ends within its deadline."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+
+from dra_driver.kubelet_client import ClaimRef, KubeletClient
+from tests.integration.daemon import Daemon, claim_manifest
+from tests.integration.test_daemon import wait_ready
+
+
+def readyz(d: Daemon) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(d.metrics_url("/readyz"), timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, json.loads(e.read())
+
+
+def test_every_stderr_line_is_json_when_the_checkpoint_is_corrupt(short_tmp):
+    """The corrupt-checkpoint path logs from the checkpoint store (a module of the driver
+    layer): its warning and the start-up lines all come out as JSON objects."""
+    (short_tmp / "checkpoint.json").write_text('{"version": 1, "kind": "Checkp')
+    d = Daemon(short_tmp, "dgx-h100").start()
+    d.wait_log("checkpoint is corrupt; moved it aside and starting empty")
+    assert d.stop() == 0
+    assert d.raw, "the daemon wrote nothing"
+    records = [json.loads(line) for line in d.raw]  # every line is one JSON object
+    keys = {"ts", "level", "logger", "msg"}
+    assert all(isinstance(r, dict) and keys <= r.keys() for r in records)
+    moved = [r for r in records if r["msg"].startswith("checkpoint is corrupt")]
+    assert moved[0]["logger"].startswith("tessera") and moved[0]["level"] == "warning"
+    assert any(r["msg"] == "agent stopped" for r in records)
+
+
+def test_a_second_agent_on_the_same_state_dir_is_refused_and_the_first_keeps_serving(short_tmp):
+    first = Daemon(short_tmp, "dgx-h100").start()
+    try:
+        wait_ready(first.metrics_url("/readyz"))
+        tessera = os.path.join(os.path.dirname(sys.executable), "tessera")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+        second = subprocess.run(
+            [tessera, "run", "--simulate", "dgx-h100", "--state-dir", str(short_tmp),
+             "--metrics-address", "127.0.0.1:0", "--no-kube"],
+            capture_output=True, text=True, env=env, timeout=60,
+        )  # fmt: skip
+        assert second.returncode == 2
+        (line,) = second.stderr.splitlines()
+        assert f"PID {first.proc.pid}" in line and str(short_tmp / "agent.lock") in line
+        # the first agent never noticed: its sockets are there and it is still ready
+        assert first.reg_socket.exists() and first.dra_socket.exists()
+        assert readyz(first)[0] == 200
+        with KubeletClient(first.dra_socket) as k:
+            assert k.prepare([ClaimRef("default", "nope", "uid-nope")])["claims"]["uid-nope"]
+    finally:
+        first.kill()
+
+
+def test_the_lock_dies_with_the_agent(short_tmp):
+    """The kernel releases the lock of a killed agent: its successor starts at once."""
+    d = Daemon(short_tmp, "l40s-pcie").start()
+    d.kill()
+    d.start()
+    assert d.stop() == 0
+
+
+@pytest.mark.parametrize("which", ["dra", "telemetry"])
+def test_readyz_fails_when_one_of_our_sockets_is_gone(short_tmp, which):
+    d = Daemon(short_tmp, "l40s-pcie").start()
+    try:
+        assert wait_ready(d.metrics_url("/readyz"))["checks"]["sockets"] == "serving"
+        sock = d.dra_socket if which == "dra" else short_tmp / "telemetry.sock"
+        sock.unlink()
+        code, body = readyz(d)
+        assert code == 503
+        assert body["checks"]["sockets"] == f"socket gone or replaced: {sock}"
+    finally:
+        d.kill()
+
+
+def test_shutdown_ends_within_its_deadline_and_the_next_start_rolls_the_claim_back(short_tmp):
+    """A claim read that never answers holds a prepare worker. SIGTERM still ends the agent
+    within --shutdown-timeout: the stuck claim is left to the next start."""
+    from agent.sim.apiserver import ApiServer
+
+    with ApiServer() as server:
+        kubeconfig = str(server.kubeconfig(short_tmp / "kubeconfig"))
+        d = Daemon(short_tmp, "dgx-h100", "--kubeconfig", kubeconfig, "--shutdown-timeout", "3")
+        d.start()
+        try:
+            created = server.put_object(
+                "resourceclaims", claim_manifest("stuck", "x", [("gpu", "gpu-1")], d.node)
+            )
+            ref = ClaimRef("default", "stuck", created["metadata"]["uid"])
+            fault = server.faults.add("GET", r"/resourceclaims/stuck$", "slow:3600")
+            answers: list[dict] = []
+
+            def call() -> None:
+                with KubeletClient(d.dra_socket) as k:
+                    try:
+                        answers.append(k.prepare([ref]))
+                    except Exception as exc:  # the server goes away: any answer will do
+                        answers.append({"error": str(exc)})
+
+            caller = threading.Thread(target=call)
+            caller.start()
+            for _ in range(600):  # until the claim read hangs in the emulator
+                if fault.remaining == 0:
+                    break
+                threading.Event().wait(0.05)
+            assert fault.remaining == 0
+            assert d.stop() == 0  # stop() waits for the exit (bounded by wait_exit's timeout)
+            left = d.wait_log("claims still running at the shutdown deadline; the next start"
+                              " rolls them back")  # fmt: skip
+            assert left["claims"] == [f"default/stuck ({ref.uid})"]
+            stopped = d.wait_log("agent stopped")
+            assert stopped["unfinished"] == [f"claim {c}" for c in left["claims"]]
+            caller.join(30)
+            assert answers, "the kubelet's call got no answer at all"
+        finally:
+            d.kill()
