@@ -1,5 +1,7 @@
-# The node agent image used by deploy/daemonset. NVML (libnvidia-ml.so.1) comes from the host's
-# driver at run time (the NVIDIA container toolkit, or the driver root mounted by the DaemonSet).
+# The node agent image used by deploy/daemonset. It carries no NVIDIA files: NVML
+# (libnvidia-ml.so.1) must come from the host's driver at run time, which today means the NVIDIA
+# container toolkit injecting it into this container (loading it from the driver root the
+# DaemonSet mounts is planned work, not done yet).
 FROM python:3.11-slim AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./

@@ -44,13 +44,17 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# Tests run in a random order (pytest-randomly); `make test SEED=N` repeats one order.
+SEED ?= $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
 unit: $(STAMP)
-	$(PY) -m pytest -q -m "not reliability"
+	@echo "test order: random, seed $(SEED) (repeat it with: make test SEED=$(SEED))"
+	$(PY) -m pytest -q -m "not reliability" -p randomly --randomly-seed=$(SEED)
 
 test: lint typecheck unit
 
 reliability: $(STAMP)
-	$(PY) -m pytest -q -m reliability
+	@echo "test order: random, seed $(SEED) (repeat it with: make reliability SEED=$(SEED))"
+	$(PY) -m pytest -q -m reliability -p randomly --randomly-seed=$(SEED)
 
 bench: $(STAMP)
 	$(PY) -m bench

@@ -211,8 +211,13 @@ def cmd_run(config: Config, args: argparse.Namespace, out: IO[str]) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    agent = build_agent(config, log)
-    code = agent.run(stop)
+    try:
+        agent = build_agent(config, log)
+        code = agent.run(stop)
+    except TesseraError as exc:  # logs are JSON from here on: the reason is a log record too
+        reason = NO_DRIVER_HINT if isinstance(exc, DriverNotFoundError) else str(exc)
+        log.error("agent cannot run", extra={"fields": {"error": reason}})
+        return EXIT_ERROR
     if agent.unfinished:
         # Threads still busy past the shutdown deadline would hold the interpreter's exit
         # (it joins pool workers); their work is left to the next start's reconcile.

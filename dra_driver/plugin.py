@@ -4,15 +4,19 @@
 - ``<plugins-dir>/<driver>/dra.sock`` serves ``DRAPlugin`` v1 and v1beta1 (one implementation)
   and ``v1alpha1.DRAResourceHealth``.
 
-Sockets are created 0600 in 0750 directories, a stale socket from an earlier run is replaced, and
-both are removed on shutdown. Each gRPC call runs on the server's thread pool; claim work runs on
-the preparer's own pool under a deadline, so a slow claim never stalls other calls.
+Sockets are created 0600 in 0750 directories. A stale socket file (left by a crash) is replaced,
+but a socket some live process still serves is refused (one agent per state directory is already
+guaranteed by the state-directory lock; this also covers two agents sharing kubelet directories).
+Both are removed on shutdown, only if they are still ours. Each gRPC call runs on the server's
+thread pool; claim work runs on the preparer's own pool under a deadline, so a slow claim never
+stalls other calls.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket as sock_module
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -143,14 +147,37 @@ MAX_SOCKET_PATH = 107  # sockaddr_un.sun_path holds 108 bytes with the terminati
 
 
 def _bind(server: grpc.Server, socket: Path) -> None:
+    """Bind ``socket``, replacing a stale socket file (left by a crash); refuse one that a live
+    process still serves (another agent with another state directory, say)."""
     if len(os.fsencode(socket)) > MAX_SOCKET_PATH:
         raise ConfigError(
             f"unix socket path {socket} is {len(os.fsencode(socket))} bytes; the limit is"
             f" {MAX_SOCKET_PATH}: choose shorter --kubelet-registry-dir/--kubelet-plugins-dir"
             " (or --state-dir with --simulate)"
         )
-    socket.unlink(missing_ok=True)  # a stale socket from an earlier run
+    if _answers(socket):
+        raise ConfigError(
+            f"{socket} is served by another process (another Tessera agent?); refusing to take"
+            " it over: stop that process or choose other --kubelet-registry-dir/"
+            "--kubelet-plugins-dir"
+        )
+    socket.unlink(missing_ok=True)  # a stale socket or file from an earlier run
     server.add_insecure_port(f"unix://{socket}")
+
+
+def _answers(path: Path) -> bool:
+    """Whether a process accepts connections on the unix socket ``path``."""
+    if socket_identity(path) is None:
+        return False
+    probe = sock_module.socket(sock_module.AF_UNIX, sock_module.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
 
 
 class PluginServer:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -68,7 +69,8 @@ class ApiServer:
     ``seed`` drives generated names and UIDs. ``history_size`` is the number of watch events kept
     per resource. ``watch_timeout`` is how long a watch without ``timeoutSeconds`` lasts (the real
     server picks 30-60 minutes); ``bookmark_interval`` how often a watch that allows bookmarks
-    gets one.
+    gets one. ``clock`` stamps objects (creationTimestamp); ``monotonic`` times watches (their
+    ``timeoutSeconds`` and bookmarks), so a test can move time on instead of waiting.
     """
 
     def __init__(
@@ -84,6 +86,7 @@ class ApiServer:
         watch_timeout: float = 1800.0,
         bookmark_interval: float = 60.0,
         clock: Callable[[], datetime] = _utcnow,
+        monotonic: Callable[[], float] = time.monotonic,
         host: str = "127.0.0.1",
     ) -> None:
         self._host, self._port = host, port
@@ -99,6 +102,7 @@ class ApiServer:
         self._kube_version = kube_version
         self._watch_timeout = watch_timeout
         self._bookmark_interval = bookmark_interval
+        self._monotonic = monotonic
         self._httpd: HttpServer | None = None
         self._thread: threading.Thread | None = None
         self._ctx: Context | None = None
@@ -123,6 +127,7 @@ class ApiServer:
             self._kube_version,
             self._bookmark_interval,
             self._watch_timeout,
+            monotonic=self._monotonic,
         )
         self._httpd = HttpServer((self._host, self._port), self._ctx)
         self._port = int(self._httpd.server_address[1])

@@ -15,6 +15,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -50,6 +51,8 @@ class Context:
     kube_version: str
     bookmark_interval: float
     watch_timeout: float
+    monotonic: Callable[[], float] = time.monotonic
+    """Times watches; the real waits between checks are at most ``_POLL``."""
     stopping: threading.Event = field(default_factory=threading.Event)
     watch_count: int = 0
     watch_done: threading.Condition = field(default_factory=threading.Condition)
@@ -333,7 +336,7 @@ class Handler(BaseHTTPRequestHandler):
     def _watch(self, rt: types.ResourceType, selection: Selection, params: dict[str, str]) -> None:
         ctx = self.server.ctx
         timeout = _int_param(params, "timeoutSeconds")
-        deadline = time.monotonic() + (ctx.watch_timeout if timeout is None else timeout)
+        deadline = ctx.monotonic() + (ctx.watch_timeout if timeout is None else timeout)
         bookmarks = params.get("allowWatchBookmarks") in _TRUE
         error: ApiError | None = None
         try:
@@ -392,9 +395,9 @@ class Handler(BaseHTTPRequestHandler):
             self._event(ADDED, event.obj)
         if bookmarks and params.get("sendInitialEvents") in _TRUE:
             bookmark(cursor, {"k8s.io/initial-events-end": "true"})
-        next_bookmark = time.monotonic() + ctx.bookmark_interval
+        next_bookmark = ctx.monotonic() + ctx.bookmark_interval
         while not ctx.store.closed:
-            now = time.monotonic()
+            now = ctx.monotonic()
             if now >= deadline:
                 return
             wait = min(deadline - now, _POLL, max(0.0, next_bookmark - now) if bookmarks else _POLL)
@@ -408,10 +411,10 @@ class Handler(BaseHTTPRequestHandler):
                 if seen is not None:
                     self._event(*seen)
                 cursor = event.rv
-            if bookmarks and time.monotonic() >= next_bookmark:
+            if bookmarks and ctx.monotonic() >= next_bookmark:
                 cursor = max(cursor, current)
                 bookmark(cursor)
-                next_bookmark = time.monotonic() + ctx.bookmark_interval
+                next_bookmark = ctx.monotonic() + ctx.bookmark_interval
             if not events and self._peer_closed():
                 self.close_connection = True
                 return

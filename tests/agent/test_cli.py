@@ -134,7 +134,9 @@ def test_no_driver_run_says_so_without_traceback(tmp_path):
     )  # fmt: skip
     assert p.returncode == 2
     assert "Traceback" not in p.stderr
-    assert p.stderr.strip().splitlines()[-1].startswith("tessera: no NVIDIA driver found")
+    last = json.loads(p.stderr.strip().splitlines()[-1])  # the daemon logs JSON to the end
+    assert last["msg"] == "agent cannot run"
+    assert last["error"].startswith("no NVIDIA driver found") and "--simulate" in last["error"]
 
 
 @pytest.mark.parametrize("layout", ["1.35", "1.34"])

@@ -55,8 +55,11 @@ def test_a_second_agent_on_the_same_state_dir_is_refused_and_the_first_keeps_ser
             capture_output=True, text=True, env=env, timeout=60,
         )  # fmt: skip
         assert second.returncode == 2
-        (line,) = second.stderr.splitlines()
-        assert f"PID {first.proc.pid}" in line and str(short_tmp / "agent.lock") in line
+        (line,) = second.stderr.splitlines()  # refused before it touched anything
+        failed = json.loads(line)
+        assert failed["msg"] == "agent cannot run" and failed["level"] == "error"
+        assert f"PID {first.proc.pid}" in failed["error"]
+        assert str(short_tmp / "agent.lock") in failed["error"]
         # the first agent never noticed: its sockets are there and it is still ready
         assert first.reg_socket.exists() and first.dra_socket.exists()
         assert readyz(first)[0] == 200
@@ -129,3 +132,27 @@ def test_shutdown_ends_within_its_deadline_and_the_next_start_rolls_the_claim_ba
             assert answers, "the kubelet's call got no answer at all"
         finally:
             d.kill()
+
+
+def test_an_agent_never_takes_over_sockets_another_agent_serves(short_tmp):
+    """Two agents with different state directories but the same kubelet directories: the
+    second refuses to replace the live sockets (a stale socket file is still replaced)."""
+    first = Daemon(short_tmp / "a", "l40s-pcie").start()
+    try:
+        tessera = os.path.join(os.path.dirname(sys.executable), "tessera")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+        second = subprocess.run(
+            [tessera, "run", "--simulate", "l40s-pcie", "--state-dir", str(short_tmp / "b"),
+             "--metrics-address", "127.0.0.1:0", "--no-kube",
+             "--kubelet-registry-dir", str(first.reg_socket.parent),
+             "--kubelet-plugins-dir", str(first.dra_socket.parent.parent)],
+            capture_output=True, text=True, env=env, timeout=60,
+        )  # fmt: skip
+        assert second.returncode == 2
+        failed = json.loads(second.stderr.splitlines()[-1])
+        assert failed["msg"] == "agent cannot run"
+        assert "is served by another process" in failed["error"]
+        assert str(first.dra_socket) in failed["error"]
+        assert readyz(first)[0] == 200  # the first agent's sockets are untouched
+    finally:
+        first.kill()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -448,18 +449,50 @@ def test_watch_from_compacted_history_is_410() -> None:
         assert exc.value.status == 410
 
 
-def test_watch_ends_at_timeout_seconds(server: ApiServer, rapi: client.ResourceV1Api) -> None:
-    start = time.monotonic()
-    events = list(
-        watch.Watch().stream(
-            rapi.list_resource_slice,
-            resource_version=str(server.resource_version),
-            timeout_seconds=1,
-        )
-    )
-    took = time.monotonic() - start
-    assert events == []
-    assert 0.9 <= took < 3
+class FakeMonotonic:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _watch_in_thread(
+    server: ApiServer, timeout_seconds: int
+) -> tuple[queue.Queue, threading.Thread]:
+    """Watch slices in a thread; every event's object name goes to the queue, then None."""
+    events: queue.Queue = queue.Queue()
+
+    def run() -> None:
+        with server.api_client(retries=False) as api_client:
+            rapi = client.ResourceV1Api(api_client)
+            for e in watch.Watch().stream(
+                rapi.list_resource_slice,
+                resource_version=str(server.resource_version),
+                timeout_seconds=timeout_seconds,
+            ):
+                events.put(e["object"].metadata.name)
+        events.put(None)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return events, thread
+
+
+def test_watch_ends_at_timeout_seconds() -> None:
+    """Open until timeoutSeconds has passed on the server's clock, then ended by the server."""
+    clock = FakeMonotonic()
+    with ApiServer(monotonic=clock) as server:
+        events, thread = _watch_in_thread(server, timeout_seconds=30)
+        server.put_object("resourceslices", slice_body("early"))
+        assert events.get(timeout=30) == "early"  # the watch is open
+        clock.t += 29.0
+        server.put_object("resourceslices", slice_body("late"))
+        assert events.get(timeout=30) == "late"  # 29 s on: still open
+        clock.t += 2.0
+        assert events.get(timeout=30) is None  # past 30 s: the server ended the stream
+        thread.join(30)
+        assert not thread.is_alive()
 
 
 def test_bookmarks_and_initial_events() -> None:
@@ -487,33 +520,18 @@ def test_bookmarks_and_initial_events() -> None:
     assert all(e["object"]["kind"] == "ResourceSlice" for e in periodic)
 
 
-def test_stop_ends_open_watches_promptly() -> None:
+def test_stop_ends_open_watches_cleanly() -> None:
     server = ApiServer().start()
-    ended = threading.Event()
-    errors: list[BaseException] = []
     try:
-        with server.api_client(retries=False) as api_client:
-            rapi = client.ResourceV1Api(api_client)
-
-            def watch_forever() -> None:
-                try:
-                    for _ in watch.Watch().stream(rapi.list_resource_slice, timeout_seconds=600):
-                        pass
-                except Exception as exc:  # pragma: no cover - reported below
-                    errors.append(exc)
-                ended.set()
-
-            watcher = threading.Thread(target=watch_forever)
-            watcher.start()
-            time.sleep(0.3)
-            start = time.monotonic()
-            server.stop()
-            assert ended.wait(3)
-            watcher.join()
-            assert time.monotonic() - start < 2
+        events, thread = _watch_in_thread(server, timeout_seconds=600)
+        server.put_object("resourceslices", slice_body("seen"))
+        assert events.get(timeout=30) == "seen"  # the watch is open
+        server.stop()
+        assert events.get(timeout=30) is None  # it ended without an error
+        thread.join(30)
+        assert not thread.is_alive()
     finally:
         server.stop()
-    assert errors == []
 
 
 # ---------------------------------------------------------------------------------- faults
@@ -558,9 +576,7 @@ def test_get_faults_need_retries_off(server: ApiServer, strict_api: client.ApiCl
 def test_default_client_retries_429_on_get(server: ApiServer, api: client.ApiClient) -> None:
     """urllib3's default Retry honours Retry-After on GET/PUT/DELETE: the caller sees success."""
     server.faults.add("GET", "resourceslices", "429")
-    start = time.monotonic()
     assert client.ResourceV1Api(api).list_resource_slice().items == []
-    assert time.monotonic() - start >= 0.9
     assert [r.status for r in server.requests] == [429, 200]
 
 

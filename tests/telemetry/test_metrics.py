@@ -130,10 +130,26 @@ def test_describe_matches_collect_and_does_not_read_the_snapshot():
 
 
 def test_concurrent_scrapes_see_one_snapshot_each():
+    """20 scrapers while the snapshot keeps changing: every scrape is internally consistent.
+    The test proves the concurrency it relies on: two scrapes are inside the collector at once
+    (a barrier they must pass together) and the scrapes saw several different snapshots."""
     state = {"snap": make_snapshot(tick=1)}
-    reg = registry(lambda: state["snap"])
+    together = threading.Barrier(2, timeout=30)
+    calls = {"n": 0}
+    calls_lock = threading.Lock()
+
+    def latest():
+        with calls_lock:
+            calls["n"] += 1
+            first_two = calls["n"] <= 2
+        if first_two:
+            together.wait()  # raises BrokenBarrierError unless a second scrape is in too
+        return state["snap"]
+
+    reg = registry(latest)
     stop = threading.Event()
     problems: list[str] = []
+    ticks_seen: set[float] = set()
 
     def swap():
         tick = 1
@@ -145,6 +161,7 @@ def test_concurrent_scrapes_see_one_snapshot_each():
         for _ in range(20):
             fams = {f.name: f for f in text_string_to_metric_families(exposition(reg))}
             tick = fams["tessera_sampler_ticks"].samples[0].value
+            ticks_seen.add(tick)
             powers = {s.value for s in fams["tessera_gpu_power_watts"].samples}
             if powers != {100 + tick}:
                 problems.append(f"tick {tick} but power {powers}")
@@ -159,6 +176,8 @@ def test_concurrent_scrapes_see_one_snapshot_each():
     stop.set()
     swapper.join()
     assert problems == []
+    assert not together.broken and calls["n"] >= 2 * 20  # two scrapes overlapped
+    assert len(ticks_seen) > 1, "the snapshot never changed during the scrapes"
 
 
 def test_every_metric_is_documented():

@@ -214,36 +214,43 @@ def test_set_gpus_reads_the_new_inventory(tmp_path):
 
 
 def test_subscribe_latest_wins_and_a_slow_consumer_never_blocks(tmp_path):
+    """A consumer stuck on its first snapshot never holds the sampler up: 200 ticks complete
+    while it is stuck (a blocking queue would deadlock here), and afterwards it gets the
+    latest snapshot, not a backlog."""
     sampler, _, clock = make(tmp_path, gpus=1)
     slow = sampler.subscribe()
     stalled = sampler.subscribe(maxsize=2)  # never read
     seen: list[int] = []
-    release = threading.Event()
+    release, got_last = threading.Event(), threading.Event()
 
     def consume() -> None:
         while True:
-            snap = slow.get(timeout=5)
+            snap = slow.get(timeout=30)
             if snap is None:
                 return
             seen.append(snap.tick)
-            release.wait(5)  # a consumer much slower than the sampler
+            if snap.tick == 200:
+                got_last.set()
+            release.wait()  # stuck until the sampler is done
 
-    t = threading.Thread(target=consume)
-    t.start()
-    try:
-        started = time.monotonic()
+    def produce() -> None:
         for _ in range(200):
             clock.t += 1
             sampler.tick()
-        assert time.monotonic() - started < 3.0  # the consumer is stalled for 5 s
+
+    consumer = threading.Thread(target=consume)
+    producer = threading.Thread(target=produce)
+    consumer.start()
+    producer.start()
+    try:
+        producer.join(60)
+        assert not producer.is_alive(), "the sampler blocked on a stuck consumer"
     finally:
         release.set()
-        deadline = time.monotonic() + 5
-        while (not seen or seen[-1] != 200) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        slow.close()
-        t.join(5)
-    assert not t.is_alive()
+    assert got_last.wait(30)
+    slow.close()
+    consumer.join(30)
+    assert not consumer.is_alive()
     assert seen[-1] == 200 and seen == sorted(seen) and len(seen) < 200
     assert slow.dropped > 0
     assert [stalled.get(0).tick, stalled.get(0).tick] == [199, 200]  # type: ignore[union-attr]
@@ -322,9 +329,11 @@ def test_run_with_a_real_event_stops_promptly(tmp_path):
         log=LOG,
     )
     stop = threading.Event()
+    sub = sampler.subscribe()
     t = threading.Thread(target=sampler.run, args=(stop,))
     t.start()
-    time.sleep(0.1)
+    while (snap := sub.get(timeout=30)) is not None and snap.tick < 2:
+        pass
     stop.set()
     t.join(5)
     assert not t.is_alive()
