@@ -1,6 +1,6 @@
 """Connection levels between devices, NVLink edges and NVLink cliques. Every function is pure.
 
-Levels are ``nvidia-smi topo -m``'s words (reference/gpu-facts.md, "Topology"):
+Levels are ``nvidia-smi topo -m``'s words (docs/gpu-facts.md, "Topology"):
 
 - ``X`` a device with itself; ``NV#`` two GPUs joined by # bonded NVLinks (checked first);
 - otherwise from the PCIe tree: different NUMA node -> ``SYS``; same NUMA node, different root

@@ -2,7 +2,7 @@
 
 Every function here is pure: it takes a GPU's state and its product spec and returns a new state
 (and the created object), or raises the ``pynvml.NVMLError`` subclass real NVML answers with.
-The rules (reference/gpu-facts.md, MIG geometry):
+The rules (docs/gpu-facts.md, MIG geometry):
 
 * 8 memory slots x 7 compute slices; a GPU instance (GI) occupies memory slots
   ``[start, start + size)``; starts only from the profile's placement table; no overlap;

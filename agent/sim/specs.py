@@ -85,7 +85,7 @@ class GpuSpec:
 
 
 def profile_name(slice_count: int, profile_mib: int, total_mib: int, media: bool = False) -> str:
-    """MIG profile name from slot fractions, as NVIDIA derives it (reference/gpu-facts.md).
+    """MIG profile name from slot fractions, as NVIDIA derives it (docs/gpu-facts.md).
 
     ``GB = round(ceil(8 * profileBytes / totalBytes) / 8 * ceil(totalBytes / GiB))``, rounding
     halves up.

@@ -200,7 +200,7 @@ def test_build_topology_puts_nvlink_first() -> None:
     assert topo.gpu_matrix() == {0: {0: "X", 1: "NV4"}, 1: {0: "NV4", 1: "X"}}
 
 
-# --- the reference nodes (reference/gpu-facts.md, "Reference nodes") ---------------------------
+# --- the reference nodes (docs/gpu-facts.md, "Reference nodes") ---------------------------
 
 
 @pytest.mark.parametrize("name", MODELS, ids=MODELS)

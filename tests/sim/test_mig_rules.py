@@ -1,4 +1,4 @@
-"""The simulated driver follows the MIG rules of reference/gpu-facts.md (via pynvml calls)."""
+"""The simulated driver follows the MIG rules of docs/gpu-facts.md (via pynvml calls)."""
 
 import ctypes
 
