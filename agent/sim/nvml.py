@@ -15,6 +15,13 @@ decodes, ``c_uint`` from ``nvmlDeviceIsMigDeviceHandle``) and raises pynvml's ow
 class too (``FakeNvml.NVML_ERROR_NOT_FOUND``, ``FakeNvml.NVMLError``, ``FakeNvml.nvmlMemory_v2``).
 Units are NVML's: bytes for memory, MiB for MIG profile ``memorySizeMB``.
 
+``FakeNvml`` satisfies :class:`agent.nvml.api.NvmlApi`, the NVML surface the agent uses; mypy
+checks it where the simulated node builds the facade (:mod:`agent.sim.node`). Its methods are
+typed with that module's opaque handle types (made by :mod:`agent.sim.handles`) and struct
+shapes; the pynvml structs it fills are untyped and cast to those shapes, which
+``tests/sim/test_signatures.py`` checks against pynvml's fields. A call the agent starts to make
+is a method here with pynvml's signature (that test compares them) plus its line in ``NvmlApi``.
+
 Simulator controls (not pynvml functions): ``reset_gpu(index)``, ``apply_mig_layout(name)``,
 ``state``, ``state_dir`` (see :class:`agent.sim.nvml_core.NvmlCore`); the load and faults
 (``set_load``, ``add_process``, ``inject_xid``, ``lose_gpu``, ``reload_driver``, …, see

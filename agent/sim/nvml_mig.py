@@ -329,7 +329,7 @@ class MigCalls(NvmlCore):
         self._live(ref, migDevice)
         return handles.device(Ref(handles.KIND_GPU, ref.gpu))
 
-    def _mig_instance(self, device: Any) -> tuple[GpuInstance, ComputeInstance]:
+    def _mig_instance(self, device: api.DeviceHandle) -> tuple[GpuInstance, ComputeInstance]:
         _, instance = self._device(device)
         if instance is None:
             raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED, "not a MIG device handle")

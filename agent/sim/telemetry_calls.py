@@ -55,11 +55,11 @@ class TelemetryCalls(TelemetryBase):
     def _now_us(self) -> int:
         return int(self._clock() * 1_000_000)
 
-    def _whole(self, call: str, handle: Any) -> tuple[GpuSlot, SimGpu]:
+    def _whole(self, call: str, handle: api.DeviceHandle) -> tuple[GpuSlot, SimGpu]:
         slot, _, g = self._telemetry_device(call, handle, mig_handle=False)
         return slot, g
 
-    def _parent(self, call: str, handle: Any) -> tuple[GpuSlot, SimGpu]:
+    def _parent(self, call: str, handle: api.DeviceHandle) -> tuple[GpuSlot, SimGpu]:
         slot, _, g = self._telemetry_device(call, handle, mig_handle=True)
         return slot, g
 
@@ -245,7 +245,7 @@ class TelemetryCalls(TelemetryBase):
         _, instance, g = self._telemetry_device(
             "nvmlDeviceGetComputeRunningProcesses", handle, mig_handle=True
         )
-        out: list[Any] = []
+        out: list[api.ProcessInfo] = []
         for p in sorted(g.processes, key=lambda p: p.pid):
             if instance is not None and (
                 p.gpu_instance_id != instance[0].id or p.compute_instance_id != instance[1].id
@@ -274,7 +274,7 @@ class TelemetryCalls(TelemetryBase):
         slot, g = self._whole("nvmlDeviceGetProcessUtilization", handle)
         self._no_mig_mode(slot, "nvmlDeviceGetProcessUtilization")
         now_us = self._now_us()
-        samples: list[Any] = []
+        samples: list[api.ProcessUtilizationSample] = []
         if now_us > timeStamp:
             for p in sorted(g.processes, key=lambda p: p.pid):
                 if p.sm_utilization is None:

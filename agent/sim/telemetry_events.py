@@ -15,7 +15,7 @@ it; other metrics are NOT_SUPPORTED.
 from __future__ import annotations
 
 import time
-from typing import Any, cast
+from typing import cast
 
 import pynvml
 
@@ -54,7 +54,7 @@ _GPM_UTIL_METRICS = {
 class EventCalls(TelemetryBase):
     """nvmlEventSet*, nvmlDeviceRegisterEvents, nvmlDeviceGetSupportedEventTypes."""
 
-    def _event_set(self, eventSet: Any) -> tuple[int, EventSet]:
+    def _event_set(self, eventSet: api.EventSet) -> tuple[int, EventSet]:
         self._require_init()
         set_id = pointer_id(eventSet, pynvml.c_nvmlEventSet_t, EVENT_SET_TAG)
         with self._objects_lock:
@@ -135,7 +135,7 @@ class EventCalls(TelemetryBase):
 class GpmCalls(TelemetryBase):
     """nvmlGpm* (GPU performance monitoring, Hopper and newer)."""
 
-    def _gpm_sample(self, gpmSample: Any) -> tuple[int, GpmSample]:
+    def _gpm_sample(self, gpmSample: api.GpmSample) -> tuple[int, GpmSample]:
         self._require_init()
         sample_id = pointer_id(gpmSample, pynvml.c_nvmlGpmSample_t, GPM_SAMPLE_TAG)
         with self._objects_lock:
