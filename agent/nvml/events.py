@@ -5,15 +5,16 @@ XID critical errors, and turns what ``nvmlEventSetWait`` returns into
 :class:`~agent.nvml.samples.XidEvent` values. A GPU that cannot be registered (NotSupported,
 lost, or any other NVML error) is skipped and reported in :attr:`EventWatcher.skipped`; the
 others are still watched. NVML errors of the event set itself are raised as ``agent.nvml.errors``
-NVML errors. One thread waits; :meth:`EventWatcher.close` is called after the last wait.
+NVML errors. One thread waits; :meth:`EventWatcher.close` is called after the last wait. NVML is
+called through the facade's :meth:`~agent.nvml.facade.Nvml.api`.
 """
 
 from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from typing import Any
 
+from agent.nvml.api import DeviceHandle, EventData, EventSet
 from agent.nvml.errors import NvmlError, NvmlGpuLost
 from agent.nvml.facade import Nvml
 from agent.nvml.samples import XidEvent
@@ -26,12 +27,13 @@ TIMEOUT = 10
 MAX_EVENTS_PER_WAIT = 256
 
 
-def _address(handle: Any) -> int:
+def _address(handle: DeviceHandle) -> int:
+    """The pointer value of a device handle: NVML hands out the same pointer for a GPU."""
     return int(ctypes.cast(handle, ctypes.c_void_p).value or 0)
 
 
 def _instance_id(value: int) -> int | None:
-    return None if int(value) == NOT_MIG else int(value)
+    return None if value == NOT_MIG else value
 
 
 class EventWatcher:
@@ -40,26 +42,23 @@ class EventWatcher:
     def __init__(self, nvml: Nvml, indices: Sequence[int] | None = None) -> None:
         """Create the event set and register ``indices`` (default: every GPU NVML counts)."""
         self._nvml = nvml
-        self._set: Any = nvml._call("nvmlEventSetCreate")
+        self._api = nvml.api()
+        event_set = self._api.nvmlEventSetCreate()
+        self._set: EventSet | None = event_set
         self._by_address: dict[int, int] = {}
         self._skipped: dict[int, str] = {}
         try:
             for index in range(nvml.device_count()) if indices is None else indices:
-                self._register(index)
+                self._register(event_set, index)
         except BaseException:
             self.close()
             raise
 
-    def _register(self, index: int) -> None:
+    def _register(self, event_set: EventSet, index: int) -> None:
         try:
             handle = self._nvml.handle(index)
-            self._nvml._call(
-                "nvmlDeviceRegisterEvents",
-                handle,
-                XID_CRITICAL_ERROR,
-                self._set,
-                device=str(index),
-            )
+            api = self._nvml.api(str(index))
+            api.nvmlDeviceRegisterEvents(handle, XID_CRITICAL_ERROR, event_set)
         except NvmlError as exc:
             self._skipped[index] = str(exc)
             return
@@ -78,38 +77,39 @@ class EventWatcher:
     def wait(self, timeout_s: float) -> list[XidEvent]:
         """XID events: blocks up to ``timeout_s`` for the first, then takes the ones already
         queued (up to :data:`MAX_EVENTS_PER_WAIT`); empty when none came in time."""
-        if self._set is None:
+        event_set = self._set
+        if event_set is None:
             raise RuntimeError("EventWatcher is closed")
         if not self._by_address:
             return []
         out: list[XidEvent] = []
         timeout_ms = max(0, round(timeout_s * 1000))
         while len(out) < MAX_EVENTS_PER_WAIT:
-            data = self._next(timeout_ms if not out else 0)
+            data = self._next(event_set, timeout_ms if not out else 0)
             if data is None:
                 break
-            if int(data.eventType) & XID_CRITICAL_ERROR:
+            if data.eventType & XID_CRITICAL_ERROR:
                 out.append(self._event(data))
         return out
 
-    def _next(self, timeout_ms: int) -> Any | None:
+    def _next(self, event_set: EventSet, timeout_ms: int) -> EventData | None:
         try:
-            return self._nvml._call("nvmlEventSetWait", self._set, timeout_ms)
+            return self._api.nvmlEventSetWait(event_set, timeout_ms)
         except NvmlError as exc:
             if exc.code == TIMEOUT:
                 return None
             raise
 
-    def _event(self, data: Any) -> XidEvent:
+    def _event(self, data: EventData) -> XidEvent:
         index = self._by_address.get(_address(data.device))
         if index is None:  # a handle NVML made anew: ask which GPU it is
             try:
-                index = int(self._nvml._call("nvmlDeviceGetIndex", data.device))
+                index = self._api.nvmlDeviceGetIndex(data.device)
             except NvmlGpuLost:
                 index = -1
         return XidEvent(
             gpu_index=index,
-            xid=int(data.eventData),
+            xid=data.eventData,
             gpu_instance_id=_instance_id(data.gpuInstanceId),
             compute_instance_id=_instance_id(data.computeInstanceId),
         )
@@ -118,7 +118,7 @@ class EventWatcher:
         """Free the event set (idempotent)."""
         event_set, self._set = self._set, None
         if event_set is not None:
-            self._nvml._call("nvmlEventSetFree", event_set)
+            self._api.nvmlEventSetFree(event_set)
 
     def __enter__(self) -> EventWatcher:
         return self

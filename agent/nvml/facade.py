@@ -1,17 +1,24 @@
-"""The NVML facade: the only code that calls pynvml.
+"""The NVML facade: the only code that calls NVML.
 
-It takes the pynvml *module* (or the simulator's object with the same function surface) as a
-constructor argument and returns the plain frozen values of ``agent.nvml.types``. NVML errors
-become ``agent.nvml.errors.Nvml*`` errors naming the call and the device; ``NotSupported`` on
-optional fields yields ``None`` ("absent") instead of an error.
+``Nvml(api)`` takes an :class:`~agent.nvml.api.NvmlApi`: the pynvml module itself, or the
+simulator (:class:`agent.sim.nvml.FakeNvml`). Discovery gets plain frozen values of
+``agent.nvml.types`` from it (:meth:`Nvml.system`, :meth:`Nvml.devices`); NVML errors become
+``agent.nvml.errors.Nvml*`` errors naming the call and the device; ``NotSupported`` on optional
+fields yields ``None`` ("absent") instead of an error.
+
+The other NVML readers (the telemetry reader, the XID event watcher) call NVML functions by
+attribute through :meth:`Nvml.api`: the same :class:`~agent.nvml.api.NvmlApi`, every function of
+which raises those errors instead of pynvml's (one wrapper, :func:`translating`). It is the one
+way into the facade; nothing outside it touches the module it was given.
 """
 
 from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
+from agent.nvml.api import DeviceHandle, NvmlApi
 from agent.nvml.errors import (
     DriverNotFoundError,
     NvmlError,
@@ -33,6 +40,8 @@ from agent.nvml.types import (
     SystemInfo,
 )
 
+P = ParamSpec("P")
+R = TypeVar("R")
 T = TypeVar("T")
 MIB = 1024 * 1024
 
@@ -58,12 +67,13 @@ BRANDS = {
 }
 REMOTE_TYPES = {0: "gpu", 1: "ibmnpu", 2: "switch"}
 
+_FUNCTION_NOT_FOUND = 13
 # NVML return codes (stable C ABI values) -> our error classes.
 _ERROR_CLASSES: dict[int, type[NvmlError]] = {
     2: NvmlInvalidArgument,
     3: NvmlNotSupported,
     6: NvmlNotFound,
-    13: NvmlNotSupported,  # FUNCTION_NOT_FOUND: an older driver lacks the call
+    _FUNCTION_NOT_FOUND: NvmlNotSupported,  # an older driver lacks the call
     15: NvmlGpuLost,
     19: NvmlInUse,
     23: NvmlInsufficientResources,
@@ -89,30 +99,100 @@ def nvml_bus_id(sysfs_id: str) -> str:
     return f"{int(domain, 16):08X}:{rest.upper()}"
 
 
-class Nvml:
-    """Typed, error-translating access to NVML through a pynvml-shaped module."""
+def translate(call: str, exc: Exception, device: str | None) -> NvmlError:
+    """The ``agent.nvml.errors`` error for pynvml's ``exc`` raised by ``call`` on ``device``.
 
-    def __init__(self, module: Any) -> None:
-        self._m = module
+    pynvml's ``NVMLLibraryMismatchError`` (an unversioned call the driver lacks) has no code: it
+    is FUNCTION_NOT_FOUND, so NotSupported, like the versioned calls' answer."""
+    code = int(getattr(exc, "value", _FUNCTION_NOT_FOUND))
+    cls = _ERROR_CLASSES.get(code, NvmlError)
+    return cls(call, code, str(exc), device)
+
+
+def translating(
+    fn: Callable[P, R], call: str, device: str | None, errors: tuple[type[Exception], ...]
+) -> Callable[P, R]:
+    """``fn`` with the same signature, raising :func:`translate`'s error for any of ``errors``
+    (pynvml's), naming ``call`` and ``device``."""
+
+    def translated(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except errors as exc:
+            raise translate(call, exc, device) from exc
+
+    translated.__name__ = translated.__qualname__ = call
+    return translated
+
+
+class _Translated:
+    """An :class:`NvmlApi` whose functions raise ``agent.nvml.errors`` errors naming the call and
+    ``device`` (see :meth:`Nvml.api`); constants and types are the module's own.
+
+    The first lookup of a name wraps the module's function with :func:`translating` and keeps
+    it as an instance attribute, so later lookups are plain attribute reads and a call costs
+    one extra frame. A name the module lacks raises AttributeError (``hasattr`` works). mypy
+    takes it for an ``NvmlApi`` through ``__getattr__``; it is one because every attribute is
+    the module's own or a signature-preserving wrapper of it.
+    """
+
+    def __init__(
+        self, module: NvmlApi, device: str | None, errors: tuple[type[Exception], ...]
+    ) -> None:
+        self._module = module
+        self._device = device
+        self._errors = errors
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # not NVML's (and never recurse on our own attributes)
+            raise AttributeError(name)
+        value = getattr(self._module, name)
+        if callable(value) and not isinstance(value, type):
+            value = translating(value, name, self._device, self._errors)
+        setattr(self, name, value)
+        return value
+
+
+class Nvml:
+    """Typed, error-translating access to NVML through an :class:`NvmlApi` (pynvml or the
+    simulator)."""
+
+    def __init__(self, module: NvmlApi) -> None:
+        self._module = module
+        mismatch = getattr(module, "NVMLLibraryMismatchError", None)  # not in older pynvml
+        extra = (
+            (mismatch,) if isinstance(mismatch, type) and issubclass(mismatch, Exception) else ()
+        )
+        self._errors: tuple[type[Exception], ...] = (module.NVMLError, *extra)
+        self._apis: dict[str | None, NvmlApi] = {}
         self._initialized = False
+
+    def api(self, device: str | None = None) -> NvmlApi:
+        """The NVML API whose functions raise ``agent.nvml.errors`` errors naming the call and
+        ``device`` (a GPU index, or None for calls about no GPU). One object per device, kept:
+        look it up once, not per call."""
+        api = self._apis.get(device)
+        if api is None:
+            api = self._apis[device] = _Translated(self._module, device, self._errors)
+        return api
 
     # -- lifecycle -------------------------------------------------------------------------
     def init(self) -> None:
         """Initialize NVML. Raises DriverNotFoundError when no NVIDIA driver is present."""
         try:
-            self._m.nvmlInit()
-        except self._m.NVMLError as exc:
-            if exc.value in _NO_DRIVER:
+            self._module.nvmlInit()
+        except self._errors as exc:
+            if getattr(exc, "value", None) in _NO_DRIVER:
                 raise DriverNotFoundError(
                     "no NVIDIA driver found (libnvidia-ml.so.1 could not be loaded)"
                 ) from exc
-            raise self._translate("nvmlInit", exc, None) from exc
+            raise translate("nvmlInit", exc, None) from exc
         self._initialized = True
 
     def shutdown(self) -> None:
         if self._initialized:
             self._initialized = False
-            self._call("nvmlShutdown")
+            self.api().nvmlShutdown()
 
     def __enter__(self) -> Nvml:
         self.init()
@@ -120,24 +200,6 @@ class Nvml:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-    @property
-    def module(self) -> Any:
-        """The pynvml-shaped module this facade calls (for the other facade modules)."""
-        return self._m
-
-    # -- error translation -----------------------------------------------------------------
-    def _translate(self, call: str, exc: Any, device: str | None) -> NvmlError:
-        code = int(getattr(exc, "value", -1))
-        cls = _ERROR_CLASSES.get(code, NvmlError)
-        return cls(call, code, str(exc), device)
-
-    def _call(self, name: str, *args: Any, device: str | None = None) -> Any:
-        """Call ``pynvml.<name>(*args)``, translating NVML errors."""
-        try:
-            return getattr(self._m, name)(*args)
-        except self._m.NVMLError as exc:
-            raise self._translate(name, exc, device) from exc
 
     def _optional(self, fn: Callable[[], T]) -> T | None:
         """Run ``fn``; a NotSupported answer means "absent"."""
@@ -148,19 +210,20 @@ class Nvml:
 
     # -- system ----------------------------------------------------------------------------
     def system(self) -> SystemInfo:
-        cuda = int(self._call("nvmlSystemGetCudaDriverVersion_v2"))
-        nvml_version = self._optional(lambda: text(self._call("nvmlSystemGetNVMLVersion")))
+        api = self.api()
+        cuda = api.nvmlSystemGetCudaDriverVersion_v2()
+        nvml_version = self._optional(lambda: text(api.nvmlSystemGetNVMLVersion()))
         return SystemInfo(
-            driver_version=text(self._call("nvmlSystemGetDriverVersion")),
+            driver_version=text(api.nvmlSystemGetDriverVersion()),
             cuda_driver_version=f"{cuda // 1000}.{(cuda % 1000) // 10}",
             nvml_version=nvml_version,
         )
 
     def device_count(self) -> int:
-        return int(self._call("nvmlDeviceGetCount"))
+        return self.api().nvmlDeviceGetCount()
 
-    def handle(self, index: int) -> Any:
-        return self._call("nvmlDeviceGetHandleByIndex", index, device=str(index))
+    def handle(self, index: int) -> DeviceHandle:
+        return self.api(str(index)).nvmlDeviceGetHandleByIndex(index)
 
     def devices(self) -> tuple[GpuDevice, ...]:
         """Every GPU NVML sees, in NVML index order."""
@@ -169,116 +232,112 @@ class Nvml:
     def device(self, index: int) -> GpuDevice:
         h = self.handle(index)
         dev = str(index)
-        c = self._call
-        pci = c("nvmlDeviceGetPciInfo", h, device=dev)
-        cc_major, cc_minor = c("nvmlDeviceGetCudaComputeCapability", h, device=dev)
-        arch = int(c("nvmlDeviceGetArchitecture", h, device=dev))
-        brand = int(c("nvmlDeviceGetBrand", h, device=dev))
-        mig_mode = self._mig_mode(h, dev)
-        profiles = self._mig_profiles(h, dev) if mig_mode is not None else ()
-        instances = self._mig_instances(h, dev, profiles) if mig_mode and mig_mode.current else ()
+        api = self.api(dev)
+        pci = api.nvmlDeviceGetPciInfo(h)
+        cc_major, cc_minor = api.nvmlDeviceGetCudaComputeCapability(h)
+        arch = api.nvmlDeviceGetArchitecture(h)
+        brand = api.nvmlDeviceGetBrand(h)
+        mig_mode = self._mig_mode(api, h)
+        profiles = self._mig_profiles(api, h) if mig_mode is not None else ()
+        instances = (
+            self._mig_instances(api, h, dev, profiles) if mig_mode and mig_mode.current else ()
+        )
         return GpuDevice(
             index=index,
-            minor=int(c("nvmlDeviceGetMinorNumber", h, device=dev)),
-            uuid=text(c("nvmlDeviceGetUUID", h, device=dev)),
-            name=text(c("nvmlDeviceGetName", h, device=dev)),
+            minor=api.nvmlDeviceGetMinorNumber(h),
+            uuid=text(api.nvmlDeviceGetUUID(h)),
+            name=text(api.nvmlDeviceGetName(h)),
             brand=BRANDS.get(brand, "Unknown"),
             architecture=ARCHITECTURES.get(arch, "Unknown"),
-            compute_capability=(int(cc_major), int(cc_minor)),
+            compute_capability=(cc_major, cc_minor),
             pci_bus_id=sysfs_bus_id(pci.busId),
-            pci_device_id=int(pci.pciDeviceId),
-            serial=self._optional(lambda: text(c("nvmlDeviceGetSerial", h, device=dev))),
+            pci_device_id=pci.pciDeviceId,
+            serial=self._optional(lambda: text(api.nvmlDeviceGetSerial(h))),
             memory=self.memory(h, dev),
             mig_mode=mig_mode,
             mig_profiles=profiles,
             mig_instances=instances,
-            nvlinks=self._nvlinks(h, dev),
+            nvlinks=self._nvlinks(api, h),
         )
 
-    def memory(self, handle: Any, dev: str) -> MemoryInfo:
-        """Memory of a GPU or MIG device handle; ``reserved`` only where NVML has v2."""
+    def memory(self, handle: DeviceHandle, dev: str) -> MemoryInfo:
+        """Memory of a GPU or MIG device handle (of GPU ``dev``); ``reserved`` only where NVML
+        has v2."""
+        api = self.api(dev)
         try:
-            m = self._call("nvmlDeviceGetMemoryInfo", handle, self._m.nvmlMemory_v2, device=dev)
-            return MemoryInfo(int(m.total), int(m.free), int(m.used), int(m.reserved))
+            m2 = api.nvmlDeviceGetMemoryInfo(handle, api.nvmlMemory_v2)
+            return MemoryInfo(m2.total, m2.free, m2.used, m2.reserved)
         except NvmlNotSupported:
-            m = self._call("nvmlDeviceGetMemoryInfo", handle, device=dev)
-            return MemoryInfo(int(m.total), int(m.free), int(m.used))
+            m = api.nvmlDeviceGetMemoryInfo(handle)
+            return MemoryInfo(m.total, m.free, m.used)
 
     # -- MIG -------------------------------------------------------------------------------
-    def _mig_mode(self, h: Any, dev: str) -> MigMode | None:
-        mode = self._optional(lambda: self._call("nvmlDeviceGetMigMode", h, device=dev))
+    def _mig_mode(self, api: NvmlApi, h: DeviceHandle) -> MigMode | None:
+        mode = self._optional(lambda: api.nvmlDeviceGetMigMode(h))
         if mode is None:
             return None
         current, pending = mode
         return MigMode(current=bool(current), pending=bool(pending))
 
-    def _mig_profiles(self, h: Any, dev: str) -> tuple[MigProfile, ...]:
-        m = self._m
+    def _mig_profiles(self, api: NvmlApi, h: DeviceHandle) -> tuple[MigProfile, ...]:
         profiles: list[MigProfile] = []
-        for enum in range(int(m.NVML_GPU_INSTANCE_PROFILE_COUNT)):
+        for enum in range(api.NVML_GPU_INSTANCE_PROFILE_COUNT):
             try:
-                info = self._call("nvmlDeviceGetGpuInstanceProfileInfo", h, enum, device=dev)
+                info = api.nvmlDeviceGetGpuInstanceProfileInfo(h, enum)
             except (NvmlNotSupported, NvmlInvalidArgument, NvmlNotFound):
                 continue
-            if int(info.instanceCount) == 0:
+            if info.instanceCount == 0:
                 continue
             profiles.append(
                 MigProfile(
-                    profile_id=int(info.id),
+                    profile_id=info.id,
                     enum=enum,
                     name=text(info.name).removeprefix("MIG "),
-                    slice_count=int(info.sliceCount),
-                    memory_bytes=int(info.memorySizeMB) * MIB,
-                    multiprocessors=int(info.multiprocessorCount),
-                    copy_engines=int(info.copyEngineCount),
-                    decoders=int(info.decoderCount),
-                    encoders=int(info.encoderCount),
-                    jpeg_engines=int(info.jpegCount),
-                    ofa_engines=int(info.ofaCount),
-                    max_instances=int(info.instanceCount),
-                    placements=self._placements(h, dev, int(info.id), int(info.instanceCount)),
+                    slice_count=info.sliceCount,
+                    memory_bytes=info.memorySizeMB * MIB,
+                    multiprocessors=info.multiprocessorCount,
+                    copy_engines=info.copyEngineCount,
+                    decoders=info.decoderCount,
+                    encoders=info.encoderCount,
+                    jpeg_engines=info.jpegCount,
+                    ofa_engines=info.ofaCount,
+                    max_instances=info.instanceCount,
+                    placements=self._placements(api, h, info.id, info.instanceCount),
                 )
             )
         return tuple(sorted(profiles, key=lambda p: (p.slice_count, p.memory_bytes, p.name)))
 
-    def _placements(self, h: Any, dev: str, profile_id: int, count: int) -> tuple[Placement, ...]:
-        m = self._m
+    def _placements(
+        self, api: NvmlApi, h: DeviceHandle, profile_id: int, count: int
+    ) -> tuple[Placement, ...]:
         size = max(count, 8)
-        arr = (m.c_nvmlGpuInstancePlacement_t * size)()
+        arr = (api.c_nvmlGpuInstancePlacement_t * size)()
         n = ctypes.c_uint(size)
-        self._call(
-            "nvmlDeviceGetGpuInstancePossiblePlacements",
-            h,
-            profile_id,
-            arr,
-            ctypes.byref(n),
-            device=dev,
-        )
-        return tuple(Placement(int(arr[i].start), int(arr[i].size)) for i in range(n.value))
+        api.nvmlDeviceGetGpuInstancePossiblePlacements(h, profile_id, arr, ctypes.byref(n))
+        return tuple(Placement(arr[i].start, arr[i].size) for i in range(n.value))
 
     def _mig_instances(
-        self, h: Any, dev: str, profiles: tuple[MigProfile, ...]
+        self, api: NvmlApi, h: DeviceHandle, dev: str, profiles: tuple[MigProfile, ...]
     ) -> tuple[MigInstance, ...]:
         by_id = {p.profile_id: p for p in profiles}
         out: list[MigInstance] = []
-        for i in range(int(self._call("nvmlDeviceGetMaxMigDeviceCount", h, device=dev))):
+        for i in range(api.nvmlDeviceGetMaxMigDeviceCount(h)):
             try:
-                mh = self._call("nvmlDeviceGetMigDeviceHandleByIndex", h, i, device=dev)
+                mh = api.nvmlDeviceGetMigDeviceHandleByIndex(h, i)
             except NvmlNotFound:
                 continue
-            gi = int(self._call("nvmlDeviceGetGpuInstanceId", mh, device=dev))
-            ci = int(self._call("nvmlDeviceGetComputeInstanceId", mh, device=dev))
-            gih = self._call("nvmlDeviceGetGpuInstanceById", h, gi, device=dev)
-            info = self._call("nvmlGpuInstanceGetInfo", gih, device=dev)
-            profile = by_id.get(int(info.profileId))
+            gi = api.nvmlDeviceGetGpuInstanceId(mh)
+            ci = api.nvmlDeviceGetComputeInstanceId(mh)
+            info = api.nvmlGpuInstanceGetInfo(api.nvmlDeviceGetGpuInstanceById(h, gi))
+            profile = by_id.get(info.profileId)
             out.append(
                 MigInstance(
                     gpu_instance_id=gi,
                     compute_instance_id=ci,
-                    profile_id=int(info.profileId),
-                    profile_name=profile.name if profile else f"profile-{int(info.profileId)}",
-                    placement=Placement(int(info.placement.start), int(info.placement.size)),
-                    uuid=text(self._call("nvmlDeviceGetUUID", mh, device=dev)),
+                    profile_id=info.profileId,
+                    profile_name=profile.name if profile else f"profile-{info.profileId}",
+                    placement=Placement(info.placement.start, info.placement.size),
+                    uuid=text(api.nvmlDeviceGetUUID(mh)),
                     memory_bytes=self.memory(mh, dev).total,
                     multiprocessors=profile.multiprocessors if profile else 0,
                 )
@@ -286,19 +345,19 @@ class Nvml:
         return tuple(sorted(out, key=lambda x: (x.placement.start, x.gpu_instance_id)))
 
     # -- NVLink ----------------------------------------------------------------------------
-    def _nvlinks(self, h: Any, dev: str) -> tuple[NvLink, ...]:
+    def _nvlinks(self, api: NvmlApi, h: DeviceHandle) -> tuple[NvLink, ...]:
         links: list[NvLink] = []
-        for link in range(int(self._m.NVML_NVLINK_MAX_LINKS)):
+        for link in range(api.NVML_NVLINK_MAX_LINKS):
             try:
-                state = self._call("nvmlDeviceGetNvLinkState", h, link, device=dev)
+                state = api.nvmlDeviceGetNvLinkState(h, link)
             except (NvmlNotSupported, NvmlInvalidArgument):
                 break
             if not state:
                 links.append(NvLink(link, False, None, "unknown"))
                 continue
-            remote = self._call("nvmlDeviceGetNvLinkRemotePciInfo", h, link, device=dev)
+            remote = api.nvmlDeviceGetNvLinkRemotePciInfo(h, link)
             try:
-                kind = int(self._call("nvmlDeviceGetNvLinkRemoteDeviceType", h, link, device=dev))
+                kind = api.nvmlDeviceGetNvLinkRemoteDeviceType(h, link)
             except NvmlNotSupported:
                 kind = -1
             links.append(

@@ -1,7 +1,9 @@
 """Telemetry reads through the NVML facade: one :class:`~agent.nvml.samples.GpuSample` per GPU.
 
 Use one :class:`TelemetryReader` per facade (the composition root owns it) and call
-:meth:`TelemetryReader.read` once per GPU per tick. The reader is not thread-safe:
+:meth:`TelemetryReader.read` once per GPU per tick. It calls NVML through the facade's
+:meth:`~agent.nvml.facade.Nvml.api` (one per GPU, so errors name the GPU), by attribute, typed by
+:class:`~agent.nvml.api.NvmlApi`. The reader is not thread-safe:
 one sampler thread owns it. Between reads it keeps, per GPU: the handle and UUID, the MIG
 devices (handles, GPU/compute instance ids, UUIDs), the calls that answered NotSupported (not
 asked again), the last process-utilization timestamp and the GPM sample buffers.
@@ -26,15 +28,19 @@ when a MIG handle stops working, or when a process shows up in an unknown GPU in
 
 Results follow :mod:`agent.nvml.samples`: base units (W, J, Hz, bytes, ratios); NotSupported ->
 ``None``; GpuIsLost anywhere -> ``GpuSample(lost=True)``; any other NVML error -> that field
-``None`` and the call's name in ``errors``. PCIe throughput (NVML "KB/s") is taken as KiB/s.
+``None`` and the call's name in ``errors``. A call the driver or pynvml lacks
+(FUNCTION_NOT_FOUND, pynvml's ``NVMLLibraryMismatchError``) counts as NotSupported. PCIe
+throughput (NVML "KB/s") is taken as KiB/s.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import ParamSpec, TypeVar
 
+from agent.nvml.api import DeviceHandle, FieldValue, FieldValueUnion, GpmSample, NvmlApi
 from agent.nvml.errors import (
     NvmlError,
     NvmlGpuLost,
@@ -44,6 +50,10 @@ from agent.nvml.errors import (
 )
 from agent.nvml.facade import Nvml, text
 from agent.nvml.samples import GpuSample, MigSample, ProcessSample
+from agent.nvml.types import MemoryInfo
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 NOT_MIG = 0xFFFFFFFF
 ALL_LINKS = 0xFFFFFFFF
@@ -63,7 +73,17 @@ FIELDS: tuple[tuple[str, str, int, int], ...] = (
     ("remapped_uncorrectable", "NVML_FI_DEV_REMAPPED_UNC", 143, 0),
     ("remap_pending", "NVML_FI_DEV_REMAPPED_PENDING", 144, 0),
 )
-_VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
+_FIELD_REQUEST: tuple[tuple[int, int], ...] = tuple((f, scope) for _, _, f, scope in FIELDS)
+# nvmlValueType_t (NVML_VALUE_TYPE_DOUBLE .. _UNSIGNED_SHORT) -> the member of the value union
+_VALUE_MEMBERS: tuple[Callable[[FieldValueUnion], float], ...] = (
+    lambda v: v.dVal,
+    lambda v: v.uiVal,
+    lambda v: v.ulVal,
+    lambda v: v.ullVal,
+    lambda v: v.sllVal,
+    lambda v: v.siVal,
+    lambda v: v.usVal,
+)
 _SUCCESS, _NOT_SUPPORTED, _FUNCTION_NOT_FOUND, _GPU_IS_LOST = 0, 3, 13, 15
 _VERSION_MISMATCH = 25
 _TEMPERATURE_GPU = 0
@@ -80,20 +100,22 @@ class _MigDevice:
     gpu_instance_id: int
     compute_instance_id: int
     uuid: str
-    handle: Any
+    handle: DeviceHandle
 
 
 @dataclass
 class _Gpm:
     """Two GPM sample buffers of one GPU instance; ``previous`` holds the last read's."""
 
-    buffers: tuple[Any, Any]
-    previous: Any | None = None
+    buffers: tuple[GpmSample, GpmSample]
+    previous: GpmSample | None = None
 
 
 @dataclass
 class _Gpu:
-    handle: Any
+    api: NvmlApi
+    """The facade's API for this GPU (its errors name the GPU)."""
+    handle: DeviceHandle
     uuid: str
     skip: set[str] = field(default_factory=set)
     """Calls that answered NotSupported since the last MIG enumeration."""
@@ -115,9 +137,6 @@ class TelemetryReader:
 
     def __init__(self, nvml: Nvml, *, mig_refresh_reads: int = 60) -> None:
         self._nvml = nvml
-        self._m = nvml.module
-        # pynvml raises this (not an NVMLError) for an unversioned call the driver lacks
-        self._mismatch: Any = getattr(self._m, "NVMLLibraryMismatchError", ())
         self._gpus: dict[int, _Gpu] = {}
         self._uuids: dict[int, str] = {}
         self._mig_refresh_reads = mig_refresh_reads
@@ -155,33 +174,38 @@ class TelemetryReader:
             self.forget(index)
 
     # -- calls -------------------------------------------------------------------------------
-    def _call(self, index: int, name: str, *args: Any) -> Any:
-        return self._nvml._call(name, *args, device=str(index))
-
     def _get(
-        self, index: int, gpu: _Gpu, errors: list[str], key: str, name: str, *args: Any
-    ) -> Any | None:
-        """``name(*args)``; None when unsupported (then skipped until the next enumeration) or
-        failed (recorded in ``errors``); GpuIsLost ends the read."""
+        self,
+        gpu: _Gpu,
+        errors: list[str],
+        key: str,
+        fn: Callable[P, R],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> R | None:
+        """``fn(*args, **kwargs)`` (a function of ``gpu.api``); None when unsupported (then
+        skipped until the next enumeration) or failed (the call named in ``errors``); GpuIsLost
+        ends the read."""
         if key in gpu.skip:
             return None
         try:
-            return self._call(index, name, *args)
+            return fn(*args, **kwargs)
         except NvmlGpuLost as exc:
             raise _Lost() from exc
-        except (NvmlNotSupported, self._mismatch):
+        except NvmlNotSupported:
             gpu.skip.add(key)
             return None
-        except NvmlError:
-            errors.append(name)
+        except NvmlError as exc:
+            errors.append(exc.call)
             return None
 
     def _gpu(self, index: int) -> _Gpu:
         gpu = self._gpus.get(index)
         if gpu is None:
+            api = self._nvml.api(str(index))
             handle = self._nvml.handle(index)
-            uuid = text(self._call(index, "nvmlDeviceGetUUID", handle))
-            gpu = self._gpus[index] = _Gpu(handle=handle, uuid=uuid)
+            uuid = text(api.nvmlDeviceGetUUID(handle))
+            gpu = self._gpus[index] = _Gpu(api=api, handle=handle, uuid=uuid)
             self._uuids[index] = uuid
         return gpu
 
@@ -189,42 +213,39 @@ class TelemetryReader:
     def _read(self, index: int, gpu: _Gpu, now: float, errors: list[str]) -> GpuSample:
         gpu.reads_since_enumeration += 1
         if gpu.mig_stale or gpu.reads_since_enumeration > self._mig_refresh_reads:
-            self._enumerate_mig(index, gpu, errors)
-        h = gpu.handle
+            self._enumerate_mig(gpu, errors)
+        api, h, get = gpu.api, gpu.handle, self._get
 
-        def get(key: str, name: str, *args: Any) -> Any | None:
-            return self._get(index, gpu, errors, key, name, *args)
-
-        fields = self._fields(index, gpu, errors)
-        util = get("util", "nvmlDeviceGetUtilizationRates", h)
-        memory = self._memory(index, gpu, errors, h)
-        power = get("power", "nvmlDeviceGetPowerUsage", h)
-        temperature = get("temp", "nvmlDeviceGetTemperature", h, _TEMPERATURE_GPU)
-        sm_clock = get("clock_sm", "nvmlDeviceGetClockInfo", h, _CLOCK_SM)
-        mem_clock = get("clock_mem", "nvmlDeviceGetClockInfo", h, _CLOCK_MEM)
-        throttle = self._throttle(index, gpu, errors)
-        pcie_tx = get("pcie_tx", "nvmlDeviceGetPcieThroughput", h, _PCIE_TX)
-        pcie_rx = get("pcie_rx", "nvmlDeviceGetPcieThroughput", h, _PCIE_RX)
-        processes = self._processes(index, gpu, errors)
-        mig = self._mig_samples(index, gpu, errors)
+        fields = self._fields(gpu, errors)
+        util = get(gpu, errors, "util", api.nvmlDeviceGetUtilizationRates, h)
+        memory = self._memory(gpu, errors)
+        power = get(gpu, errors, "power", api.nvmlDeviceGetPowerUsage, h)
+        temperature = get(gpu, errors, "temp", api.nvmlDeviceGetTemperature, h, _TEMPERATURE_GPU)
+        sm_clock = get(gpu, errors, "clock_sm", api.nvmlDeviceGetClockInfo, h, _CLOCK_SM)
+        mem_clock = get(gpu, errors, "clock_mem", api.nvmlDeviceGetClockInfo, h, _CLOCK_MEM)
+        throttle = self._throttle(gpu, errors)
+        pcie_tx = get(gpu, errors, "pcie_tx", api.nvmlDeviceGetPcieThroughput, h, _PCIE_TX)
+        pcie_rx = get(gpu, errors, "pcie_rx", api.nvmlDeviceGetPcieThroughput, h, _PCIE_RX)
+        processes = self._processes(gpu, errors)
+        mig = self._mig_samples(gpu, errors)
         return GpuSample(
             index=index,
             uuid=gpu.uuid,
             timestamp=now,
-            utilization_gpu=None if util is None else int(util.gpu) / 100,
-            utilization_memory=None if util is None else int(util.memory) / 100,
-            memory_used_bytes=None if memory is None else int(memory.used),
-            memory_free_bytes=None if memory is None else int(memory.free),
-            memory_reserved_bytes=_reserved(memory),
-            power_watts=None if power is None else int(power) / 1000,
+            utilization_gpu=None if util is None else util.gpu / 100,
+            utilization_memory=None if util is None else util.memory / 100,
+            memory_used_bytes=None if memory is None else memory.used,
+            memory_free_bytes=None if memory is None else memory.free,
+            memory_reserved_bytes=None if memory is None else memory.reserved,
+            power_watts=None if power is None else power / 1000,
             energy_joules=_scaled(fields["energy"], 1 / 1000),
             temperature_gpu_celsius=None if temperature is None else float(temperature),
             temperature_memory_celsius=_scaled(fields["memory_temp"], 1),
-            clock_sm_hertz=None if sm_clock is None else float(int(sm_clock) * MHZ),
-            clock_memory_hertz=None if mem_clock is None else float(int(mem_clock) * MHZ),
-            throttle_reasons=None if throttle is None else int(throttle),
-            pcie_tx_bytes_per_second=None if pcie_tx is None else float(int(pcie_tx) * KIB),
-            pcie_rx_bytes_per_second=None if pcie_rx is None else float(int(pcie_rx) * KIB),
+            clock_sm_hertz=None if sm_clock is None else float(sm_clock * MHZ),
+            clock_memory_hertz=None if mem_clock is None else float(mem_clock * MHZ),
+            throttle_reasons=throttle,
+            pcie_tx_bytes_per_second=None if pcie_tx is None else float(pcie_tx * KIB),
+            pcie_rx_bytes_per_second=None if pcie_rx is None else float(pcie_rx * KIB),
             pcie_replays=_int(fields["pcie_replays"]),
             nvlink_tx_bytes=_int(fields["nvlink_tx"], KIB),
             nvlink_rx_bytes=_int(fields["nvlink_rx"], KIB),
@@ -240,72 +261,72 @@ class TelemetryReader:
             errors=tuple(errors),
         )
 
-    def _fields(self, index: int, gpu: _Gpu, errors: list[str]) -> dict[str, float | None]:
+    def _fields(self, gpu: _Gpu, errors: list[str]) -> dict[str, float | None]:
         """Every field-value metric in one call; per field: value, or None (unsupported or
         failed, the failure named in ``errors``)."""
         out: dict[str, float | None] = {key: None for key, _, _, _ in FIELDS}
-        request = [(field_id, scope) for _, _, field_id, scope in FIELDS]
         values = self._get(
-            index, gpu, errors, "fields", "nvmlDeviceGetFieldValues", gpu.handle, request
+            gpu, errors, "fields", gpu.api.nvmlDeviceGetFieldValues, gpu.handle, _FIELD_REQUEST
         )
         if values is None:
             return out
         for i, (key, name, _, _) in enumerate(FIELDS):
-            v = values[i]
-            ret = int(v.nvmlReturn)
-            if ret == _SUCCESS and 0 <= int(v.valueType) < len(_VALUE_MEMBERS):
-                out[key] = getattr(v.value, _VALUE_MEMBERS[int(v.valueType)])
+            v: FieldValue = values[i]
+            ret = v.nvmlReturn
+            if ret == _SUCCESS and 0 <= v.valueType < len(_VALUE_MEMBERS):
+                out[key] = _VALUE_MEMBERS[v.valueType](v.value)
             elif ret == _GPU_IS_LOST:
                 raise _Lost()
             elif ret not in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND):
                 errors.append(f"nvmlDeviceGetFieldValues[{name}]")
         return out
 
-    def _memory(self, index: int, gpu: _Gpu, errors: list[str], handle: Any) -> Any | None:
+    def _memory(self, gpu: _Gpu, errors: list[str]) -> MemoryInfo | None:
         """v2 memory info (with ``reserved``) where NVML has it, else v1."""
+        api, handle = gpu.api, gpu.handle
         if "memory_v2" not in gpu.skip:
             try:
-                return self._call(index, "nvmlDeviceGetMemoryInfo", handle, self._m.nvmlMemory_v2)
+                m2 = api.nvmlDeviceGetMemoryInfo(handle, api.nvmlMemory_v2)
+                return MemoryInfo(m2.total, m2.free, m2.used, m2.reserved)
             except NvmlGpuLost as exc:
                 raise _Lost() from exc
             except NvmlNotSupported:
                 gpu.skip.add("memory_v2")
             except NvmlError as exc:
                 if exc.code != _VERSION_MISMATCH:
-                    errors.append("nvmlDeviceGetMemoryInfo")
+                    errors.append(exc.call)
                     return None
                 gpu.skip.add("memory_v2")
-        return self._get(index, gpu, errors, "memory", "nvmlDeviceGetMemoryInfo", handle)
+        m = self._get(gpu, errors, "memory", api.nvmlDeviceGetMemoryInfo, handle)
+        return None if m is None else MemoryInfo(m.total, m.free, m.used)
 
-    def _throttle(self, index: int, gpu: _Gpu, errors: list[str]) -> Any | None:
+    def _throttle(self, gpu: _Gpu, errors: list[str]) -> int | None:
         """Clocks-event reasons; the deprecated throttle-reasons name on older pynvml/drivers."""
-        h = gpu.handle
+        api, h = gpu.api, gpu.handle
         if "events_name" not in gpu.skip:
-            if not hasattr(self._m, "nvmlDeviceGetCurrentClocksEventReasons"):
+            if not hasattr(api, "nvmlDeviceGetCurrentClocksEventReasons"):
                 gpu.skip.add("events_name")
             else:
                 try:
-                    return self._call(index, "nvmlDeviceGetCurrentClocksEventReasons", h)
+                    return api.nvmlDeviceGetCurrentClocksEventReasons(h)
                 except NvmlGpuLost as exc:
                     raise _Lost() from exc
                 except NvmlNotSupported as exc:
                     gpu.skip.add("events_name")
                     if exc.code != _FUNCTION_NOT_FOUND:
                         gpu.skip.add("throttle")
-                except NvmlError:
-                    errors.append("nvmlDeviceGetCurrentClocksEventReasons")
+                except NvmlError as exc:
+                    errors.append(exc.call)
                     return None
-        return self._get(
-            index, gpu, errors, "throttle", "nvmlDeviceGetCurrentClocksThrottleReasons", h
-        )
+        return self._get(gpu, errors, "throttle", api.nvmlDeviceGetCurrentClocksThrottleReasons, h)
 
-    def _processes(self, index: int, gpu: _Gpu, errors: list[str]) -> tuple[ProcessSample, ...]:
+    def _processes(self, gpu: _Gpu, errors: list[str]) -> tuple[ProcessSample, ...]:
         procs = self._get(
-            index, gpu, errors, "procs", "nvmlDeviceGetComputeRunningProcesses", gpu.handle
+            gpu, errors, "procs", gpu.api.nvmlDeviceGetComputeRunningProcesses, gpu.handle
         )
         if not procs:
             return ()
-        sm = self._process_utilization(index, gpu, errors)
+        sm = self._process_utilization(gpu, errors)
         known_gis = {d.gpu_instance_id for d in gpu.mig}
         out: list[ProcessSample] = []
         for p in procs:
@@ -315,25 +336,23 @@ class TelemetryReader:
             used = p.usedGpuMemory
             out.append(
                 ProcessSample(
-                    pid=int(p.pid),
-                    used_memory_bytes=(
-                        None if used is None or int(used) == VALUE_NOT_AVAILABLE else int(used)
-                    ),
+                    pid=p.pid,
+                    used_memory_bytes=None if used is None or used == VALUE_NOT_AVAILABLE else used,
                     gpu_instance_id=gi,
                     compute_instance_id=_instance_id(p.computeInstanceId),
-                    sm_utilization=sm.get(int(p.pid)),
+                    sm_utilization=sm.get(p.pid),
                 )
             )
         return tuple(sorted(out, key=lambda p: p.pid))
 
-    def _process_utilization(self, index: int, gpu: _Gpu, errors: list[str]) -> dict[int, float]:
+    def _process_utilization(self, gpu: _Gpu, errors: list[str]) -> dict[int, float]:
         """pid -> SM share (0-1) from the samples newer than the last read's; NOT_FOUND (no
         samples) gives none."""
         if "proc_util" in gpu.skip:
             return {}
         try:
-            samples = self._call(
-                index, "nvmlDeviceGetProcessUtilization", gpu.handle, gpu.last_process_timestamp
+            samples = gpu.api.nvmlDeviceGetProcessUtilization(
+                gpu.handle, gpu.last_process_timestamp
             )
         except NvmlGpuLost as exc:
             raise _Lost() from exc
@@ -342,31 +361,31 @@ class TelemetryReader:
         except NvmlNotSupported:
             gpu.skip.add("proc_util")
             return {}
-        except NvmlError:
-            errors.append("nvmlDeviceGetProcessUtilization")
+        except NvmlError as exc:
+            errors.append(exc.call)
             return {}
         latest: dict[int, tuple[int, float]] = {}
         for s in samples:
-            stamp, pid = int(s.timeStamp), int(s.pid)
+            stamp, pid = s.timeStamp, s.pid
             if pid not in latest or stamp >= latest[pid][0]:
-                latest[pid] = (stamp, min(1.0, int(s.smUtil) / 100))
+                latest[pid] = (stamp, min(1.0, s.smUtil / 100))
             gpu.last_process_timestamp = max(gpu.last_process_timestamp, stamp)
         return {pid: share for pid, (_, share) in latest.items()}
 
     # -- MIG -----------------------------------------------------------------------------------
-    def _enumerate_mig(self, index: int, gpu: _Gpu, errors: list[str]) -> None:
+    def _enumerate_mig(self, gpu: _Gpu, errors: list[str]) -> None:
         gpu.mig_stale = False
         gpu.reads_since_enumeration = 1
         gpu.skip.clear()
-        h = gpu.handle
-        count = self._get(index, gpu, errors, "mig_count", "nvmlDeviceGetMaxMigDeviceCount", h)
+        api, h = gpu.api, gpu.handle
+        count = self._get(gpu, errors, "mig_count", api.nvmlDeviceGetMaxMigDeviceCount, h)
         devices: list[_MigDevice] = []
-        for i in range(int(count or 0)):
+        for i in range(count or 0):
             try:
-                mh = self._call(index, "nvmlDeviceGetMigDeviceHandleByIndex", h, i)
-                gi = int(self._call(index, "nvmlDeviceGetGpuInstanceId", mh))
-                ci = int(self._call(index, "nvmlDeviceGetComputeInstanceId", mh))
-                uuid = text(self._call(index, "nvmlDeviceGetUUID", mh))
+                mh = api.nvmlDeviceGetMigDeviceHandleByIndex(h, i)
+                gi = api.nvmlDeviceGetGpuInstanceId(mh)
+                ci = api.nvmlDeviceGetComputeInstanceId(mh)
+                uuid = text(api.nvmlDeviceGetUUID(mh))
             except NvmlGpuLost as exc:
                 raise _Lost() from exc
             except (NvmlNotFound, NvmlNotSupported):
@@ -379,72 +398,72 @@ class TelemetryReader:
         for gi in set(gpu.gpm) - {d.gpu_instance_id for d in gpu.mig}:
             self._free_gpm(gpu, gi)
 
-    def _mig_samples(self, index: int, gpu: _Gpu, errors: list[str]) -> tuple[MigSample, ...]:
-        utilization = {gi: self._gpm(index, gpu, errors, gi) for gi in _gis(gpu.mig)}
+    def _mig_samples(self, gpu: _Gpu, errors: list[str]) -> tuple[MigSample, ...]:
+        utilization = {gi: self._gpm(gpu, errors, gi) for gi in _gis(gpu.mig)}
         out: list[MigSample] = []
         for d in gpu.mig:
             try:
-                m = self._call(index, "nvmlDeviceGetMemoryInfo", d.handle)
+                m = gpu.api.nvmlDeviceGetMemoryInfo(d.handle)
             except NvmlGpuLost as exc:
                 raise _Lost() from exc
             except (NvmlInvalidArgument, NvmlNotFound):
                 gpu.mig_stale = True  # the MIG device was destroyed
                 continue
-            except NvmlError:
-                errors.append("nvmlDeviceGetMemoryInfo")
+            except NvmlError as exc:
+                errors.append(exc.call)
                 m = None
             out.append(
                 MigSample(
                     gpu_instance_id=d.gpu_instance_id,
                     compute_instance_id=d.compute_instance_id,
                     uuid=d.uuid,
-                    memory_used_bytes=None if m is None else int(m.used),
-                    memory_total_bytes=None if m is None else int(m.total),
+                    memory_used_bytes=None if m is None else m.used,
+                    memory_total_bytes=None if m is None else m.total,
                     utilization=utilization.get(d.gpu_instance_id),
                 )
             )
         return tuple(out)
 
-    def _gpm(self, index: int, gpu: _Gpu, errors: list[str], gi: int) -> float | None:
+    def _gpm(self, gpu: _Gpu, errors: list[str], gi: int) -> float | None:
         """SM utilization (0-1) of GPU instance ``gi`` since the previous read, from GPM."""
-        if not self._gpm_supported(index, gpu):
+        if not self._gpm_supported(gpu):
             return None
+        api = gpu.api
         state = gpu.gpm.get(gi)
         if state is None:
-            a = self._get(index, gpu, errors, "gpm", "nvmlGpmSampleAlloc")
-            b = self._get(index, gpu, errors, "gpm", "nvmlGpmSampleAlloc") if a else None
+            a = self._get(gpu, errors, "gpm", api.nvmlGpmSampleAlloc)
+            b = self._get(gpu, errors, "gpm", api.nvmlGpmSampleAlloc) if a else None
             if a is None or b is None:
                 if a is not None:
-                    self._free_sample(a)
+                    _free_sample(api, a)
                 return None
             state = gpu.gpm[gi] = _Gpm(buffers=(a, b))
         current = state.buffers[1] if state.previous is state.buffers[0] else state.buffers[0]
-        taken = self._get(index, gpu, errors, "gpm", "nvmlGpmMigSampleGet", gpu.handle, gi, current)
+        taken = self._get(gpu, errors, "gpm", api.nvmlGpmMigSampleGet, gpu.handle, gi, current)
         if taken is None:
             state.previous = None
             return None
         previous, state.previous = state.previous, current
         if previous is None:
             return None
-        m = self._m
-        request = m.c_nvmlGpmMetricsGet_t()
+        request = api.c_nvmlGpmMetricsGet_t()
         request.version = _GPM_METRICS_GET_VERSION
         request.numMetrics = 1
         request.sample1 = previous
         request.sample2 = current
         request.metrics[0].metricId = _GPM_SM_UTIL
-        result = self._get(index, gpu, errors, "gpm_metrics", "nvmlGpmMetricsGet", request)
-        if result is None or int(result.metrics[0].nvmlReturn) != _SUCCESS:
+        result = self._get(gpu, errors, "gpm_metrics", api.nvmlGpmMetricsGet, request)
+        if result is None or result.metrics[0].nvmlReturn != _SUCCESS:
             return None
-        return min(1.0, max(0.0, float(result.metrics[0].value) / 100))
+        return min(1.0, max(0.0, result.metrics[0].value / 100))
 
-    def _gpm_supported(self, index: int, gpu: _Gpu) -> bool:
+    def _gpm_supported(self, gpu: _Gpu) -> bool:
         """Asked once per handle (``nvmlGpmQueryDeviceSupport``); False without GPM calls."""
         if gpu.gpm_supported is None:
             gpu.gpm_supported = False
-            if hasattr(self._m, "nvmlGpmMigSampleGet"):
+            if hasattr(gpu.api, "nvmlGpmMigSampleGet"):
                 try:
-                    support = self._call(index, "nvmlGpmQueryDeviceSupport", gpu.handle)
+                    support = gpu.api.nvmlGpmQueryDeviceSupport(gpu.handle)
                     gpu.gpm_supported = bool(support.isSupportedDevice)
                 except NvmlGpuLost as exc:
                     raise _Lost() from exc
@@ -452,30 +471,26 @@ class TelemetryReader:
                     pass
         return gpu.gpm_supported
 
-    def _free_sample(self, sample: Any) -> None:
-        with contextlib.suppress(NvmlError):
-            self._nvml._call("nvmlGpmSampleFree", sample)
-
     def _free_gpm(self, gpu: _Gpu, gi: int) -> None:
         state = gpu.gpm.pop(gi, None)
         if state is not None:
             for s in state.buffers:
-                self._free_sample(s)
+                _free_sample(gpu.api, s)
+
+
+def _free_sample(api: NvmlApi, sample: GpmSample) -> None:
+    with contextlib.suppress(NvmlError):
+        api.nvmlGpmSampleFree(sample)
 
 
 def _gis(devices: tuple[_MigDevice, ...]) -> list[int]:
     return sorted({d.gpu_instance_id for d in devices})
 
 
-def _instance_id(value: Any) -> int | None:
-    if value is None or int(value) == NOT_MIG:
+def _instance_id(value: int | None) -> int | None:
+    if value is None or value == NOT_MIG:
         return None
-    return int(value)
-
-
-def _reserved(memory: Any | None) -> int | None:
-    reserved = getattr(memory, "reserved", None) if memory is not None else None
-    return None if reserved is None else int(reserved)
+    return value
 
 
 def _scaled(value: float | None, factor: float) -> float | None:

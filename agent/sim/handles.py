@@ -5,7 +5,9 @@ Handles are instances of subclasses of pynvml's own pointer types (``c_nvmlDevic
 stored in the ctypes arrays and structs that NVML fills (``nvmlDeviceGetGpuInstances``,
 ``c_nvmlGpuInstanceInfo_t.device``) and read back as plain pynvml pointers. The pointer value is
 never dereferenced; it encodes what the handle names (kind, GPU index, GI id, CI id), so a handle
-read back from an array still resolves. Encoding and decoding are pure.
+read back from an array still resolves. Encoding and decoding are pure. :func:`device`,
+:func:`gpu_instance` and :func:`compute_instance` make them, typed as the opaque handle types of
+:mod:`agent.nvml.api`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import pynvml
 
+from agent.nvml import api
 from agent.sim.mig import nvml_error
 
 _TAG = 0x7E55  # top 16 bits of every simulated handle
@@ -112,11 +115,28 @@ _CLASSES: dict[int, type[Any]] = {
 }
 
 
-def make(ref: Ref) -> Any:
-    """A new handle object for ``ref``."""
+def _make(ref: Ref) -> Any:
     handle = _CLASSES[ref.kind]()
     ctypes.c_void_p.from_buffer(handle).value = encode(ref)
     return handle
+
+
+def device(ref: Ref) -> api.DeviceHandle:
+    """A new handle for a GPU (``KIND_GPU``) or a MIG device (``KIND_MIG``)."""
+    assert ref.kind in (KIND_GPU, KIND_MIG)
+    return api.DeviceHandle(_make(ref))
+
+
+def gpu_instance(ref: Ref) -> api.GpuInstanceHandle:
+    """A new handle for a GPU instance (``KIND_GI``)."""
+    assert ref.kind == KIND_GI
+    return api.GpuInstanceHandle(_make(ref))
+
+
+def compute_instance(ref: Ref) -> api.ComputeInstanceHandle:
+    """A new handle for a compute instance (``KIND_CI``)."""
+    assert ref.kind == KIND_CI
+    return api.ComputeInstanceHandle(_make(ref))
 
 
 # -- by-reference arguments ---------------------------------------------------------------------

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from agent.fsutil import atomic_write
 from agent.node import NodeSource
+from agent.nvml.api import NvmlApi
 from agent.nvml.facade import Nvml
 from agent.sim.driverroot import write_driver_root
 from agent.sim.model import load_model
@@ -32,11 +33,12 @@ def simulated_node(
         sysfs_root = sim_dir / "sys"
         write_sysfs(model, sysfs_root)
     fake = FakeNvml(model, sim_dir, mig_layout=mig_layout)
+    api: NvmlApi = fake  # mypy proves that the simulator has the NVML surface the agent uses
     if driver_root is None:
         driver_root = sim_dir / "driver-root"
         write_driver_root(model, driver_root)
     return NodeSource(
-        nvml=Nvml(fake),
+        nvml=Nvml(api),
         sysfs_root=sysfs_root,
         hostname=node_name or model.hostname,
         model=model.name,

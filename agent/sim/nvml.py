@@ -15,6 +15,13 @@ decodes, ``c_uint`` from ``nvmlDeviceIsMigDeviceHandle``) and raises pynvml's ow
 class too (``FakeNvml.NVML_ERROR_NOT_FOUND``, ``FakeNvml.NVMLError``, ``FakeNvml.nvmlMemory_v2``).
 Units are NVML's: bytes for memory, MiB for MIG profile ``memorySizeMB``.
 
+``FakeNvml`` satisfies :class:`agent.nvml.api.NvmlApi`, the NVML surface the agent uses; mypy
+checks it where the simulated node builds the facade (:mod:`agent.sim.node`). Its methods are
+typed with that module's opaque handle types (made by :mod:`agent.sim.handles`) and struct
+shapes; the pynvml structs it fills are untyped and cast to those shapes, which
+``tests/sim/test_signatures.py`` checks against pynvml's fields. A call the agent starts to make
+is a method here with pynvml's signature (that test compares them) plus its line in ``NvmlApi``.
+
 Simulator controls (not pynvml functions): ``reset_gpu(index)``, ``apply_mig_layout(name)``,
 ``state``, ``state_dir`` (see :class:`agent.sim.nvml_core.NvmlCore`); the load and faults
 (``set_load``, ``add_process``, ``inject_xid``, ``lose_gpu``, ``reload_driver``, …, see
@@ -29,10 +36,11 @@ from __future__ import annotations
 
 import re
 import uuid as uuidlib
-from typing import Any
+from typing import Any, cast, overload
 
 import pynvml
 
+from agent.nvml import api
 from agent.sim import handles
 from agent.sim.handles import Ref
 from agent.sim.mig import nvml_error
@@ -64,6 +72,17 @@ def mig_uuid(parent_uuid: str, gi_id: int, ci_id: int) -> str:
 
 class FakeNvml(TelemetryCalls, EventCalls, GpmCalls, MigCalls):
     """The simulated pynvml module for one node model (see the module docstring)."""
+
+    # pynvml's constants and types that agent.nvml.api.NvmlApi names, declared so that mypy
+    # checks the simulator against it; the other ones are copied at the end of the module.
+    NVMLError: type[Exception] = pynvml.NVMLError
+    NVML_GPU_INSTANCE_PROFILE_COUNT: int = pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT
+    NVML_NVLINK_MAX_LINKS: int = pynvml.NVML_NVLINK_MAX_LINKS
+    nvmlMemory_v2: api.MemoryInfoVersion = pynvml.nvmlMemory_v2
+    c_nvmlGpuInstancePlacement_t: api.StructType[api.GpuInstancePlacement] = (
+        pynvml.c_nvmlGpuInstancePlacement_t
+    )
+    c_nvmlGpmMetricsGet_t: api.StructType[api.GpmMetricsGet] = pynvml.c_nvmlGpmMetricsGet_t
 
     _link_table: dict[int, tuple[LinkEnd | None, ...]] | None = None
 
@@ -102,13 +121,13 @@ class FakeNvml(TelemetryCalls, EventCalls, GpmCalls, MigCalls):
         self._require_init()
         return len(self.model.gpus)
 
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> api.DeviceHandle:
         self._require_init()
         if not isinstance(index, int) or index not in self._slots:
             raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT, f"no GPU index {index!r}")
-        return handles.make(Ref(handles.KIND_GPU, index))
+        return handles.device(Ref(handles.KIND_GPU, index))
 
-    def nvmlDeviceGetHandleByPciBusId(self, pciBusId: str | bytes) -> Any:
+    def nvmlDeviceGetHandleByPciBusId(self, pciBusId: str | bytes) -> api.DeviceHandle:
         """Accepts NVML's forms: ``domain:bus:device.function``, ``domain:bus:device``,
         ``bus:device.function`` (hex, any case)."""
         self._require_init()
@@ -121,10 +140,10 @@ class FakeNvml(TelemetryCalls, EventCalls, GpmCalls, MigCalls):
         for g in self.model.gpus:
             d, b, rest = g.bus.split(":")
             if (int(d, 16), int(b, 16), int(rest.split(".")[0], 16)) == want:
-                return handles.make(Ref(handles.KIND_GPU, g.index))
+                return handles.device(Ref(handles.KIND_GPU, g.index))
         raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND, f"no GPU at {text!r}")
 
-    def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> Any:
+    def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> api.DeviceHandle:
         """GPU UUIDs (``GPU-…``) and MIG device UUIDs (``MIG-…``)."""
         self._require_init()
         text = _text(uuid)
@@ -133,61 +152,73 @@ class FakeNvml(TelemetryCalls, EventCalls, GpmCalls, MigCalls):
         state = self.state
         for g in self.model.gpus:
             if g.uuid == text:
-                return handles.make(Ref(handles.KIND_GPU, g.index))
+                return handles.device(Ref(handles.KIND_GPU, g.index))
             for gi, ci in state.gpus[g.index].mig_devices():
                 if mig_uuid(g.uuid, gi.id, ci.id) == text:
-                    return handles.make(Ref(handles.KIND_MIG, g.index, gi.id, ci.id))
+                    return handles.device(Ref(handles.KIND_MIG, g.index, gi.id, ci.id))
         raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND, f"no device with UUID {text!r}")
 
     # -- identity --------------------------------------------------------------------------------
-    def nvmlDeviceGetIndex(self, handle: Any) -> int:
+    def nvmlDeviceGetIndex(self, handle: api.DeviceHandle) -> int:
         return self._gpu(handle).index
 
-    def nvmlDeviceGetMinorNumber(self, handle: Any) -> int:
+    def nvmlDeviceGetMinorNumber(self, handle: api.DeviceHandle) -> int:
         """``/dev/nvidia<minor>``: the NVML index in this simulator."""
         return self._gpu(handle).index
 
-    def nvmlDeviceGetUUID(self, handle: Any) -> str:
+    def nvmlDeviceGetUUID(self, handle: api.DeviceHandle) -> str:
         slot, instance = self._device(handle)
         if instance is None:
             return slot.uuid
         return mig_uuid(slot.uuid, instance[0].id, instance[1].id)
 
-    def nvmlDeviceGetName(self, handle: Any) -> str:
+    def nvmlDeviceGetName(self, handle: api.DeviceHandle) -> str:
         """The product name; for a MIG device ``<product> MIG <profile>``."""
         slot, instance = self._device(handle)
         if instance is None:
             return slot.spec.name
         return f"{slot.spec.name} MIG {slot.spec.profile(instance[0].profile_id).name}"
 
-    def nvmlDeviceGetBrand(self, handle: Any) -> int:
+    def nvmlDeviceGetBrand(self, handle: api.DeviceHandle) -> int:
         return self._device(handle)[0].spec.brand
 
-    def nvmlDeviceGetSerial(self, handle: Any) -> str:
+    def nvmlDeviceGetSerial(self, handle: api.DeviceHandle) -> str:
         return self._gpu(handle).serial
 
-    def nvmlDeviceGetArchitecture(self, device: Any) -> int:
+    def nvmlDeviceGetArchitecture(self, device: api.DeviceHandle) -> int:
         return self._device(device)[0].spec.architecture
 
-    def nvmlDeviceGetCudaComputeCapability(self, handle: Any) -> tuple[int, int]:
+    def nvmlDeviceGetCudaComputeCapability(self, handle: api.DeviceHandle) -> tuple[int, int]:
         return self._device(handle)[0].spec.compute_capability
 
-    def nvmlDeviceGetPciInfo_v3(self, handle: Any) -> Any:
+    def nvmlDeviceGetPciInfo_v3(self, handle: api.DeviceHandle) -> api.PciInfo:
         """The GPU's PCI info (a MIG device reports its parent's)."""
         slot = self._device(handle)[0]
         subsystem = (slot.spec.pci_device_id & 0xFFFF0000) | 0x10DE
         return pci_info(slot.bus, slot.spec.pci_device_id, subsystem)
 
-    def nvmlDeviceGetPciInfo(self, handle: Any) -> Any:
+    def nvmlDeviceGetPciInfo(self, handle: api.DeviceHandle) -> api.PciInfo:
         return self.nvmlDeviceGetPciInfo_v3(handle)
 
-    def nvmlDeviceGetNumaNodeId(self, handle: Any) -> int:
+    def nvmlDeviceGetNumaNodeId(self, handle: api.DeviceHandle) -> int:
         """Only GPUs that are NUMA nodes themselves (Grace) answer; none of these models do."""
         self._gpu(handle)
         raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED, "the GPU is not a NUMA node (x86)")
 
     # -- memory ----------------------------------------------------------------------------------
-    def nvmlDeviceGetMemoryInfo(self, handle: Any, version: Any = None) -> Any:
+    @overload
+    def nvmlDeviceGetMemoryInfo(
+        self, handle: api.DeviceHandle, version: None = None
+    ) -> api.Memory: ...
+
+    @overload
+    def nvmlDeviceGetMemoryInfo(
+        self, handle: api.DeviceHandle, version: api.MemoryInfoVersion
+    ) -> api.MemoryV2: ...
+
+    def nvmlDeviceGetMemoryInfo(
+        self, handle: api.DeviceHandle, version: api.MemoryInfoVersion | None = None
+    ) -> api.Memory | api.MemoryV2:
         """Bytes. A whole GPU reserves :data:`RESERVED_MIB` (v1 counts it as used); a MIG device
         has its GPU instance's memory and nothing reserved. ``used`` follows the load: scripted
         memory plus the processes' (a MIG device: its processes')."""
@@ -202,7 +233,7 @@ class FakeNvml(TelemetryCalls, EventCalls, GpmCalls, MigCalls):
         if not version:
             v1 = pynvml.c_nvmlMemory_t()
             v1.total, v1.used, v1.free = total, reserved + used, total - reserved - used
-            return v1
+            return cast(api.Memory, v1)
         if version != pynvml.nvmlMemory_v2:
             raise nvml_error(
                 pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH, f"memory info version {version:#x}"
@@ -211,10 +242,10 @@ class FakeNvml(TelemetryCalls, EventCalls, GpmCalls, MigCalls):
         v2.version = version
         v2.total, v2.reserved, v2.used = total, reserved, used
         v2.free = total - reserved - used
-        return v2
+        return cast(api.MemoryV2, v2)
 
     # -- NVLink ----------------------------------------------------------------------------------
-    def _link(self, device: Any, link: int) -> LinkEnd | None:
+    def _link(self, device: api.DeviceHandle, link: int) -> LinkEnd | None:
         """NOT_SUPPORTED without NVLink; INVALID_ARGUMENT for a link the GPU does not have."""
         slot = self._gpu(device)
         if self._link_table is None:
@@ -228,22 +259,22 @@ class FakeNvml(TelemetryCalls, EventCalls, GpmCalls, MigCalls):
             )
         return ends[link]
 
-    def _active_link(self, device: Any, link: int) -> LinkEnd:
+    def _active_link(self, device: api.DeviceHandle, link: int) -> LinkEnd:
         end = self._link(device, link)
         if end is None:
             raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED, f"NVLink {link} is not active")
         return end
 
-    def nvmlDeviceGetNvLinkState(self, device: Any, link: int) -> int:
+    def nvmlDeviceGetNvLinkState(self, device: api.DeviceHandle, link: int) -> int:
         """NVML_FEATURE_ENABLED (1) for an active link, else NVML_FEATURE_DISABLED (0)."""
         return 1 if self._link(device, link) is not None else 0
 
-    def nvmlDeviceGetNvLinkRemotePciInfo(self, device: Any, link: int) -> Any:
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, device: api.DeviceHandle, link: int) -> api.PciInfo:
         """The remote end's PCI info (``pciSubSystemId`` is not filled, as in NVML)."""
         end = self._active_link(device, link)
         return pci_info(end.bus, end.pci_device_id, 0)
 
-    def nvmlDeviceGetNvLinkRemoteDeviceType(self, handle: Any, link: int) -> int:
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, handle: api.DeviceHandle, link: int) -> int:
         """NVML_NVLINK_DEVICE_TYPE_GPU (0) or _SWITCH (2)."""
         return self._active_link(handle, link).device_type
 

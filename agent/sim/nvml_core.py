@@ -11,11 +11,12 @@ import ctypes
 import inspect
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import pynvml
 
 from agent.errors import ConfigError
+from agent.nvml import api
 from agent.sim import handles, layouts, mig
 from agent.sim.errors import ModelError
 from agent.sim.handles import Ref
@@ -58,7 +59,7 @@ def sysfs_to_nvml_bus_id(bus: str) -> str:
     return f"{int(domain, 16):08X}:{int(b, 16):02X}:{int(dev, 16):02X}.{int(fn, 16):X}"
 
 
-def pci_info(bus: str, device_id: int, subsystem_id: int) -> Any:
+def pci_info(bus: str, device_id: int, subsystem_id: int) -> api.PciInfo:
     """A filled ``nvmlPciInfo_t`` for a device at sysfs address ``bus``."""
     domain, b, rest = bus.split(":")
     dev, _fn = rest.split(".")
@@ -74,7 +75,7 @@ def pci_info(bus: str, device_id: int, subsystem_id: int) -> Any:
         info.bus,
         info.device,
     )
-    return info
+    return cast(api.PciInfo, info)
 
 
 class NvmlCore:

@@ -12,10 +12,11 @@ Each method resolves its handles, then reads the state or applies a pure rule fr
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+from typing import Any, Literal, cast, overload
 
 import pynvml
 
+from agent.nvml import api
 from agent.sim import handles, mig
 from agent.sim.handles import OutArray, Ref
 from agent.sim.mig import nvml_error
@@ -52,27 +53,41 @@ class MigCalls(NvmlCore):
     """nvmlDevice*Mig*, nvmlDevice*GpuInstance*, nvmlGpuInstance*, nvmlComputeInstance*."""
 
     # -- helpers -------------------------------------------------------------------------------
-    def _gi_handle(self, gpu: int, gi: GpuInstance) -> Any:
-        return handles.make(Ref(handles.KIND_GI, gpu, gi.id))
+    def _gi_handle(self, gpu: int, gi: GpuInstance) -> api.GpuInstanceHandle:
+        return handles.gpu_instance(Ref(handles.KIND_GI, gpu, gi.id))
 
-    def _ci_handle(self, gpu: int, gi: GpuInstance, ci: ComputeInstance) -> Any:
-        return handles.make(Ref(handles.KIND_CI, gpu, gi.id, ci.id))
+    def _ci_handle(
+        self, gpu: int, gi: GpuInstance, ci: ComputeInstance
+    ) -> api.ComputeInstanceHandle:
+        return handles.compute_instance(Ref(handles.KIND_CI, gpu, gi.id, ci.id))
 
     # -- MIG mode --------------------------------------------------------------------------------
-    def nvmlDeviceGetMigMode(self, device: Any) -> list[int]:
+    def nvmlDeviceGetMigMode(self, device: api.DeviceHandle) -> list[int]:
         slot = self._gpu(device)
         mig.require_mig_capable(slot.spec)
         g = self._gpu_state(slot.index)
         return [int(g.mig_current), int(g.mig_pending)]
 
-    def nvmlDeviceSetMigMode(self, device: Any, mode: int) -> int:
+    def nvmlDeviceSetMigMode(self, device: api.DeviceHandle, mode: int) -> int:
         slot = self._gpu(device)
         return self._update_gpu(slot.index, lambda g: mig.set_mig_mode(g, slot.spec, mode))
 
     # -- GPU instance profiles ---------------------------------------------------------------------
+    @overload
     def nvmlDeviceGetGpuInstanceProfileInfo(
-        self, device: Any, profile: int, version: int = 2
+        self, device: api.DeviceHandle, profile: int, version: Literal[2] = 2
+    ) -> api.GpuInstanceProfileInfo: ...
+
+    @overload
+    def nvmlDeviceGetGpuInstanceProfileInfo(
+        self, device: api.DeviceHandle, profile: int, version: int
+    ) -> Any: ...
+
+    def nvmlDeviceGetGpuInstanceProfileInfo(
+        self, device: api.DeviceHandle, profile: int, version: int = 2
     ) -> Any:
+        """Version 2 (``c_nvmlGpuInstanceProfileInfo_v2_t``, with the name) by default; 1
+        (``c_nvmlGpuInstanceProfileInfo_t``) on request."""
         if version not in (1, 2):
             raise nvml_error(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND, f"no version {version}")
         slot = self._gpu(device)
@@ -80,14 +95,17 @@ class MigCalls(NvmlCore):
 
     nvmlDeviceGetGpuInstanceProfileInfoV = nvmlDeviceGetGpuInstanceProfileInfo
 
-    def nvmlDeviceGetGpuInstanceProfileInfoById(self, device: Any, profileId: int) -> Any:
+    def nvmlDeviceGetGpuInstanceProfileInfoById(
+        self, device: api.DeviceHandle, profileId: int
+    ) -> api.GpuInstanceProfileInfo:
         slot = self._gpu(device)
-        return _gi_profile_info(slot.spec, mig.gi_profile(slot.spec, profileId), 2)
+        info = _gi_profile_info(slot.spec, mig.gi_profile(slot.spec, profileId), 2)
+        return cast(api.GpuInstanceProfileInfo, info)
 
     nvmlDeviceGetGpuInstanceProfileInfoByIdV = nvmlDeviceGetGpuInstanceProfileInfoById
 
     def nvmlDeviceGetGpuInstancePossiblePlacements(
-        self, device: Any, profileId: int, placementsRef: Any, countRef: Any
+        self, device: api.DeviceHandle, profileId: int, placementsRef: object, countRef: object
     ) -> int:
         """Every placement of the profile's table, MIG enabled or not; NULL array: count only."""
         slot = self._gpu(device)
@@ -101,12 +119,16 @@ class MigCalls(NvmlCore):
         count.value = len(p.placement_starts)
         return int(pynvml.NVML_SUCCESS)
 
-    def nvmlDeviceGetGpuInstanceRemainingCapacity(self, device: Any, profileId: int) -> int:
+    def nvmlDeviceGetGpuInstanceRemainingCapacity(
+        self, device: api.DeviceHandle, profileId: int
+    ) -> int:
         slot = self._gpu(device)
         return mig.remaining_capacity(self._gpu_state(slot.index), slot.spec, profileId)
 
     # -- GPU instances ----------------------------------------------------------------------------
-    def nvmlDeviceCreateGpuInstance(self, device: Any, profileId: int) -> Any:
+    def nvmlDeviceCreateGpuInstance(
+        self, device: api.DeviceHandle, profileId: int
+    ) -> api.GpuInstanceHandle:
         slot = self._gpu(device)
         gi = self._update_gpu(
             slot.index, lambda g: mig.create_gpu_instance(g, slot.spec, profileId)
@@ -114,8 +136,8 @@ class MigCalls(NvmlCore):
         return self._gi_handle(slot.index, gi)
 
     def nvmlDeviceCreateGpuInstanceWithPlacement(
-        self, device: Any, profileId: int, placement: Any
-    ) -> Any:
+        self, device: api.DeviceHandle, profileId: int, placement: object
+    ) -> api.GpuInstanceHandle:
         """``placement`` is ``byref(c_nvmlGpuInstancePlacement_t(start, size))``."""
         slot = self._gpu(device)
         pl = handles.in_struct(placement, pynvml.c_nvmlGpuInstancePlacement_t, "placement")
@@ -126,7 +148,7 @@ class MigCalls(NvmlCore):
         return self._gi_handle(slot.index, gi)
 
     def nvmlDeviceGetGpuInstances(
-        self, device: Any, profileId: int, gpuInstancesRef: Any, countRef: Any
+        self, device: api.DeviceHandle, profileId: int, gpuInstancesRef: object, countRef: object
     ) -> int:
         slot = self._gpu(device)
         g = self._gpu_state(slot.index)
@@ -141,29 +163,31 @@ class MigCalls(NvmlCore):
         count.value = len(found)
         return int(pynvml.NVML_SUCCESS)
 
-    def nvmlDeviceGetGpuInstanceById(self, device: Any, gpuInstanceId: int) -> Any:
+    def nvmlDeviceGetGpuInstanceById(
+        self, device: api.DeviceHandle, gpuInstanceId: int
+    ) -> api.GpuInstanceHandle:
         slot = self._gpu(device)
         g = self._gpu_state(slot.index)
         mig.require_mig_enabled(g, slot.spec)
         return self._gi_handle(slot.index, mig.find_gpu_instance(g, gpuInstanceId))
 
-    def nvmlGpuInstanceGetInfo(self, gpuInstance: Any) -> Any:
+    def nvmlGpuInstanceGetInfo(self, gpuInstance: api.GpuInstanceHandle) -> api.GpuInstanceInfo:
         slot, gi = self._gpu_instance(gpuInstance)
         info = pynvml.c_nvmlGpuInstanceInfo_t()
-        info.device = handles.make(Ref(handles.KIND_GPU, slot.index))
+        info.device = handles.device(Ref(handles.KIND_GPU, slot.index))
         info.id = gi.id
         info.profileId = gi.profile_id
         info.placement = pynvml.c_nvmlGpuInstancePlacement_t(gi.start, gi.size)
-        return info
+        return cast(api.GpuInstanceInfo, info)
 
-    def nvmlGpuInstanceDestroy(self, gpuInstance: Any) -> int:
+    def nvmlGpuInstanceDestroy(self, gpuInstance: api.GpuInstanceHandle) -> int:
         slot, gi = self._gpu_instance(gpuInstance)
         self._update_gpu(slot.index, lambda g: (mig.destroy_gpu_instance(g, gi.id), None))
         return int(pynvml.NVML_SUCCESS)
 
     # -- compute instances ------------------------------------------------------------------------
     def nvmlGpuInstanceGetComputeInstanceProfileInfo(
-        self, device: Any, profile: int, engProfile: int, version: int = 2
+        self, device: api.GpuInstanceHandle, profile: int, engProfile: int, version: int = 2
     ) -> Any:
         """``device`` is a GPU-instance handle (pynvml's parameter name)."""
         if version not in (1, 2):
@@ -193,7 +217,9 @@ class MigCalls(NvmlCore):
 
     nvmlGpuInstanceGetComputeInstanceProfileInfoV = nvmlGpuInstanceGetComputeInstanceProfileInfo
 
-    def nvmlGpuInstanceCreateComputeInstance(self, gpuInstance: Any, profileId: int) -> Any:
+    def nvmlGpuInstanceCreateComputeInstance(
+        self, gpuInstance: api.GpuInstanceHandle, profileId: int
+    ) -> api.ComputeInstanceHandle:
         slot, gi = self._gpu_instance(gpuInstance)
         ci = self._update_gpu(
             slot.index, lambda g: mig.create_compute_instance(g, slot.spec, gi.id, profileId)
@@ -201,8 +227,8 @@ class MigCalls(NvmlCore):
         return self._ci_handle(slot.index, gi, ci)
 
     def nvmlGpuInstanceCreateComputeInstanceWithPlacement(
-        self, gpuInstance: Any, profileId: int, placement: Any
-    ) -> Any:
+        self, gpuInstance: api.GpuInstanceHandle, profileId: int, placement: object
+    ) -> api.ComputeInstanceHandle:
         """``placement`` is ``byref(c_nvmlComputeInstancePlacement_t(start, size))``."""
         slot, gi = self._gpu_instance(gpuInstance)
         pl = handles.in_struct(placement, pynvml.c_nvmlComputeInstancePlacement_t, "placement")
@@ -214,7 +240,11 @@ class MigCalls(NvmlCore):
         return self._ci_handle(slot.index, gi, ci)
 
     def nvmlGpuInstanceGetComputeInstances(
-        self, gpuInstance: Any, profileId: int, computeInstancesRef: Any, countRef: Any
+        self,
+        gpuInstance: api.GpuInstanceHandle,
+        profileId: int,
+        computeInstancesRef: object,
+        countRef: object,
     ) -> int:
         slot, gi = self._gpu_instance(gpuInstance)
         mig.ci_profile(slot.spec, gi, profileId)
@@ -228,8 +258,8 @@ class MigCalls(NvmlCore):
         return int(pynvml.NVML_SUCCESS)
 
     def nvmlGpuInstanceGetComputeInstanceById(
-        self, gpuInstance: Any, computeInstanceId: int
-    ) -> Any:
+        self, gpuInstance: api.GpuInstanceHandle, computeInstanceId: int
+    ) -> api.ComputeInstanceHandle:
         slot, gi = self._gpu_instance(gpuInstance)
         ci = gi.compute_instance(computeInstanceId)
         if ci is None:
@@ -239,26 +269,26 @@ class MigCalls(NvmlCore):
         return self._ci_handle(slot.index, gi, ci)
 
     def nvmlGpuInstanceGetComputeInstanceRemainingCapacity(
-        self, gpuInstance: Any, profileId: int
+        self, gpuInstance: api.GpuInstanceHandle, profileId: int
     ) -> int:
         slot, gi = self._gpu_instance(gpuInstance)
         g = self._gpu_state(slot.index)
         return mig.ci_remaining_capacity(g, slot.spec, gi.id, profileId)
 
-    def nvmlComputeInstanceGetInfo(self, computeInstance: Any) -> Any:
+    def nvmlComputeInstanceGetInfo(self, computeInstance: api.ComputeInstanceHandle) -> Any:
         slot, gi, ci = self._compute_instance(computeInstance)
         info = pynvml.c_nvmlComputeInstanceInfo_t()
-        info.device = handles.make(Ref(handles.KIND_GPU, slot.index))
+        info.device = handles.device(Ref(handles.KIND_GPU, slot.index))
         info.gpuInstance = self._gi_handle(slot.index, gi)
         info.id = ci.id
         info.profileId = ci.profile_id
         info.placement = pynvml.c_nvmlComputeInstancePlacement_t(ci.start, ci.size)
         return info
 
-    def nvmlComputeInstanceGetInfo_v2(self, computeInstance: Any) -> Any:
+    def nvmlComputeInstanceGetInfo_v2(self, computeInstance: api.ComputeInstanceHandle) -> Any:
         return self.nvmlComputeInstanceGetInfo(computeInstance)
 
-    def nvmlComputeInstanceDestroy(self, computeInstance: Any) -> int:
+    def nvmlComputeInstanceDestroy(self, computeInstance: api.ComputeInstanceHandle) -> int:
         slot, gi, ci = self._compute_instance(computeInstance)
         self._update_gpu(
             slot.index, lambda g: (mig.destroy_compute_instance(g, gi.id, ci.id), None)
@@ -266,13 +296,15 @@ class MigCalls(NvmlCore):
         return int(pynvml.NVML_SUCCESS)
 
     # -- MIG devices ------------------------------------------------------------------------------
-    def nvmlDeviceGetMaxMigDeviceCount(self, device: Any) -> int:
+    def nvmlDeviceGetMaxMigDeviceCount(self, device: api.DeviceHandle) -> int:
         """7 on a MIG-enabled GPU, 0 when MIG is unsupported or disabled."""
         slot = self._gpu(device)
         enabled = slot.spec.mig_capable and self._gpu_state(slot.index).mig_current
         return MAX_MIG_DEVICES if enabled else 0
 
-    def nvmlDeviceGetMigDeviceHandleByIndex(self, device: Any, index: int) -> Any:
+    def nvmlDeviceGetMigDeviceHandleByIndex(
+        self, device: api.DeviceHandle, index: int
+    ) -> api.DeviceHandle:
         """MIG devices in (GI id, CI id) order; NOT_FOUND for an empty index below the maximum."""
         slot = self._gpu(device)
         g = self._gpu_state(slot.index)
@@ -283,26 +315,28 @@ class MigCalls(NvmlCore):
         if index >= len(pairs):
             raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND, f"no MIG device at index {index}")
         gi, ci = pairs[index]
-        return handles.make(Ref(handles.KIND_MIG, slot.index, gi.id, ci.id))
+        return handles.device(Ref(handles.KIND_MIG, slot.index, gi.id, ci.id))
 
-    def nvmlDeviceIsMigDeviceHandle(self, device: Any) -> Any:
+    def nvmlDeviceIsMigDeviceHandle(self, device: api.DeviceHandle) -> ctypes.c_uint:
         """A ``ctypes.c_uint`` (use ``.value``), as pynvml returns it."""
         _, instance = self._device(device)
         return ctypes.c_uint(1 if instance is not None else 0)
 
-    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, migDevice: Any) -> Any:
+    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(
+        self, migDevice: api.DeviceHandle
+    ) -> api.DeviceHandle:
         ref = self._ref(migDevice, pynvml.c_nvmlDevice_t, (handles.KIND_MIG,))
         self._live(ref, migDevice)
-        return handles.make(Ref(handles.KIND_GPU, ref.gpu))
+        return handles.device(Ref(handles.KIND_GPU, ref.gpu))
 
-    def _mig_instance(self, device: Any) -> tuple[GpuInstance, ComputeInstance]:
+    def _mig_instance(self, device: api.DeviceHandle) -> tuple[GpuInstance, ComputeInstance]:
         _, instance = self._device(device)
         if instance is None:
             raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED, "not a MIG device handle")
         return instance
 
-    def nvmlDeviceGetGpuInstanceId(self, device: Any) -> int:
+    def nvmlDeviceGetGpuInstanceId(self, device: api.DeviceHandle) -> int:
         return self._mig_instance(device)[0].id
 
-    def nvmlDeviceGetComputeInstanceId(self, device: Any) -> int:
+    def nvmlDeviceGetComputeInstanceId(self, device: api.DeviceHandle) -> int:
         return self._mig_instance(device)[1].id

@@ -10,10 +10,12 @@ or per-process utilization (NOT_SUPPORTED), as on real drivers.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import pynvml
 
+from agent.nvml import api
 from agent.sim import telemetry_model as tm
 from agent.sim.mig import nvml_error
 from agent.sim.model import GpuSlot
@@ -53,11 +55,11 @@ class TelemetryCalls(TelemetryBase):
     def _now_us(self) -> int:
         return int(self._clock() * 1_000_000)
 
-    def _whole(self, call: str, handle: Any) -> tuple[GpuSlot, SimGpu]:
+    def _whole(self, call: str, handle: api.DeviceHandle) -> tuple[GpuSlot, SimGpu]:
         slot, _, g = self._telemetry_device(call, handle, mig_handle=False)
         return slot, g
 
-    def _parent(self, call: str, handle: Any) -> tuple[GpuSlot, SimGpu]:
+    def _parent(self, call: str, handle: api.DeviceHandle) -> tuple[GpuSlot, SimGpu]:
         slot, _, g = self._telemetry_device(call, handle, mig_handle=True)
         return slot, g
 
@@ -66,45 +68,45 @@ class TelemetryCalls(TelemetryBase):
             raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED, f"{call}: GPU is in MIG mode")
 
     # -- utilization, power, energy ------------------------------------------------------------
-    def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
+    def nvmlDeviceGetUtilizationRates(self, handle: api.DeviceHandle) -> api.Utilization:
         """``c_nvmlUtilization_t``: ``gpu`` and ``memory`` in percent."""
         slot, g = self._whole("nvmlDeviceGetUtilizationRates", handle)
         self._no_mig_mode(slot, "nvmlDeviceGetUtilizationRates")
         u = tm.utilization(g)
-        util = pynvml.c_nvmlUtilization_t()
+        util: api.Utilization = pynvml.c_nvmlUtilization_t()
         util.gpu = round(100 * u)
         util.memory = round(100 * u * tm.MEMORY_UTILIZATION_FACTOR)
         return util
 
-    def nvmlDeviceGetPowerUsage(self, handle: Any) -> int:
+    def nvmlDeviceGetPowerUsage(self, handle: api.DeviceHandle) -> int:
         """Milliwatts."""
         slot, g = self._whole("nvmlDeviceGetPowerUsage", handle)
         return tm.power_mw(slot.spec, tm.utilization(g))
 
-    def nvmlDeviceGetEnforcedPowerLimit(self, handle: Any) -> int:
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle: api.DeviceHandle) -> int:
         """Milliwatts (the board limit)."""
         slot, _ = self._whole("nvmlDeviceGetEnforcedPowerLimit", handle)
         return tm.power_limit_mw(slot.spec)
 
-    def nvmlDeviceGetPowerManagementLimit(self, handle: Any) -> int:
+    def nvmlDeviceGetPowerManagementLimit(self, handle: api.DeviceHandle) -> int:
         """Milliwatts (the board limit)."""
         slot, _ = self._whole("nvmlDeviceGetPowerManagementLimit", handle)
         return tm.power_limit_mw(slot.spec)
 
-    def nvmlDeviceGetTotalEnergyConsumption(self, handle: Any) -> int:
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: api.DeviceHandle) -> int:
         """Millijoules since the driver was loaded."""
         slot, g = self._whole("nvmlDeviceGetTotalEnergyConsumption", handle)
         return tm.floor_int(tm.energy_mj(slot.spec, g, self._clock()))
 
     # -- temperature, clocks ------------------------------------------------------------------
-    def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:
+    def nvmlDeviceGetTemperature(self, handle: api.DeviceHandle, sensor: int) -> int:
         """Degrees C of NVML_TEMPERATURE_GPU (the only sensor)."""
         _, g = self._parent("nvmlDeviceGetTemperature", handle)
         if sensor != pynvml.NVML_TEMPERATURE_GPU:
             raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT, f"temperature sensor {sensor}")
         return tm.temperature_c(tm.utilization(g))
 
-    def nvmlDeviceGetClockInfo(self, handle: Any, type: int) -> int:
+    def nvmlDeviceGetClockInfo(self, handle: api.DeviceHandle, type: int) -> int:
         """MHz: NVML_CLOCK_GRAPHICS / NVML_CLOCK_SM (the same clock) or NVML_CLOCK_MEM."""
         slot, g = self._parent("nvmlDeviceGetClockInfo", handle)
         if type in (pynvml.NVML_CLOCK_GRAPHICS, pynvml.NVML_CLOCK_SM):
@@ -113,7 +115,7 @@ class TelemetryCalls(TelemetryBase):
             return tm.profile(slot.spec).memory_mhz
         raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT, f"clock type {type}")
 
-    def nvmlDeviceGetMaxClockInfo(self, handle: Any, type: int) -> int:
+    def nvmlDeviceGetMaxClockInfo(self, handle: api.DeviceHandle, type: int) -> int:
         slot, _ = self._parent("nvmlDeviceGetMaxClockInfo", handle)
         if type in (pynvml.NVML_CLOCK_GRAPHICS, pynvml.NVML_CLOCK_SM):
             return tm.profile(slot.spec).sm_boost_mhz
@@ -121,18 +123,18 @@ class TelemetryCalls(TelemetryBase):
             return tm.profile(slot.spec).memory_mhz
         raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT, f"clock type {type}")
 
-    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any) -> int:
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: api.DeviceHandle) -> int:
         """Bitmask of nvmlClocksEventReason* (GpuIdle when idle, SwPowerCap near full load)."""
         _, g = self._parent("nvmlDeviceGetCurrentClocksEventReasons", handle)
         return tm.clocks_event_reasons(tm.utilization(g))
 
-    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: Any) -> int:
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: api.DeviceHandle) -> int:
         """The deprecated name of :meth:`nvmlDeviceGetCurrentClocksEventReasons`."""
         _, g = self._parent("nvmlDeviceGetCurrentClocksThrottleReasons", handle)
         return tm.clocks_event_reasons(tm.utilization(g))
 
     # -- PCIe ----------------------------------------------------------------------------------
-    def nvmlDeviceGetPcieThroughput(self, device: Any, counter: int) -> int:
+    def nvmlDeviceGetPcieThroughput(self, device: api.DeviceHandle, counter: int) -> int:
         """KB/s over the last 20 ms: NVML_PCIE_UTIL_TX_BYTES or NVML_PCIE_UTIL_RX_BYTES."""
         slot, g = self._whole("nvmlDeviceGetPcieThroughput", device)
         if counter not in (pynvml.NVML_PCIE_UTIL_TX_BYTES, pynvml.NVML_PCIE_UTIL_RX_BYTES):
@@ -140,12 +142,14 @@ class TelemetryCalls(TelemetryBase):
         tx = counter == pynvml.NVML_PCIE_UTIL_TX_BYTES
         return tm.pcie_kbps(slot.spec, tm.utilization(g), tx)
 
-    def nvmlDeviceGetPcieReplayCounter(self, handle: Any) -> int:
+    def nvmlDeviceGetPcieReplayCounter(self, handle: api.DeviceHandle) -> int:
         _, g = self._whole("nvmlDeviceGetPcieReplayCounter", handle)
         return g.pcie_replays
 
     # -- field values --------------------------------------------------------------------------
-    def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: Any) -> Any:
+    def nvmlDeviceGetFieldValues(
+        self, handle: api.DeviceHandle, fieldIds: Sequence[int | tuple[int, int]]
+    ) -> api.CArray[api.FieldValue]:
         """A ``c_nvmlFieldValue_t`` array, one entry per requested field with its own
         ``nvmlReturn``: NOT_SUPPORTED for fields this product (or a MIG device handle) lacks,
         INVALID_ARGUMENT for unknown field ids or NVLink scopes. NVLink throughput fields take
@@ -173,7 +177,7 @@ class TelemetryCalls(TelemetryBase):
                 v.value.uiVal = value
             else:
                 v.value.ullVal = value
-        return values
+        return cast(api.CArray[api.FieldValue], values)
 
     def _field(self, slot: GpuSlot, g: SimGpu, field_id: int, scope: int) -> int | tuple[int, int]:
         """(value type, value) of one field, or the NVML return code when there is none."""
@@ -232,14 +236,16 @@ class TelemetryCalls(TelemetryBase):
         return self._links_active[index]
 
     # -- processes -----------------------------------------------------------------------------
-    def nvmlDeviceGetComputeRunningProcesses_v3(self, handle: Any) -> list[Any]:
+    def nvmlDeviceGetComputeRunningProcesses_v3(
+        self, handle: api.DeviceHandle
+    ) -> list[api.ProcessInfo]:
         """pynvml's friendly objects with ``pid``, ``usedGpuMemory`` (bytes), ``gpuInstanceId``
         and ``computeInstanceId`` (0xFFFFFFFF outside MIG). A GPU handle lists every process
         (all MIG devices' on a MIG-enabled GPU); a MIG device handle lists its own."""
         _, instance, g = self._telemetry_device(
             "nvmlDeviceGetComputeRunningProcesses", handle, mig_handle=True
         )
-        out: list[Any] = []
+        out: list[api.ProcessInfo] = []
         for p in sorted(g.processes, key=lambda p: p.pid):
             if instance is not None and (
                 p.gpu_instance_id != instance[0].id or p.compute_instance_id != instance[1].id
@@ -255,16 +261,20 @@ class TelemetryCalls(TelemetryBase):
             out.append(pynvml.nvmlStructToFriendlyObject(info))
         return out
 
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
+    def nvmlDeviceGetComputeRunningProcesses(
+        self, handle: api.DeviceHandle
+    ) -> list[api.ProcessInfo]:
         return self.nvmlDeviceGetComputeRunningProcesses_v3(handle)
 
-    def nvmlDeviceGetProcessUtilization(self, handle: Any, timeStamp: int) -> list[Any]:
+    def nvmlDeviceGetProcessUtilization(
+        self, handle: api.DeviceHandle, timeStamp: int
+    ) -> list[api.ProcessUtilizationSample]:
         """``c_nvmlProcessUtilizationSample_t`` for each process with a sample newer than
         ``timeStamp`` (microseconds of the simulator's clock); NOT_FOUND when there is none."""
         slot, g = self._whole("nvmlDeviceGetProcessUtilization", handle)
         self._no_mig_mode(slot, "nvmlDeviceGetProcessUtilization")
         now_us = self._now_us()
-        samples: list[Any] = []
+        samples: list[api.ProcessUtilizationSample] = []
         if now_us > timeStamp:
             for p in sorted(g.processes, key=lambda p: p.pid):
                 if p.sm_utilization is None:

@@ -15,10 +15,11 @@ it; other metrics are NOT_SUPPORTED.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import cast
 
 import pynvml
 
+from agent.nvml import api
 from agent.sim import handles
 from agent.sim import telemetry_model as tm
 from agent.sim.handles import Ref
@@ -53,7 +54,7 @@ _GPM_UTIL_METRICS = {
 class EventCalls(TelemetryBase):
     """nvmlEventSet*, nvmlDeviceRegisterEvents, nvmlDeviceGetSupportedEventTypes."""
 
-    def _event_set(self, eventSet: Any) -> tuple[int, EventSet]:
+    def _event_set(self, eventSet: api.EventSet) -> tuple[int, EventSet]:
         self._require_init()
         set_id = pointer_id(eventSet, pynvml.c_nvmlEventSet_t, EVENT_SET_TAG)
         with self._objects_lock:
@@ -62,18 +63,20 @@ class EventCalls(TelemetryBase):
             raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT, f"{eventSet!r} is no event set")
         return set_id, found
 
-    def nvmlEventSetCreate(self) -> Any:
+    def nvmlEventSetCreate(self) -> api.EventSet:
         self._require_init()
         set_id = self._new_object_id()
         with self._objects_lock:
             self._event_sets[set_id] = EventSet()
-        return make_pointer(pynvml.c_nvmlEventSet_t, EVENT_SET_TAG, set_id)
+        return api.EventSet(make_pointer(pynvml.c_nvmlEventSet_t, EVENT_SET_TAG, set_id))
 
-    def nvmlDeviceGetSupportedEventTypes(self, handle: Any) -> int:
+    def nvmlDeviceGetSupportedEventTypes(self, handle: api.DeviceHandle) -> int:
         self._telemetry_device("nvmlDeviceGetSupportedEventTypes", handle, mig_handle=False)
         return SUPPORTED_EVENTS
 
-    def nvmlDeviceRegisterEvents(self, handle: Any, eventTypes: int, eventSet: Any) -> None:
+    def nvmlDeviceRegisterEvents(
+        self, handle: api.DeviceHandle, eventTypes: int, eventSet: api.EventSet
+    ) -> None:
         """Register a GPU (not a MIG device) for ``eventTypes``; NOT_SUPPORTED when any of the
         types is one this simulator never raises."""
         slot, _, _ = self._telemetry_device("nvmlDeviceRegisterEvents", handle, mig_handle=False)
@@ -100,15 +103,15 @@ class EventCalls(TelemetryBase):
                     return e
         return None
 
-    def nvmlEventSetWait_v2(self, eventSet: Any, timeoutms: int) -> Any:
+    def nvmlEventSetWait_v2(self, eventSet: api.EventSet, timeoutms: int) -> api.EventData:
         """The next event as ``c_nvmlEventData_t``; NVMLError_Timeout after ``timeoutms``."""
         _, event_set = self._event_set(eventSet)
         deadline = time.monotonic() + max(0, timeoutms) / 1000
         while True:
             event = self._next_event(event_set)
             if event is not None:
-                data = pynvml.c_nvmlEventData_t()
-                data.device = handles.make(Ref(handles.KIND_GPU, event.gpu))
+                data: api.EventData = pynvml.c_nvmlEventData_t()
+                data.device = handles.device(Ref(handles.KIND_GPU, event.gpu))
                 data.eventType = event.event_type
                 data.eventData = event.data
                 gi, ci = event.gpu_instance_id, event.compute_instance_id
@@ -120,10 +123,10 @@ class EventCalls(TelemetryBase):
                 raise nvml_error(pynvml.NVML_ERROR_TIMEOUT, f"no event in {timeoutms} ms")
             time.sleep(min(POLL_SECONDS, left))
 
-    def nvmlEventSetWait(self, eventSet: Any, timeoutms: int) -> Any:
+    def nvmlEventSetWait(self, eventSet: api.EventSet, timeoutms: int) -> api.EventData:
         return self.nvmlEventSetWait_v2(eventSet, timeoutms)
 
-    def nvmlEventSetFree(self, eventSet: Any) -> None:
+    def nvmlEventSetFree(self, eventSet: api.EventSet) -> None:
         set_id, _ = self._event_set(eventSet)
         with self._objects_lock:
             self._event_sets.pop(set_id, None)
@@ -132,7 +135,7 @@ class EventCalls(TelemetryBase):
 class GpmCalls(TelemetryBase):
     """nvmlGpm* (GPU performance monitoring, Hopper and newer)."""
 
-    def _gpm_sample(self, gpmSample: Any) -> tuple[int, GpmSample]:
+    def _gpm_sample(self, gpmSample: api.GpmSample) -> tuple[int, GpmSample]:
         self._require_init()
         sample_id = pointer_id(gpmSample, pynvml.c_nvmlGpmSample_t, GPM_SAMPLE_TAG)
         with self._objects_lock:
@@ -141,26 +144,28 @@ class GpmCalls(TelemetryBase):
             raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT, f"{gpmSample!r} is no GPM sample")
         return sample_id, found
 
-    def nvmlGpmQueryDeviceSupport(self, device: Any) -> Any:
+    def nvmlGpmQueryDeviceSupport(self, device: api.DeviceHandle) -> api.GpmSupport:
         slot = self._gpu(device)
         support = pynvml.c_nvmlGpmSupport_t()
         support.version = pynvml.NVML_GPM_SUPPORT_VERSION
         support.isSupportedDevice = int(slot.spec.architecture >= pynvml.NVML_DEVICE_ARCH_HOPPER)
-        return support
+        return cast(api.GpmSupport, support)
 
-    def nvmlGpmSampleAlloc(self) -> Any:
+    def nvmlGpmSampleAlloc(self) -> api.GpmSample:
         self._require_init()
         sample_id = self._new_object_id()
         with self._objects_lock:
             self._gpm_samples[sample_id] = GpmSample()
-        return make_pointer(pynvml.c_nvmlGpmSample_t, GPM_SAMPLE_TAG, sample_id)
+        return api.GpmSample(make_pointer(pynvml.c_nvmlGpmSample_t, GPM_SAMPLE_TAG, sample_id))
 
-    def nvmlGpmSampleFree(self, gpmSample: Any) -> None:
+    def nvmlGpmSampleFree(self, gpmSample: api.GpmSample) -> None:
         sample_id, _ = self._gpm_sample(gpmSample)
         with self._objects_lock:
             self._gpm_samples.pop(sample_id, None)
 
-    def _take(self, call: str, device: Any, gi_id: int | None, gpmSample: Any) -> Any:
+    def _take(
+        self, call: str, device: api.DeviceHandle, gi_id: int | None, gpmSample: api.GpmSample
+    ) -> api.GpmSample:
         slot, _, g = self._telemetry_device(call, device, mig_handle=False)
         sample_id, _ = self._gpm_sample(gpmSample)
         if slot.spec.architecture < pynvml.NVML_DEVICE_ARCH_HOPPER:
@@ -179,17 +184,20 @@ class GpmCalls(TelemetryBase):
             self._gpm_samples[sample_id] = sample
         return gpmSample
 
-    def nvmlGpmSampleGet(self, device: Any, gpmSample: Any) -> Any:
+    def nvmlGpmSampleGet(self, device: api.DeviceHandle, gpmSample: api.GpmSample) -> api.GpmSample:
         return self._take("nvmlGpmSampleGet", device, None, gpmSample)
 
-    def nvmlGpmMigSampleGet(self, device: Any, gpuInstanceId: int, gpmSample: Any) -> Any:
+    def nvmlGpmMigSampleGet(
+        self, device: api.DeviceHandle, gpuInstanceId: int, gpmSample: api.GpmSample
+    ) -> api.GpmSample:
         """``device`` is the parent GPU's handle."""
         return self._take("nvmlGpmMigSampleGet", device, gpuInstanceId, gpmSample)
 
-    def nvmlGpmMetricsGet(self, metricsGet: Any) -> Any:
+    def nvmlGpmMetricsGet(self, metricsGet: api.GpmMetricsGet) -> api.GpmMetricsGet:
         """Fills ``metrics[i].value`` / ``.nvmlReturn`` of a ``c_nvmlGpmMetricsGet_t``."""
         self._require_init()
-        if not isinstance(metricsGet, pynvml.c_nvmlGpmMetricsGet_t):
+        struct: object = metricsGet  # (narrowing metricsGet itself would make it Any)
+        if not isinstance(struct, pynvml.c_nvmlGpmMetricsGet_t):
             raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT, "not a c_nvmlGpmMetricsGet_t")
         if metricsGet.version != pynvml.NVML_GPM_METRICS_GET_VERSION:
             raise nvml_error(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH, "metricsGet.version")

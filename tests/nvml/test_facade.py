@@ -26,8 +26,24 @@ def test_bus_id_forms_round_trip():
     assert nvml_bus_id("0000:1b:00.0") == "00000000:1B:00.0"
 
 
+def why_nvml_is_not_missing() -> str | None:
+    """None when this machine has no NVIDIA driver (``pynvml.nvmlInit()`` cannot load it), else
+    why the no-driver test does not apply here."""
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        if exc.value in (pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, pynvml.NVML_ERROR_DRIVER_NOT_LOADED):
+            return None
+        return f"NVML is installed but fails to initialize: {exc}"
+    pynvml.nvmlShutdown()
+    return "an NVIDIA driver is installed: pynvml.nvmlInit() succeeds on this machine"
+
+
 def test_real_pynvml_without_driver_is_driver_not_found():
-    """This machine has no libnvidia-ml: the production module must say 'no driver'."""
+    """Without libnvidia-ml the production module must say 'no driver'."""
+    reason = why_nvml_is_not_missing()
+    if reason is not None:
+        pytest.skip(reason)
     with pytest.raises(DriverNotFoundError, match="no NVIDIA driver"):
         Nvml(pynvml).init()
 
@@ -169,3 +185,72 @@ def test_required_field_not_supported_is_an_error(tmp_path):
     nv.init()
     with pytest.raises(NvmlNotSupported, match="nvmlDeviceGetUUID"):
         nv.device(0)
+
+
+# -- Nvml.api(): the typed, error-translating NVML API -------------------------------------------
+
+
+def test_api_errors_name_the_call_and_the_device(tmp_path):
+    nv = facade(tmp_path, "dgx-h100")
+    with pytest.raises(NvmlInvalidArgument) as e:
+        nv.api("3").nvmlDeviceGetHandleByIndex(42)
+    assert (e.value.call, e.value.device, e.value.code) == ("nvmlDeviceGetHandleByIndex", "3", 2)
+    assert str(e.value).startswith("nvmlDeviceGetHandleByIndex on GPU 3 failed:")
+    assert isinstance(e.value.__cause__, pynvml.NVMLError_InvalidArgument)
+    with pytest.raises(NvmlInvalidArgument) as e:
+        nv.api().nvmlDeviceGetHandleByIndex(42)
+    assert e.value.device is None and " on GPU " not in str(e.value)
+
+
+def test_api_answers_as_the_module_and_passes_its_constants_and_types(tmp_path):
+    fake = FakeNvml(load_model("dgx-a100"), tmp_path)
+    nv = Nvml(fake)
+    nv.init()
+    api = nv.api("0")
+    assert nv.api("0") is api and nv.api("1") is not api
+    h = api.nvmlDeviceGetHandleByIndex(0)
+    assert api.nvmlDeviceGetUUID(h) == fake.nvmlDeviceGetUUID(h)
+    assert api.nvmlDeviceGetMemoryInfo(h, api.nvmlMemory_v2).reserved == 512 * MIB
+    assert api.nvmlDeviceGetMemoryInfo(handle=h).total == 40960 * MIB  # pynvml's keywords
+    assert api.NVMLError is pynvml.NVMLError
+    assert api.c_nvmlGpmMetricsGet_t is pynvml.c_nvmlGpmMetricsGet_t
+    assert api.NVML_NVLINK_MAX_LINKS == pynvml.NVML_NVLINK_MAX_LINKS
+
+
+class Older(Unsupporting):
+    """pynvml before some calls existed: the listed names are missing from the module."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._unsupported:
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+def test_a_call_the_module_lacks_is_missing_from_the_api(tmp_path):
+    fake = FakeNvml(load_model("dgx-h100"), tmp_path)
+    nv = Nvml(Older(fake, {"nvmlGpmMigSampleGet"}))
+    assert not hasattr(nv.api("0"), "nvmlGpmMigSampleGet")
+    assert hasattr(nv.api("0"), "nvmlGpmSampleAlloc")
+
+
+class Mismatched(Unsupporting):
+    """pynvml newer than the driver: the listed unversioned calls raise NVMLLibraryMismatchError."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._unsupported:
+
+            def mismatch(*args: Any, **kwargs: Any) -> Any:
+                raise pynvml.NVMLLibraryMismatchError(f"{name} is not in this driver")
+
+            return mismatch
+        return getattr(self._inner, name)
+
+
+def test_a_library_mismatch_is_not_supported(tmp_path):
+    fake = FakeNvml(load_model("dgx-h100"), tmp_path)
+    nv = Nvml(Mismatched(fake, {"nvmlDeviceGetSerial"}))
+    nv.init()
+    assert nv.device(0).serial is None  # optional: absent
+    with pytest.raises(NvmlNotSupported) as e:
+        nv.api("0").nvmlDeviceGetSerial(nv.handle(0))
+    assert (e.value.call, e.value.device, e.value.code) == ("nvmlDeviceGetSerial", "0", 13)

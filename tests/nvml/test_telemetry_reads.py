@@ -4,6 +4,7 @@ present or absent per product, base units, lost GPUs, errors, and the NVML calls
 from collections import Counter
 from typing import Any
 
+import pynvml
 import pytest
 
 from agent.nvml.facade import Nvml
@@ -301,3 +302,71 @@ def test_gpm_buffers_are_freed(node, clock):
     reader.close()
     assert counting.calls["nvmlGpmSampleFree"] == 8
     assert fake._gpm_samples == {}
+
+
+# -- older or mismatched pynvml ----------------------------------------------------------------
+
+
+class Hiding(Counting):
+    """The simulated module without the listed calls (an older pynvml)."""
+
+    def __init__(self, module: Any, missing: set[str]) -> None:
+        super().__init__(module)
+        self.missing = missing
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self.missing:
+            raise AttributeError(name)
+        return super().__getattr__(name)
+
+
+class Mismatching(Counting):
+    """The simulated module where the listed unversioned calls raise pynvml's
+    NVMLLibraryMismatchError (a pynvml newer than the driver)."""
+
+    def __init__(self, module: Any, mismatched: set[str]) -> None:
+        super().__init__(module)
+        self.mismatched = mismatched
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self.mismatched:
+
+            def mismatch(*args: Any, **kwargs: Any) -> Any:
+                self.calls[name] += 1
+                raise pynvml.NVMLLibraryMismatchError(f"{name} is not in this driver")
+
+            return mismatch
+        return super().__getattr__(name)
+
+
+def reader_over(module: Counting) -> TelemetryReader:
+    nvml = Nvml(module)
+    nvml.init()
+    return TelemetryReader(nvml)
+
+
+def test_a_pynvml_without_gpm_and_clocks_event_reasons(tmp_path, clock):
+    fake = FakeNvml(load_model("dgx-h100"), tmp_path, mig_layout="balanced", clock=clock)
+    old = Hiding(fake, {"nvmlGpmMigSampleGet", "nvmlDeviceGetCurrentClocksEventReasons"})
+    reader = reader_over(old)
+    reader.read(0, clock())
+    clock.advance(1)
+    s = reader.read(0, clock())
+    assert s.errors == () and s.throttle_reasons == 1  # GpuIdle, by the deprecated name
+    assert len(s.mig) == 4 and {m.utilization for m in s.mig} == {None}
+    assert old.calls["nvmlGpmSampleAlloc"] == 0 and old.calls["nvmlGpmQueryDeviceSupport"] == 0
+
+
+def test_a_library_mismatch_falls_back_like_function_not_found(tmp_path, clock):
+    fake = FakeNvml(load_model("dgx-h100"), tmp_path, clock=clock)
+    fake.add_process(0, 1, GIB, sm_utilization=0.5)
+    calls = {"nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetComputeRunningProcesses"}
+    mismatching = Mismatching(fake, calls)
+    reader = reader_over(mismatching)
+    first = reader.read(0, clock())
+    assert first.errors == () and first.throttle_reasons is not None  # by the deprecated name
+    assert first.processes == ()  # unsupported: absent
+    mismatching.calls.clear()
+    second = reader.read(0, clock())
+    assert second.errors == () and second.throttle_reasons is not None
+    assert {name: mismatching.calls[name] for name in calls} == dict.fromkeys(calls, 0)

@@ -21,7 +21,7 @@ from agent.sim.telemetry_state import (
     telemetry_from_json,
     telemetry_to_json,
 )
-from tests.sim.test_signatures import signature_mismatches, simulated_calls, words
+from tests.sim.test_signatures import signature_mismatches, simulated_calls
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
@@ -557,7 +557,7 @@ nvmlGpmSampleAlloc nvmlGpmSampleFree nvmlGpmSampleGet nvmlGpmMigSampleGet nvmlGp
 nvmlEventSetCreate nvmlDeviceRegisterEvents nvmlDeviceGetSupportedEventTypes nvmlEventSetWait
 nvmlEventSetWait_v2 nvmlEventSetFree
 """
-TELEMETRY_CALLS = words(TELEMETRY_CALLS_TEXT)
+TELEMETRY_CALLS = TELEMETRY_CALLS_TEXT.split()
 
 
 @pytest.mark.parametrize("name", TELEMETRY_CALLS, ids=str)

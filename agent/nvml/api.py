@@ -1,0 +1,427 @@
+"""The NVML surface Tessera uses, as a ``typing.Protocol``: :class:`NvmlApi`.
+
+This is the boundary between Tessera and NVML. :class:`NvmlApi` names exactly the pynvml
+functions the agent calls (``agent/`` and ``dra_driver/``; the simulator's own internals do not
+count), with pynvml's names, parameter names, kinds and defaults, and typed parameters and
+returns; plus the constants, ctypes struct types and the error class the agent uses. Two things
+satisfy it:
+
+* the real ``pynvml`` module. It is untyped (mypy sees ``Any``), so its conformance is proven at
+  test time: ``tests/sim/test_signatures.py`` checks every :class:`NvmlApi` function against the
+  installed pynvml (same parameters) and every struct shape below against pynvml's ctypes
+  ``_fields_``;
+* the simulator, :class:`agent.sim.nvml.FakeNvml`, which mypy checks structurally where the
+  simulated node builds the facade (``agent.sim.node``).
+
+``tests/nvml/test_api.py`` scans ``agent/`` and ``dra_driver/`` and fails when the code calls an
+NVML function this Protocol does not declare, or the Protocol declares one nothing calls. Adding a
+call is one method here (pynvml's signature, typed) plus the simulator's method.
+
+Nothing NVML hands out is ``Any``:
+
+* handles are opaque nominal types (:data:`DeviceHandle` for GPUs and MIG devices alike, as in
+  NVML; :data:`GpuInstanceHandle`, :data:`ComputeInstanceHandle`, :data:`EventSet`,
+  :data:`GpmSample`). They are ctypes pointers that are never dereferenced: pass them back to
+  NVML, or compare their addresses;
+* returned structs are Protocol shapes naming the fields Tessera reads (each names the pynvml
+  type it describes). Text fields of structs are ``str | bytes``: pynvml decodes them, older
+  versions did not.
+
+Calls through the facade raise ``agent.nvml.errors`` errors: use ``Nvml.api(device)``
+(:mod:`agent.nvml.facade`), which returns this same API with error translation. Nothing here
+calls NVML.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import inspect
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Literal, NewType, Protocol, TypeAlias, TypeVar, overload
+
+if TYPE_CHECKING:
+    from ctypes import _CArgObject
+
+    _Opaque: TypeAlias = ctypes._Pointer[ctypes.Structure]
+    UIntRef: TypeAlias = _CArgObject | ctypes._Pointer[ctypes.c_uint]
+    """``ctypes.byref(c_uint())`` or ``ctypes.pointer(c_uint())``: an ``unsigned int *``."""
+else:
+    _Opaque = ctypes._Pointer  # not subscriptable at run time (Python 3.11)
+
+# -- handles: opaque NVML pointers ---------------------------------------------------------------
+DeviceHandle = NewType("DeviceHandle", _Opaque)
+"""``nvmlDevice_t``: a GPU or a MIG device (pynvml ``c_nvmlDevice_t``)."""
+GpuInstanceHandle = NewType("GpuInstanceHandle", _Opaque)
+"""``nvmlGpuInstance_t`` (pynvml ``c_nvmlGpuInstance_t``)."""
+ComputeInstanceHandle = NewType("ComputeInstanceHandle", _Opaque)
+"""``nvmlComputeInstance_t`` (pynvml ``c_nvmlComputeInstance_t``)."""
+EventSet = NewType("EventSet", _Opaque)
+"""``nvmlEventSet_t`` (pynvml ``c_nvmlEventSet_t``)."""
+GpmSample = NewType("GpmSample", _Opaque)
+"""``nvmlGpmSample_t``: a GPM sample buffer (pynvml ``c_nvmlGpmSample_t``)."""
+MemoryInfoVersion = NewType("MemoryInfoVersion", int)
+"""``nvmlMemory_v2``: the version that makes ``nvmlDeviceGetMemoryInfo`` return v2."""
+
+S = TypeVar("S", covariant=True)
+
+
+# -- ctypes arrays and struct types --------------------------------------------------------------
+class CArray(Protocol[S]):
+    """A ctypes array NVML filled: index it (``len`` is its capacity)."""
+
+    def __getitem__(self, index: int, /) -> S: ...
+
+    def __len__(self) -> int: ...
+
+
+class StructType(Protocol[S]):
+    """A pynvml ctypes struct type: call it for a zeroed struct, multiply it for an array type."""
+
+    def __call__(self) -> S: ...
+
+    def __mul__(self, length: int, /) -> Callable[[], CArray[S]]: ...
+
+
+# -- struct shapes: the fields Tessera reads (or writes) -----------------------------------------
+class PciInfo(Protocol):
+    """pynvml ``nvmlPciInfo_t``."""
+
+    busId: str | bytes
+    """``00000000:1B:00.0``."""
+    pciDeviceId: int
+
+
+class Memory(Protocol):
+    """pynvml ``c_nvmlMemory_t``: bytes."""
+
+    total: int
+    free: int
+    used: int
+
+
+class MemoryV2(Memory, Protocol):
+    """pynvml ``c_nvmlMemory_v2_t``: bytes; ``used`` excludes ``reserved``."""
+
+    reserved: int
+
+
+class GpuInstanceProfileInfo(Protocol):
+    """pynvml ``c_nvmlGpuInstanceProfileInfo_v2_t``; ``memorySizeMB`` is MiB."""
+
+    id: int
+    name: str | bytes
+    sliceCount: int
+    instanceCount: int
+    multiprocessorCount: int
+    copyEngineCount: int
+    decoderCount: int
+    encoderCount: int
+    jpegCount: int
+    ofaCount: int
+    memorySizeMB: int
+
+
+class GpuInstancePlacement(Protocol):
+    """pynvml ``c_nvmlGpuInstancePlacement_t``: memory slices ``[start, start + size)``."""
+
+    start: int
+    size: int
+
+
+class GpuInstanceInfo(Protocol):
+    """pynvml ``c_nvmlGpuInstanceInfo_t``."""
+
+    profileId: int
+    placement: GpuInstancePlacement
+
+
+class Utilization(Protocol):
+    """pynvml ``c_nvmlUtilization_t``: percent."""
+
+    gpu: int
+    memory: int
+
+
+class ProcessInfo(Protocol):
+    """What ``nvmlDeviceGetComputeRunningProcesses`` lists (pynvml makes it from
+    ``c_nvmlProcessInfo_v3_t``): ``usedGpuMemory`` in bytes, None where NVML cannot tell; the
+    instance ids are 0xFFFFFFFF outside MIG."""
+
+    pid: int
+    usedGpuMemory: int | None
+    gpuInstanceId: int
+    computeInstanceId: int
+
+
+class ProcessUtilizationSample(Protocol):
+    """pynvml ``c_nvmlProcessUtilizationSample_t``: ``timeStamp`` in microseconds, percent."""
+
+    pid: int
+    timeStamp: int
+    smUtil: int
+
+
+class FieldValueUnion(Protocol):
+    """pynvml ``c_nvmlValue_t``: read the member ``FieldValue.valueType`` names."""
+
+    dVal: float
+    uiVal: int
+    ulVal: int
+    ullVal: int
+    sllVal: int
+    siVal: int
+    usVal: int
+
+
+class FieldValue(Protocol):
+    """pynvml ``c_nvmlFieldValue_t``: one answer of ``nvmlDeviceGetFieldValues``."""
+
+    fieldId: int
+    scopeId: int
+    nvmlReturn: int
+    valueType: int
+    value: FieldValueUnion
+
+
+class EventData(Protocol):
+    """pynvml ``c_nvmlEventData_t``; the instance ids are 0xFFFFFFFF outside MIG."""
+
+    device: DeviceHandle
+    eventType: int
+    eventData: int
+    gpuInstanceId: int
+    computeInstanceId: int
+
+
+class GpmSupport(Protocol):
+    """pynvml ``c_nvmlGpmSupport_t``."""
+
+    isSupportedDevice: int
+
+
+class GpmMetric(Protocol):
+    """pynvml ``c_nvmlGpmMetric_t``: the caller sets ``metricId``, NVML the rest."""
+
+    metricId: int
+    nvmlReturn: int
+    value: float
+
+
+class GpmMetricsGet(Protocol):
+    """pynvml ``c_nvmlGpmMetricsGet_t``: a request the caller fills and NVML answers in place."""
+
+    version: int
+    numMetrics: int
+    sample1: GpmSample
+    sample2: GpmSample
+    metrics: CArray[GpmMetric]
+
+
+# -- the API -------------------------------------------------------------------------------------
+class NvmlApi(Protocol):
+    """The pynvml functions, constants and types Tessera uses (see the module docstring).
+
+    Functions raise ``NVMLError`` (subclasses carry the NVML return code in ``value``); the
+    facade's ``Nvml.api()`` translates them. Parameter names are pynvml's, so a keyword call
+    works on both implementations.
+    """
+
+    NVMLError: type[Exception]
+    NVML_GPU_INSTANCE_PROFILE_COUNT: int
+    NVML_NVLINK_MAX_LINKS: int
+    nvmlMemory_v2: MemoryInfoVersion
+    c_nvmlGpuInstancePlacement_t: StructType[GpuInstancePlacement]
+    c_nvmlGpmMetricsGet_t: StructType[GpmMetricsGet]
+
+    # -- lifecycle, system -----------------------------------------------------------------------
+    def nvmlInit(self) -> None: ...
+
+    def nvmlShutdown(self) -> None: ...
+
+    def nvmlSystemGetDriverVersion(self) -> str: ...
+
+    def nvmlSystemGetCudaDriverVersion_v2(self) -> int:
+        """e.g. 12040 for CUDA 12.4."""
+        ...
+
+    def nvmlSystemGetNVMLVersion(self) -> str: ...
+
+    # -- devices: identity -----------------------------------------------------------------------
+    def nvmlDeviceGetCount(self) -> int: ...
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> DeviceHandle: ...
+
+    def nvmlDeviceGetIndex(self, handle: DeviceHandle) -> int: ...
+
+    def nvmlDeviceGetMinorNumber(self, handle: DeviceHandle) -> int: ...
+
+    def nvmlDeviceGetUUID(self, handle: DeviceHandle) -> str: ...
+
+    def nvmlDeviceGetName(self, handle: DeviceHandle) -> str: ...
+
+    def nvmlDeviceGetBrand(self, handle: DeviceHandle) -> int: ...
+
+    def nvmlDeviceGetSerial(self, handle: DeviceHandle) -> str: ...
+
+    def nvmlDeviceGetArchitecture(self, device: DeviceHandle) -> int: ...
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle: DeviceHandle) -> tuple[int, int]: ...
+
+    def nvmlDeviceGetPciInfo(self, handle: DeviceHandle) -> PciInfo: ...
+
+    # -- memory ------------------------------------------------------------------------------------
+    @overload
+    def nvmlDeviceGetMemoryInfo(self, handle: DeviceHandle, version: None = None) -> Memory: ...
+
+    @overload
+    def nvmlDeviceGetMemoryInfo(
+        self, handle: DeviceHandle, version: MemoryInfoVersion
+    ) -> MemoryV2: ...
+
+    def nvmlDeviceGetMemoryInfo(
+        self, handle: DeviceHandle, version: MemoryInfoVersion | None = None
+    ) -> Memory | MemoryV2:
+        """v1 without ``version``; v2 (with ``reserved``) for ``nvmlMemory_v2``."""
+        ...
+
+    # -- MIG ---------------------------------------------------------------------------------------
+    def nvmlDeviceGetMigMode(self, device: DeviceHandle) -> list[int]:
+        """``[current, pending]``, 1 for enabled."""
+        ...
+
+    def nvmlDeviceGetGpuInstanceProfileInfo(
+        self, device: DeviceHandle, profile: int, version: Literal[2] = 2
+    ) -> GpuInstanceProfileInfo:
+        """``profile`` is an NVML_GPU_INSTANCE_PROFILE_* value (below the profile count)."""
+        ...
+
+    def nvmlDeviceGetGpuInstancePossiblePlacements(
+        self,
+        device: DeviceHandle,
+        profileId: int,
+        placementsRef: CArray[GpuInstancePlacement] | None,
+        countRef: UIntRef,
+    ) -> int:
+        """Fills ``placementsRef`` (capacity in ``countRef``) and sets ``countRef`` to the
+        number of placements; returns NVML_SUCCESS."""
+        ...
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, device: DeviceHandle) -> int: ...
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, device: DeviceHandle, index: int) -> DeviceHandle:
+        """A MIG device of GPU ``device``."""
+        ...
+
+    def nvmlDeviceGetGpuInstanceId(self, device: DeviceHandle) -> int:
+        """Of a MIG device handle."""
+        ...
+
+    def nvmlDeviceGetComputeInstanceId(self, device: DeviceHandle) -> int:
+        """Of a MIG device handle."""
+        ...
+
+    def nvmlDeviceGetGpuInstanceById(
+        self, device: DeviceHandle, gpuInstanceId: int
+    ) -> GpuInstanceHandle: ...
+
+    def nvmlGpuInstanceGetInfo(self, gpuInstance: GpuInstanceHandle) -> GpuInstanceInfo: ...
+
+    # -- NVLink ------------------------------------------------------------------------------------
+    def nvmlDeviceGetNvLinkState(self, device: DeviceHandle, link: int) -> int:
+        """1 (NVML_FEATURE_ENABLED) for an active link."""
+        ...
+
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, device: DeviceHandle, link: int) -> PciInfo: ...
+
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, handle: DeviceHandle, link: int) -> int:
+        """NVML_NVLINK_DEVICE_TYPE_GPU (0), _IBMNPU (1), _SWITCH (2)."""
+        ...
+
+    # -- telemetry ---------------------------------------------------------------------------------
+    def nvmlDeviceGetUtilizationRates(self, handle: DeviceHandle) -> Utilization: ...
+
+    def nvmlDeviceGetPowerUsage(self, handle: DeviceHandle) -> int:
+        """Milliwatts."""
+        ...
+
+    def nvmlDeviceGetTemperature(self, handle: DeviceHandle, sensor: int) -> int:
+        """Degrees C."""
+        ...
+
+    def nvmlDeviceGetClockInfo(self, handle: DeviceHandle, type: int) -> int:
+        """MHz."""
+        ...
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: DeviceHandle) -> int:
+        """Bitmask; absent from older pynvml (check with ``hasattr``)."""
+        ...
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: DeviceHandle) -> int:
+        """The deprecated name of ``nvmlDeviceGetCurrentClocksEventReasons``."""
+        ...
+
+    def nvmlDeviceGetPcieThroughput(self, device: DeviceHandle, counter: int) -> int:
+        """KB/s."""
+        ...
+
+    def nvmlDeviceGetFieldValues(
+        self, handle: DeviceHandle, fieldIds: Sequence[int | tuple[int, int]]
+    ) -> CArray[FieldValue]:
+        """One answer per field id (or ``(fieldId, scopeId)``), each with its own return code."""
+        ...
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: DeviceHandle) -> list[ProcessInfo]: ...
+
+    def nvmlDeviceGetProcessUtilization(
+        self, handle: DeviceHandle, timeStamp: int
+    ) -> list[ProcessUtilizationSample]:
+        """Samples newer than ``timeStamp`` (microseconds); NOT_FOUND when there are none."""
+        ...
+
+    # -- events ------------------------------------------------------------------------------------
+    def nvmlEventSetCreate(self) -> EventSet: ...
+
+    def nvmlDeviceRegisterEvents(
+        self, handle: DeviceHandle, eventTypes: int, eventSet: EventSet
+    ) -> None: ...
+
+    def nvmlEventSetWait(self, eventSet: EventSet, timeoutms: int) -> EventData:
+        """The next event; NVML_ERROR_TIMEOUT when none came in ``timeoutms``."""
+        ...
+
+    def nvmlEventSetFree(self, eventSet: EventSet) -> None: ...
+
+    # -- GPM (Hopper and newer; absent from older pynvml) ------------------------------------------
+    def nvmlGpmQueryDeviceSupport(self, device: DeviceHandle) -> GpmSupport: ...
+
+    def nvmlGpmSampleAlloc(self) -> GpmSample: ...
+
+    def nvmlGpmSampleFree(self, gpmSample: GpmSample) -> None: ...
+
+    def nvmlGpmMigSampleGet(
+        self, device: DeviceHandle, gpuInstanceId: int, gpmSample: GpmSample
+    ) -> GpmSample:
+        """Takes a sample of GPU instance ``gpuInstanceId`` of GPU ``device`` into
+        ``gpmSample`` and returns it."""
+        ...
+
+    def nvmlGpmMetricsGet(self, metricsGet: GpmMetricsGet) -> GpmMetricsGet:
+        """Answers ``metricsGet.metrics`` in place and returns it."""
+        ...
+
+
+def api_functions() -> tuple[str, ...]:
+    """The names of the functions :class:`NvmlApi` declares (what the tests compare with
+    pynvml, the simulator and the agent's code)."""
+    return tuple(
+        sorted(
+            name
+            for name, value in vars(NvmlApi).items()
+            if name.startswith("nvml") and inspect.isfunction(value)
+        )
+    )
+
+
+def api_attributes() -> tuple[str, ...]:
+    """The names of the constants and types :class:`NvmlApi` declares."""
+    return tuple(sorted(NvmlApi.__annotations__))
