@@ -1,6 +1,5 @@
 """EventWatcher (agent.nvml.events) against the simulator's injected XIDs."""
 
-import time
 from typing import Any
 
 import pytest
@@ -38,12 +37,20 @@ def test_injected_xids_are_returned_in_order(sim):
         assert watcher.wait(0.0) == []
 
 
-def test_wait_times_out_empty(sim):
-    _, nvml = sim("l40s-pcie")
+def test_wait_times_out_empty(sim, monkeypatch):
+    """Nothing came: empty, after asking NVML to wait the whole timeout (in milliseconds)."""
+    fake, nvml = sim("l40s-pcie")
+    waits: list[int] = []
+    real_wait = fake.nvmlEventSetWait
+
+    def recording_wait(eventSet, timeoutms):
+        waits.append(timeoutms)
+        return real_wait(eventSet, timeoutms)
+
+    monkeypatch.setattr(fake, "nvmlEventSetWait", recording_wait)
     with EventWatcher(nvml) as watcher:
-        started = time.monotonic()
         assert watcher.wait(0.05) == []
-        assert time.monotonic() - started >= 0.04
+    assert waits == [50]
 
 
 def test_mig_xid_carries_the_instance(sim):
