@@ -63,7 +63,7 @@ clean:
 	rm -rf $(VENV) $(RUN_DIR) .mypy_cache .pytest_cache .ruff_cache
 
 docs: $(STAMP)
-	$(PY) -c "from agent.config import render_config_docs; open('docs/configuration.md','w').write(render_config_docs())"
+	$(PY) -m agent.cli.docs > docs/configuration.md.tmp && mv docs/configuration.md.tmp docs/configuration.md
 
 # Generated gRPC modules live in the package that uses them; a test fails when they are stale.
 PROTO_GEN := $(PY) -m grpc_tools.protoc -Idra_driver/kubeletapi=proto/kubelet \

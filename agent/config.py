@@ -1,37 +1,66 @@
-"""Settings: flags and ``TESSERA_*`` environment variables -> one frozen ``Config``.
+"""Settings: one declaration per setting serves flags, ``TESSERA_*`` variables and the docs.
 
-Every setting is declared once here, with its flag, environment variable, default and help; the
-CLI's argparse options and docs/configuration.md are derived from these declarations. Nothing
-below the CLI reads ``os.environ``: the CLI passes the environment in.
+A settings class is a frozen dataclass whose fields are declared with :func:`setting`: flag(s),
+help, default (or :data:`REQUIRED`), and how one raw string becomes a value (from the field's type,
+``choices`` or ``parse``). The daemon's :class:`Config` below is one; the options of single
+commands (``-o/--output``, ``--socket``, ...) are others, declared next to their commands in
+``agent/cli/``. From the declarations:
+
+- :func:`add_options` adds a class's options to an argparse parser. argparse only collects raw
+  strings (no ``type``, ``choices`` or ``required``): converting and checking is done once, here.
+- :func:`load_settings` builds the class from the parsed flags and an environment mapping: a flag
+  wins over ``TESSERA_<FLAG>``, which wins over extra variables (``NODE_NAME``), which win over the
+  default. A bad value is a :class:`ConfigError` that names where it came from: the variable
+  (``TESSERA_OUTPUT='xml' is not one of table, json, yaml``) or the flag (``-o/--output: ...``).
+- ``agent.cli.docs`` renders docs/configuration.md.
+
+Nothing below the CLI reads ``os.environ``: the CLI passes the environment in.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Callable, Mapping
+import types
+import typing
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 from agent.errors import ConfigError
 
 ENV_PREFIX = "TESSERA_"
 DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+REQUIRED: Any = MISSING
+"""The default of a setting that must be given (by its flag or its variable)."""
+TRUE = ("1", "true", "yes", "on")
+FALSE = ("0", "false", "no", "off")
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class SettingMeta:
-    """How one Config field is set from the command line and the environment."""
+    """How one field is set from the command line and the environment."""
 
     help: str
     groups: tuple[str, ...]
-    """Option groups carrying it: ``node`` (commands that look at a node), ``driver`` (commands
-    that compute what the driver advertises), ``daemon`` (only `run`)."""
+    """For Config: the option groups carrying it: ``node`` (commands that look at a node),
+    ``driver`` (commands that compute what the driver advertises), ``daemon`` (only `run`).
+    Command options ignore it: a command exposes all of its own options."""
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
     extra_env: tuple[str, ...] = ()
-    """Further environment variables honoured after ``TESSERA_<NAME>`` (e.g. ``NODE_NAME``)."""
+    """Further environment variables honoured after ``TESSERA_<FLAG>`` (e.g. ``NODE_NAME``)."""
+    flags: tuple[str, ...] = ()
+    """Option strings; unset: ``--<field-name>`` with dashes. The variable is named after the
+    last (long) one: ``("-o", "--output")`` -> ``TESSERA_OUTPUT``."""
+    parse: Callable[[str], Any] | None = None
+    """Turns one raw string into the value; a ValueError's message says what is wrong, as a
+    phrase that follows the value (``is not a positive whole number``). Unset: from the type."""
+    listen: bool = False
+    """The value is an address or port the command listens on (named when it is busy)."""
 
 
 def setting(
@@ -42,9 +71,106 @@ def setting(
     choices: tuple[str, ...] | None = None,
     metavar: str | None = None,
     extra_env: tuple[str, ...] = (),
+    flags: tuple[str, ...] = (),
+    parse: Callable[[str], Any] | None = None,
+    listen: bool = False,
 ) -> Any:
-    meta = SettingMeta(help, groups, choices, metavar, extra_env)
+    """A settings field: ``name: type = setting(default, help, ...)``. Supported types: ``str``,
+    ``int``, ``float`` (seconds > 0 unless ``parse`` says otherwise), ``bool`` (a switch),
+    ``Path``, ``X | None``, and ``tuple[X, ...]`` (a repeatable option; comma-separated in a
+    variable)."""
+    meta = SettingMeta(help, groups, choices, metavar, extra_env, flags, parse, listen)
     return field(default=default, metadata={"tessera": meta})
+
+
+# -- parsers: one raw string -> value; ValueError("<phrase after the value>") --------------------
+
+
+def text(raw: str) -> str:
+    if not raw:
+        raise ValueError("is empty")
+    return raw
+
+
+def path(raw: str) -> Path:
+    if not raw:
+        raise ValueError("is empty; expected a path")
+    return Path(raw)
+
+
+def boolean(raw: str) -> bool:
+    low = raw.strip().lower()
+    if low not in TRUE + FALSE:
+        raise ValueError("is not a boolean; use one of " + ", ".join(TRUE + FALSE))
+    return low in TRUE
+
+
+def integer(raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError("is not a whole number") from None
+
+
+def non_negative_int(raw: str) -> int:
+    value = integer(raw)
+    if value < 0:
+        raise ValueError("is not a whole number >= 0")
+    return value
+
+
+def positive_int(raw: str) -> int:
+    value = integer(raw)
+    if value < 1:
+        raise ValueError("is not a positive whole number")
+    return value
+
+
+def number(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError("is not a number") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError("is not a finite number")
+    return value
+
+
+def seconds(raw: str) -> float:
+    value = number(raw)
+    if not value > 0:
+        raise ValueError("is not a number of seconds > 0")
+    return value
+
+
+def fraction(raw: str) -> float:
+    value = number(raw)
+    if not 0 <= value <= 1:
+        raise ValueError("is not a fraction from 0 to 1 (e.g. 0.9)")
+    return value
+
+
+def port(raw: str) -> int:
+    value = integer(raw)
+    if not 0 <= value <= 65535:
+        raise ValueError("is not a TCP port (0-65535)")
+    return value
+
+
+def host_port(raw: str) -> str:
+    """``HOST:PORT`` (``[::1]:9400`` for IPv6), kept as text."""
+    _host, sep, number_ = raw.rpartition(":")
+    if not sep or not number_.isdigit() or not 0 <= int(number_) <= 65535:
+        raise ValueError("is not HOST:PORT (e.g. 127.0.0.1:9400; port 0-65535)")
+    return raw
+
+
+def dns_subdomain(raw: str) -> str:
+    if not DNS_SUBDOMAIN.fullmatch(raw) or len(raw) > 63:
+        raise ValueError(
+            "is not a lower-case DNS subdomain of at most 63 characters (e.g. gpu.example.com)"
+        )
+    return raw
 
 
 @dataclass(frozen=True)
@@ -89,6 +215,8 @@ class Config:
         "host:port of the HTTP endpoint serving /healthz, /readyz (and /metrics).",
         groups=("daemon",),
         metavar="HOST:PORT",
+        parse=host_port,
+        listen=True,
     )
     log_format: str = setting(
         "json",
@@ -108,6 +236,7 @@ class Config:
         "DRA driver name: ResourceSlice spec.driver, the kubelet plugin name, the CDI vendor.",
         groups=("driver",),
         metavar="NAME",
+        parse=dns_subdomain,
     )
     mig_mode: str = setting(
         "static",
@@ -191,6 +320,8 @@ class Config:
         " <state-dir>/telemetry.sock).",
         groups=("daemon",),
         metavar="HOST:PORT",
+        parse=host_port,
+        listen=True,
     )
     shutdown_timeout: float = setting(
         20.0,
@@ -212,28 +343,76 @@ class Config:
     def __post_init__(self) -> None:
         if self.sim_crash_at is not None and self.simulate is None:
             raise ConfigError("--sim-crash-at: fault injection is only allowed with --simulate")
-        if not DNS_SUBDOMAIN.fullmatch(self.driver_name) or len(self.driver_name) > 63:
-            raise ConfigError(
-                f"--driver-name: {self.driver_name!r} must be a lower-case DNS subdomain of at"
-                " most 63 characters, e.g. gpu.example.com"
-            )
+        try:
+            dns_subdomain(self.driver_name)
+        except ValueError as exc:
+            raise ConfigError(f"--driver-name: {self.driver_name!r} {exc}") from None
 
     def metrics_host_port(self) -> tuple[str, int]:
         return parse_host_port("metrics-address", self.metrics_address)
 
 
 def parse_host_port(name: str, value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(
-            f"--{name}: {value!r} is not HOST:PORT (e.g. 127.0.0.1:9400; port 0-65535)"
-        )
-    return host.strip("[]") or "0.0.0.0", int(port)
+    try:
+        host_port(value)
+    except ValueError as exc:
+        raise ConfigError(f"--{name}: {value!r} {exc}") from None
+    host, _, number_ = value.rpartition(":")
+    return host.strip("[]") or "0.0.0.0", int(number_)
 
 
-def _meta(f: Any) -> SettingMeta:
-    meta: SettingMeta = f.metadata["tessera"]
-    return meta
+# -- the mechanism -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One declared setting, resolved: its flags, variables and converter."""
+
+    name: str
+    meta: SettingMeta
+    default: Any
+    """None when unset; :data:`REQUIRED` when it must be given."""
+    kind: Literal["switch", "value", "list"]
+    convert: Callable[[str], Any]
+    """One raw string (one item of a list) -> value; ValueError("<phrase>")."""
+
+    @property
+    def required(self) -> bool:
+        return self.default is REQUIRED
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        return self.meta.flags or (flag_name(self.name),)
+
+    @property
+    def label(self) -> str:
+        """``-o/--output``: how errors and docs name the option."""
+        return "/".join(self.flags)
+
+    @property
+    def env(self) -> tuple[str, ...]:
+        """``TESSERA_<FLAG>`` then the extra variables, in the order they are honoured."""
+        own = ENV_PREFIX + self.flags[-1].lstrip("-").replace("-", "_").upper()
+        return (own, *self.meta.extra_env)
+
+    @property
+    def metavar(self) -> str:
+        if self.meta.choices:
+            return "{" + ",".join(self.meta.choices) + "}"
+        return self.meta.metavar or self.flags[-1].lstrip("-").replace("-", "_").upper()
+
+    def in_groups(self, groups: Collection[str] | None) -> bool:
+        return groups is None or bool(set(self.meta.groups) & set(groups))
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a setting's value came from: ``label`` is the flag (``--state-dir``) or the
+    variable (``TESSERA_STATE_DIR``) that gave it."""
+
+    setting: Setting
+    label: str
+    value: Any
 
 
 def flag_name(name: str) -> str:
@@ -244,125 +423,165 @@ def env_name(name: str) -> str:
     return ENV_PREFIX + name.upper()
 
 
-def settings() -> list[tuple[str, SettingMeta, Any]]:
-    """Every setting as ``(field name, meta, default)``, in declaration order."""
+def _base_converter(kind: Any) -> Callable[[str], Any]:
+    by_type: dict[Any, Callable[[str], Any]] = {
+        str: text,
+        int: integer,
+        float: seconds,  # every float setting so far is a duration; others pass parse=
+        bool: boolean,
+        Path: path,
+    }
+    if kind not in by_type:
+        raise TypeError(f"unsupported setting type {kind!r}")
+    return by_type[kind]
+
+
+def settings_of(cls: type[Any]) -> tuple[Setting, ...]:
+    """Every setting of a settings dataclass, in declaration order."""
+    hints = typing.get_type_hints(cls)
     out = []
-    for f in fields(Config):
-        default = None if f.default is MISSING else f.default
-        out.append((f.name, _meta(f), default))
-    return out
+    for f in fields(cls):
+        meta: SettingMeta = f.metadata["tessera"]
+        kind_: Literal["switch", "value", "list"] = "value"
+        hint = hints[f.name]
+        if isinstance(hint, types.UnionType):  # X | None
+            hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        if typing.get_origin(hint) is tuple:
+            kind_, hint = "list", typing.get_args(hint)[0]
+        elif hint is bool:
+            kind_ = "switch"
+        convert = meta.parse or _base_converter(hint)
+        if meta.choices is not None:
+            convert = _choice(meta.choices, convert)
+        out.append(Setting(f.name, meta, f.default, kind_, convert))
+    return tuple(out)
 
 
-def add_settings(parser: argparse.ArgumentParser, groups: tuple[str, ...]) -> None:
-    """Add the options of the given groups to an argparse parser (defaults stay unset)."""
-    for name, meta, default in settings():
-        if not set(meta.groups) & set(groups):
+def _choice(choices: tuple[str, ...], then: Callable[[str], Any]) -> Callable[[str], Any]:
+    def convert(raw: str) -> Any:
+        if raw not in choices:
+            raise ValueError("is not one of " + ", ".join(choices))
+        return then(raw)
+
+    return convert
+
+
+def dest(cls: type[Any], name: str) -> str:
+    """The argparse destination of a setting: unique per class, so classes never collide."""
+    return f"{cls.__qualname__}.{name}"
+
+
+def option_help(s: Setting) -> str:
+    parts = [s.meta.help.rstrip()]
+    if s.required:
+        parts.append("Required.")
+    elif s.default is not None and s.kind != "switch":
+        parts.append(f"Default: {s.default}.")
+    env = ", ".join(s.env)
+    parts.append(f"Env: {env}=true." if s.kind == "switch" else f"Env: {env}.")
+    return " ".join(parts).replace("%", "%%")
+
+
+def add_options(
+    parser: argparse.ArgumentParser, cls: type[Any], groups: Collection[str] | None = None
+) -> None:
+    """Add the options of ``cls`` (of the given groups; None: all) to an argparse parser. argparse
+    only collects raw strings; :func:`load_settings` converts and checks them."""
+    for s in settings_of(cls):
+        if not s.in_groups(groups):
             continue
-        envs = ", ".join((env_name(name), *meta.extra_env))
-        shown = "" if default is None else f" Default: {default}."
-        if isinstance(default, bool):
+        if s.kind == "switch":
             parser.add_argument(
-                flag_name(name),
-                dest=name,
-                default=None,
-                action="store_true",
-                help=f"{meta.help} Env: {envs}=true.",
-            )
+                *s.flags, dest=dest(cls, s.name), default=None, action="store_true",
+                help=option_help(s),
+            )  # fmt: skip
             continue
         parser.add_argument(
-            flag_name(name),
-            dest=name,
+            *s.flags,
+            dest=dest(cls, s.name),
             default=None,
-            choices=meta.choices,
-            metavar=meta.metavar,
-            help=f"{meta.help}{shown} Env: {envs}.",
+            action="append" if s.kind == "list" else "store",
+            metavar=s.metavar,
+            help=option_help(s),
         )
 
 
-TRUE = ("1", "true", "yes", "on")
-FALSE = ("0", "false", "no", "off")
+def _convert(s: Setting, raw: Any, label: str, from_env: bool) -> Any:
+    where = f"{label}=" if from_env else f"{label}: "
+    if s.kind == "switch" and not from_env:
+        return bool(raw)
+    items: list[str]
+    if s.kind == "list":
+        items = [i.strip() for i in raw.split(",")] if from_env else list(raw)
+    else:
+        items = [raw]
+    values = []
+    for item in items:
+        item = item if isinstance(item, str) else str(item)
+        try:
+            values.append(s.convert(item))
+        except ValueError as exc:
+            raise ConfigError(f"{where}{item!r} {exc}") from None
+    return tuple(values) if s.kind == "list" else values[0]
 
 
-def _bool(raw: str) -> bool:
-    low = raw.strip().lower()
-    if low not in TRUE + FALSE:
-        raise ValueError("expected one of " + ", ".join(TRUE + FALSE))
-    return low in TRUE
+def resolve_settings(
+    cls: type[T],
+    args: argparse.Namespace | Mapping[str, Any] | None,
+    environ: Mapping[str, str] | None,
+    groups: Collection[str] | None = None,
+) -> tuple[T, tuple[Origin, ...]]:
+    """:func:`load_settings`, and where each given value came from."""
+    if isinstance(args, argparse.Namespace):
+        given = {s.name: getattr(args, dest(cls, s.name), None) for s in settings_of(cls)}
+    else:
+        given = dict(args or {})
+    env = environ or {}
+    values: dict[str, Any] = {}
+    origins: list[Origin] = []
+    for s in settings_of(cls):
+        if not s.in_groups(groups):
+            continue
+        raw = given.get(s.name)
+        label, from_env = s.label, False
+        if raw is None or raw == []:
+            raw = None
+            for var in s.env:
+                if env.get(var):
+                    raw, label, from_env = env[var], var, True
+                    break
+        if raw is None:
+            if s.required:
+                raise ConfigError(
+                    f"{s.label} is required: give {s.flags[-1]} {s.metavar} or set {s.env[0]}"
+                )
+            continue
+        values[s.name] = _convert(s, raw, label, from_env)
+        origins.append(Origin(s, label, values[s.name]))
+    return cls(**values), tuple(origins)
 
 
-def _seconds(raw: str) -> float:
-    value = float(raw)
-    if not value > 0:
-        raise ValueError("expected a number of seconds > 0")
-    return value
-
-
-def _convert(name: str, raw: str, meta: SettingMeta, default: Any, annotation: Any) -> Any:
-    if meta.choices is not None and raw not in meta.choices:
-        raise ConfigError(
-            f"{flag_name(name)}: {raw!r} is not allowed; choose one of: {', '.join(meta.choices)}"
-        )
-    if raw == "":
-        raise ConfigError(f"{flag_name(name)}: empty value is not allowed")
-    convert: Callable[[str], Any] = str
-    if isinstance(default, bool):
-        convert = _bool
-    elif isinstance(default, float):
-        convert = _seconds
-    elif "Path" in str(annotation):
-        convert = Path
-    try:
-        return convert(raw)
-    except ValueError as exc:
-        raise ConfigError(f"{flag_name(name)}: {raw!r} is not valid: {exc}") from exc
+def load_settings(
+    cls: type[T],
+    args: argparse.Namespace | Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    groups: Collection[str] | None = None,
+) -> T:
+    """Build a settings class from parsed flags (an argparse Namespace filled by
+    :func:`add_options`, or a mapping by field name) and an environment mapping; settings
+    outside ``groups`` keep their defaults. Pure: reads only what it is given."""
+    return resolve_settings(cls, args, environ, groups)[0]
 
 
 def load_config(
     args: argparse.Namespace | Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
+    groups: Collection[str] | None = None,
 ) -> Config:
-    """Build the Config: a flag wins over ``TESSERA_<NAME>``, which wins over extra variables
-    (e.g. ``NODE_NAME``), which win over the default. Pure: reads only what it is given."""
-    given = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
-    env = environ or {}
-    values: dict[str, Any] = {}
-    for f in fields(Config):
-        meta = _meta(f)
-        raw = given.get(f.name)
-        if raw is None:
-            for var in (env_name(f.name), *meta.extra_env):
-                if env.get(var):
-                    raw = env[var]
-                    break
-        if raw is not None:
-            default = None if f.default is MISSING else f.default
-            values[f.name] = _convert(f.name, str(raw), meta, default, f.type)
-    return Config(**values)
+    """The agent's Config (see :func:`load_settings`)."""
+    return load_settings(Config, args, environ, groups)
 
 
-def render_config_docs() -> str:
-    """docs/configuration.md, generated from the declarations above (`make docs`)."""
-    lines = [
-        "# Configuration reference",
-        "",
-        "<!-- Generated by `make docs` from agent/config.py; a test fails when it is stale. -->",
-        "",
-        "Every setting is a flag and an environment variable; a flag wins over the variable,",
-        "which wins over the default. Empty variables count as unset. The options of single",
-        "commands (`-o/--output`, `--format`, `--socket`, `--claim`, `--endpoint`, …) follow the",
-        "same rule: `TESSERA_<OPTION>` in upper case (`TESSERA_OUTPUT=json`, `TESSERA_SOCKET=...`;",
-        "lists comma-separated).",
-        "",
-        "| flag | environment | default | commands | meaning |",
-        "|---|---|---|---|---|",
-    ]
-    commands = {"node": "run, discover, topo, slices", "daemon": "run", "driver": "run, slices"}
-    for name, meta, default in settings():
-        envs = "<br>".join(f"`{e}`" for e in (env_name(name), *meta.extra_env))
-        shown = "(unset)" if default is None else f"`{default}`"
-        if meta.choices:
-            shown += "<br>one of " + ", ".join(f"`{c}`" for c in meta.choices)
-        cmds = ", ".join(commands[g] for g in meta.groups)
-        lines.append(f"| `{flag_name(name)}` | {envs} | {shown} | {cmds} | {meta.help} |")
-    lines.append("")
-    return "\n".join(lines)
+def settings() -> list[tuple[str, SettingMeta, Any]]:
+    """Every Config setting as ``(field name, meta, default)``, in declaration order."""
+    return [(s.name, s.meta, s.default) for s in settings_of(Config)]

@@ -186,7 +186,7 @@ def test_a_bad_option_variable_fails_only_the_command_that_uses_it():
     assert run(["discover", "--simulate", "mixed"], env)[0] == 0
     code, out, err = run(["slices", "--simulate", "mixed"], env)
     assert code == 2 and out == ""
-    assert "TESSERA_OUTPUT (-o/--output): 'table' is not one of yaml, json" in err
+    assert err == "tessera: configuration error: TESSERA_OUTPUT='table' is not one of yaml, json\n"
 
 
 def test_required_option_from_the_environment(tmp_path):

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from agent.cli import build_parser
-from agent.config import Config, env_name, flag_name, load_config, settings
+from agent.config import Config, dest, env_name, flag_name, load_config, settings, settings_of
 from agent.errors import ConfigError
 
 
@@ -32,8 +32,9 @@ def test_every_setting_has_an_env_variable_and_a_flag_on_run():
     run = parser.parse_args(["run"])
     for name, meta, _default in settings():
         assert env_name(name).startswith("TESSERA_")
-        assert name in vars(run), f"{flag_name(name)} missing from `tessera run`"
+        assert dest(Config, name) in vars(run), f"{flag_name(name)} missing from `tessera run`"
         assert meta.help.strip()
+    assert [s.env[0] for s in settings_of(Config)] == [env_name(n) for n, _, _ in settings()]
 
 
 @pytest.mark.parametrize(
@@ -54,11 +55,13 @@ def test_node_name_falls_back_to_NODE_NAME_but_tessera_variable_wins():
     assert load_config({}, {"NODE_NAME": "n1", "TESSERA_NODE_NAME": "n2"}).node_name == "n2"
 
 
-def test_bad_choice_names_setting_value_and_allowed():
+def test_bad_choice_names_where_it_came_from_the_value_and_what_is_allowed():
     with pytest.raises(ConfigError) as e:
         load_config({}, {"TESSERA_LOG_FORMAT": "xml"})
-    msg = str(e.value)
-    assert "--log-format" in msg and "'xml'" in msg and "json, text" in msg
+    assert str(e.value) == "TESSERA_LOG_FORMAT='xml' is not one of json, text"  # not the flag
+    with pytest.raises(ConfigError) as e:
+        load_config({"log_format": "xml"}, {"TESSERA_LOG_FORMAT": "text"})
+    assert str(e.value) == "--log-format: 'xml' is not one of json, text"
 
 
 def test_bad_metrics_address_is_reported():
@@ -79,5 +82,18 @@ def test_booleans_and_seconds_from_the_environment():
     assert load_config({}, {"TESSERA_NO_KUBE": "off"}).no_kube is False
     with pytest.raises(ConfigError, match="'maybe'"):
         load_config({}, {"TESSERA_CLEANUP_ON_EXIT": "maybe"})
-    with pytest.raises(ConfigError, match="--resync-interval"):
+    with pytest.raises(ConfigError, match=r"^TESSERA_RESYNC_INTERVAL='-1' is not a number of sec"):
         load_config({}, {"TESSERA_RESYNC_INTERVAL": "-1"})
+    with pytest.raises(ConfigError, match=r"^--resync-interval: 'soon' is not a number"):
+        load_config({"resync_interval": "soon"}, {})
+    with pytest.raises(ConfigError, match=r"^TESSERA_DRIVER_NAME='GPU' is not a lower-case DNS"):
+        load_config({}, {"TESSERA_DRIVER_NAME": "GPU"})
+    with pytest.raises(ConfigError, match=r"^TESSERA_METRICS_ADDRESS='x' is not HOST:PORT"):
+        load_config({}, {"TESSERA_METRICS_ADDRESS": "x"})
+
+
+def test_settings_outside_the_commands_groups_are_not_read():
+    """`discover` offers only the node settings: a bad daemon variable cannot fail it."""
+    env = {"TESSERA_LOG_FORMAT": "xml", "TESSERA_SIMULATE": "mixed"}
+    c = load_config({}, env, groups=("node",))
+    assert c.simulate == "mixed" and c.log_format == "json"

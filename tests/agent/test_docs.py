@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from agent.config import render_config_docs
+from agent.cli.docs import render_config_docs
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,6 @@ devices, ``missing`` -> left out of the answer, ``shared`` -> a device with a sh
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import socket
@@ -23,9 +22,9 @@ from typing import Any
 import grpc
 import pytest
 
+from agent.cli import main
 from agent.errors import TesseraError
 from dra_driver.errors import KubeletApiError
-from dra_driver.kubelet_cli import add_kubelet_parser, cmd_kubelet
 from dra_driver.kubelet_client import ClaimRef, KubeletClient, register_like_kubelet
 from dra_driver.kubeletapi import (
     dra_v1_pb2,
@@ -502,17 +501,12 @@ def test_closed_client_refuses_calls(fake):
 # -- CLI --------------------------------------------------------------------------------------
 
 
-def parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="tessera")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_kubelet_parser(sub)
-    return parser.parse_args(["kubelet", *argv])
-
-
 def run(*argv: str) -> tuple[int, str]:
-    out = io.StringIO()
-    code = cmd_kubelet(parse(*argv), out)
-    return code, out.getvalue()
+    """``tessera kubelet ...`` as a user runs it; stderr must stay empty when it succeeds."""
+    out, err = io.StringIO(), io.StringIO()
+    code = main(["kubelet", *argv], {}, out, err)
+    assert code == 2 or err.getvalue() == "", err.getvalue()
+    return code, out.getvalue() if code != 2 else err.getvalue()
 
 
 def test_cli_info(fake):
@@ -572,33 +566,35 @@ def test_cli_health(fake):
     assert (code, len(text.splitlines())) == (1, 2)
 
 
-def test_cli_errors_are_tessera_errors(tmp_path):
-    with pytest.raises(TesseraError, match="no socket"):
-        run("prepare", "--socket", str(tmp_path / "x.sock"), "--claim", "ns/a/uid")
+def test_cli_errors_are_one_line(tmp_path):
+    code, err = run("prepare", "--socket", str(tmp_path / "x.sock"), "--claim", "ns/a/uid")
+    assert code == 2 and "no socket" in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["prepare", "--socket", "/s", "--claim", "ns/a"], "NAMESPACE/NAME/UID"),
-        (["prepare", "--socket", "/s"], "--claim"),
-        (["unprepare", "--claim", "ns/a/u"], "--socket"),
-        (["prepare", "--socket", "/s", "--claim", "n/a/u", "--api", "v2"], "invalid choice"),
+        (["prepare", "--socket", "/s", "--claim", "ns/a"], "'ns/a' is not NAMESPACE/NAME/UID"),
+        (["prepare", "--socket", "/s"], "--claim is required"),
+        (["unprepare", "--claim", "ns/a/u"], "--socket is required"),
+        (
+            ["prepare", "--socket", "/s", "--claim", "n/a/u", "--api", "v2"],
+            "not one of v1, v1beta1",
+        ),
         (["health", "--socket", "/s", "--count", "0"], "positive"),
         (["info"], "--socket"),
         ([], "KUBELET_COMMAND"),
     ],
 )
-def test_cli_usage_errors(argv, message, capsys):
-    with pytest.raises(SystemExit) as exc:
-        parse(*argv)
-    assert exc.value.code == 2
-    assert message in capsys.readouterr().err
+def test_cli_usage_errors(argv, message):
+    code, err = run(*argv)
+    assert code == 2
+    assert message in err
 
 
-def test_cli_help_says_what_it_is_for(capsys):
-    with pytest.raises(SystemExit):
-        parse("prepare", "--help")
-    text = capsys.readouterr().out
+def test_cli_help_says_what_it_is_for():
+    out, err = io.StringIO(), io.StringIO()
+    assert main(["kubelet", "prepare", "--help"], {}, out, err) == 0
+    text = out.getvalue()
     assert "exactly as the kubelet does" in text
     assert "debugging on a node" in text.replace("\n", " ").replace("  ", " ")

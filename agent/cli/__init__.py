@@ -1,0 +1,264 @@
+"""The ``tessera`` command: the command tree, its options, and the handlers.
+
+Every command's options are declared like the agent's settings (``agent.config.setting``), so each
+flag is also a ``TESSERA_<FLAG>`` variable; ``agent/cli/framework.py`` builds argparse from the
+declarations and loads them. Every failure ends the command with one line on stderr and exit
+code 2; a missing NVIDIA driver says so and suggests ``--simulate``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import IO, Any
+
+import yaml
+
+from agent.cli import kubelet, sim
+from agent.cli.framework import (
+    EXIT_ERROR,
+    NO_DRIVER_HINT,
+    Command,
+    Invocation,
+    Parser,
+    Uses,
+    invoke,
+)
+from agent.cli.framework import build_parser as build_tree_parser
+from agent.cli.node import advertised, node_session
+from agent.config import Config, seconds, setting
+from agent.errors import TesseraError
+from agent.node import discover
+from agent.nvml.errors import DriverNotFoundError
+
+__all__ = ["EXIT_ERROR", "NO_DRIVER_HINT", "build_parser", "main"]
+
+
+# -- the options of single commands ---------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiscoverOptions:
+    output: str = setting(
+        "table",
+        "Output format: table (for people), json or yaml (for scripts).",
+        flags=("-o", "--output"),
+        choices=("table", "json", "yaml"),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TopoOptions:
+    format: str = setting(
+        "matrix",
+        "matrix: the nvidia-smi topo -m table; dot: a Graphviz graph of the node.",
+        choices=("matrix", "dot"),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlicesOptions:
+    output: str = setting(
+        "yaml",
+        "Output format of the ResourceSlices: yaml (a multi-document stream) or json (a list).",
+        flags=("-o", "--output"),
+        choices=("yaml", "json"),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TopOptions:
+    endpoint: str | None = setting(
+        None,
+        "The agent's telemetry API: unix:///PATH/telemetry.sock or HOST:PORT (the agent's"
+        " --telemetry-address). Unset: <state-dir>/telemetry.sock.",
+        metavar="ADDRESS",
+    )
+    state_dir: Path | None = setting(
+        None,
+        "The running agent's --state-dir (its telemetry socket is <dir>/telemetry.sock). Unset:"
+        " /var/lib/tessera.",
+        metavar="DIR",
+    )
+    once: bool = setting(False, "Print one frame and exit (scripts, tests).")
+    interval: float = setting(1.0, "Seconds between frames.", metavar="SECONDS", parse=seconds)
+
+
+# -- handlers ---------------------------------------------------------------------------------
+
+
+def cmd_discover(inv: Invocation) -> int:
+    from agent.discovery.export import inventory_to_dict
+
+    with node_session(inv.get(Config)) as source:
+        node = discover(source)
+    data = inventory_to_dict(node)
+    output = inv.get(DiscoverOptions).output
+    if output == "json":
+        inv.out.write(json.dumps(data, indent=2) + "\n")
+    elif output == "yaml":
+        inv.out.write(yaml.safe_dump(data, sort_keys=False))
+    else:
+        from agent.discovery.table import render_table
+
+        render_table(node, inv.out)
+    return 0
+
+
+def cmd_topo(inv: Invocation) -> int:
+    from agent.discovery.render import render_dot, render_matrix
+
+    with node_session(inv.get(Config)) as source:
+        node = discover(source)
+    dot = inv.get(TopoOptions).format == "dot"
+    inv.out.write(render_dot(node) if dot else render_matrix(node))
+    return 0
+
+
+def cmd_slices(inv: Invocation) -> int:
+    from dra_driver.slices import SlicePolicy, build_slices
+
+    config = inv.get(Config)
+    node_name, model = advertised(config)
+    policy = SlicePolicy(
+        driver_name=config.driver_name, node_name=node_name, layout=config.kube_layout
+    )
+    objs = build_slices(model, policy, generation=1)
+    if inv.get(SlicesOptions).output == "json":
+        inv.out.write(json.dumps(objs, indent=2) + "\n")
+    else:
+        inv.out.write(yaml.safe_dump_all(objs, sort_keys=False))
+    return 0
+
+
+def cmd_top(inv: Invocation) -> int:
+    from agent.daemon import DEFAULT_STATE_DIR
+    from agent.telemetry.top import run_top, target
+
+    opts = inv.get(TopOptions)
+    stop = threading.Event()
+    if not opts.once:
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+    endpoint = target(opts.endpoint, opts.state_dir or DEFAULT_STATE_DIR)
+    return run_top(endpoint, opts.once, opts.interval, inv.out, stop)
+
+
+def cmd_run(inv: Invocation) -> int:
+    config = inv.get(Config)
+    if config.log_format == "json":
+        # gRPC's C core writes its own plain-text lines to stderr, outside Python logging: keep
+        # the stream JSON-only unless the operator asks for them (GRPC_VERBOSITY=ERROR).
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+    from agent.daemon import build_agent
+    from agent.logs import configure_logging
+
+    log = configure_logging(config.log_format, config.log_level)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log.info("signal received, shutting down", extra={"fields": {"signal": signum}})
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        agent = build_agent(config, log)
+        code = agent.run(stop)
+    except TesseraError as exc:  # logs are JSON from here on: the reason is a log record too
+        reason = NO_DRIVER_HINT if isinstance(exc, DriverNotFoundError) else str(exc)
+        log.error("agent cannot run", extra={"fields": {"error": reason}})
+        return EXIT_ERROR
+    if agent.unfinished:
+        # Threads still busy past the shutdown deadline would hold the interpreter's exit
+        # (it joins pool workers); their work is left to the next start's reconcile.
+        logging.shutdown()
+        os._exit(code)
+    return code
+
+
+# -- the tree ---------------------------------------------------------------------------------
+
+NODE = ("node",)
+TREE = Command(
+    "tessera",
+    "Tessera: GPU node agent and Kubernetes DRA driver.",
+    subcommands=(
+        Command(
+            "run",
+            "run the node agent (daemon) in the foreground",
+            cmd_run,
+            (Uses(Config, ("node", "driver", "daemon")),),
+        ),
+        Command(
+            "discover",
+            "print the node inventory (GPUs, NICs, topology)",
+            cmd_discover,
+            (Uses(Config, NODE), Uses(DiscoverOptions)),
+        ),
+        Command(
+            "topo",
+            "print the GPU/NIC topology matrix or a DOT graph",
+            cmd_topo,
+            (Uses(Config, NODE), Uses(TopoOptions)),
+        ),
+        Command(
+            "slices",
+            "print the ResourceSlices this node would publish",
+            cmd_slices,
+            (Uses(Config, ("node", "driver")), Uses(SlicesOptions)),
+        ),
+        Command(
+            "top",
+            "live view of GPU telemetry and the claims holding them",
+            cmd_top,
+            (Uses(TopOptions),),
+            description="A live view of a running agent's telemetry API: utilization, memory,"
+            " power, energy, temperatures and the claims holding each device.",
+        ),
+        kubelet.COMMAND,
+        sim.COMMAND,
+    ),
+)
+
+
+def version() -> str:
+    try:
+        return metadata.version("tessera")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def build_parser(out: IO[str] | None = None, err: IO[str] | None = None) -> Parser:
+    return build_tree_parser(TREE, version(), out, err)
+
+
+def main(
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    out: IO[str] | None = None,
+    err: IO[str] | None = None,
+) -> int:
+    out = out or sys.stdout
+    err = err or sys.stderr
+    env = os.environ if environ is None else environ
+    try:
+        return invoke(build_parser(out, err), argv, env, out, err)
+    except BrokenPipeError:
+        # the reader went away (`tessera ... | head`): stop quietly, like other Unix tools
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(devnull, out.fileno())
+        return 141
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,169 @@
+"""The command tree behind ``tessera``: commands declare their settings classes, argparse is built
+from the declarations, and one place turns every failure into one line and exit code 2.
+
+A :class:`Command` names the settings classes it reads (:class:`Uses`: ``Config`` with some of its
+groups, or a command's own options dataclass); :func:`build_parser` adds their options with
+:func:`agent.config.add_options`, and :func:`invoke` loads them with
+:func:`agent.config.resolve_settings` (flag, then ``TESSERA_<FLAG>``, then the default) before the
+handler runs with an :class:`Invocation`. A TesseraError ends the command with one line on stderr
+and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import IO, Any, TypeVar, cast
+
+from agent.config import Origin, add_options, resolve_settings
+from agent.errors import ConfigError, TesseraError
+from agent.nvml.errors import DriverNotFoundError
+
+T = TypeVar("T")
+EXIT_ERROR = 2
+NO_DRIVER_HINT = (
+    "no NVIDIA driver found on this machine (libnvidia-ml.so.1 could not be loaded); "
+    "to try Tessera without a GPU add --simulate MODEL, e.g. --simulate dgx-h100 "
+    "(list models: tessera sim models)"
+)
+_CHAIN = "_tessera_chain"
+_PARSER = "_tessera_parser"
+
+
+@dataclass(frozen=True)
+class Uses:
+    """A settings class a command reads; for Config, the groups whose options it offers (None:
+    every field)."""
+
+    cls: type[Any]
+    groups: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """One run of a command: its loaded settings and where the given ones came from."""
+
+    values: Mapping[type[Any], Any]
+    origins: tuple[Origin, ...]
+    out: IO[str]
+    err: IO[str]
+
+    def get(self, cls: type[T]) -> T:
+        return cast(T, self.values[cls])
+
+
+Handler = Callable[[Invocation], int]
+
+
+@dataclass(frozen=True)
+class Command:
+    """A node of the command tree: a leaf runs ``run``; an inner node has ``subcommands``. Options
+    of an inner node (``tessera sim fault --state-dir DIR xid ...``) reach its leaves."""
+
+    name: str
+    help: str
+    run: Handler | None = None
+    uses: tuple[Uses, ...] = ()
+    subcommands: tuple[Command, ...] = ()
+    description: str | None = None
+    metavar: str = "COMMAND"
+    """How the usage names the subcommand argument."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser that writes to the streams it is given instead of sys.stdout/stderr."""
+
+    def __init__(self, *args: Any, streams: tuple[IO[str], IO[str]], **kwargs: Any) -> None:
+        self.streams = streams
+        super().__init__(*args, **kwargs)
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if message:
+            out, err = self.streams
+            (err if file is sys.stderr else out).write(message)
+
+
+def build_parser(
+    root: Command, version: str, out: IO[str] | None = None, err: IO[str] | None = None
+) -> Parser:
+    """argparse for the whole tree; parsing leaves the chain of commands in the namespace."""
+    streams = (out or sys.stdout, err or sys.stderr)
+    parser = Parser(prog=root.name, description=root.description or root.help, streams=streams)
+    parser.add_argument(
+        "--version", action="version", version=f"{root.name} {version}", help="print the version"
+    )
+    _populate(parser, root, (root,), streams)
+    return parser
+
+
+def _populate(
+    parser: Parser, command: Command, chain: tuple[Command, ...], streams: tuple[IO[str], IO[str]]
+) -> None:
+    for use in command.uses:
+        add_options(parser, use.cls, use.groups)
+    parser.set_defaults(**{_CHAIN: chain, _PARSER: parser})
+    if not command.subcommands:
+        return
+    sub = parser.add_subparsers(
+        dest=f"_tessera_{len(chain)}", required=True, metavar=command.metavar, title="commands"
+    )
+    for child in command.subcommands:
+        child_parser = sub.add_parser(
+            child.name,
+            help=child.help,
+            description=child.description or child.help,
+            streams=streams,
+        )
+        _populate(child_parser, child, (*chain, child), streams)
+
+
+def invoke(
+    parser: Parser,
+    argv: Sequence[str] | None,
+    environ: Mapping[str, str],
+    out: IO[str],
+    err: IO[str],
+) -> int:
+    """Parse, load the settings of the chosen command, run it; every failure is one line on
+    ``err`` and exit code 2 (usage errors: the subcommand's usage, then one line)."""
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # the innermost command reached words the error, with its own usage
+            getattr(args, _PARSER).error("unrecognized arguments: " + " ".join(extra))
+    except SystemExit as exc:  # --help, --version, usage errors
+        return exc.code if isinstance(exc.code, int) else EXIT_ERROR
+    chain: tuple[Command, ...] = getattr(args, _CHAIN)
+    origins: list[Origin] = []
+    try:
+        values: dict[type[Any], Any] = {}
+        for command in chain:
+            for use in command.uses:
+                values[use.cls], found = resolve_settings(use.cls, args, environ, use.groups)
+                origins += found
+        run = chain[-1].run
+        assert run is not None, f"{chain[-1].name} has subcommands but no handler"
+        return run(Invocation(values, tuple(origins), out, err))
+    except BrokenPipeError:
+        raise  # the caller decides how a closed output ends
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        message = failure_message(exc, tuple(origins))
+        if message is None:
+            raise
+        err.write(f"tessera: {message}\n")
+        return EXIT_ERROR
+
+
+def failure_message(exc: BaseException, origins: Sequence[Origin] = ()) -> str | None:
+    """The line for a failed command (after ``tessera: ``), or None for a bug (which keeps its
+    traceback)."""
+    if isinstance(exc, DriverNotFoundError):
+        return NO_DRIVER_HINT
+    if isinstance(exc, ConfigError):
+        return f"configuration error: {exc}"
+    if isinstance(exc, TesseraError):
+        return f"error: {exc}"
+    return None

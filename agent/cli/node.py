@@ -1,0 +1,39 @@
+"""Opening the node for one-shot commands (discover, topo, slices, sim sample-claim)."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from agent.config import Config
+from agent.node import NodeSource, discover
+
+if TYPE_CHECKING:
+    from dra_driver.devices import DeviceModel
+
+
+@contextmanager
+def node_session(config: Config) -> Iterator[NodeSource]:
+    """Open the node for a one-shot command; with --simulate and no --state-dir, use a
+    temporary state directory that is removed afterwards."""
+    from agent.daemon import open_node
+
+    with tempfile.TemporaryDirectory(prefix="tessera-") as tmp:
+        state_dir = config.state_dir or (Path(tmp) if config.simulate else Path("/var/lib/tessera"))
+        source = open_node(config, state_dir)
+        with source.nvml:
+            yield source
+
+
+def advertised(config: Config) -> tuple[str, DeviceModel]:
+    """The node's name and the devices the driver would advertise for it (``tessera run`` with
+    this Config advertises the same)."""
+    from dra_driver.devices import DevicePolicy, advertised_devices
+
+    with node_session(config) as source:
+        inventory = discover(source)
+    policy = DevicePolicy(driver_name=config.driver_name, mig_mode=config.mig_mode)
+    return source.hostname, advertised_devices(inventory, policy)

@@ -1,0 +1,271 @@
+"""``tessera sim``: the simulator's controls.
+
+::
+
+    tessera sim models
+    tessera sim apiserver --port 8080 --kubeconfig-out FILE
+    tessera sim fault --state-dir DIR xid --gpu N --xid X [--gi G [--ci C]]
+    tessera sim fault --state-dir DIR gpu-lost --gpu N
+    tessera sim fault --state-dir DIR recover --gpu N
+    tessera sim fault --state-dir DIR driver-reload
+    tessera sim fault --state-dir DIR load --gpu N --utilization U [--memory-mib M]
+    tessera sim fault --state-dir DIR fail-call --call NAME [--gpu N] [--code C] [--times T]
+
+``fault``: ``DIR`` is the agent's ``--state-dir`` (the simulator keeps its state in ``DIR/sim``)
+or the simulator's directory itself. The node model is the one recorded there (``--simulate
+MODEL`` overrides it, e.g. for a model file). Every change goes through the simulator's state
+files under their lock, so a running agent sees it at its next NVML call.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent.cli.framework import Command, Invocation, Uses
+from agent.config import (
+    REQUIRED,
+    fraction,
+    integer,
+    non_negative_int,
+    port,
+    positive_int,
+    setting,
+    text,
+)
+from agent.errors import ConfigError
+from agent.sim.specs import MIB
+from agent.sim.state import STATE_FILE
+
+# -- options ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ApiServerOptions:
+    port: int = setting(
+        0, "TCP port on 127.0.0.1 (0: any free one).", metavar="PORT", parse=port, listen=True
+    )
+    kubeconfig_out: Path = setting(
+        REQUIRED, "Write a kubeconfig for the emulator to this file.", metavar="FILE"
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultOptions:
+    state_dir: Path = setting(
+        REQUIRED,
+        "The agent's --state-dir (or the simulator's directory inside it).",
+        metavar="DIR",
+    )
+    simulate: str | None = setting(
+        None, "Node model. Unset: the one recorded in the state directory.", metavar="MODEL"
+    )
+
+
+_GPU_HELP = "GPU index (as `tessera discover` numbers them)."
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuOptions:
+    gpu: int = setting(REQUIRED, _GPU_HELP, metavar="N", parse=non_negative_int)
+
+
+@dataclass(frozen=True, kw_only=True)
+class XidOptions:
+    gpu: int = setting(REQUIRED, _GPU_HELP, metavar="N", parse=non_negative_int)
+    xid: int = setting(
+        REQUIRED, "The XID error number, e.g. 79 (fallen off the bus) or 48 (DBE).",
+        metavar="XID", parse=positive_int,
+    )  # fmt: skip
+    gi: int | None = setting(
+        None, "GPU instance id, for an XID in a MIG device.", metavar="ID", parse=non_negative_int
+    )
+    ci: int | None = setting(
+        None, "Compute instance id (with --gi).", metavar="ID", parse=non_negative_int
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadOptions:
+    gpu: int = setting(REQUIRED, _GPU_HELP, metavar="N", parse=non_negative_int)
+    utilization: float = setting(
+        REQUIRED, "GPU utilization from 0 to 1.", metavar="U", parse=fraction
+    )
+    memory_mib: int | None = setting(
+        None, "Memory in use, MiB. Unset: unchanged.", metavar="MIB", parse=non_negative_int
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailCallOptions:
+    call: str = setting(
+        REQUIRED, "NVML call name, e.g. nvmlDeviceGetPowerUsage.", metavar="NAME", parse=text
+    )
+    gpu: int | None = setting(
+        None, "Only on this GPU. Unset: on any GPU.", metavar="N", parse=non_negative_int
+    )
+    code: int = setting(999, "NVML error code the call fails with.", metavar="CODE", parse=integer)
+    times: int = setting(
+        1, "How many calls fail (0: every call).", metavar="N", parse=non_negative_int
+    )
+
+
+# -- handlers ---------------------------------------------------------------------------------
+
+
+def cmd_models(inv: Invocation) -> int:
+    from agent.sim.model import load_model, model_names
+
+    for name in model_names():
+        inv.out.write(f"{name:<12} {load_model(name).description}\n")
+    return 0
+
+
+def cmd_apiserver(inv: Invocation) -> int:
+    """Serve the API-server emulator until SIGINT/SIGTERM."""
+    from agent.sim.apiserver import ApiServer
+
+    opts = inv.get(ApiServerOptions)
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with ApiServer(port=opts.port) as server:
+        written = server.kubeconfig(opts.kubeconfig_out)
+        inv.out.write(f"API server emulator on {server.url}; kubeconfig: {written}\n")
+        inv.out.flush()
+        stop.wait()
+    return 0
+
+
+def simulator_dir(state_dir: Path) -> Path:
+    """The directory holding the simulator's state: ``DIR/sim`` or ``DIR`` itself."""
+    for candidate in (state_dir / "sim", state_dir):
+        if (candidate / STATE_FILE).is_file():
+            return candidate
+    raise ConfigError(
+        f"no simulated node in {state_dir} (no {STATE_FILE} there or in its sim/); start one with"
+        f" `tessera run --simulate MODEL --state-dir {state_dir}` or `tessera discover`"
+    )
+
+
+def _model_name(sim_dir: Path) -> str:
+    try:
+        raw = json.loads((sim_dir / STATE_FILE).read_text())
+        return str(raw["model"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"cannot read the simulated model from {sim_dir / STATE_FILE}: {exc}"
+        ) from exc
+
+
+def _simulator(inv: Invocation) -> Any:
+    from agent.sim.model import load_model
+    from agent.sim.nvml import FakeNvml
+
+    opts = inv.get(FaultOptions)
+    sim_dir = simulator_dir(opts.state_dir)
+    return FakeNvml(load_model(opts.simulate or _model_name(sim_dir)), sim_dir)
+
+
+def fault_xid(inv: Invocation) -> int:
+    opts = inv.get(XidOptions)
+    _simulator(inv).inject_xid(opts.gpu, opts.xid, opts.gi, opts.ci)
+    where = "" if opts.gi is None else f" (GPU instance {opts.gi}, compute instance {opts.ci})"
+    inv.out.write(f"injected XID {opts.xid} on GPU {opts.gpu}{where}\n")
+    return 0
+
+
+def fault_gpu_lost(inv: Invocation) -> int:
+    gpu = inv.get(GpuOptions).gpu
+    _simulator(inv).lose_gpu(gpu)
+    inv.out.write(f"GPU {gpu} fell off the bus (XID 79); its NVML calls now fail\n")
+    return 0
+
+
+def fault_recover(inv: Invocation) -> int:
+    gpu = inv.get(GpuOptions).gpu
+    _simulator(inv).recover_gpu(gpu)
+    inv.out.write(f"GPU {gpu} recovered\n")
+    return 0
+
+
+def fault_driver_reload(inv: Invocation) -> int:
+    _simulator(inv).reload_driver()
+    inv.out.write("driver reloaded: energy and error counters restart at 0, processes ended\n")
+    return 0
+
+
+def fault_load(inv: Invocation) -> int:
+    opts = inv.get(LoadOptions)
+    memory = None if opts.memory_mib is None else opts.memory_mib * MIB
+    _simulator(inv).set_load(opts.gpu, opts.utilization, memory)
+    used = "" if memory is None else f", {opts.memory_mib} MiB in use"
+    inv.out.write(f"GPU {opts.gpu} load set to utilization {opts.utilization:g}{used}\n")
+    return 0
+
+
+def fault_fail_call(inv: Invocation) -> int:
+    opts = inv.get(FailCallOptions)
+    times = None if opts.times == 0 else opts.times
+    _simulator(inv).fail_call(opts.call, gpu=opts.gpu, code=opts.code, times=times)
+    on = "any GPU" if opts.gpu is None else f"GPU {opts.gpu}"
+    count = "every call" if times is None else f"the next {times} call(s)"
+    inv.out.write(f"{opts.call} on {on} fails with NVML error {opts.code} for {count}\n")
+    return 0
+
+
+# -- the tree ---------------------------------------------------------------------------------
+
+FAULT = Command(
+    "fault",
+    "inject XIDs, lost GPUs, driver reloads, load or call failures",
+    uses=(Uses(FaultOptions),),
+    description="Inject faults and load into a running simulated node from another process:"
+    " the agent sees them at its next NVML call.",
+    metavar="ACTION",
+    subcommands=(
+        Command(
+            "xid",
+            "raise an XID on a GPU (or in one of its MIG devices)",
+            fault_xid,
+            (Uses(XidOptions),),
+        ),
+        Command(
+            "gpu-lost", "the GPU falls off the bus (XID 79)", fault_gpu_lost, (Uses(GpuOptions),)
+        ),
+        Command("recover", "a lost GPU is back", fault_recover, (Uses(GpuOptions),)),
+        Command("driver-reload", "reload the driver: counters restart at 0", fault_driver_reload),
+        Command(
+            "load",
+            "script a GPU's utilization (and memory use)",
+            fault_load,
+            (Uses(LoadOptions),),
+        ),
+        Command(
+            "fail-call",
+            "make telemetry/event calls fail",
+            fault_fail_call,
+            (Uses(FailCallOptions),),
+        ),
+    ),
+)
+
+COMMAND = Command(
+    "sim",
+    "simulator controls",
+    metavar="SIM_COMMAND",
+    subcommands=(
+        Command("models", "list the simulated node models", cmd_models),
+        Command(
+            "apiserver",
+            "serve an in-memory Kubernetes API server (for kube mode without a cluster)",
+            cmd_apiserver,
+            (Uses(ApiServerOptions),),
+        ),
+        FAULT,
+    ),
+)
