@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import urllib3
+import yaml
 from kubernetes import client as kclient
 from kubernetes import config as kconfig
 from kubernetes.client.exceptions import ApiException
@@ -51,6 +52,12 @@ class KubeClient:
             raise ConfigError(
                 f"cannot load {where}: {exc}; pass --kubeconfig FILE, or --no-kube to run"
                 " standalone"
+            ) from exc
+        except (yaml.YAMLError, TypeError, AttributeError, ValueError) as exc:
+            # the client's loader trips over files that are not kubeconfigs (e.g. plain text)
+            raise ConfigError(
+                f"--kubeconfig: {kubeconfig} is not a kubeconfig (YAML with clusters, users and"
+                f" contexts): {type(exc).__name__}: {' '.join(str(exc).split())}"
             ) from exc
         return cls(kclient.ApiClient(cfg))
 

@@ -36,9 +36,7 @@ from agent.cli.framework import (
 from agent.cli.framework import build_parser as build_tree_parser
 from agent.cli.node import advertised, node_session
 from agent.config import Config, seconds, setting
-from agent.errors import TesseraError
 from agent.node import discover
-from agent.nvml.errors import DriverNotFoundError
 
 __all__ = ["EXIT_ERROR", "NO_DRIVER_HINT", "build_parser", "main"]
 
@@ -173,8 +171,10 @@ def cmd_run(inv: Invocation) -> int:
     try:
         agent = build_agent(config, log)
         code = agent.run(stop)
-    except TesseraError as exc:  # logs are JSON from here on: the reason is a log record too
-        reason = NO_DRIVER_HINT if isinstance(exc, DriverNotFoundError) else str(exc)
+    except Exception as exc:  # logs are JSON from here on: the reason is a log record too
+        reason = inv.describe(exc)  # worded like every command's failures; None: a bug
+        if reason is None:
+            raise
         log.error("agent cannot run", extra={"fields": {"error": reason}})
         return EXIT_ERROR
     if agent.unfinished:

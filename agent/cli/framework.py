@@ -5,17 +5,25 @@ A :class:`Command` names the settings classes it reads (:class:`Uses`: ``Config`
 groups, or a command's own options dataclass); :func:`build_parser` adds their options with
 :func:`agent.config.add_options`, and :func:`invoke` loads them with
 :func:`agent.config.resolve_settings` (flag, then ``TESSERA_<FLAG>``, then the default) before the
-handler runs with an :class:`Invocation`. A TesseraError ends the command with one line on stderr
-and exit code 2.
+handler runs with an :class:`Invocation`. :func:`describe` is the one place that words a failed
+command: Tessera's own errors, and the OS errors and friends that escape a command (a file where a
+directory belongs, a busy port, an unreadable or undecodable file), naming the path or port and
+the flag or variable that gave it. :func:`invoke` writes it as one line on stderr with exit code
+2; ``tessera run``, whose stderr is a JSON log, logs the same words as a record.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, Any, TypeVar, cast
+
+import yaml
 
 from agent.config import Origin, add_options, resolve_settings
 from agent.errors import ConfigError, TesseraError
@@ -52,6 +60,10 @@ class Invocation:
 
     def get(self, cls: type[T]) -> T:
         return cast(T, self.values[cls])
+
+    def describe(self, exc: BaseException) -> str | None:
+        """The one line for a failure of this command (:func:`describe`)."""
+        return describe(exc, self.origins)
 
 
 Handler = Callable[[Invocation], int]
@@ -160,10 +172,94 @@ def invoke(
 def failure_message(exc: BaseException, origins: Sequence[Origin] = ()) -> str | None:
     """The line for a failed command (after ``tessera: ``), or None for a bug (which keeps its
     traceback)."""
+    reason = describe(exc, origins)
+    if reason is None or isinstance(exc, DriverNotFoundError):
+        return reason
+    return f"{'configuration error' if isinstance(exc, ConfigError) else 'error'}: {reason}"
+
+
+def describe(exc: BaseException, origins: Sequence[Origin] = ()) -> str | None:
+    """What went wrong, in one line naming the offending path, port or value and the flag or
+    variable that gave it; None when ``exc`` is a bug rather than a failure to report."""
     if isinstance(exc, DriverNotFoundError):
         return NO_DRIVER_HINT
-    if isinstance(exc, ConfigError):
-        return f"configuration error: {exc}"
     if isinstance(exc, TesseraError):
-        return f"error: {exc}"
+        return _by_source(_one_line(str(exc)), origins)
+    if isinstance(exc, OSError):
+        return _os_error(exc, origins)
+    if isinstance(exc, UnicodeDecodeError):
+        return f"a file that should be text is not UTF-8 ({exc.reason} at byte {exc.start})"
+    if isinstance(exc, yaml.YAMLError):
+        return f"not valid YAML: {_one_line(str(exc))}"
+    bind = _GRPC_BIND.match(str(exc)) if isinstance(exc, RuntimeError) else None
+    if bind:  # grpc's add_insecure_port says only this much
+        return _grpc_bind(bind.group(1), origins)
     return None
+
+
+_LISTEN_ERRORS = (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES)
+_GRPC_BIND = re.compile(r"Failed to bind to address (\S+?);")
+
+
+def _grpc_bind(address: str, origins: Sequence[Origin]) -> str:
+    if address.startswith("unix:"):
+        socket = Path(address.removeprefix("unix:").removeprefix("//"))
+        given = _path_origin(socket, origins)
+    else:
+        given = next((o.label for o in origins if o.value == address), None)
+    origin = f" (from {given})" if given else ""
+    return f"cannot listen on {address}{origin}: the address is in use or not allowed here"
+
+
+def _os_error(exc: OSError, origins: Sequence[Origin]) -> str:
+    reason = exc.strerror or str(exc)
+    if exc.filename is not None:
+        name = _text(exc.filename)
+        if exc.errno == errno.EEXIST and not Path(name).is_dir():
+            reason = "not a directory (a file is in the way)"
+        where = f"{name} -> {_text(exc.filename2)}" if exc.filename2 is not None else name
+        given = _path_origin(Path(name), origins)
+        return f"{where}: {reason}" + (f" (from {given})" if given else "")
+    listen = [o for o in origins if o.setting.meta.listen]
+    if exc.errno in _LISTEN_ERRORS and listen:
+        named = " or ".join(f"{_address(o.value)} (from {o.label})" for o in listen)
+        return f"cannot listen on {named}: {reason}"
+    return reason
+
+
+def _address(value: Any) -> str:
+    return f"port {value}" if isinstance(value, int) else str(value)
+
+
+def _text(name: Any) -> str:
+    return name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+
+
+def _path_origin(failed: Path, origins: Sequence[Origin]) -> str | None:
+    """The flag or variable whose path the failed path is, is inside, or is a parent of (the
+    closest one)."""
+    failed = failed.absolute()
+    best: tuple[int, str] | None = None
+    for o in origins:
+        if not isinstance(o.value, Path):
+            continue
+        given = o.value.absolute()
+        if given == failed or given in failed.parents or failed in given.parents:
+            distance = abs(len(given.parts) - len(failed.parts))
+            if best is None or distance < best[0]:
+                best = (distance, o.label)
+    return None if best is None else best[1]
+
+
+def _by_source(message: str, origins: Sequence[Origin]) -> str:
+    """Lower layers name a setting by its flag (``--state-dir: cannot create ...``); when its
+    value came from a variable, the message names the variable instead."""
+    for o in origins:
+        if o.label in o.setting.env:
+            for flag in o.setting.flags:
+                message = re.sub(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", o.label, message)
+    return message
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())

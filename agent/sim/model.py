@@ -221,6 +221,8 @@ def load_model(name: str) -> NodeModel:
                 text = f.read()
         except OSError as exc:
             raise ModelError(f"cannot read node model file {name!r}: {exc.strerror}") from exc
+        except UnicodeDecodeError as exc:
+            raise ModelError(f"node model file {name!r} is not UTF-8 text: {exc.reason}") from exc
         source = name
     else:
         if name not in model_names():
@@ -229,7 +231,10 @@ def load_model(name: str) -> NodeModel:
             )
         text = resources.files("agent.sim").joinpath("models", f"{name}.yaml").read_text()
         source = f"{name}.yaml"
-    raw = yaml.safe_load(text)
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ModelError(f"{source} is not valid YAML: {' '.join(str(exc).split())}") from exc
     if not isinstance(raw, dict):
         raise ModelError(f"{source}: a node model must be a YAML mapping")
     return parse_model(raw, source)

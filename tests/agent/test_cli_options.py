@@ -195,3 +195,18 @@ def test_the_agent_settings_keep_their_variables():
         assert s.flags[0] in flags
     node_name = next(s for s in settings_of(Config) if s.name == "node_name")
     assert node_name.env == ("TESSERA_NODE_NAME", "NODE_NAME")
+
+
+def test_a_lower_layers_message_names_the_variable_that_gave_the_value():
+    """Lower layers name a setting by its flag; the CLI knows where the value came from."""
+    from agent.cli.framework import describe
+    from agent.config import resolve_settings
+    from agent.errors import ConfigError
+
+    _, origins = resolve_settings(Config, {}, {"TESSERA_STATE_DIR": "/x"}, ("node",))
+    error = ConfigError("--state-dir: cannot create /x: Not a directory (--state-dirs stay)")
+    assert describe(error, origins) == (
+        "TESSERA_STATE_DIR: cannot create /x: Not a directory (--state-dirs stay)"
+    )
+    _, origins = resolve_settings(Config, {"state_dir": "/x"}, {}, ("node",))
+    assert describe(error, origins) == str(error)
