@@ -13,7 +13,10 @@ GIB = 1024**3
 
 
 def render_table(inv: NodeInventory, out: IO[str]) -> None:
-    console = Console(file=out, width=140, no_color=not out.isatty(), highlight=False)
+    # data, not markup: rich must not turn bus ids into emoji (0000:cd:00.0) or [x] into styles
+    console = Console(
+        file=out, width=140, no_color=not out.isatty(), highlight=False, markup=False, emoji=False
+    )
     console.print(
         f"Node {inv.hostname}: {len(inv.gpus)} GPUs, {len(inv.nics)} NICs, "
         f"{len(inv.numa_nodes)} NUMA nodes; driver {inv.system.driver_version}, "

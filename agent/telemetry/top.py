@@ -35,6 +35,12 @@ def target(endpoint: str | None, state_dir: Path) -> str:
     return endpoint
 
 
+def console(out: IO[str], **options: Any) -> Console:
+    """A console for data: rich's markup and emoji codes are off, so names and bus ids print
+    as they are (``0000:cd:00.0`` is not an emoji, ``[x]`` is not a style)."""
+    return Console(file=out, markup=False, emoji=False, highlight=False, **options)
+
+
 def bar(ratio: float | None, width: int = 12) -> Text:
     if ratio is None:
         return Text("n/a".ljust(width + 5), style="dim")
@@ -135,10 +141,10 @@ def run_top(endpoint: str, once: bool, interval: float, out: IO[str], stop: thre
     client = TopClient(endpoint)
     try:
         if once:
-            Console(file=out, width=140, highlight=False).print(render(client.snapshot()))
+            console(out, width=140).print(render(client.snapshot()))
             return 0
-        console = Console(file=out)
-        with Live(render(client.snapshot()), console=console, auto_refresh=False) as live:
+        live_console = console(out)
+        with Live(render(client.snapshot()), console=live_console, auto_refresh=False) as live:
             for sample in client.watch(interval):
                 live.update(render(sample), refresh=True)
                 if stop.is_set():

@@ -70,6 +70,14 @@ def test_table_output_names_gpus_and_nics():
     assert "NVIDIA L40S" in out and "mlx5_0" in out and "4 GPUs" in out
 
 
+def test_table_shows_bus_ids_as_they_are_not_as_emoji():
+    """rich would turn ``:cd:`` into an emoji (0000💿00.0): data is printed without markup."""
+    code, out, _ = run(["discover", "--simulate", "l40s-pcie"])
+    assert code == 0
+    assert "0000:cd:00.0" in out and "0000:ce:00.0" in out
+    assert "💿" not in out and not any(ord(c) > 0x1F000 for c in out)
+
+
 def test_topo_matrix_and_dot():
     code, out, _ = run(["topo", "--simulate", "mixed"])
     assert code == 0
