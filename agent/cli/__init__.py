@@ -35,7 +35,7 @@ from agent.cli.framework import (
 )
 from agent.cli.framework import build_parser as build_tree_parser
 from agent.cli.node import advertised, node_session
-from agent.config import Config, seconds, setting
+from agent.config import Config, host_port, seconds, setting
 from agent.node import discover
 
 __all__ = ["EXIT_ERROR", "NO_DRIVER_HINT", "build_parser", "main"]
@@ -73,6 +73,20 @@ class SlicesOptions:
     )
 
 
+def endpoint(raw: str) -> str:
+    """A gRPC target for the telemetry API: ``unix:///abs/path``, ``unix:path`` or HOST:PORT."""
+    if raw.startswith("unix:"):
+        path = raw.removeprefix("unix:")
+        authority = path.startswith("//") and not path.startswith("///")  # unix://host/...
+        if authority or not path.strip("/"):
+            raise ValueError("is not unix:///ABSOLUTE/PATH or unix:RELATIVE/PATH")
+        return raw
+    try:
+        return host_port(raw)
+    except ValueError:
+        raise ValueError("is not unix:///PATH/telemetry.sock or HOST:PORT") from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class TopOptions:
     endpoint: str | None = setting(
@@ -80,6 +94,7 @@ class TopOptions:
         "The agent's telemetry API: unix:///PATH/telemetry.sock or HOST:PORT (the agent's"
         " --telemetry-address). Unset: <state-dir>/telemetry.sock.",
         metavar="ADDRESS",
+        parse=endpoint,
     )
     state_dir: Path | None = setting(
         None,

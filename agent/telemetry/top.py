@@ -35,6 +35,15 @@ def target(endpoint: str | None, state_dir: Path) -> str:
     return endpoint
 
 
+def no_agent(endpoint: str) -> str:
+    """What to say when nothing serves the telemetry API at ``endpoint``."""
+    return (
+        f"no Tessera agent answers at {endpoint}; is `tessera run` going? Point at a running"
+        " agent with --state-dir DIR (its --state-dir; the socket is DIR/telemetry.sock) or"
+        " --endpoint unix:///PATH/telemetry.sock or HOST:PORT (its --telemetry-address)"
+    )
+
+
 def console(out: IO[str], **options: Any) -> Console:
     """A console for data: rich's markup and emoji codes are off, so names and bus ids print
     as they are (``0000:cd:00.0`` is not an emoji, ``[x]`` is not a style)."""
@@ -116,13 +125,16 @@ class TopClient:
     def close(self) -> None:
         self._channel.close()
 
+    def _error(self, exc: grpc.RpcError) -> TopError:
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED):
+            return TopError(no_agent(self.endpoint))
+        return TopError(f"telemetry API at {self.endpoint}: {exc.code().name}: {exc.details()}")
+
     def snapshot(self) -> Any:
         try:
             return self._stub.Snapshot(pb.SnapshotRequest(), timeout=self.timeout)
         except grpc.RpcError as exc:
-            raise TopError(
-                f"telemetry API at {self.endpoint}: {exc.code().name}: {exc.details()}"
-            ) from exc
+            raise self._error(exc) from exc
 
     def watch(self, interval: float) -> Iterator[Any]:
         call = self._stub.Watch(pb.WatchRequest(interval_seconds=interval))
@@ -130,9 +142,7 @@ class TopClient:
             yield from call
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
-                raise TopError(
-                    f"telemetry API at {self.endpoint}: {exc.code().name}: {exc.details()}"
-                ) from exc
+                raise self._error(exc) from exc
         finally:
             call.cancel()
 

@@ -216,3 +216,17 @@ def test_a_closed_pipe_is_not_a_traceback():
     p.stderr.close()
     assert p.wait(timeout=60) == 141
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("where", ["state-dir", "endpoint"])
+def test_top_without_an_agent_says_so_and_how_to_point_at_one(tmp_path, where):
+    argv = ["top", "--once"]
+    argv += (
+        ["--state-dir", str(tmp_path)] if where == "state-dir" else ["--endpoint", "127.0.0.1:1"]
+    )
+    code, out, err = run(argv)
+    assert (code, out) == (2, "")
+    target = f"unix://{tmp_path}/telemetry.sock" if where == "state-dir" else "127.0.0.1:1"
+    assert err.startswith(f"tessera: error: no Tessera agent answers at {target};"), err
+    assert "--state-dir DIR" in err and "--endpoint" in err and err.count("\n") == 1
+    assert "UNAVAILABLE" not in err and "failed to connect" not in err

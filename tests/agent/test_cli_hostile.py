@@ -93,6 +93,7 @@ IN_PROCESS = [
     (["discover", "--simulate", "BROKEN"], "BROKEN"),
     (["top", "--once", "--state-dir", "FILE"], "FILE"),
     (["top", "--once", "--endpoint", "unix://TEXT"], "TEXT"),
+    (["top", "--once", "--endpoint", "unix://relative"], "unix://relative"),
     (["kubelet", "info", "--socket", "FILE"], "FILE"),
     (["kubelet", "info", "--socket", "DIR"], "DIR"),
     (["kubelet", "prepare", "--socket", "TOO_LONG", "--claim", "a/b/c"], "TOO_LONG"),

@@ -141,7 +141,9 @@ def test_top_once_renders_a_frame(served):
 
 
 def test_top_without_an_agent_says_so(short_tmp):
-    with pytest.raises(TopError, match="UNAVAILABLE"):
+    with pytest.raises(
+        TopError, match=f"^no Tessera agent answers at unix://{short_tmp}/none.sock;"
+    ):
         run_top(f"unix://{short_tmp}/none.sock", True, 1.0, io.StringIO(), threading.Event())
 
 
