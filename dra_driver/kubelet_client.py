@@ -87,6 +87,21 @@ def _method(module: Any, service: str, rpc: str) -> str:
     return f"/{svc.full_name}/{svc.methods_by_name[rpc].name}"
 
 
+def _unimplemented(socket: str, method: str) -> str:
+    service = method.strip("/").split("/")[0]
+    if "DRAResourceHealth" in service:  # optional: a DRA plugin may not offer health
+        return (
+            f"{socket} does not serve {service}: the plugin has no health stream, or this is not"
+            " its DRA socket (<plugins>/<driver>/dra.sock)"
+        )
+    kind = "registration socket" if "Registration" in service else "DRA socket"
+    return (
+        f"{socket} is not a DRA plugin's {kind}: it does not serve {service} (the registration"
+        " socket is <plugins_registry>/<driver>-reg.sock, the DRA socket"
+        " <plugins>/<driver>/dra.sock)"
+    )
+
+
 def _is_socket(path: str) -> bool:
     try:
         return stat.S_ISSOCK(os.stat(path).st_mode)
@@ -176,6 +191,9 @@ class KubeletClient:
         details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
         if code == "UNAVAILABLE":
             details = f"cannot reach the plugin on {self.socket}: {details}"
+        elif code == "UNIMPLEMENTED":
+            # something answers, but not this service: e.g. the agent's telemetry socket
+            details = _unimplemented(str(self.socket), method)
         return KubeletApiError(method, str(self.socket), code, details)
 
     def _unary(self, method: str, request: Message, response_type: type[Message]) -> Any:

@@ -598,3 +598,30 @@ def test_cli_help_says_what_it_is_for():
     text = out.getvalue()
     assert "exactly as the kubelet does" in text
     assert "debugging on a node" in text.replace("\n", " ").replace("  ", " ")
+
+
+@pytest.fixture
+def other_grpc_socket(tmp_path):
+    """A unix socket whose gRPC server serves something else (like the agent's telemetry.sock)."""
+    path = tmp_path / "other.sock"
+    server = _serve(path)
+    yield path
+    server.stop(None).wait()
+
+
+@pytest.mark.parametrize(
+    ("argv", "kind"),
+    [(["info"], "registration socket"), (["prepare", "--claim", "a/b/c"], "DRA socket")],
+)
+def test_a_socket_that_is_not_a_dra_plugin_says_so(other_grpc_socket, argv, kind):
+    code, err = run(*argv, "--socket", str(other_grpc_socket))
+    assert code == 2 and err.count("\n") == 1
+    assert f"{other_grpc_socket} is not a DRA plugin's {kind}" in err
+    assert "Method not found" not in err
+
+
+def test_the_client_reports_a_foreign_socket(other_grpc_socket):
+    with KubeletClient(other_grpc_socket) as client, pytest.raises(KubeletApiError) as exc:
+        client.get_info()
+    assert exc.value.code == "UNIMPLEMENTED"
+    assert "is not a DRA plugin's registration socket" in exc.value.details
