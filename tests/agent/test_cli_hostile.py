@@ -91,6 +91,7 @@ IN_PROCESS = [
     (["slices", "--simulate", "BINARY"], "BINARY"),
     (["slices", "--simulate", "DIR_YAML"], "DIR_YAML"),
     (["discover", "--simulate", "BROKEN"], "BROKEN"),
+    (["sim", "sample-claim", "--simulate", "dgx-a100", "--state-dir", "UNDER_FILE"], "UNDER_FILE"),
     (["top", "--once", "--state-dir", "FILE"], "FILE"),
     (["top", "--once", "--endpoint", "unix://TEXT"], "TEXT"),
     (["top", "--once", "--endpoint", "unix://relative"], "unix://relative"),
