@@ -1,0 +1,78 @@
+"""The installed product runs every command it offers: whatever the shipped code imports at run
+time is a `[project] dependency` (a plain `pip install .`, as the Dockerfile does, installs no
+test extras)."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+import tomllib
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FIRST_PARTY = {"agent", "dra_driver"}
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def declared() -> set[str]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return {
+        _normalize(re.split(r"[\s<>=!~;\[]", d, maxsplit=1)[0]) for d in project["dependencies"]
+    }
+
+
+def _type_checking_only(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return True
+    return False
+
+
+def runtime_imports() -> dict[str, set[str]]:
+    """Top-level module -> the shipped files importing it at run time (at module level or in a
+    function; not under ``if TYPE_CHECKING``)."""
+    found: dict[str, set[str]] = {}
+    for package in FIRST_PARTY:
+        for path in (ROOT / package).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            parents = {
+                child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)
+            }
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                if _type_checking_only(node, parents):
+                    continue
+                for name in names:
+                    top = name.split(".")[0]
+                    if top not in FIRST_PARTY and top not in sys.stdlib_module_names:
+                        found.setdefault(top, set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+def test_every_runtime_import_is_a_declared_dependency():
+    distributions = metadata.packages_distributions()
+    deps = declared()
+    missing = {}
+    for module, files in runtime_imports().items():
+        owners = {_normalize(d) for d in distributions.get(module, [module])}
+        if not owners & deps:
+            missing[module] = sorted(files)
+    assert missing == {}, f"imported at run time but not in [project] dependencies: {missing}"
+
+
+def test_the_check_sees_the_imports_that_once_were_missing():
+    imports = runtime_imports()
+    assert "agent/sim/apiserver_checks.py" in imports["kubernetes_validate"]
+    assert {"grpc", "yaml", "rich", "kubernetes", "pynvml"} <= set(imports)
+    assert "kubernetes-validate" in declared()
