@@ -1,5 +1,6 @@
 """`tessera discover`, `topo` and `sim` as a user runs them."""
 
+import functools
 import io
 import json
 import os
@@ -14,6 +15,26 @@ from agent.cli import main
 from agent.sim.model import model_names
 
 LEVEL = re.compile(r"^(X|NV\d+|PIX|PXB|PHB|NODE|SYS)$")
+
+
+@functools.cache
+def nvidia_driver_loads() -> bool:
+    """Whether a real NVIDIA driver answers here (a GPU host): NVML initializes."""
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return False
+    pynvml.nvmlShutdown()
+    return True
+
+
+needs_no_driver = pytest.mark.skipif(
+    nvidia_driver_loads(),
+    reason="a real NVIDIA driver loads on this machine (pynvml.nvmlInit() succeeded); this test"
+    " checks what a machine without one says",
+)
 
 
 def run(argv, environ=None):
@@ -124,6 +145,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, needle):
     assert needle in err and err.count("\n") == 1, err
 
 
+@needs_no_driver
 @pytest.mark.parametrize("command", ["discover", "topo"])
 def test_no_driver_without_simulate(command):
     code, _, err = run([command])
@@ -132,6 +154,7 @@ def test_no_driver_without_simulate(command):
     assert err.count("\n") == 1
 
 
+@needs_no_driver
 def test_no_driver_run_says_so_without_traceback(tmp_path):
     """The installed console script, in a real process, on this driverless machine."""
     tessera = os.path.join(os.path.dirname(sys.executable), "tessera")
