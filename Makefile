@@ -47,7 +47,9 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 # Tests run in a random order (pytest-randomly); `make test SEED=N` repeats one order.
-SEED ?= $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
+ifeq ($(SEED),)
+SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
+endif
 unit: $(STAMP)
 	@echo "test order: random, seed $(SEED) (repeat it with: make test SEED=$(SEED))"
 	$(PY) -m pytest -q -m "not reliability" -p randomly --randomly-seed=$(SEED)

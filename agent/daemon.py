@@ -306,6 +306,8 @@ def node_uid(kube: KubeClient, name: str, log: logging.Logger) -> str | None:
 def take_state_dir(state_dir: Path) -> StateLock:
     """Create the state directory if needed and take its lock before anything else touches it
     (one agent per state directory). Raises ConfigError or StateDirInUse, each one line."""
+    if state_dir.exists() and not state_dir.is_dir():
+        raise ConfigError(f"--state-dir: {state_dir} is not a directory")
     try:
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
     except OSError as exc:

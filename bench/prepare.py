@@ -18,7 +18,8 @@ import yaml
 
 from agent.fsutil import atomic_write
 from bench.common import ms, percentile, report, timings
-from dra_driver.kubelet_client import ClaimRef, KubeletClient
+from dra_driver.kubelet_calls import ClaimRef
+from dra_driver.kubelet_client import KubeletClient
 
 DRIVER = "gpu.tessera.dev"
 NODE = "bench-64"

@@ -18,7 +18,8 @@ import psutil
 import yaml
 
 from bench.common import report
-from dra_driver.kubelet_client import ClaimRef, KubeletClient
+from dra_driver.kubelet_calls import ClaimRef
+from dra_driver.kubelet_client import KubeletClient
 
 DRIVER = "gpu.tessera.dev"
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, cast
@@ -31,6 +30,15 @@ from google.protobuf.descriptor import FileDescriptor
 from google.protobuf.message import Message
 
 from dra_driver.errors import KubeletApiError
+from dra_driver.kubelet_calls import (
+    APIS,
+    DRA_PLUGIN_TYPE,
+    KUBELET_CALL_TIMEOUT,
+    KUBELET_KNOWN_VERSIONS,
+    MAX_MESSAGE_BYTES,
+    REGISTRATION_TIMEOUT,
+    ClaimRef,
+)
 from dra_driver.kubeletapi import (
     dra_v1_pb2,
     dra_v1beta1_pb2,
@@ -38,40 +46,7 @@ from dra_driver.kubeletapi import (
     registration_pb2,
 )
 
-KUBELET_CALL_TIMEOUT: Final = 45.0
-"""The kubelet's timeout for DRA calls, in seconds."""
-REGISTRATION_TIMEOUT: Final = 10.0
-MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
-DRA_PLUGIN_TYPE: Final = "DRAPlugin"
-KUBELET_KNOWN_VERSIONS: Final = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
-"""The DRAPlugin service versions this client (like kubelet 1.34+) can speak."""
-APIS: Final = ("v1", "v1beta1")
-
 _DRA_MODULES: Final[dict[str, Any]] = {"v1": dra_v1_pb2, "v1beta1": dra_v1beta1_pb2}
-
-
-@dataclass(frozen=True)
-class ClaimRef:
-    """What the kubelet sends about a ResourceClaim: namespace, name and UID."""
-
-    namespace: str
-    name: str
-    uid: str
-
-    @classmethod
-    def parse(cls, text: str) -> ClaimRef:
-        """Parse ``NAMESPACE/NAME/UID``; ValueError naming the text otherwise."""
-        parts = text.split("/")
-        if len(parts) != 3 or not all(p.strip() for p in parts):
-            raise ValueError(
-                f"claim {text!r} is not NAMESPACE/NAME/UID "
-                "(three non-empty parts separated by '/', e.g. default/my-claim/0b6c...)"
-            )
-        namespace, name, uid = (p.strip() for p in parts)
-        return cls(namespace=namespace, name=name, uid=uid)
-
-    def __str__(self) -> str:
-        return f"{self.namespace}/{self.name}/{self.uid}"
 
 
 def _check_api(api: str) -> Any:

@@ -162,7 +162,10 @@ def _bind(server: grpc.Server, socket: Path) -> None:
             "--kubelet-plugins-dir"
         )
     socket.unlink(missing_ok=True)  # a stale socket or file from an earlier run
-    server.add_insecure_port(f"unix://{socket}")
+    try:
+        server.add_insecure_port(f"unix://{socket}")
+    except RuntimeError as exc:  # what grpc raises for a failed bind
+        raise ConfigError(f"cannot listen on {socket}: {exc}") from exc
 
 
 def _answers(path: Path) -> bool:

@@ -191,24 +191,10 @@ def describe(exc: BaseException, origins: Sequence[Origin] = ()) -> str | None:
         return f"a file that should be text is not UTF-8 ({exc.reason} at byte {exc.start})"
     if isinstance(exc, yaml.YAMLError):
         return f"not valid YAML: {_one_line(str(exc))}"
-    bind = _GRPC_BIND.match(str(exc)) if isinstance(exc, RuntimeError) else None
-    if bind:  # grpc's add_insecure_port says only this much
-        return _grpc_bind(bind.group(1), origins)
     return None
 
 
 _LISTEN_ERRORS = (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES)
-_GRPC_BIND = re.compile(r"Failed to bind to address (\S+?);")
-
-
-def _grpc_bind(address: str, origins: Sequence[Origin]) -> str:
-    if address.startswith("unix:"):
-        socket = Path(address.removeprefix("unix:").removeprefix("//"))
-        given = _path_origin(socket, origins)
-    else:
-        given = next((o.label for o in origins if o.value == address), None)
-    origin = f" (from {given})" if given else ""
-    return f"cannot listen on {address}{origin}: the address is in use or not allowed here"
 
 
 def _os_error(exc: OSError, origins: Sequence[Origin]) -> str:

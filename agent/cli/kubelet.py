@@ -23,14 +23,7 @@ from typing import IO, Any
 
 from agent.cli.framework import Command, Invocation, Uses
 from agent.config import REQUIRED, positive_int, seconds, setting
-from dra_driver.kubelet_client import (
-    APIS,
-    KUBELET_CALL_TIMEOUT,
-    REGISTRATION_TIMEOUT,
-    ClaimRef,
-    KubeletClient,
-    register_like_kubelet,
-)
+from dra_driver.kubelet_calls import APIS, KUBELET_CALL_TIMEOUT, REGISTRATION_TIMEOUT, ClaimRef
 
 _WARNING = (
     "For debugging on a node. Careful: these are real calls, so prepare and unprepare really "
@@ -108,6 +101,8 @@ def _dump(data: Any, out: IO[str]) -> None:
 
 
 def cmd_info(inv: Invocation) -> int:
+    from dra_driver.kubelet_client import register_like_kubelet  # gRPC only when called
+
     opts = inv.get(InfoOptions)
     result = register_like_kubelet(opts.socket, timeout=opts.timeout)
     _dump(result, inv.out)
@@ -115,6 +110,8 @@ def cmd_info(inv: Invocation) -> int:
 
 
 def _call(inv: Invocation, command: str) -> int:
+    from dra_driver.kubelet_client import KubeletClient
+
     opts = inv.get(CallOptions)
     with KubeletClient(opts.socket, timeout=opts.timeout) as client:
         call = client.prepare if command == "prepare" else client.unprepare
@@ -129,6 +126,8 @@ def _call(inv: Invocation, command: str) -> int:
 
 
 def cmd_health(inv: Invocation) -> int:
+    from dra_driver.kubelet_client import KubeletClient
+
     opts = inv.get(HealthOptions)
     seen = 0
     with KubeletClient(opts.socket) as client:

@@ -184,11 +184,18 @@ class TelemetryServer:
             raise ConfigError(f"telemetry socket path {self.socket} is longer than 107 bytes")
         self.socket.parent.mkdir(parents=True, exist_ok=True)
         self.socket.unlink(missing_ok=True)
-        self._server.add_insecure_port(f"unix://{self.socket}")
+        try:
+            self._server.add_insecure_port(f"unix://{self.socket}")
+        except RuntimeError as exc:  # what grpc raises for a failed bind
+            raise ConfigError(f"cannot listen on {self.socket}: {exc}") from exc
         if self.tcp_address:
-            self.tcp_port = self._server.add_insecure_port(self.tcp_address)
-            if not self.tcp_port:
-                raise ConfigError(f"--telemetry-address: cannot listen on {self.tcp_address}")
+            try:
+                self.tcp_port = self._server.add_insecure_port(self.tcp_address)
+            except RuntimeError as exc:
+                raise ConfigError(
+                    f"--telemetry-address: cannot listen on {self.tcp_address}: the address is"
+                    " in use or not allowed here"
+                ) from exc
         self._server.start()
         self._started = True
         os.chmod(self.socket, 0o660)

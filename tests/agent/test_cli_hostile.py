@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -21,7 +20,6 @@ import pytest
 
 from agent.cli import main
 
-GRPC_LOG = re.compile(r"[EWI]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ")
 TESSERA = os.path.join(os.path.dirname(sys.executable), "tessera")
 ROOT = os.geteuid() == 0
 
@@ -130,7 +128,8 @@ AGENT = ["run", "--simulate", "l40s-pcie", "--metrics-address", "127.0.0.1:0", "
 PROCESSES = [
     (["run", "--simulate", "l40s-pcie", "--state-dir", "UNDER_FILE"],
      "--state-dir: cannot create UNDER_FILE: Not a directory"),
-    (["run", "--simulate", "l40s-pcie", "--state-dir", "FILE"], "--state-dir: cannot create FILE"),
+    (["run", "--simulate", "l40s-pcie", "--state-dir", "FILE"],
+     "--state-dir: FILE is not a directory"),
     (["run", "--simulate", "l40s-pcie", "--state-dir", "TOO_LONG"], "File name too long"),
     (["run", "--simulate", "l40s-pcie", "--state-dir", "FRESH", "--kubeconfig", "TEXT"],
      "TEXT is not a kubeconfig"),
@@ -139,7 +138,7 @@ PROCESSES = [
     ([*AGENT, "--cdi-root", "FILE"], "FILE"),
     ([*AGENT, "--metrics-address", "127.0.0.1:PORT"], "127.0.0.1:PORT"),
     ([*AGENT, "--telemetry-address", "127.0.0.1:PORT"],
-     "127.0.0.1:PORT (from --telemetry-address)"),
+     "--telemetry-address: cannot listen on 127.0.0.1:PORT: the address is in use"),
     (["sim", "apiserver", "--port", "PORT", "--kubeconfig-out", "DIR"],
      "port PORT (from --port): Address already in use"),
     (["sim", "apiserver", "--kubeconfig-out", "UNDER_FILE"],
@@ -160,9 +159,8 @@ def test_commands_that_serve_fail_in_one_line(argv, needle, hostile, busy_port):
     assert p.returncode == 2, p.stderr
     *before, line = p.stderr.splitlines()
     if argv[0] == "run":
-        # gRPC's C core logs a failed bind itself, in its own format: the one line of this
-        # process is the agent's last JSON record
-        assert all(GRPC_LOG.match(b) for b in before), p.stderr
+        # every line is JSON, even when gRPC's C core fails a bind (its own log lines are off)
+        assert all(isinstance(json.loads(b), dict) for b in before), p.stderr
         record = json.loads(line)
         assert (record["level"], record["msg"]) == ("error", "agent cannot run"), record
         line = record["error"]

@@ -12,7 +12,8 @@ from agent.cli import main
 from agent.cli.sim import SAMPLE_CLAIM
 from agent.sim.model import model_names
 from dra_driver.claims import ClaimKey, parse_allocation
-from dra_driver.kubelet_client import ClaimRef, KubeletClient
+from dra_driver.kubelet_calls import ClaimRef
+from dra_driver.kubelet_client import KubeletClient
 from tests.integration.daemon import DRIVER, Daemon
 
 ROOT = Path(__file__).resolve().parents[2]

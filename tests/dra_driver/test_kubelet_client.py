@@ -25,7 +25,8 @@ import pytest
 from agent.cli import main
 from agent.errors import TesseraError
 from dra_driver.errors import KubeletApiError
-from dra_driver.kubelet_client import ClaimRef, KubeletClient, register_like_kubelet
+from dra_driver.kubelet_calls import ClaimRef
+from dra_driver.kubelet_client import KubeletClient, register_like_kubelet
 from dra_driver.kubeletapi import (
     dra_v1_pb2,
     dra_v1_pb2_grpc,

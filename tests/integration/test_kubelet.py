@@ -12,7 +12,8 @@ import pytest
 
 from dra_driver.cdi import validate_spec
 from dra_driver.errors import KubeletApiError
-from dra_driver.kubelet_client import ClaimRef, KubeletClient, register_like_kubelet
+from dra_driver.kubelet_calls import ClaimRef
+from dra_driver.kubelet_client import KubeletClient, register_like_kubelet
 from dra_driver.params import API_VERSION
 from tests.integration.daemon import DRIVER, Daemon, claim_manifest, write_claims
 from tests.integration.test_daemon import wait_ready

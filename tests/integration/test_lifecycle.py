@@ -13,7 +13,8 @@ import urllib.request
 
 import pytest
 
-from dra_driver.kubelet_client import ClaimRef, KubeletClient
+from dra_driver.kubelet_calls import ClaimRef
+from dra_driver.kubelet_client import KubeletClient
 from tests.integration.daemon import Daemon, claim_manifest
 from tests.integration.test_daemon import wait_ready
 

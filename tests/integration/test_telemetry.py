@@ -15,7 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent.cli import main
 from agent.telemetry.api import telemetry_pb2 as pb
 from agent.telemetry.api import telemetry_pb2_grpc as pb_grpc
-from dra_driver.kubelet_client import ClaimRef, KubeletClient
+from dra_driver.kubelet_calls import ClaimRef
+from dra_driver.kubelet_client import KubeletClient
 from tests.integration.daemon import Daemon, claim_manifest, write_claims
 
 INTERVAL = 0.2

@@ -12,7 +12,8 @@ import threading
 import pytest
 
 from dra_driver.errors import KubeletApiError
-from dra_driver.kubelet_client import ClaimRef, KubeletClient
+from dra_driver.kubelet_calls import ClaimRef
+from dra_driver.kubelet_client import KubeletClient
 from tests.integration.daemon import DRIVER, Daemon, claim_manifest, write_claims
 
 pytestmark = pytest.mark.reliability
