@@ -42,3 +42,26 @@ def test_the_simulator_contract_covers_every_layer_below_the_composition_root():
     below_sim = layers[layers.index("agent.sim") + 1 :]
     modules = {m.strip() for layer in below_sim for m in layer.replace(":", "|").split("|")}
     assert set(contracts()["simulator"]["source_modules"]) == modules  # type: ignore[arg-type]
+
+
+def environment_readers(root: Path) -> list[str]:
+    """Modules outside the CLI that read the process environment (os.environ, os.getenv)."""
+    import ast
+
+    found = []
+    for path in sorted([*(root / "agent").rglob("*.py"), *(root / "dra_driver").rglob("*.py")]):
+        if (root / "agent" / "cli") in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb"):
+                found.append(str(path.relative_to(root)))
+                break
+    return found
+
+
+def test_nothing_below_the_cli_reads_the_environment(tmp_path):
+    assert environment_readers(ROOT) == []
+    (tmp_path / "agent").mkdir()
+    (tmp_path / "agent" / "sneaky.py").write_text("import os\nlevel = os.environ.get('X')\n")
+    (tmp_path / "dra_driver").mkdir()
+    assert environment_readers(tmp_path) == ["agent/sneaky.py"]  # the check can fail
