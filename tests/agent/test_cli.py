@@ -1,6 +1,5 @@
 """`tessera discover`, `topo` and `sim` as a user runs them."""
 
-import functools
 import io
 import json
 import os
@@ -13,28 +12,9 @@ import yaml
 
 from agent.cli import main
 from agent.sim.model import model_names
+from tests.hardware import needs_no_driver
 
 LEVEL = re.compile(r"^(X|NV\d+|PIX|PXB|PHB|NODE|SYS)$")
-
-
-@functools.cache
-def nvidia_driver_loads() -> bool:
-    """Whether a real NVIDIA driver answers here (a GPU host): NVML initializes."""
-    import pynvml
-
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return False
-    pynvml.nvmlShutdown()
-    return True
-
-
-needs_no_driver = pytest.mark.skipif(
-    nvidia_driver_loads(),
-    reason="a real NVIDIA driver loads on this machine (pynvml.nvmlInit() succeeded); this test"
-    " checks what a machine without one says",
-)
 
 
 def run(argv, environ=None):

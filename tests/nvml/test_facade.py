@@ -10,6 +10,7 @@ from agent.nvml.facade import Nvml, nvml_bus_id, sysfs_bus_id
 from agent.sim.model import load_model
 from agent.sim.nvml import FakeNvml
 from agent.sim.specs import gpu_specs
+from tests.hardware import needs_no_driver
 
 MIB = 1024 * 1024
 
@@ -26,24 +27,9 @@ def test_bus_id_forms_round_trip():
     assert nvml_bus_id("0000:1b:00.0") == "00000000:1B:00.0"
 
 
-def why_nvml_is_not_missing() -> str | None:
-    """None when this machine has no NVIDIA driver (``pynvml.nvmlInit()`` cannot load it), else
-    why the no-driver test does not apply here."""
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as exc:
-        if exc.value in (pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, pynvml.NVML_ERROR_DRIVER_NOT_LOADED):
-            return None
-        return f"NVML is installed but fails to initialize: {exc}"
-    pynvml.nvmlShutdown()
-    return "an NVIDIA driver is installed: pynvml.nvmlInit() succeeds on this machine"
-
-
+@needs_no_driver
 def test_real_pynvml_without_driver_is_driver_not_found():
     """Without libnvidia-ml the production module must say 'no driver'."""
-    reason = why_nvml_is_not_missing()
-    if reason is not None:
-        pytest.skip(reason)
     with pytest.raises(DriverNotFoundError, match="no NVIDIA driver"):
         Nvml(pynvml).init()
 

@@ -4,25 +4,13 @@ elsewhere): what ``NvmlApi`` says about pynvml holds when NVML answers, not only
 import time
 
 import pynvml
-import pytest
 
 from agent.nvml.events import EventWatcher
 from agent.nvml.facade import Nvml
 from agent.nvml.telemetry import TelemetryReader
+from tests.hardware import needs_driver
 
-
-def nvml_loads() -> bool:
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return False
-    pynvml.nvmlShutdown()
-    return True
-
-
-pytestmark = pytest.mark.skipif(
-    not nvml_loads(), reason="no NVIDIA driver here: pynvml.nvmlInit() fails"
-)
+pytestmark = needs_driver
 
 
 def test_discovery_reads_every_gpu():
