@@ -120,6 +120,7 @@ class Agent:
         self.preparer.reconcile_on_start()
         self.plugin.start()
         self.readiness.add("sockets", self._sockets_intact)
+        self.readiness.add("claims", self._claims_moving)
         standalone = self.kube is None
         self.readiness.add(
             "kubelet",
@@ -167,6 +168,11 @@ class Agent:
         results = (self.plugin.sockets_intact(), self.telemetry_server.socket_intact())
         problems = [detail for ok, detail in results if not ok]
         return (not problems, "; ".join(problems) or "serving")
+
+    def _claims_moving(self) -> tuple[bool, str]:
+        """Not ready while a prepare or unprepare is stuck past the kubelet's deadline."""
+        stuck = self.preparer.stuck()
+        return (not stuck, f"stuck past the deadline: {'; '.join(stuck)}" if stuck else "moving")
 
     def stop(self) -> None:
         """Stop in reverse order of start, all of it within ``--shutdown-timeout``.
@@ -383,6 +389,7 @@ def _build(config: Config, log: logging.Logger, state_dir: Path, lock: StateLock
         log=log.getChild("prepare"),
         crash_hook=crash_hook(config.sim_crash_at),
         observe=driver_metrics.observe,
+        boot_time=source.boot_time,
     )
     plugin = PluginServer(
         driver_name=config.driver_name,
@@ -407,7 +414,7 @@ def _build(config: Config, log: logging.Logger, state_dir: Path, lock: StateLock
         xids=lambda: events.wait(0),
         on_health_change=health_to_board(devices, health, log),
     )
-    status = agent_status(source.hostname, kube, plugin, publisher)
+    status = agent_status(source.hostname, kube, plugin, publisher, preparer)
     registry.register(SnapshotCollector(lambda: sampler.latest))
     registry.register(AgentCollector(status))
     exposition.key = lambda: (
@@ -457,7 +464,11 @@ def health_to_board(
 
 
 def agent_status(
-    node: str, kube: KubeClient | None, plugin: PluginServer, publisher: Publisher
+    node: str,
+    kube: KubeClient | None,
+    plugin: PluginServer,
+    publisher: Publisher,
+    preparer: Preparer,
 ) -> Callable[[], AgentStatus]:
     """The agent's own state for /metrics (in-memory reads only)."""
 
@@ -468,6 +479,7 @@ def agent_status(
             slice_generation=publisher.published_generation,
             slice_writes=publisher.stats.writes,
             slice_errors=publisher.stats.errors,
+            claims_stuck=len(preparer.stuck()),
         )
 
     return status

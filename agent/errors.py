@@ -43,3 +43,8 @@ class StateDirInUse(TesseraError):
             f"another Tessera agent ({who}) holds {path}: one agent per state directory; stop it"
             " or choose another --state-dir"
         )
+
+
+class DecodeError(TesseraError):
+    """Bytes that do not decode within their limits (size, nesting, integer length, YAML
+    aliases); the message names what was read and why. Callers turn it into their own error."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import stat
 import tempfile
+import time
 from pathlib import Path
 
 SocketIdentity = tuple[int, int]
@@ -43,3 +44,21 @@ def socket_identity(path: Path) -> SocketIdentity | None:
     except OSError:
         return None
     return (st.st_dev, st.st_ino) if stat.S_ISSOCK(st.st_mode) else None
+
+
+def move_aside(path: Path, now: float, reason: str = "corrupt") -> Path:
+    """Rename ``path`` to ``<name>.<reason>-<UTC timestamp>[.N]`` beside it, never replacing an
+    existing file (a file that could not be read is kept for a person to look at). Returns the
+    new path; raises OSError when it cannot be moved."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
+    base = f"{path.name}.{reason}-{stamp}"
+    for n in range(1000):
+        target = path.with_name(base if n == 0 else f"{base}.{n}")
+        try:
+            os.link(path, target)  # fails, unlike rename, when the target exists
+        except FileExistsError:
+            continue
+        path.unlink()
+        fsync_dir(path.parent)
+        return target
+    raise OSError(f"{path}: too many earlier copies set aside")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.bootid import read_boot_id
+from agent.bootid import read_boot_id, read_boot_time
 from agent.discovery.build import build_inventory
 from agent.discovery.inventory import NodeInventory
 from agent.discovery.sysfs import read_sysfs
@@ -29,6 +29,8 @@ class NodeSource:
     """Where the NVIDIA driver's files are (libraries, /proc/driver/nvidia)."""
     boot_id: str
     """Changes when the node reboots (prepared state does not survive a reboot)."""
+    boot_time: float
+    """When this boot started (unix seconds): files written before it are from an earlier boot."""
     sim: Any = None
     """The simulator object (FakeNvml) when simulating, for simulator controls."""
 
@@ -46,6 +48,7 @@ def real_node(
         model=None,
         driver_root=driver_root or Path("/"),
         boot_id=read_boot_id(),
+        boot_time=read_boot_time(),
     )
 
 

@@ -37,10 +37,14 @@ import jsonschema
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT7
 
+from agent.decode import load_json
+from agent.errors import DecodeError
 from agent.fsutil import atomic_write, fsync_dir
 from dra_driver.errors import CdiError
 
 CDI_VERSION = "0.5.0"
+MAX_SPEC_BYTES = 4 * 1024 * 1024
+"""A spec of ours is a few KiB; one larger than this is not ours."""
 SPEC_FILE_MODE = 0o644
 """Container runtimes read the specs."""
 
@@ -290,6 +294,29 @@ class CdiWriter:
         except OSError as exc:
             raise CdiError(f"cannot sync {path.parent}: {exc.strerror or exc}") from exc
         return True
+
+    def evidence(self, claim_uid: str) -> tuple[tuple[str, ...], float]:
+        """What the claim's spec file says was prepared: the pool device names it exposes (from
+        its CDI device names ``<claimUID>-<device>``) and when it was written (unix seconds).
+        Raises CdiError when it cannot be read or is not a spec of ours."""
+        path = self.path(claim_uid)
+        try:
+            written_at = path.stat().st_mtime
+            spec = load_json(path.read_bytes(), str(path), MAX_SPEC_BYTES)
+        except OSError as exc:
+            raise CdiError(f"cannot read CDI spec {path}: {exc.strerror or exc}") from exc
+        except DecodeError as exc:
+            raise CdiError(str(exc)) from exc
+        devices = spec.get("devices") if isinstance(spec, dict) else None
+        if not isinstance(devices, list) or spec.get("kind") != self.kind:
+            raise CdiError(f"CDI spec {path} is not a {self.kind} spec with devices")
+        prefix = f"{claim_uid}-"
+        names = []
+        for d in devices:
+            name = d.get("name") if isinstance(d, dict) else None
+            if isinstance(name, str) and name.startswith(prefix):
+                names.append(name.removeprefix(prefix))
+        return tuple(names), written_at
 
     def claim_uids(self) -> set[str]:
         """UIDs of the claims that have a spec file here (only file names this driver writes)."""

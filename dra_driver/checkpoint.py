@@ -3,7 +3,7 @@
 File format (version 1), written with sorted keys::
 
     {"apiVersion": "tessera.dev/v1", "kind": "Checkpoint", "version": 1, "bootID": "<boot id>",
-     "claims": {"<claim uid>": {"uid", "namespace", "name", "state", "updatedAt",
+     "claims": {"<claim uid>": {"uid", "namespace", "name", "state", "updatedAt", "recovered"?,
                                 "devices": [{"requestNames", "pool", "device", "cdiDeviceIDs",
                                              "kind", "gpuUUID", "gpuMinor", "migUUID",
                                              "gpuInstanceID", "computeInstanceID"}]}},
@@ -39,7 +39,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -47,7 +46,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from agent.fsutil import atomic_write, fsync_dir
+from agent.decode import load_json
+from agent.errors import DecodeError
+from agent.fsutil import atomic_write, move_aside
 from agent.logs import fields_
 from dra_driver.errors import CheckpointCorrupt, CheckpointError, CheckpointTooNew
 
@@ -60,6 +61,8 @@ STATES = (PREPARE_STARTED, PREPARE_COMPLETED)
 DEVICE_KINDS = ("gpu", "mig")
 CHECKSUM_PREFIX = "sha256:"
 FILE_MODE = 0o600
+MAX_FILE_BYTES = 64 * 1024 * 1024
+"""A checkpoint larger than this is corrupt (10,000 claims take about 10 MiB)."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,10 @@ class ClaimEntry:
     devices: tuple[PreparedDevice, ...]
     updated_at: float
     """Unix seconds."""
+    recovered: bool = False
+    """Rebuilt from a CDI spec found on disk when the checkpoint could not vouch for it (lost or
+    corrupt): its devices stay held until the claim is unprepared or prepared again, but its
+    namespace and name are unknown (empty) until the kubelet calls with them."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
@@ -148,6 +155,14 @@ class LoadResult:
     """An older format version was read and converted."""
     corrupt_reason: str | None = None
     """Why the moved file was corrupt (for the log and events)."""
+    missing: bool = False
+    """There was no checkpoint file at all (a first start, or a state directory that was lost)."""
+
+    @property
+    def authoritative(self) -> bool:
+        """The checkpoint was read from this boot's file: a claim it does not list was released.
+        (A missing, corrupt or other-boot checkpoint proves nothing about CDI specs on disk.)"""
+        return not (self.missing or self.rebooted or self.corrupt_moved_to is not None)
 
 
 # --- encoding (pure) --------------------------------------------------------------------------
@@ -179,7 +194,7 @@ def _device_json(d: PreparedDevice) -> dict[str, Any]:
 
 
 def _claim_json(c: ClaimEntry) -> dict[str, Any]:
-    return {
+    out = {
         "uid": c.uid,
         "namespace": c.namespace,
         "name": c.name,
@@ -187,6 +202,9 @@ def _claim_json(c: ClaimEntry) -> dict[str, Any]:
         "devices": [_device_json(d) for d in c.devices],
         "updatedAt": c.updated_at,
     }
+    if c.recovered:  # written only when set: older builds read the file as before
+        out["recovered"] = True
+    return out
 
 
 def to_json(cp: Checkpoint) -> dict[str, Any]:
@@ -228,6 +246,13 @@ def _int(obj: Mapping[str, Any], key: str, where: str) -> int:
     v = _get(obj, key, where)
     if not isinstance(v, int) or isinstance(v, bool):
         raise CheckpointCorrupt(f"{where}.{key}: expected an integer, got {type(v).__name__}")
+    return v
+
+
+def _flag(obj: Mapping[str, Any], key: str, where: str) -> bool:
+    v = obj.get(key, False)
+    if not isinstance(v, bool):
+        raise CheckpointCorrupt(f"{where}.{key}: expected true or false, got {type(v).__name__}")
     return v
 
 
@@ -300,6 +325,7 @@ def _claim(uid: str, obj: Any, where: str) -> ClaimEntry:
             for i, d in enumerate(_objects(obj, "devices", where))
         ),
         updated_at=_number(obj, "updatedAt", where),
+        recovered=_flag(obj, "recovered", where),
     )
 
 
@@ -366,9 +392,9 @@ def decode(data: bytes, source: str = "<checkpoint>") -> tuple[Checkpoint, int |
     CheckpointTooNew (a version newer than ``CHECKPOINT_VERSION``; ``source`` names the file).
     """
     try:
-        obj = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointCorrupt(f"not valid JSON: {exc}") from exc
+        obj = load_json(data, "checkpoint", MAX_FILE_BYTES)
+    except DecodeError as exc:
+        raise CheckpointCorrupt(str(exc)) from exc
     if not isinstance(obj, dict):
         raise CheckpointCorrupt(f"expected a JSON object, got {type(obj).__name__}")
     version = _int(obj, "version", "checkpoint")
@@ -424,7 +450,9 @@ class CheckpointStore:
         try:
             data = self.path.read_bytes()
         except FileNotFoundError:
-            return LoadResult(empty, rebooted=False, corrupt_moved_to=None, migrated_from=None)
+            return LoadResult(
+                empty, rebooted=False, corrupt_moved_to=None, migrated_from=None, missing=True
+            )
         except OSError as exc:
             raise CheckpointError(
                 f"cannot read checkpoint {self.path}: {exc.strerror or exc}"
@@ -472,21 +500,10 @@ class CheckpointStore:
 
     def _move_aside(self) -> Path:
         """Rename the file to ``<name>.corrupt-<UTC timestamp>[.N]``, never replacing a file."""
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(self._clock()))
-        base = f"{self.path.name}.corrupt-{stamp}"
         try:
-            for n in range(1000):
-                target = self.path.with_name(base if n == 0 else f"{base}.{n}")
-                try:
-                    os.link(self.path, target)  # fails, unlike rename, when target exists
-                except FileExistsError:
-                    continue
-                self.path.unlink()
-                fsync_dir(self.path.parent)
-                return target
+            return move_aside(self.path, self._clock())
         except OSError as exc:
             raise CheckpointError(
                 f"checkpoint {self.path} is corrupt and cannot be moved aside: "
                 f"{exc.strerror or exc}"
             ) from exc
-        raise CheckpointError(f"checkpoint {self.path} is corrupt; too many earlier copies aside")

@@ -1,26 +1,42 @@
 """ResourceClaims as the driver needs them: where to read them and what their allocation says.
 
-``parse_allocation`` is pure: it checks a claim object against what the kubelet asked for (UID,
-allocated, node) and extracts the results and opaque configs for this driver. Sources read the
-claim object: ``KubeClaimSource`` from the API server, ``DirClaimSource`` from
-``<state-dir>/resourceclaims/*.yaml`` (standalone mode: manifests that carry
-``status.allocation``).
+A claim is untrusted input (the API server, or a file someone wrote in standalone mode), so it is
+decoded at this boundary into typed values: ``parse_allocation`` checks the claim object against
+what the kubelet asked for (UID, allocated, node) and extracts this driver's results and opaque
+configs; anything of the wrong shape is a ``ClaimError`` naming the field path (``status.
+allocation.devices.results[0].request: missing``), never another exception. It is pure.
+
+Sources read the claim object: ``KubeClaimSource`` from the API server (names validated before
+they go into a URL; a read has its own deadline, shorter than the kubelet's), ``DirClaimSource``
+from ``<state-dir>/resourceclaims/*.yaml`` (standalone mode: manifests that carry
+``status.allocation``). The directory source reads only regular files of at most
+``MAX_CLAIM_FILE_BYTES`` (a FIFO or device never blocks it), decodes them with limits (no YAML
+aliases, bounded integers and nesting: ``agent.decode``), and a file that cannot be read only
+affects the claims it holds: the others are found, and a claim that is not found names the
+unreadable files.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import stat
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import yaml
-
+from agent.decode import load_yaml_documents
+from agent.errors import DecodeError
 from dra_driver.errors import ClaimError, KubeError
 from dra_driver.kube import KubeClient
 
-YamlLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when installed
+MAX_CLAIM_FILE_BYTES = 1024 * 1024
+CLAIM_READ_TIMEOUT = (5.0, 15.0)
+"""(connect, read) seconds for reading one claim: well inside the kubelet's 45 s."""
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
 @dataclass(frozen=True)
@@ -31,6 +47,23 @@ class ClaimKey:
 
     def __str__(self) -> str:
         return f"{self.namespace}/{self.name} ({self.uid})"
+
+
+def check_claim_names(namespace: str, name: str) -> None:
+    """Raise ClaimError unless ``namespace`` is a DNS label and ``name`` a DNS subdomain, as
+    Kubernetes requires (so neither can change the URL or path it is put into)."""
+    if not DNS_LABEL.fullmatch(namespace):
+        raise ClaimError(
+            f"claim namespace {namespace[:100]!r} is not a DNS label (at most 63 of a-z, 0-9"
+            " and '-', starting and ending alphanumeric)",
+            "invalid_claim",
+        )
+    if len(name) > 253 or not DNS_SUBDOMAIN.fullmatch(name):
+        raise ClaimError(
+            f"claim name {name[:100]!r} is not a DNS subdomain (at most 253 of a-z, 0-9, '-'"
+            " and '.')",
+            "invalid_claim",
+        )
 
 
 @dataclass(frozen=True)
@@ -62,71 +95,148 @@ class Allocation:
     """Opaque configs for this driver, in the order they apply (class first, then claim)."""
 
 
-def _node_allowed(selector: Any, node: str) -> bool:
+class _Fields:
+    """Typed access to one object of the claim, every problem a ClaimError naming the path."""
+
+    def __init__(self, value: Any, path: str, key: ClaimKey | str) -> None:
+        if not isinstance(value, dict):
+            raise _bad(key, path, f"expected an object, got {_kind(value)}")
+        self.obj: Mapping[str, Any] = value
+        self.path = path
+        self.key = key
+
+    def _at(self, name: str) -> str:
+        return f"{self.path}.{name}" if self.path else name
+
+    def get(self, name: str) -> Any:
+        return self.obj.get(name)
+
+    def obj_or_none(self, name: str) -> _Fields | None:
+        value = self.obj.get(name)
+        return None if value is None else _Fields(value, self._at(name), self.key)
+
+    def text(self, name: str, *, required: bool = True) -> str | None:
+        value = self.obj.get(name)
+        if value is None and not required:
+            return None
+        if not isinstance(value, str):
+            what = "missing" if value is None else f"expected a string, got {_kind(value)}"
+            raise _bad(self.key, self._at(name), what)
+        return value
+
+    def flag(self, name: str) -> bool:
+        value = self.obj.get(name, False)
+        if not isinstance(value, bool):
+            raise _bad(self.key, self._at(name), f"expected true or false, got {_kind(value)}")
+        return value
+
+    def items(self, name: str) -> list[_Fields]:
+        value = self.obj.get(name)
+        if value is None:
+            return []
+        if not isinstance(value, list):
+            raise _bad(self.key, self._at(name), f"expected a list, got {_kind(value)}")
+        return [_Fields(v, f"{self._at(name)}[{i}]", self.key) for i, v in enumerate(value)]
+
+    def texts(self, name: str) -> tuple[str, ...]:
+        value = self.obj.get(name)
+        if value is None:
+            return ()
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise _bad(self.key, self._at(name), "expected a list of strings")
+        return tuple(value)
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(
+        type(value), "null" if value is None else f"a {type(value).__name__}"
+    )
+
+
+def _bad(key: ClaimKey | str, path: str, problem: str) -> ClaimError:
+    return ClaimError(f"claim {key}: {path}: {problem}", "invalid_claim")
+
+
+def _node_allowed(selector: _Fields | None, node: str) -> bool:
     """Whether an allocation's nodeSelector admits ``node`` (only the terms the scheduler writes
     for node-local pools are understood: matchFields on metadata.name)."""
-    if not selector:
+    if selector is None:
         return True
-    for term in selector.get("nodeSelectorTerms") or []:
-        fields = term.get("matchFields") or []
-        if any(
-            f.get("key") == "metadata.name" and f.get("operator") == "In" and node in f["values"]
-            for f in fields
-        ):
-            return True
-        if not fields and not term.get("matchExpressions"):
+    terms = selector.items("nodeSelectorTerms")
+    if not terms:
+        return True
+    for term in terms:
+        fields = term.items("matchFields")
+        for f in fields:
+            if (
+                f.text("key") == "metadata.name"
+                and f.text("operator") == "In"
+                and node in f.texts("values")
+            ):
+                return True
+        if not fields and not term.items("matchExpressions"):
             return True
     return False
 
 
-def parse_allocation(obj: dict[str, Any], key: ClaimKey, driver: str, node: str) -> Allocation:
-    """Check the claim against the kubelet's request and pick this driver's part. Pure."""
-    meta = obj.get("metadata") or {}
-    if meta.get("uid") != key.uid:
+def parse_allocation(obj: Any, key: ClaimKey, driver: str, node: str) -> Allocation:
+    """Check the claim against the kubelet's request and pick this driver's part. Pure; every
+    problem is a ClaimError (reasons ``uid_mismatch``, ``not_allocated``, ``other_node``,
+    ``invalid_claim`` with the field path)."""
+    claim = _Fields(obj, "", key)
+    meta = claim.obj_or_none("metadata") or _Fields({}, "metadata", key)
+    uid = meta.get("uid")
+    if uid != key.uid:
         raise ClaimError(
-            f"claim {key.namespace}/{key.name} has UID {meta.get('uid')!r}, the kubelet asked for"
+            f"claim {key.namespace}/{key.name} has UID {uid!r}, the kubelet asked for"
             f" {key.uid!r} (the claim was deleted and re-created?)",
             reason="uid_mismatch",
         )
-    allocation = (obj.get("status") or {}).get("allocation")
-    if not allocation:
+    status = claim.obj_or_none("status")
+    allocation = status.obj_or_none("allocation") if status is not None else None
+    if allocation is None or not allocation.obj:
         raise ClaimError(
             f"claim {key} is not allocated (status.allocation is empty)", reason="not_allocated"
         )
-    if not _node_allowed(allocation.get("nodeSelector"), node):
+    if not _node_allowed(allocation.obj_or_none("nodeSelector"), node):
         raise ClaimError(
             f"claim {key} is allocated to another node, not {node!r}", reason="other_node"
         )
-    devices_status = allocation.get("devices") or {}
+    devices = allocation.obj_or_none("devices") or _Fields({}, "status.allocation.devices", key)
     results = []
-    for r in devices_status.get("results") or []:
-        if r.get("driver") != driver:
+    for r in devices.items("results"):
+        if r.text("driver") != driver:
             continue
-        if r.get("pool") != node:
+        pool = r.text("pool")
+        name = r.text("device")
+        if pool != node:
             raise ClaimError(
-                f"claim {key}: device {r.get('device')!r} is allocated from pool"
-                f" {r.get('pool')!r}, which is another node's (this node is {node!r})",
+                f"claim {key}: device {name!r} is allocated from pool {pool!r}, which is another"
+                f" node's (this node is {node!r})",
                 reason="other_node",
             )
         results.append(
             AllocatedDevice(
-                request=str(r["request"]),
+                request=str(r.text("request")),
                 driver=driver,
-                pool=str(r["pool"]),
-                device=str(r["device"]),
-                admin_access=bool(r.get("adminAccess", False)),
-                share_id=r.get("shareID"),
+                pool=str(pool),
+                device=str(name),
+                admin_access=r.flag("adminAccess"),
+                share_id=r.text("shareID", required=False),
             )
         )
-    configs = [
-        OpaqueConfig(
-            source=str(c.get("source", "FromClaim")),
-            requests=tuple(c.get("requests") or ()),
-            parameters=c["opaque"].get("parameters"),
+    configs = []
+    for c in devices.items("config"):
+        opaque = c.obj_or_none("opaque")
+        if opaque is None or opaque.text("driver") != driver:
+            continue
+        configs.append(
+            OpaqueConfig(
+                source=c.text("source", required=False) or "FromClaim",
+                requests=c.texts("requests"),
+                parameters=opaque.get("parameters"),
+            )
         )
-        for c in devices_status.get("config") or []
-        if (c.get("opaque") or {}).get("driver") == driver
-    ]
     # class configs first, then claim configs; within each, later entries win (stable sort)
     configs.sort(key=lambda c: 0 if c.source == "FromClass" else 1)
     return Allocation(claim=key, devices=tuple(results), configs=tuple(configs))
@@ -145,18 +255,23 @@ def configs_for(allocation: Allocation, request: str) -> list[OpaqueConfig]:
 
 class ClaimSource(Protocol):
     def get(self, namespace: str, name: str) -> dict[str, Any]:
-        """The claim object; ClaimError when it does not exist, KubeError when unreachable."""
+        """The claim object; ClaimError when it does not exist or cannot be read, KubeError
+        when the API server cannot be reached. Bounded in time."""
         ...
 
 
 class KubeClaimSource:
-    def __init__(self, kube: KubeClient) -> None:
+    def __init__(self, kube: KubeClient, timeout: tuple[float, float] = CLAIM_READ_TIMEOUT) -> None:
         self._kube = kube
+        self._timeout = timeout
 
     def get(self, namespace: str, name: str) -> dict[str, Any]:
+        check_claim_names(namespace, name)
         try:
             return self._kube.request(
-                "GET", f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}"
+                "GET",
+                f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}",
+                timeout=self._timeout,
             )
         except KubeError as exc:
             if exc.status == 404:
@@ -167,43 +282,93 @@ class KubeClaimSource:
 class DirClaimSource:
     """Standalone mode: ResourceClaim manifests (with status.allocation) in a directory.
 
-    Parsed files are cached by (mtime, size), so a batch of claims parses each file once."""
+    Parsed files are cached by (mtime, size, inode), so a batch of claims parses each file once.
+    Only regular files are read (opened without blocking, checked before reading), at most
+    ``MAX_CLAIM_FILE_BYTES`` each. A file that cannot be read or decoded is remembered with why;
+    it hides only the claims it holds, and a claim not found names such files."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._cache: dict[Path, tuple[tuple[int, int], list[dict[str, Any]]]] = {}
+        self._cache: dict[Path, tuple[tuple[int, int, int], list[dict[str, Any]] | str]] = {}
         self._lock = threading.Lock()
 
-    def _file(self, path: Path) -> list[dict[str, Any]]:
+    def _file(self, path: Path) -> list[dict[str, Any]] | str:
+        """The claim documents of one file, or why it cannot be read."""
         try:
-            st = path.stat()
-            key = (st.st_mtime_ns, st.st_size)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            return f"cannot open it: {exc.strerror or exc}"
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return "not a regular file"
+            if st.st_size > MAX_CLAIM_FILE_BYTES:
+                return f"{st.st_size} bytes, more than the {MAX_CLAIM_FILE_BYTES} allowed"
+            key = (st.st_mtime_ns, st.st_size, st.st_ino)
             with self._lock:
                 cached = self._cache.get(path)
             if cached is not None and cached[0] == key:
                 return cached[1]
-            docs = [
-                d for d in yaml.load_all(path.read_text(), Loader=YamlLoader) if isinstance(d, dict)
-            ]
-        except (OSError, yaml.YAMLError) as exc:
-            raise ClaimError(f"cannot read claim file {path}: {exc}", "claim_source") from exc
+            with os.fdopen(os.dup(fd), "rb") as f:
+                data = f.read(MAX_CLAIM_FILE_BYTES + 1)
+        except OSError as exc:
+            return f"cannot read it: {exc.strerror or exc}"
+        finally:
+            os.close(fd)
+        result = self._decode(path, data)
         with self._lock:
-            self._cache[path] = (key, docs)
-        return docs
+            self._cache[path] = (key, result)
+        return result
 
-    def _documents(self) -> Sequence[dict[str, Any]]:
-        if not self.directory.is_dir():
-            return []
-        paths = sorted(self.directory.glob("*.yaml")) + sorted(self.directory.glob("*.yml"))
-        return [d for path in paths for d in self._file(path)]
+    @staticmethod
+    def _decode(path: Path, data: bytes) -> list[dict[str, Any]] | str:
+        if len(data) > MAX_CLAIM_FILE_BYTES:
+            return f"more than {MAX_CLAIM_FILE_BYTES} bytes"
+        try:
+            docs = load_yaml_documents(data.decode("utf-8"), str(path), MAX_CLAIM_FILE_BYTES)
+        except UnicodeDecodeError as exc:
+            return f"not UTF-8 text ({exc.reason} at byte {exc.start})"
+        except DecodeError as exc:
+            return str(exc).removeprefix(f"{path}: ")
+        return [d for d in docs if isinstance(d, dict)]
+
+    def _documents(self) -> tuple[Sequence[dict[str, Any]], dict[str, str]]:
+        """The documents of every readable file, and the unreadable files with why."""
+        try:
+            paths = sorted(p for p in self.directory.iterdir() if p.suffix in (".yaml", ".yml"))
+        except FileNotFoundError:
+            return [], {}
+        except OSError as exc:
+            raise ClaimError(
+                f"cannot list claim files in {self.directory}: {exc.strerror or exc}",
+                "claim_source",
+            ) from exc
+        docs: list[dict[str, Any]] = []
+        broken: dict[str, str] = {}
+        for path in paths:
+            result = self._file(path)
+            if isinstance(result, str):
+                broken[path.name] = result
+            else:
+                docs += result
+        return docs, broken
 
     def get(self, namespace: str, name: str) -> dict[str, Any]:
-        for doc in self._documents():
-            meta = doc.get("metadata") or {}
+        docs, broken = self._documents()
+        for doc in docs:
+            meta = doc.get("metadata")
             if (
                 doc.get("kind") == "ResourceClaim"
+                and isinstance(meta, dict)
                 and meta.get("name") == name
                 and meta.get("namespace", "default") == namespace
             ):
                 return doc
-        raise ClaimError(f"claim {namespace}/{name} not found in {self.directory}", "not_found")
+        hint = ""
+        if broken:
+            hint = "; unreadable claim files: " + "; ".join(
+                f"{n}: {why}" for n, why in sorted(broken.items())
+            )
+        raise ClaimError(
+            f"claim {namespace}/{name} not found in {self.directory}{hint}", "not_found"
+        )

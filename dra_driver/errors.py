@@ -33,6 +33,16 @@ class KubeConflict(KubeError):
     """409 Conflict: the object changed since it was read."""
 
 
+class KubeMalformed(KubeError):
+    """The API server (or something in between) answered with something that is not what the
+    API promises: a body that is not JSON, a list that is not a list, a watch line that does not
+    parse. Untrusted input: the call failed, and a retry later may succeed."""
+
+    def __init__(self, message: str, method: str, path: str, status: int = 200) -> None:
+        super().__init__(status, "MalformedResponse", message, method, path)
+        self.temporary = True
+
+
 class ClaimError(TesseraError):
     """A claim cannot be prepared: not found, UID mismatch, not allocated, another node, …
 

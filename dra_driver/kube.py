@@ -3,6 +3,11 @@
 Objects stay plain dicts (exactly what the API server stores), so fields this client version does
 not model survive a read-modify-write. Every failure becomes ``dra_driver.errors.KubeError`` (with
 ``temporary`` set for 429, 5xx and lost connections) or ``KubeConflict`` for 409.
+
+What comes back is untrusted input: a body that is not a JSON object, one larger than
+``MAX_BODY_BYTES``, a watch line that does not parse, is longer than ``MAX_BODY_BYTES`` or is not
+a ``{"type": str, "object": {...}}`` event raises ``KubeMalformed`` (temporary: retried with
+backoff like a 503), never anything else.
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ from kubernetes import config as kconfig
 from kubernetes.client.exceptions import ApiException
 
 from agent.errors import ConfigError
-from dra_driver.errors import KubeConflict, KubeError
+from dra_driver.errors import KubeConflict, KubeError, KubeMalformed
 
 DEFAULT_TIMEOUT = (5.0, 30.0)
 """(connect, read) seconds for one request."""
+MAX_BODY_BYTES = 64 * 1024 * 1024
+"""The largest answer (or watch line) taken: a node's slices or one claim are far smaller."""
 
 
 class KubeClient:
@@ -98,10 +105,10 @@ class KubeClient:
         if not 200 <= resp.status < 300:
             raw = _read(resp, method, path)
             try:
-                status = json.loads(raw)
-                message = str(status.get("message", ""))
-                reason = str(status.get("reason", resp.reason))
-            except ValueError:
+                status = _json_object(raw, method, path)  # a Status object, if well formed
+                message = str(status.get("message", ""))[:1000]
+                reason = str(status.get("reason", resp.reason))[:100]
+            except KubeMalformed:
                 message, reason = raw.decode(errors="replace")[:200], str(resp.reason)
             cls = KubeConflict if resp.status == 409 else KubeError
             raise cls(resp.status, reason, message, method, path)
@@ -113,11 +120,13 @@ class KubeClient:
         path: str,
         query: Mapping[str, str] | None = None,
         body: Any = None,
+        timeout: tuple[float, float] | None = None,
     ) -> dict[str, Any]:
-        """One request; the decoded JSON answer."""
-        resp = self._send(method, path, query, body, None)
-        data: dict[str, Any] = json.loads(_read(resp, method, path) or b"{}")
-        return data
+        """One request; the decoded JSON object. ``timeout`` (connect, read) overrides the
+        client's for this call. Raises KubeError (KubeMalformed for an answer that is not a JSON
+        object)."""
+        resp = self._send(method, path, query, body, timeout)
+        return _json_object(_read(resp, method, path) or b"{}", method, path)
 
     def watch(
         self, path: str, query: Mapping[str, str], timeout_s: int
@@ -138,7 +147,11 @@ class KubeClient:
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
                     if line.strip():
-                        yield json.loads(line)
+                        yield _event(line, path)
+                if len(buf) > MAX_BODY_BYTES:
+                    raise KubeMalformed(
+                        f"a watch line longer than {MAX_BODY_BYTES} bytes", "WATCH", path
+                    )
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             if self._closed:
                 return
@@ -150,8 +163,38 @@ class KubeClient:
 
 
 def _read(resp: Any, method: str, path: str) -> bytes:
+    """The body, at most MAX_BODY_BYTES of it (read from the urllib3 response under the
+    client's wrapper, which would read everything)."""
+    raw = resp.response
     try:
-        data: bytes = resp.read()
+        data: bytes = raw.read(MAX_BODY_BYTES + 1)
     except (urllib3.exceptions.HTTPError, OSError) as exc:
         raise KubeError(0, "ConnectionError", str(exc), method, path) from exc
+    if len(data) > MAX_BODY_BYTES:
+        raw.close()  # do not drain the rest into memory; the connection is dropped
+        raise KubeMalformed(f"an answer larger than {MAX_BODY_BYTES} bytes", method, path)
     return data
+
+
+def _json_object(data: bytes, method: str, path: str) -> dict[str, Any]:
+    """The JSON object in ``data``; KubeMalformed (naming what was wrong) otherwise."""
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError) as exc:  # bad JSON, UTF-8, huge integers, deep nesting
+        preview = data[:80].decode(errors="replace")
+        raise KubeMalformed(f"the answer is not JSON ({exc}): {preview!r}", method, path) from exc
+    if not isinstance(obj, dict):
+        raise KubeMalformed(
+            f"the answer is a JSON {type(obj).__name__}, not an object", method, path
+        )
+    return obj
+
+
+def _event(line: bytes, path: str) -> dict[str, Any]:
+    """One watch event ``{"type": str, "object": {...}}``; KubeMalformed otherwise."""
+    event = _json_object(line, "WATCH", path)
+    if not isinstance(event.get("type"), str) or not isinstance(event.get("object"), dict):
+        raise KubeMalformed(
+            "a watch line is not an event with a string type and an object", "WATCH", path
+        )
+    return event

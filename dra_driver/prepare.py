@@ -40,7 +40,7 @@ from dra_driver.checkpoint import (
 )
 from dra_driver.claims import Allocation, ClaimKey, ClaimSource, configs_for, parse_allocation
 from dra_driver.devices import AdvertisedDevice, DeviceModel
-from dra_driver.errors import ClaimError, KubeError, ParamsError
+from dra_driver.errors import CdiError, ClaimError, KubeError, ParamsError
 
 CrashHook = Callable[[str], None]
 Observer = Callable[[str, float, str | None], None]
@@ -182,6 +182,8 @@ class Preparer:
         observe: Observer = lambda op, seconds, reason: None,
         workers: int = 8,
         deadline_s: float = 40.0,
+        boot_time: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.driver_name = driver_name
         self.pool = pool
@@ -193,10 +195,17 @@ class Preparer:
         self.crash = crash_hook
         self.observe = observe
         self.deadline_s = deadline_s
+        self.boot_time = boot_time
+        self._clock = clock
         self._cp_lock = threading.Lock()
         self.claim_locks = ClaimLocks()
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prepare")
-        self._running: dict[Future[ClaimResult], ClaimKey] = {}
+        # unprepare never queues behind prepares of other claims (a slow claim read holds a
+        # prepare worker, never an unprepare one)
+        self._pools = {
+            "prepare": ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prepare"),
+            "unprepare": ThreadPoolExecutor(max_workers=workers, thread_name_prefix="unprepare"),
+        }
+        self._running: dict[Future[ClaimResult], tuple[ClaimKey, str, float]] = {}
         self._running_lock = threading.Lock()
         self._closed = False
         self._cp: Checkpoint | None = None
@@ -211,7 +220,11 @@ class Preparer:
     def prepared_claims(self) -> tuple[ClaimEntry, ...]:
         """The claims whose prepare completed: who holds which device now (a read-only view for
         telemetry; entries are immutable)."""
-        return tuple(e for e in self.checkpoint.claims.values() if e.state == PREPARE_COMPLETED)
+        return tuple(
+            e
+            for e in self.checkpoint.claims.values()
+            if e.state == PREPARE_COMPLETED and not e.recovered
+        )
 
     def _commit(self, cp: Checkpoint) -> None:
         """Save, then adopt: memory never runs ahead of the file. Caller holds _cp_lock."""
@@ -220,14 +233,21 @@ class Preparer:
 
     # -- start-up ----------------------------------------------------------------------------
     def reconcile_on_start(self) -> None:
-        """Load the checkpoint and make reality match it, logging every action."""
+        """Load the checkpoint and make reality match it, logging every action.
+
+        CDI specs of ours on disk are evidence of prepared claims. A spec the checkpoint does
+        not list is removed only when the checkpoint proves the claim released (it was read from
+        this boot's file) or the spec predates this boot (no container survives a reboot).
+        Otherwise (the checkpoint is missing or was corrupt) the claim is recorded as recovered:
+        its devices stay held until the kubelet unprepares or prepares it again, so lost state
+        never gives a device out twice."""
         result = self.store.load()
         cp = result.checkpoint
         if result.corrupt_moved_to is not None:
             self.log.error(
-                "checkpoint was corrupt; moved aside, starting empty; orphaned CDI specs are kept"
-                " this time (they may belong to running pods)",
-                extra=fields_(moved_to=str(result.corrupt_moved_to)),
+                "checkpoint was corrupt; moved aside; claims whose CDI specs are on disk keep"
+                " their devices",
+                extra=fields_(moved_to=str(result.corrupt_moved_to), reason=result.corrupt_reason),
             )
         if result.rebooted:
             self.log.warning("node rebooted since the checkpoint: prepared state discarded")
@@ -242,10 +262,8 @@ class Preparer:
                         "rolled back an interrupted prepare",
                         extra=fields_(claim=f"{entry.namespace}/{entry.name}", uid=entry.uid),
                     )
-            if result.corrupt_moved_to is None:
-                for uid in sorted(self.cdi.claim_uids() - set(cp.claims)):
-                    self.cdi.remove(uid)
-                    self.log.warning("removed orphaned CDI spec", extra=fields_(uid=uid))
+            for uid in sorted(self.cdi.claim_uids() - set(cp.claims)):
+                cp = self._unlisted_spec(cp, uid, result.authoritative)
             for entry in cp.claims.values():
                 if entry.devices and entry.uid not in self.cdi.claim_uids():
                     self.cdi.write(entry.uid, self.cdi.build_spec(entry.uid, _cdi_requests(entry)))
@@ -254,6 +272,54 @@ class Preparer:
                         extra=fields_(claim=f"{entry.namespace}/{entry.name}", uid=entry.uid),
                     )
             self._commit(cp)
+
+    def _unlisted_spec(self, cp: Checkpoint, uid: str, authoritative: bool) -> Checkpoint:
+        """Decide about the CDI spec of a claim the checkpoint does not list (see
+        ``reconcile_on_start``); returns the checkpoint with a recovered entry if it is kept."""
+        try:
+            names, written_at = self.cdi.evidence(uid)
+        except CdiError as exc:
+            names, written_at = (), self.boot_time  # unreadable: not proof of anything
+            self.log.warning("cannot read a CDI spec", extra=fields_(uid=uid, error=str(exc)))
+        if authoritative or written_at < self.boot_time:
+            self.cdi.remove(uid)
+            why = "released in the checkpoint" if authoritative else "written before this boot"
+            self.log.warning("removed orphaned CDI spec", extra=fields_(uid=uid, reason=why))
+            return cp
+        entry = ClaimEntry(
+            uid=uid,
+            namespace="",
+            name="",
+            state=PREPARE_COMPLETED,
+            devices=tuple(self._recovered_device(uid, n) for n in names),
+            updated_at=time.time(),
+            recovered=True,
+        )
+        self.log.warning(
+            "kept the CDI spec of a claim the checkpoint cannot vouch for: its devices stay held"
+            " until the claim is unprepared or prepared again",
+            extra=fields_(uid=uid, devices=",".join(names)),
+        )
+        return cp.with_claim(entry)
+
+    def _recovered_device(self, uid: str, name: str) -> PreparedDevice:
+        """A device named in a recovered CDI spec, described as the node advertises it now."""
+        try:
+            d = self.devices().device(name)
+        except (KeyError, ClaimError):
+            return PreparedDevice((), self.pool, name, (), "gpu", "", -1)
+        return PreparedDevice(
+            request_names=(),
+            pool=self.pool,
+            device=name,
+            cdi_device_ids=(self.cdi.device_id(uid, name),),
+            kind=d.kind,
+            gpu_uuid=d.parent_uuid,
+            gpu_minor=d.gpu_minor,
+            mig_uuid=d.uuid if d.kind == "mig" else None,
+            gpu_instance_id=d.gpu_instance_id,
+            compute_instance_id=d.compute_instance_id,
+        )
 
     # -- prepare -----------------------------------------------------------------------------
     def prepare(self, claims: Sequence[ClaimKey]) -> dict[str, ClaimResult]:
@@ -269,8 +335,9 @@ class Preparer:
         deadline = time.monotonic() + self.deadline_s
         out: dict[str, ClaimResult] = {}
         futures: dict[str, tuple[ClaimKey, Future[ClaimResult]]] = {}
+        op = fn.__name__.strip("_").removesuffix("_one")
         for c in claims:
-            fut = self._submit(fn, c)
+            fut = self._submit(op, fn, c)
             if fut is None:
                 out[c.uid] = _shutting_down(c)
             else:
@@ -281,8 +348,10 @@ class Preparer:
             except CancelledError:  # still queued when the agent began to stop
                 out[uid] = _shutting_down(claim)
             except FutureTimeout:
-                self.observe(
-                    fn.__name__.strip("_").removesuffix("_one"), self.deadline_s, "timeout"
+                self.observe(op, self.deadline_s, "timeout")
+                self.log.warning(
+                    f"{op} not done within its deadline; it goes on in the background",
+                    extra=fields_(claim=str(claim), deadline_s=self.deadline_s),
                 )
                 out[uid] = ClaimResult(
                     error=f"claim {claim}: not done within {self.deadline_s:.0f} s; it goes on in"
@@ -291,16 +360,26 @@ class Preparer:
         return out
 
     def _submit(
-        self, fn: Callable[[ClaimKey], ClaimResult], claim: ClaimKey
+        self, op: str, fn: Callable[[ClaimKey], ClaimResult], claim: ClaimKey
     ) -> Future[ClaimResult] | None:
-        """Run one claim on the pool; None once the preparer is closed."""
+        """Run one claim on its operation's pool; None once the preparer is closed."""
         with self._running_lock:
             if self._closed:
                 return None
-            fut = self._pool.submit(self._guard, fn, claim)
-            self._running[fut] = claim
+            fut = self._pools[op].submit(self._guard, fn, claim)
+            self._running[fut] = (claim, op, self._clock())
         fut.add_done_callback(self._finished)
         return fut
+
+    def stuck(self) -> list[str]:
+        """The claims whose prepare or unprepare has run longer than the call deadline (a
+        worker that is stuck: for /readyz, the metrics and the log)."""
+        now = self._clock()
+        with self._running_lock:
+            running = list(self._running.values())
+        return sorted(
+            f"{op} {claim}" for claim, op, started in running if now - started > self.deadline_s
+        )
 
     def _finished(self, fut: Future[ClaimResult]) -> None:
         with self._running_lock:
@@ -318,13 +397,29 @@ class Preparer:
                 f"{op} failed", extra=fields_(claim=str(claim), error=str(exc), reason=reason)
             )
             return ClaimResult(error=str(exc))
+        except Exception as exc:  # last resort: a bug answers this claim, never the whole call
+            self.observe(op, time.monotonic() - started, "internal_error")
+            self.log.error(
+                f"{op} failed with an internal error",
+                exc_info=exc,
+                extra=fields_(claim=str(claim), error=f"{type(exc).__name__}: {exc}"),
+            )
+            return ClaimResult(
+                error=f"claim {claim}: internal error in the driver ({type(exc).__name__}: {exc});"
+                " see the agent's log"
+            )
         self.observe(op, time.monotonic() - started, None)
         return result
 
     def _prepare_one(self, claim: ClaimKey) -> ClaimResult:
         with self.claim_locks.hold(claim.uid):
             existing = self.checkpoint.claims.get(claim.uid)
-            if existing is not None and existing.state == PREPARE_COMPLETED:
+            if (
+                existing is not None
+                and existing.state == PREPARE_COMPLETED
+                and not existing.recovered  # identity unknown: prepared again from the claim
+            ):
+                self._ensure_spec(existing)
                 return ClaimResult(devices=existing.devices)
             try:
                 obj = self.claims.get(claim.namespace, claim.name)
@@ -340,7 +435,7 @@ class Preparer:
             prepared = tuple(self._prepared_device(claim, p) for p in planned)
             with self._cp_lock:
                 cp = self.checkpoint
-                if claim.uid in cp.claims:  # PrepareStarted left by a crash: roll back first
+                if claim.uid in cp.claims:  # left by a crash, or recovered: roll back first
                     self.cdi.remove(claim.uid)
                     cp = cp.without_claim(claim.uid)
                 exclusive_conflict(cp, claim, self.pool, planned)
@@ -368,6 +463,16 @@ class Preparer:
                 extra=fields_(claim=str(claim), devices=",".join(d.device for d in prepared)),
             )
             return ClaimResult(devices=prepared)
+
+    def _ensure_spec(self, entry: ClaimEntry) -> None:
+        """A prepared claim is only prepared with its CDI spec: one deleted since is written
+        again from the record (the container runtime needs it to start the pod)."""
+        if entry.devices and not self.cdi.path(entry.uid).exists():
+            self.cdi.write(entry.uid, self.cdi.build_spec(entry.uid, _cdi_requests(entry)))
+            self.log.warning(
+                "re-wrote the missing CDI spec of a prepared claim",
+                extra=fields_(claim=f"{entry.namespace}/{entry.name}", uid=entry.uid),
+            )
 
     def _prepared_device(self, claim: ClaimKey, p: PlannedDevice) -> PreparedDevice:
         d = p.device
@@ -417,7 +522,8 @@ class Preparer:
         with self._running_lock:
             self._closed = True
             running = list(self._running)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in self._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
         _, not_done = wait_futures(running, timeout=max(0.0, timeout))
         with self._running_lock:
-            return sorted(str(self._running[f]) for f in not_done if f in self._running)
+            return sorted(str(self._running[f][0]) for f in not_done if f in self._running)

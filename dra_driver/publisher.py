@@ -27,7 +27,7 @@ import yaml
 from agent.fsutil import atomic_write
 from agent.logs import fields_
 from dra_driver.devices import DeviceModel
-from dra_driver.errors import KubeConflict, KubeError
+from dra_driver.errors import KubeConflict, KubeError, KubeMalformed
 from dra_driver.kube import KubeClient
 from dra_driver.slices import SlicePolicy, build_slices, spec_equal
 
@@ -61,6 +61,39 @@ class SliceStore(Protocol):
         ...
 
 
+def _where(path: str, problem: str, method: str, url: str) -> KubeMalformed:
+    return KubeMalformed(f"ResourceSlice list: {path}: {problem}", method, url)
+
+
+def slice_list(data: Obj, method: str = "GET", url: str = SLICES_PATH) -> tuple[list[Obj], str]:
+    """The slices of a list answer and its resourceVersion, checked for what the publisher
+    reads (names, pool generations, resourceVersions); KubeMalformed naming the field otherwise.
+    Pure."""
+    items = data.get("items")
+    if items is None:
+        items = []
+    if not isinstance(items, list):
+        raise _where("items", f"expected a list, got {type(items).__name__}", method, url)
+    for i, obj in enumerate(items):
+        meta = obj.get("metadata") if isinstance(obj, dict) else None
+        spec = obj.get("spec") if isinstance(obj, dict) else None
+        pool = spec.get("pool") if isinstance(spec, dict) else None
+        if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
+            raise _where(f"items[{i}].metadata.name", "missing or not a string", method, url)
+        if not isinstance(meta.get("resourceVersion", ""), str):
+            raise _where(f"items[{i}].metadata.resourceVersion", "not a string", method, url)
+        if not isinstance(pool, dict):
+            raise _where(f"items[{i}].spec.pool", "missing or not an object", method, url)
+        generation = pool.get("generation", 0)
+        if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
+            raise _where(
+                f"items[{i}].spec.pool.generation", f"{generation!r} is not a count", method, url
+            )
+    meta = data.get("metadata")
+    rv = meta.get("resourceVersion", "") if isinstance(meta, dict) else ""
+    return items, str(rv)
+
+
 class KubeSliceStore:
     watchable = True
 
@@ -70,8 +103,7 @@ class KubeSliceStore:
 
     def list(self) -> tuple[list[Obj], str]:
         data = self._kube.request("GET", SLICES_PATH, {"fieldSelector": self._selector})
-        items: list[Obj] = data.get("items") or []
-        return items, str(data.get("metadata", {}).get("resourceVersion", ""))
+        return slice_list(data, "GET", SLICES_PATH)
 
     def create(self, obj: Obj) -> Obj:
         return self._kube.request("POST", SLICES_PATH, body=obj)
@@ -326,23 +358,34 @@ class Publisher:
             try:
                 self.reconcile()
             except KubeError as exc:
-                self._failures += 1
-                self.stats.errors += 1
-                self.stats.last_error = str(exc)
-                delay = self.backoff.delay(self._failures)
-                self._next_at = now + delay
-                with self._lock:
-                    self._dirty = False
-                self.log.warning(
-                    "publishing ResourceSlices failed, will retry",
-                    extra=fields_(
-                        error=str(exc), temporary=exc.temporary, retry_in_s=round(delay, 2)
-                    ),
-                )
+                self._failed(now, exc, exc.temporary)
+            except Exception as exc:  # last resort: a bug must not end publishing for good
+                self._failed(now, exc, None)
             else:
                 self._failures = 0
                 self._next_at = now + self.resync_interval
         return max(0.0, float(self._next_at) - now)
+
+    def _failed(self, now: float, exc: Exception, temporary: bool | None) -> None:
+        """Count, log and back off; ``temporary`` None marks an unexpected error (logged with
+        its traceback)."""
+        self._failures += 1
+        self.stats.errors += 1
+        self.stats.last_error = str(exc) or type(exc).__name__
+        delay = self.backoff.delay(self._failures)
+        self._next_at = now + delay
+        with self._lock:
+            self._dirty = False
+        fields = fields_(error=self.stats.last_error, retry_in_s=round(delay, 2))
+        if temporary is None:
+            self.log.error(
+                "publishing ResourceSlices failed unexpectedly, will retry",
+                exc_info=exc,
+                extra=fields,
+            )
+        else:
+            fields["fields"]["temporary"] = temporary
+            self.log.warning("publishing ResourceSlices failed, will retry", extra=fields)
 
     def run(self, stop: threading.Event) -> None:
         """The publisher loop (a thread). Returns when ``stop`` is set."""
@@ -371,7 +414,10 @@ class Publisher:
                         self._list_rv = ""  # too old (410): start over from a fresh list
                         self.poke()
                         break
-                    self._list_rv = str(obj.get("metadata", {}).get("resourceVersion", ""))
+                    meta = obj.get("metadata")
+                    self._list_rv = (
+                        str(meta.get("resourceVersion", "")) if isinstance(meta, dict) else ""
+                    )
                     if event.get("type") != "BOOKMARK":
                         self.poke()
             except KubeError as exc:

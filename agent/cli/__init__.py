@@ -188,8 +188,13 @@ def cmd_run(inv: Invocation) -> int:
         code = agent.run(stop)
     except Exception as exc:  # logs are JSON from here on: the reason is a log record too
         reason = inv.describe(exc)  # worded like every command's failures; None: a bug
-        if reason is None:
-            raise
+        if reason is None:  # a bug: its traceback goes into one JSON record, not onto stderr
+            log.critical(
+                "agent failed with an internal error",
+                exc_info=exc,
+                extra={"fields": {"error": f"{type(exc).__name__}: {exc}"}},
+            )
+            return 1
         log.error("agent cannot run", extra={"fields": {"error": reason}})
         return EXIT_ERROR
     if agent.unfinished:

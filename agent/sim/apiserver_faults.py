@@ -2,7 +2,10 @@
 
 A test arms faults with :meth:`FaultInjector.add`; the next ``times`` requests that match (method,
 path regex, optionally query regex) get the fault instead of (``"409"``, ``"429"``, ``"500"``,
-``"503"``, ``"drop"``) or before (``"slow:<seconds>"``) their normal answer.
+``"503"``, ``"drop"``) or before (``"slow:<seconds>"``) their normal answer. Malformed answers a
+broken proxy or server could send, each with status 200: ``"garbage"`` (a body that is not
+JSON), ``"array"`` (a JSON array where an object belongs), ``"bad-line"`` (a chunked stream, as a
+watch answers, whose one line is not JSON).
 
 :class:`RequestLog` records ``(method, path, query, status)`` for every request; status 0 means the
 connection was dropped without an answer.
@@ -20,6 +23,7 @@ from urllib.parse import parse_qsl
 from agent.sim.apiserver_types import resource_of
 
 ERROR_KINDS = ("409", "429", "500", "503")
+MALFORMED_KINDS = ("garbage", "array", "bad-line")
 WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
@@ -48,7 +52,7 @@ class Fault:
 
 def check_kind(kind: str) -> None:
     """Raise ValueError unless ``kind`` is a fault kind."""
-    if kind in ERROR_KINDS or kind == "drop":
+    if kind in ERROR_KINDS or kind in MALFORMED_KINDS or kind == "drop":
         return
     if kind.startswith("slow:"):
         try:
@@ -58,7 +62,8 @@ def check_kind(kind: str) -> None:
         if seconds >= 0:
             return
     raise ValueError(
-        f"unknown fault kind {kind!r}: use one of {', '.join(ERROR_KINDS)}, drop, slow:<seconds>"
+        f"unknown fault kind {kind!r}: use one of {', '.join(ERROR_KINDS + MALFORMED_KINDS)},"
+        " drop, slow:<seconds>"
     )
 
 

@@ -24,7 +24,12 @@ from urllib.parse import parse_qsl, urlsplit
 from agent.sim import apiserver_errors as err
 from agent.sim import apiserver_types as types
 from agent.sim.apiserver_errors import ApiError
-from agent.sim.apiserver_faults import FaultInjector, RequestLog, RequestRecord
+from agent.sim.apiserver_faults import (
+    MALFORMED_KINDS,
+    FaultInjector,
+    RequestLog,
+    RequestRecord,
+)
 from agent.sim.apiserver_history import ADDED, DELETED, MODIFIED, WatchEvent
 from agent.sim.apiserver_select import (
     FieldTerm,
@@ -206,6 +211,20 @@ class Handler(BaseHTTPRequestHandler):
         data = json.dumps(obj, separators=(",", ":")).encode()
         self._send(status, data, "application/json", headers)
 
+    def _send_malformed(self, kind: str) -> None:
+        """A 200 answer a broken server or proxy could send (see the faults module)."""
+        if kind == "bad-line":
+            self._record(200)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            line = b'{"type": "ADDED", "object": {"kind": "ResourceSl\n'
+            self.wfile.write(f"{len(line):x}\r\n".encode() + line + b"\r\n0\r\n\r\n")
+            return
+        body = b"[]" if kind == "array" else b"<html><body>502 Bad Gateway</body></html>"
+        self._send(200, body, "application/json")
+
     def _send_error(self, error: ApiError) -> None:
         self._send_json(error.code, error.status(), error.headers)
 
@@ -228,6 +247,9 @@ class Handler(BaseHTTPRequestHandler):
                 return
             if fault.delay:
                 ctx.stopping.wait(fault.delay)
+            elif fault.kind in MALFORMED_KINDS:
+                self._send_malformed(fault.kind)
+                return
             else:
                 self._send_error(err.injected(fault.kind, url.path))
                 return

@@ -44,13 +44,14 @@ def simulated_node(
         model=model.name,
         driver_root=driver_root,
         boot_id=simulated_boot_id(sim_dir),
+        boot_time=(sim_dir / "boot_id").stat().st_mtime,
         sim=fake,
     )
 
 
 def simulated_boot_id(sim_dir: Path) -> str:
     """The simulated node's boot id: made once per simulator state directory (a "reboot" of the
-    simulated node is deleting this file)."""
+    simulated node is deleting this file; the file's time is the simulated boot's time)."""
     path = sim_dir / "boot_id"
     if not path.exists():
         atomic_write(path, (str(uuid.uuid4()) + "\n").encode())

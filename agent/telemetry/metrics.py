@@ -318,6 +318,8 @@ class AgentStatus:
     slice_generation: int | None
     slice_writes: int
     slice_errors: int
+    claims_stuck: int = 0
+    """Prepares and unprepares running longer than the kubelet's call deadline."""
 
 
 AGENT_SPECS: tuple[Spec, ...] = (
@@ -342,6 +344,13 @@ AGENT_SPECS: tuple[Spec, ...] = (
     Spec(
         "tessera_resourceslice_errors", "counter", "Failed ResourceSlice publishing rounds.", NODE
     ),
+    Spec(
+        "tessera_claims_stuck",
+        "gauge",
+        "Prepares and unprepares still running past the kubelet's call deadline (a stuck"
+        " worker: a claim read or side effect that does not return).",
+        NODE,
+    ),
 )
 
 
@@ -362,6 +371,7 @@ class AgentCollector(Collector):
         _add(fams, "tessera_resourceslice_pool_generation", node, st.slice_generation)
         _add(fams, "tessera_resourceslice_writes", node, st.slice_writes)
         _add(fams, "tessera_resourceslice_errors", node, st.slice_errors)
+        _add(fams, "tessera_claims_stuck", node, st.claims_stuck)
         yield from fams.values()
 
 

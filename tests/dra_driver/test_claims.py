@@ -92,8 +92,9 @@ def test_dir_source_reads_multi_document_files(tmp_path):
     with pytest.raises(ClaimError, match="claim default/c2 not found"):
         src.get("default", "c2")
     (tmp_path / "broken.yaml").write_text("a: [")
-    with pytest.raises(ClaimError, match="cannot read claim file"):
-        src.get("default", "c1")
+    assert src.get("default", "c1")["metadata"]["uid"] == "uid-1"  # one bad file hides nothing
+    with pytest.raises(ClaimError, match=r"not found .*unreadable claim files: broken.yaml: "):
+        src.get("default", "c2")  # a claim that is missing names the file that may hold it
 
 
 def test_dir_source_sees_edited_files(tmp_path):

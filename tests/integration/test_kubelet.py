@@ -271,8 +271,8 @@ def test_corrupt_checkpoint_is_moved_aside_and_reported(short_tmp):
     d = Daemon(short_tmp, "dgx-h100").start()
     try:
         rec = d.wait_log(
-            "checkpoint was corrupt; moved aside, starting empty; orphaned CDI specs are kept"
-            " this time (they may belong to running pods)"
+            "checkpoint was corrupt; moved aside; claims whose CDI specs are on disk keep their"
+            " devices"
         )
         moved = list(short_tmp.glob("checkpoint.json.corrupt-*"))
         assert len(moved) == 1 and moved[0].read_text() == '{"version": 1, "claims": {'

@@ -188,9 +188,11 @@ def test_drift_is_repaired_through_the_watch(server, running):
 
 @pytest.mark.parametrize(
     ("method", "kind"),
-    [("POST", "500"), ("POST", "drop"), ("POST", "429"), ("GET", "503"), ("PUT", "409")],
-    ids=["post-500", "post-drop", "post-429", "list-503", "put-409"],
-)
+    [("POST", "500"), ("POST", "drop"), ("POST", "429"), ("GET", "503"), ("PUT", "409"),
+     ("GET", "garbage"), ("GET", "array"), ("POST", "garbage"), ("GET", "bad-line")],
+    ids=["post-500", "post-drop", "post-429", "list-503", "put-409", "list-not-json",
+         "list-json-array", "post-not-json", "list-unterminated"],
+)  # fmt: skip
 def test_recovers_after_faults(server, make_publisher, models, method, kind):
     p = make_publisher(models["h100"])
     if method == "PUT":  # a conflict needs an existing slice to update
@@ -204,6 +206,7 @@ def test_recovers_after_faults(server, make_publisher, models, method, kind):
             break
     assert p.ready, p.stats
     assert not server.faults.pending()
+    assert p.stats.errors >= 1 or kind == "409"  # every failed round is counted
     (s,) = ours(server)
     expected = 56 if method == "PUT" else 8
     assert len(s["spec"]["devices"]) == expected
@@ -267,3 +270,36 @@ def test_recovers_after_a_timeout(server, models):
         assert len(s["spec"]["devices"]) == 8
     finally:
         kube.close()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        {"items": "not a list"},
+        {"items": [1]},
+        {"items": [{"metadata": {"name": 5}, "spec": {"pool": {}}}]},
+        {"items": [{"metadata": {"name": "s"}, "spec": {"pool": {"generation": "2"}}}]},
+        {"items": [{"metadata": {"name": "s"}, "spec": {"pool": {"generation": -1}}}]},
+        {"items": [{"metadata": {"name": "s", "resourceVersion": 3}, "spec": {"pool": {}}}]},
+    ],
+    ids=["items-string", "item-number", "name-number", "generation-text", "generation-negative",
+         "rv-number"],
+)  # fmt: skip
+def test_a_list_of_the_wrong_shape_is_a_temporary_error_naming_the_field(answer):
+    from dra_driver.errors import KubeMalformed
+    from dra_driver.publisher import slice_list
+
+    with pytest.raises(KubeMalformed) as e:
+        slice_list(answer)
+    assert e.value.temporary and "ResourceSlice list: items" in str(e.value)
+
+
+def test_the_watch_survives_a_line_that_does_not_parse(server, running):
+    """One unparsable line on the watch: the stream ends with a temporary error, the watch is
+    opened again and still repairs drift."""
+    server.faults.add("GET", r"/resourceslices", "bad-line", query_regex="watch=true")
+    wait_for(lambda: not server.faults.pending())
+    (s,) = ours(server)
+    s["spec"]["devices"] = s["spec"]["devices"][:1]
+    server.put_object("resourceslices", s)
+    wait_for(lambda: len(ours(server)[0]["spec"]["devices"]) == 8)
