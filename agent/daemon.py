@@ -351,7 +351,7 @@ def _build(config: Config, log: logging.Logger, state_dir: Path, lock: StateLock
     http = HttpEndpoint(host, port, readiness, metrics=exposition)
     kube = None if config.no_kube else KubeClient.from_config(config.kubeconfig)
     store: SliceStore = (
-        DirSliceStore(state_dir / "resourceslices")
+        DirSliceStore(state_dir / "resourceslices", log.getChild("publisher"))
         if kube is None
         else KubeSliceStore(kube, config.driver_name, source.hostname)
     )

@@ -24,7 +24,9 @@ from typing import Any, Protocol
 
 import yaml
 
-from agent.fsutil import atomic_write
+from agent.decode import load_yaml_documents
+from agent.errors import DecodeError
+from agent.fsutil import atomic_write, move_aside
 from agent.logs import fields_
 from dra_driver.devices import DeviceModel
 from dra_driver.errors import KubeConflict, KubeError, KubeMalformed
@@ -128,26 +130,69 @@ class KubeSliceStore:
         self._kube.abort_watches()
 
 
+MAX_SLICE_FILE_BYTES = 16 * 1024 * 1024
+
+
+def _int_rv(obj: Obj) -> int:
+    """The resourceVersion a standalone slice file carries (0 when it has none or a bad one)."""
+    rv = str(obj.get("metadata", {}).get("resourceVersion", "0"))
+    return int(rv) if rv.isdigit() and len(rv) < 20 else 0
+
+
 class DirSliceStore:
-    """Standalone mode: one YAML file per slice, replaced atomically."""
+    """Standalone mode: one YAML file per slice, replaced atomically.
+
+    The files are ours, but a crash, a full disk or a person may have left one that does not
+    decode (within the limits of ``agent.decode``) or is not a slice of the right shape: it is
+    moved aside (``<name>.corrupt-<time>``, never overwritten), logged, and publishing goes on as
+    if it were not there (the next write replaces it)."""
 
     watchable = False
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        log: logging.Logger | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.directory = directory
+        self._log = log or logging.getLogger("tessera.publisher")
+        self._clock = clock
 
     def _path(self, name: str) -> Path:
         return self.directory / f"{name}.yaml"
+
+    def _load(self, path: Path) -> Obj | None:
+        """The slice in ``path``; None (the file moved aside and logged) when it is broken."""
+        try:
+            raw = path.read_bytes()
+            docs = load_yaml_documents(raw.decode("utf-8"), str(path), MAX_SLICE_FILE_BYTES)
+            if len(docs) != 1 or not isinstance(docs[0], dict):
+                raise DecodeError(f"{path}: not one YAML object")
+            obj: Obj = docs[0]
+            if obj.get("kind") == "ResourceSlice":
+                slice_list({"items": [obj]}, "READ", str(path))
+            return obj
+        except (OSError, UnicodeDecodeError, DecodeError, KubeMalformed) as exc:
+            try:
+                moved: Path | None = move_aside(path, self._clock())
+            except OSError:
+                moved = None
+            self._log.error(
+                "a standalone ResourceSlice file is broken; moved aside",
+                extra=fields_(path=str(path), moved_to=str(moved), reason=str(exc)),
+            )
+            return None
 
     def list(self) -> tuple[list[Obj], str]:
         if not self.directory.is_dir():
             return [], "0"
         items = []
         for p in sorted(self.directory.glob("*.yaml")):
-            obj = yaml.safe_load(p.read_text())
-            if isinstance(obj, dict) and obj.get("kind") == "ResourceSlice":
+            obj = self._load(p)
+            if obj is not None and obj.get("kind") == "ResourceSlice":
                 items.append(obj)
-        rv = max((int(o["metadata"].get("resourceVersion", 0)) for o in items), default=0)
+        rv = max((_int_rv(o) for o in items), default=0)
         return items, str(rv)
 
     def _write(self, obj: Obj, previous: int) -> Obj:
@@ -167,10 +212,10 @@ class DirSliceStore:
     def replace(self, obj: Obj) -> Obj:
         name = obj["metadata"]["name"]
         path = self._path(name)
-        current = yaml.safe_load(path.read_text()) if path.exists() else None
+        current = self._load(path) if path.exists() else None
         if current is None:
             raise KubeError(404, "NotFound", f"{name} not found", "REPLACE", str(self.directory))
-        rv = str(current["metadata"].get("resourceVersion", "0"))
+        rv = str(_int_rv(current))
         if obj["metadata"].get("resourceVersion") not in (None, rv):
             raise KubeConflict(409, "Conflict", f"{name} changed", "REPLACE", str(self.directory))
         return self._write(obj, int(rv))

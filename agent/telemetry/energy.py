@@ -69,7 +69,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -77,7 +76,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.fsutil import atomic_write
+from agent.decode import load_json
+from agent.errors import DecodeError
+from agent.fsutil import atomic_write, move_aside
 from agent.logs import fields_
 from agent.nvml.samples import GpuSample
 from agent.telemetry.attribution import ClaimHolder, Holding, HoldingKey, holdings, shares
@@ -86,6 +87,7 @@ from agent.telemetry.snapshot import ClaimUsage, PreparedDevice
 
 STATE_KIND = "TesseraEnergyState"
 STATE_VERSION = 1
+MAX_STATE_BYTES = 64 * 1024 * 1024
 MAX_WATTS = 2000.0
 """Above any GPU's power draw: a counter delta larger than this x seconds is not believed."""
 
@@ -380,7 +382,7 @@ class EnergyAccounting:
             return
         try:
             gpus, usage = decode_state(raw)
-        except (ValueError, TypeError, KeyError) as exc:
+        except (DecodeError, ValueError, TypeError, KeyError) as exc:
             moved = self._move_aside()
             self._log.error(
                 "energy state file is corrupt; moved aside, counters start from zero",
@@ -390,13 +392,10 @@ class EnergyAccounting:
         self._gpus, self._usage = gpus, usage
 
     def _move_aside(self) -> Path | None:
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(self._clock()))
-        target = self.state_file.with_name(f"{self.state_file.name}.corrupt-{stamp}")
         try:
-            os.replace(self.state_file, target)
+            return move_aside(self.state_file, self._clock())
         except OSError:
             return None
-        return target
 
 
 def _num(obj: Mapping[str, Any], key: str) -> float:
@@ -428,21 +427,33 @@ def _check_str(v: Any) -> str:
     return v
 
 
+def _mapping(v: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(v, dict):
+        raise TypeError(f"{what}: expected an object, got {type(v).__name__}")
+    return v
+
+
 def decode_state(raw: bytes) -> tuple[dict[str, _Gpu], dict[HoldingKey, _Usage]]:
     """The GPU totals and claim counters stored in a state file. Pure; raises ValueError,
-    TypeError or KeyError on anything malformed."""
-    obj = json.loads(raw.decode("utf-8"))
-    if not isinstance(obj, dict) or obj.get("kind") != STATE_KIND:
+    TypeError or KeyError (naming the field) on anything malformed, DecodeError on bytes that
+    are not JSON within the limits."""
+    obj = _mapping(load_json(raw, "energy state", MAX_STATE_BYTES), "energy state")
+    if obj.get("kind") != STATE_KIND:
         raise ValueError(f"not a {STATE_KIND} object")
     if obj.get("version") != STATE_VERSION:
         raise ValueError(f"unsupported version {obj.get('version')!r}")
     gpus: dict[str, _Gpu] = {}
-    for uuid, g in dict(obj["gpus"]).items():
+    for uuid, g in _mapping(obj["gpus"], "gpus").items():
+        g = _mapping(g, f"gpus[{uuid!r}]")
         gpus[_check_str(uuid)] = _Gpu(
             energy_joules=_num(g, "energyJoules"), known=True, index=_opt_int(g, "index")
         )
     usage: dict[HoldingKey, _Usage] = {}
-    for c in list(obj["claims"]):
+    claims = obj["claims"]
+    if not isinstance(claims, list):
+        raise TypeError(f"claims: expected a list, got {type(claims).__name__}")
+    for i, c in enumerate(claims):
+        c = _mapping(c, f"claims[{i}]")
         released = c.get("releasedAt")
         index = _opt_int(c, "gpuIndex")
         usage[(_text(c, "uid"), _text(c, "pool"), _text(c, "device"))] = _Usage(
