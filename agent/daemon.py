@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 from agent.config import Config
 from agent.discovery.inventory import NodeInventory
 from agent.errors import ConfigError
+from agent.fsutil import ensure_dir, remove_temp_files
 from agent.http import HttpEndpoint, Readiness
 from agent.logs import fields_
 from agent.node import NodeSource, discover, real_node
@@ -106,6 +107,7 @@ class Agent:
 
     def start(self) -> None:
         """Discover the node, start publishing, open the HTTP endpoint (NVML is initialized)."""
+        self._sweep_temp_files()
         self.inventory = discover(self.source)
         self._log_inventory(self.inventory)
         self.readiness.add("inventory", lambda: (True, "node discovered"))
@@ -168,6 +170,16 @@ class Agent:
         results = (self.plugin.sockets_intact(), self.telemetry_server.socket_intact())
         problems = [detail for ok, detail in results if not ok]
         return (not problems, "; ".join(problems) or "serving")
+
+    def _sweep_temp_files(self) -> None:
+        """Temporary files that a crash mid-write left (the lock says no one else writes here)."""
+        removed = [
+            *remove_temp_files(self.state_dir),
+            *remove_temp_files(self.state_dir / "resourceslices"),
+            *self.preparer.cdi.remove_temp_files(),
+        ]
+        for path in removed:
+            self.log.info("removed a temporary file left by a crash", extra=fields_(path=str(path)))
 
     def _claims_moving(self) -> tuple[bool, str]:
         """Not ready while a prepare or unprepare is stuck past the kubelet's deadline."""
@@ -315,7 +327,7 @@ def take_state_dir(state_dir: Path) -> StateLock:
     if state_dir.exists() and not state_dir.is_dir():
         raise ConfigError(f"--state-dir: {state_dir} is not a directory")
     try:
-        state_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+        ensure_dir(state_dir)
     except OSError as exc:
         where = f" ({exc.filename})" if exc.filename not in (None, str(state_dir)) else ""
         raise ConfigError(

@@ -20,10 +20,51 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes, mode: int = 0o640) -> None:
-    """Replace ``path`` with ``data`` so that a crash leaves either the old or the new file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+def ensure_dir(path: Path, mode: int = 0o750) -> None:
+    """Create ``path`` and its missing parents with exactly ``mode`` (set explicitly, so a
+    umask of 000 cannot make them world-writable); existing directories are left as they are."""
+    missing = []
+    p = path
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=mode)
+        except FileExistsError:
+            continue
+        os.chmod(d, mode)
+
+
+def temp_name_prefix(path: Path) -> str:
+    """How ``atomic_write`` names the temporary file of ``path``: ``.<name>.<random>.tmp``."""
+    return f".{path.name}."
+
+
+def remove_temp_files(directory: Path, name_glob: str = "*") -> list[Path]:
+    """Remove the temporary files ``atomic_write`` left in ``directory`` when a process died
+    mid-write (``.<name>.<random>.tmp`` for names matching ``name_glob``); returns them."""
+    removed: list[Path] = []
+    try:
+        candidates = list(directory.glob(f".{name_glob}.*.tmp"))
+    except OSError:
+        return removed
+    for p in candidates:
+        try:
+            if p.is_file() and not p.is_symlink():
+                p.unlink()
+                removed.append(p)
+        except OSError:
+            continue
+    return removed
+
+
+def atomic_write(path: Path, data: bytes, mode: int = 0o640, dir_mode: int = 0o750) -> None:
+    """Replace ``path`` with ``data`` so that a crash leaves either the old or the new file
+    (plus, at worst, a temporary file that ``remove_temp_files`` sweeps); a missing directory is
+    created with ``dir_mode``."""
+    ensure_dir(path.parent, dir_mode)
+    fd, tmp = tempfile.mkstemp(prefix=temp_name_prefix(path), suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

@@ -39,7 +39,7 @@ from referencing.jsonschema import DRAFT7
 
 from agent.decode import load_json
 from agent.errors import DecodeError
-from agent.fsutil import atomic_write, fsync_dir
+from agent.fsutil import atomic_write, fsync_dir, remove_temp_files
 from dra_driver.errors import CdiError
 
 CDI_VERSION = "0.5.0"
@@ -47,6 +47,8 @@ MAX_SPEC_BYTES = 4 * 1024 * 1024
 """A spec of ours is a few KiB; one larger than this is not ours."""
 SPEC_FILE_MODE = 0o644
 """Container runtimes read the specs."""
+CDI_DIR_MODE = 0o755
+"""The CDI root, when this driver creates it (/var/run/cdi is shared with other vendors)."""
 
 CLAIM_UID_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
@@ -275,7 +277,7 @@ class CdiWriter:
             raise CdiError(f"CDI spec kind {spec['kind']!r} is not this driver's {self.kind!r}")
         data = (json.dumps(spec, indent=2, sort_keys=True) + "\n").encode()
         try:
-            atomic_write(path, data, mode=SPEC_FILE_MODE)
+            atomic_write(path, data, mode=SPEC_FILE_MODE, dir_mode=CDI_DIR_MODE)
         except OSError as exc:
             raise CdiError(f"cannot write CDI spec {path}: {exc.strerror or exc}") from exc
         return path
@@ -317,6 +319,11 @@ class CdiWriter:
             if isinstance(name, str) and name.startswith(prefix):
                 names.append(name.removeprefix(prefix))
         return tuple(names), written_at
+
+    def remove_temp_files(self) -> list[Path]:
+        """Temporary files of our specs that a crash left behind in the CDI root (only ours:
+        the directory is shared with other vendors)."""
+        return remove_temp_files(self.cdi_root, f"k8s.{self.driver_name}-claim_*.json")
 
     def claim_uids(self) -> set[str]:
         """UIDs of the claims that have a spec file here (only file names this driver writes)."""

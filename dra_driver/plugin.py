@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 
 from agent.errors import ConfigError
-from agent.fsutil import SocketIdentity, socket_identity
+from agent.fsutil import SocketIdentity, ensure_dir, socket_identity
 from agent.logs import fields_
 from dra_driver.claims import ClaimKey
 from dra_driver.health import HealthBoard
@@ -139,7 +139,7 @@ class HealthService(health_v1alpha1_pb2_grpc.DRAResourceHealthServicer):
 
 
 def _prepare_dir(path: Path) -> None:
-    path.mkdir(parents=True, exist_ok=True)
+    ensure_dir(path)
     os.chmod(path, 0o750)
 
 

@@ -167,6 +167,9 @@ def cmd_top(inv: Invocation) -> int:
 
 def cmd_run(inv: Invocation) -> int:
     config = inv.get(Config)
+    # Modes are set explicitly where Tessera creates files and directories; a umask of 000 in the
+    # agent's environment must not make what libraries create world-writable either.
+    os.umask(os.umask(0o022) | 0o022)
     if config.log_format == "json":
         # gRPC's C core writes its own plain-text lines to stderr, outside Python logging: keep
         # the stream JSON-only unless the operator asks for them (GRPC_VERBOSITY=ERROR).

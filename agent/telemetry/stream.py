@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 
 from agent.errors import ConfigError
-from agent.fsutil import SocketIdentity, socket_identity
+from agent.fsutil import SocketIdentity, ensure_dir, socket_identity
 from agent.logs import fields_
 from agent.telemetry.api import telemetry_pb2 as pb
 from agent.telemetry.api import telemetry_pb2_grpc as pb_grpc
@@ -182,7 +182,7 @@ class TelemetryServer:
     def start(self) -> None:
         if len(os.fsencode(self.socket)) > 107:
             raise ConfigError(f"telemetry socket path {self.socket} is longer than 107 bytes")
-        self.socket.parent.mkdir(parents=True, exist_ok=True)
+        ensure_dir(self.socket.parent)
         self.socket.unlink(missing_ok=True)
         try:
             self._server.add_insecure_port(f"unix://{self.socket}")

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,8 @@ class Daemon:
         self.logs: list[dict[str, Any]] = []
         self.raw: list[str] = []
         """Every stderr line as written (the daemon's logs must all be JSON)."""
+        self.preexec: Callable[[], object] | None = None
+        """Run in the child before exec (a test's umask or resource limits)."""
         self._reader: threading.Thread | None = None
 
     @property
@@ -54,7 +57,12 @@ class Daemon:
         self.logs = []
         self.raw = []
         self.proc = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            preexec_fn=self.preexec,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -15,7 +16,7 @@ import pytest
 
 from dra_driver.kubelet_calls import ClaimRef
 from dra_driver.kubelet_client import KubeletClient
-from tests.integration.daemon import Daemon, claim_manifest
+from tests.integration.daemon import Daemon, claim_manifest, write_claims
 from tests.integration.test_daemon import wait_ready
 
 
@@ -157,3 +158,43 @@ def test_an_agent_never_takes_over_sockets_another_agent_serves(short_tmp):
         assert readyz(first)[0] == 200  # the first agent's sockets are untouched
     finally:
         first.kill()
+
+
+def test_nothing_the_agent_creates_is_world_writable_under_umask_000(short_tmp):
+    d = Daemon(short_tmp / "state", "l40s-pcie", "--cdi-root", str(short_tmp / "cdi"))
+    d.preexec = lambda: os.umask(0)
+    d.start()
+    try:
+        write_claims(d.state, claim_manifest("a", "uid-a", [("gpu", "gpu-1")], d.node))
+        with KubeletClient(d.dra_socket) as k:
+            assert k.prepare([ClaimRef("default", "a", "uid-a")])["claims"]["uid-a"]["error"] == ""
+        created = [p for p in [d.state, *d.state.rglob("*"), short_tmp / "cdi",
+                               *(short_tmp / "cdi").rglob("*")] if not p.is_symlink()]  # fmt: skip
+        loose = [f"{p}: {stat.S_IMODE(p.stat().st_mode):o}" for p in created
+                 if p.stat().st_mode & stat.S_IWOTH]  # fmt: skip
+        assert loose == []
+        assert stat.S_IMODE((short_tmp / "cdi").stat().st_mode) == 0o755
+        assert stat.S_IMODE(d.state.stat().st_mode) == 0o750
+    finally:
+        d.kill()
+
+
+def test_temp_files_left_by_a_crash_are_swept_at_start(short_tmp):
+    d = Daemon(short_tmp, "l40s-pcie").start()
+    d.kill()
+    leftovers = [
+        short_tmp / ".checkpoint.json.k3j2h1.tmp",
+        short_tmp / "resourceslices" / ".l40s-pcie-x.yaml.a1b2.tmp",
+        d.cdi_dir / ".k8s.gpu.tessera.dev-claim_uid-a.json.zz9.tmp",
+    ]
+    foreign = d.cdi_dir / ".k8s.nvidia.com-gpu.json.q1.tmp"  # another vendor's: not ours
+    for p in [*leftovers, foreign]:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text("half written")
+    d.start()
+    swept = {
+        r["path"] for r in d.logs if r.get("msg") == "removed a temporary file left by a crash"
+    }
+    assert swept == {str(p) for p in leftovers}
+    assert not any(p.exists() for p in leftovers) and foreign.exists()
+    d.kill()
