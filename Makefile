@@ -59,6 +59,7 @@ test: lint typecheck unit
 reliability: $(STAMP)
 	@echo "test order: random, seed $(SEED) (repeat it with: make reliability SEED=$(SEED))"
 	$(PY) -m pytest -q -m reliability -p randomly --randomly-seed=$(SEED)
+	$(PY) -m pytest -q tests/test_fuzz_decoders.py --hypothesis-profile=reliability -p no:randomly
 
 bench: $(STAMP)
 	$(PY) -m bench

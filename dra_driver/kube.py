@@ -12,7 +12,6 @@ backoff like a 503), never anything else.
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -24,7 +23,8 @@ from kubernetes import client as kclient
 from kubernetes import config as kconfig
 from kubernetes.client.exceptions import ApiException
 
-from agent.errors import ConfigError
+from agent.decode import load_json
+from agent.errors import ConfigError, DecodeError
 from dra_driver.errors import KubeConflict, KubeError, KubeMalformed
 
 DEFAULT_TIMEOUT = (5.0, 30.0)
@@ -179,10 +179,10 @@ def _read(resp: Any, method: str, path: str) -> bytes:
 def _json_object(data: bytes, method: str, path: str) -> dict[str, Any]:
     """The JSON object in ``data``; KubeMalformed (naming what was wrong) otherwise."""
     try:
-        obj = json.loads(data)
-    except (ValueError, RecursionError) as exc:  # bad JSON, UTF-8, huge integers, deep nesting
+        obj = load_json(data, "the answer", MAX_BODY_BYTES)
+    except DecodeError as exc:  # bad JSON or UTF-8, huge integers, deep nesting
         preview = data[:80].decode(errors="replace")
-        raise KubeMalformed(f"the answer is not JSON ({exc}): {preview!r}", method, path) from exc
+        raise KubeMalformed(f"{exc}: {preview!r}", method, path) from exc
     if not isinstance(obj, dict):
         raise KubeMalformed(
             f"the answer is a JSON {type(obj).__name__}, not an object", method, path

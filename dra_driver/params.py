@@ -52,7 +52,10 @@ def _fields(obj: Any, path: str, allowed: tuple[str, ...]) -> dict[str, Any]:
 
 def validate(parameters: Any, path: str = "parameters") -> DeviceConfig:
     """Decode and check one opaque ``parameters`` object. Pure; raises ParamsError."""
-    size = len(json.dumps(parameters, separators=(",", ":")))
+    try:
+        size = len(json.dumps(parameters, separators=(",", ":"), allow_nan=False))
+    except (TypeError, ValueError, RecursionError) as exc:  # a YAML date, NaN, endless nesting
+        raise ParamsError(f"{path}: not JSON data: {exc}") from exc
     if size > MAX_PARAMETERS_BYTES:
         raise ParamsError(f"{path}: {size} bytes, more than the {MAX_PARAMETERS_BYTES} allowed")
     obj = _fields(parameters, path, ("apiVersion", "kind", "sharing"))

@@ -8,6 +8,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# Property tests: a few hundred cases per property in `make test`; `make reliability` passes
+# --hypothesis-profile=reliability for thousands.
+settings.register_profile("default", max_examples=150)
+settings.register_profile("reliability", max_examples=2500)
+settings.load_profile("default")
 
 
 @pytest.fixture

@@ -104,3 +104,20 @@ def test_dir_source_sees_edited_files(tmp_path):
     assert src.get("default", "c1")["metadata"]["uid"] == "uid-1"
     path.write_text(yaml.safe_dump(claim([result()], uid="uid-22")))
     assert src.get("default", "c1")["metadata"]["uid"] == "uid-22"
+
+
+@pytest.mark.parametrize(
+    ("namespace", "name"),
+    [("../kube-system", "x"), ("default", "a/../../secrets"), ("UPPER", "x"),
+     ("default", "x" * 300), ("default", "with space"), ("", "x"), ("ns", "a\x00b")],
+    ids=["ns-dots", "name-path", "ns-upper", "name-long", "name-space", "ns-empty", "name-nul"],
+)  # fmt: skip
+def test_claim_names_are_checked_before_they_reach_a_url(namespace, name):
+    from dra_driver.claims import KubeClaimSource
+
+    class NoCalls:
+        def request(self, *args, **kwargs):
+            raise AssertionError("a request was made")
+
+    with pytest.raises(ClaimError, match="is not a DNS"):
+        KubeClaimSource(NoCalls()).get(namespace, name)  # type: ignore[arg-type]

@@ -115,3 +115,71 @@ def test_closing_answers_new_claims_and_reports_the_ones_still_running(tmp_path)
     claims.release.set()
     caller.join(10)
     assert "not found" in results["uid-slow"].error
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_claim_running_past_the_deadline_is_reported_stuck(tmp_path):
+    claims, clock = BlockingClaims(), FakeClock()
+    preparer = Preparer(
+        driver_name="gpu.tessera.dev",
+        pool="node-a",
+        claims=claims,  # type: ignore[arg-type]
+        store=CheckpointStore(tmp_path / "checkpoint.json", "boot"),
+        cdi=CdiWriter(tmp_path / "cdi", "gpu.tessera.dev", tmp_path, "550.90.07"),
+        devices=lambda: DeviceModel((), ()),
+        log=logging.getLogger("test.prepare"),
+        deadline_s=40.0,
+        clock=clock,
+    )
+    preparer.reconcile_on_start()
+    key = ClaimKey("ns", "slow", "uid-slow")
+    caller = threading.Thread(target=preparer.prepare, args=([key],))
+    caller.start()
+    assert claims.entered.wait(10)
+    assert preparer.stuck() == []
+    clock.t += 41.0  # past the kubelet's deadline on the preparer's clock
+    assert preparer.stuck() == [f"prepare {key}"]
+    claims.release.set()
+    caller.join(10)
+    assert preparer.stuck() == []
+    preparer.close(0)
+
+
+def test_unprepare_never_waits_behind_prepares_of_other_claims(tmp_path):
+    """Every prepare worker is stuck on a claim read: an unprepare still runs at once."""
+    claims = BlockingClaims()
+    preparer = make_preparer(tmp_path, claims)
+    preparer.reconcile_on_start()
+    stuck = [ClaimKey("ns", f"slow-{i}", f"uid-slow-{i}") for i in range(16)]
+    caller = threading.Thread(target=preparer.prepare, args=(stuck,))
+    caller.start()
+    assert claims.entered.wait(10)
+    (result,) = preparer.unprepare([ClaimKey("ns", "done", "uid-done")]).values()
+    assert result.error == ""  # answered while all 16 prepares still wait
+    assert not claims.release.is_set()
+    claims.release.set()
+    caller.join(30)
+    preparer.close(0)
+
+
+class BrokenClaims:
+    def get(self, namespace: str, name: str) -> dict:
+        raise RuntimeError("a bug in a claim source")
+
+
+def test_a_bug_becomes_an_error_of_that_claim_logged_with_its_traceback(tmp_path, caplog):
+    preparer = make_preparer(tmp_path, BrokenClaims())
+    preparer.reconcile_on_start()
+    with caplog.at_level(logging.ERROR, logger="test.prepare"):
+        (result,) = preparer.prepare([ClaimKey("ns", "a", "uid-a")]).values()
+    assert "internal error in the driver (RuntimeError: a bug in a claim source)" in result.error
+    (record,) = [r for r in caplog.records if "internal error" in r.getMessage()]
+    assert record.exc_info is not None
+    preparer.close(0)
