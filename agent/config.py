@@ -332,6 +332,14 @@ class Config:
         groups=("daemon",),
         metavar="SECONDS",
     )
+    claim_read_timeout: float = setting(
+        15.0,
+        "Seconds one read of a ResourceClaim from the API server may take (it runs inside the"
+        " kubelet's 45 s call, so a claim that cannot be read fails with its own error in"
+        " time; the kubelet retries it).",
+        groups=("daemon",),
+        metavar="SECONDS",
+    )
     sim_crash_at: str | None = setting(
         None,
         "Fault injection, --simulate only: the daemon kills itself (SIGKILL) when a prepare or"

@@ -368,7 +368,9 @@ def _build(config: Config, log: logging.Logger, state_dir: Path, lock: StateLock
         else KubeSliceStore(kube, config.driver_name, source.hostname)
     )
     claims: ClaimSource = (
-        DirClaimSource(state_dir / "resourceclaims") if kube is None else KubeClaimSource(kube)
+        DirClaimSource(state_dir / "resourceclaims")
+        if kube is None
+        else KubeClaimSource(kube, timeout=(5.0, config.claim_read_timeout))
     )
     sim = config.simulate is not None
     registry_dir = config.kubelet_registry_dir or (

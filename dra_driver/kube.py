@@ -66,6 +66,10 @@ class KubeClient:
                 f"--kubeconfig: {kubeconfig} is not a kubeconfig (YAML with clusters, users and"
                 f" contexts): {type(exc).__name__}: {' '.join(str(exc).split())}"
             ) from exc
+        # urllib3 would retry a timed-out GET three times on its own (four times the read
+        # timeout): every failure comes back to the caller at once, which owns retrying (the
+        # publisher backs off; a claim read fails that claim and the kubelet retries it)
+        cfg.retries = False
         return cls(kclient.ApiClient(cfg))
 
     def abort_watches(self) -> None:

@@ -129,3 +129,37 @@ def test_a_malformed_claim_is_an_error_for_that_claim_only(short_tmp, results, f
         assert d.proc is not None and d.proc.poll() is None
     finally:
         d.kill()
+
+
+def test_slow_claim_reads_answer_before_the_kubelet_gives_up_and_never_hold_up_unprepare(
+    short_tmp,
+):
+    """16 claims whose reads never answer: an unrelated unprepare is answered while they hang,
+    and the 16 fail with the read's own timeout (shorter than the call's 40 s), not the call's."""
+    with ApiServer() as server:
+        kubeconfig = str(server.kubeconfig(short_tmp))
+        d = Daemon(short_tmp, "dgx-h100", "--kubeconfig", kubeconfig, "--claim-read-timeout", "2")
+        d.start()
+        try:
+            refs = []
+            for i in range(16):
+                created = server.put_object(
+                    "resourceclaims",
+                    claim_manifest(f"slow-{i}", f"uid-slow-{i}", [("gpu", "gpu-1")], d.node),
+                )
+                refs.append(ClaimRef("default", f"slow-{i}", created["metadata"]["uid"]))
+            fault = server.faults.add("GET", r"/resourceclaims/slow-", "slow:3600", times=16)
+            answers: dict = {}
+            caller = threading.Thread(target=lambda: answers.update(prepare(d, *refs)))
+            caller.start()
+            until(lambda: fault.remaining < 16, d, "the claim reads hang")
+            with KubeletClient(d.dra_socket) as k:
+                done = k.unprepare([ClaimRef("default", "other", "uid-other")])["claims"]
+            assert done["uid-other"]["error"] == ""
+            assert caller.is_alive()  # the prepares still hang while the unprepare was answered
+            caller.join(60)
+            assert len(answers) == 16
+            for answer in answers.values():
+                assert "cannot read it" in answer["error"] and "timed out" in answer["error"]
+        finally:
+            d.kill()
