@@ -49,7 +49,7 @@ def enough_descriptors_here():
 
 
 def http_address(d: Daemon) -> tuple[str, int]:
-    url = d.wait_log("HTTP endpoint serving")["url"]
+    url = d.metrics_url("")  # http://host:port
     host, port = url.split("://", 1)[1].rsplit(":", 1)
     return host, int(port)
 
@@ -181,7 +181,8 @@ def test_health_watch_streams_cannot_starve_prepare_and_unprepare(short_tmp):
             )
             channels.append(ch)
             stub = health_v1alpha1_pb2_grpc.DRAResourceHealthStub(ch)
-            calls.append(stub.NodeWatchResources(health_v1alpha1_pb2.NodeWatchResourcesRequest()))
+            request = health_v1alpha1_pb2.NodeWatchResourcesRequest()
+            calls.append(stub.NodeWatchResources(request, timeout=120))  # a guard, not a gap
         served, refused = 0, []
         for call in calls:
             try:
@@ -217,9 +218,8 @@ def watchers(target: str, n: int) -> Iterator[list]:
     """``n`` idle watchers, each on its own connection; yields each one's first answer (a
     sample or the RpcError)."""
     channels = [telemetry_channel(target) for _ in range(n)]
-    calls = [
-        pb_grpc.TelemetryStub(ch).Watch(pb.WatchRequest(interval_seconds=3600)) for ch in channels
-    ]
+    request = pb.WatchRequest(interval_seconds=3600)
+    calls = [pb_grpc.TelemetryStub(ch).Watch(request, timeout=120) for ch in channels]  # a guard
     firsts: list = []
     try:
         for call in calls:
