@@ -322,8 +322,18 @@ class HttpEndpoint:
                     with contextlib.suppress(OSError):
                         self._wake_r.recv(4096)
                 elif isinstance(key.data, _Conn):
-                    self._readable(key.data)
+                    self._guarded(key.data)
             self._expire(time.monotonic())
+
+    def _guarded(self, c: _Conn) -> None:
+        """Read from one connection; a bug there costs that connection, never the endpoint."""
+        try:
+            self._readable(c)
+        except Exception as exc:
+            self._drop(c)
+            self.throttle(
+                logging.ERROR, "loop", "HTTP connection failed", exc_info=exc, peer=c.peer
+            )
 
     def _open_connections(self) -> int:
         with self._lock:
