@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from agent.errors import ConfigError
+from agent.tls import TlsFiles
 
 ENV_PREFIX = "TESSERA_"
 DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
@@ -347,6 +348,125 @@ class Config:
         groups=("daemon",),
         choices=("after-started", "after-cdi", "after-completed", "after-unprepare-commit"),
     )
+    http_max_connections: int = setting(
+        64,
+        "Connections the HTTP endpoint keeps open at once. At the limit the oldest connection"
+        " that has not finished sending its request is closed to make room; when every open"
+        " connection is being answered, a new one is closed at once.",
+        groups=("daemon",),
+        metavar="N",
+        parse=positive_int,
+    )
+    http_threads: int = setting(
+        4,
+        "Threads answering HTTP requests. A connection takes no thread while it sends its"
+        " request (one selector thread reads them all), so slow clients cannot use these up.",
+        groups=("daemon",),
+        metavar="N",
+        parse=positive_int,
+    )
+    http_header_timeout: float = setting(
+        10.0,
+        "Seconds an HTTP client has, from connecting, to send the head of its request (the TLS"
+        " handshake included); a slower one gets 408 and is closed.",
+        groups=("daemon",),
+        metavar="SECONDS",
+    )
+    http_body_timeout: float = setting(
+        10.0,
+        "Seconds an HTTP client has, after the head, to send the body of its request.",
+        groups=("daemon",),
+        metavar="SECONDS",
+    )
+    http_response_timeout: float = setting(
+        10.0,
+        "Seconds an HTTP client has to take the whole response; then the connection is closed.",
+        groups=("daemon",),
+        metavar="SECONDS",
+    )
+    fd_reserve: int = setting(
+        64,
+        "File descriptors kept free below the soft open-file limit (which the agent raises to"
+        " the hard limit at start): the HTTP endpoint takes no connection that would use them,"
+        " so the kubelet's sockets and the telemetry API can always accept.",
+        groups=("daemon",),
+        metavar="N",
+        parse=non_negative_int,
+    )
+    metrics_tls_cert: Path | None = setting(
+        None,
+        "Serve the HTTP endpoint over TLS with this PEM certificate (chain); needs"
+        " --metrics-tls-key. Unset: plain HTTP.",
+        groups=("daemon",),
+        metavar="FILE",
+    )
+    metrics_tls_key: Path | None = setting(
+        None,
+        "The PEM private key (unencrypted) of --metrics-tls-cert.",
+        groups=("daemon",),
+        metavar="FILE",
+    )
+    metrics_tls_client_ca: Path | None = setting(
+        None,
+        "With --metrics-tls-cert: serve only clients presenting a certificate signed by a CA in"
+        " this PEM bundle (mutual TLS); others are refused at the handshake. The kubelet's"
+        " httpGet probes present none: probe with tcpSocket then.",
+        groups=("daemon",),
+        metavar="FILE",
+    )
+    telemetry_max_watchers: int = setting(
+        32,
+        "Watch streams served at once on each telemetry listener (the unix socket and"
+        " --telemetry-address count apart); more are refused with RESOURCE_EXHAUSTED."
+        " Snapshot calls have threads of their own beyond these.",
+        groups=("daemon",),
+        metavar="N",
+        parse=positive_int,
+    )
+    telemetry_streams_per_connection: int = setting(
+        8,
+        "Streams (watchers and calls together) one client connection may have open at once on"
+        " the telemetry API (HTTP/2 MAX_CONCURRENT_STREAMS); further calls wait on the client.",
+        groups=("daemon",),
+        metavar="N",
+        parse=positive_int,
+    )
+    telemetry_send_timeout: float = setting(
+        10.0,
+        "Seconds a telemetry watcher may take to receive one sample; a slower one is dropped"
+        " (CANCELLED), freeing its place for others.",
+        groups=("daemon",),
+        metavar="SECONDS",
+    )
+    telemetry_tls_cert: Path | None = setting(
+        None,
+        "Serve --telemetry-address over TLS with this PEM certificate (chain); needs"
+        " --telemetry-tls-key. The unix socket stays plain (0600, owner only).",
+        groups=("daemon",),
+        metavar="FILE",
+    )
+    telemetry_tls_key: Path | None = setting(
+        None,
+        "The PEM private key (unencrypted) of --telemetry-tls-cert.",
+        groups=("daemon",),
+        metavar="FILE",
+    )
+    telemetry_tls_client_ca: Path | None = setting(
+        None,
+        "With --telemetry-tls-cert: serve only clients presenting a certificate signed by a CA"
+        " in this PEM bundle (mutual TLS); others are refused at the handshake.",
+        groups=("daemon",),
+        metavar="FILE",
+    )
+    kubelet_health_streams: int = setting(
+        4,
+        "Health-watch streams (DRAResourceHealth) served at once on the DRA socket; the kubelet"
+        " opens one. More are refused with RESOURCE_EXHAUSTED, and these have threads of their"
+        " own, so they never take the ones NodePrepareResources/NodeUnprepareResources need.",
+        groups=("daemon",),
+        metavar="N",
+        parse=positive_int,
+    )
 
     def __post_init__(self) -> None:
         if self.sim_crash_at is not None and self.simulate is None:
@@ -355,9 +475,48 @@ class Config:
             dns_subdomain(self.driver_name)
         except ValueError as exc:
             raise ConfigError(f"--driver-name: {self.driver_name!r} {exc}") from None
+        for name in ("metrics", "telemetry"):
+            cert, key, ca = (getattr(self, f"{name}_tls_{f}") for f in ("cert", "key", "client_ca"))
+            if (cert is None) != (key is None):
+                raise ConfigError(
+                    f"--{name}-tls-cert and --{name}-tls-key go together: give both for TLS,"
+                    " or neither"
+                )
+            if ca is not None and cert is None:
+                raise ConfigError(
+                    f"--{name}-tls-client-ca needs --{name}-tls-cert and --{name}-tls-key"
+                    " (client certificates are only checked over TLS)"
+                )
+        if self.telemetry_tls_cert is not None and self.telemetry_address is None:
+            raise ConfigError(
+                "--telemetry-tls-cert applies to the TCP listener, and --telemetry-address is"
+                " not set (the unix socket is never TLS)"
+            )
 
     def metrics_host_port(self) -> tuple[str, int]:
         return parse_host_port("metrics-address", self.metrics_address)
+
+    def metrics_tls(self) -> TlsFiles | None:
+        """The HTTP endpoint's TLS files; None: plain HTTP."""
+        if self.metrics_tls_cert is None:
+            return None
+        return TlsFiles(
+            self.metrics_tls_cert,
+            self.metrics_tls_key,
+            self.metrics_tls_client_ca,
+            option="--metrics-tls",
+        )
+
+    def telemetry_tls(self) -> TlsFiles | None:
+        """The telemetry TCP listener's TLS files; None: plain gRPC."""
+        if self.telemetry_tls_cert is None:
+            return None
+        return TlsFiles(
+            self.telemetry_tls_cert,
+            self.telemetry_tls_key,
+            self.telemetry_tls_client_ca,
+            option="--telemetry-tls",
+        )
 
 
 def parse_host_port(name: str, value: str) -> tuple[str, int]:

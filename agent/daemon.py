@@ -22,7 +22,7 @@ from agent.config import Config
 from agent.discovery.inventory import NodeInventory
 from agent.errors import ConfigError
 from agent.fsutil import ensure_dir, remove_temp_files
-from agent.http import HttpEndpoint, Readiness
+from agent.http import HttpEndpoint, HttpLimits, Readiness
 from agent.logs import fields_
 from agent.node import NodeSource, discover, real_node
 from agent.nvml.events import EventWatcher
@@ -39,7 +39,7 @@ from agent.telemetry.metrics import (
     SnapshotCollector,
 )
 from agent.telemetry.sampler import Sampler
-from agent.telemetry.stream import TelemetryServer
+from agent.telemetry.stream import TelemetryLimits, TelemetryServer
 from dra_driver.cdi import CdiWriter
 from dra_driver.checkpoint import CheckpointStore
 from dra_driver.claims import ClaimSource, DirClaimSource, KubeClaimSource
@@ -360,7 +360,22 @@ def _build(config: Config, log: logging.Logger, state_dir: Path, lock: StateLock
     driver_metrics = DriverMetrics(registry)
     host, port = config.metrics_host_port()
     exposition = Exposition(registry, lambda: None)
-    http = HttpEndpoint(host, port, readiness, metrics=exposition)
+    http = HttpEndpoint(
+        host,
+        port,
+        readiness,
+        metrics=exposition,
+        limits=HttpLimits(
+            max_connections=config.http_max_connections,
+            threads=config.http_threads,
+            header_timeout=config.http_header_timeout,
+            body_timeout=config.http_body_timeout,
+            response_timeout=config.http_response_timeout,
+            fd_reserve=config.fd_reserve,
+        ),
+        tls=config.metrics_tls(),
+        log=log.getChild("http"),
+    )
     kube = None if config.no_kube else KubeClient.from_config(config.kubeconfig)
     store: SliceStore = (
         DirSliceStore(state_dir / "resourceslices", log.getChild("publisher"))
@@ -412,6 +427,7 @@ def _build(config: Config, log: logging.Logger, state_dir: Path, lock: StateLock
         preparer=preparer,
         health=health,
         log=log.getChild("plugin"),
+        health_streams=config.kubelet_health_streams,
     )
     nvml = source.nvml
     events = EventWatcher(nvml)
@@ -458,6 +474,12 @@ def _build(config: Config, log: logging.Logger, state_dir: Path, lock: StateLock
             state_dir / "telemetry.sock",
             log.getChild("telemetry"),
             config.telemetry_address,
+            limits=TelemetryLimits(
+                max_watchers=config.telemetry_max_watchers,
+                streams_per_connection=config.telemetry_streams_per_connection,
+                send_timeout=config.telemetry_send_timeout,
+            ),
+            tls=config.telemetry_tls(),
         ),
         lock=lock,
     )

@@ -16,6 +16,7 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import IO, Any
 
 _RESERVED = {"ts", "level", "logger", "msg"}
@@ -97,3 +98,46 @@ def _log_thread_exception(args: threading.ExceptHookArgs) -> None:
 def fields_(**kwargs: Any) -> dict[str, Any]:
     """``log.info("msg", extra=fields_(gpu=0))`` — shorthand for structured fields."""
     return {"fields": kwargs}
+
+
+class Throttle:
+    """Rate-limited records for events a client can cause at will (refused connections, timed-out
+    or broken requests): at most one record per ``key`` every ``interval`` seconds, so a flood
+    costs a few log lines, not one per attempt. The next record of a key carries ``suppressed``:
+    how many were not logged since the last one. Thread-safe."""
+
+    def __init__(
+        self,
+        log: logging.Logger,
+        interval: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.log = log
+        self.interval = interval
+        self._clock = clock
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def __call__(
+        self,
+        level: int,
+        key: str,
+        msg: str,
+        exc_info: BaseException | None = None,
+        **fields: Any,
+    ) -> bool:
+        """Log ``msg`` with ``fields`` unless a record of ``key`` went out less than
+        ``interval`` seconds ago; True when it was logged."""
+        now = self._clock()
+        with self._lock:
+            last = self._last.get(key)
+            if last is not None and now - last < self.interval:
+                self._held[key] = self._held.get(key, 0) + 1
+                return False
+            self._last[key] = now
+            held = self._held.pop(key, 0)
+        if held:
+            fields["suppressed"] = held
+        self.log.log(level, msg, exc_info=exc_info, extra=fields_(**fields))
+        return True

@@ -9,7 +9,9 @@ but a socket some live process still serves is refused (one agent per state dire
 guaranteed by the state-directory lock; this also covers two agents sharing kubelet directories).
 Both are removed on shutdown, only if they are still ours. Each gRPC call runs on the server's
 thread pool; claim work runs on the preparer's own pool under a deadline, so a slow claim never
-stalls other calls.
+stalls other calls. Health-watch streams are bounded (``health_streams``, more are refused with
+RESOURCE_EXHAUSTED) and the pool has that many threads beyond the ones the DRA calls use, so
+streams held open can never starve NodePrepareResources/NodeUnprepareResources.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import logging
 import os
 import socket as sock_module
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
@@ -27,7 +30,7 @@ import grpc
 
 from agent.errors import ConfigError
 from agent.fsutil import SocketIdentity, ensure_dir, socket_identity
-from agent.logs import fields_
+from agent.logs import Throttle, fields_
 from dra_driver.claims import ClaimKey
 from dra_driver.health import HealthBoard
 from dra_driver.kubeletapi import (
@@ -44,6 +47,8 @@ from dra_driver.prepare import ClaimResult, Preparer
 
 MAX_MESSAGE = 16 * 1024 * 1024
 SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth")
+LOG_INTERVAL = 10.0
+"""Seconds between two log records of refused health-watch streams."""
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE),
     ("grpc.max_send_message_length", MAX_MESSAGE),
@@ -111,12 +116,59 @@ class DraService:
 
 
 class HealthService(health_v1alpha1_pb2_grpc.DRAResourceHealthServicer):
-    def __init__(self, board: HealthBoard, stop: threading.Event, resend_interval: float) -> None:
+    """``NodeWatchResources``: at most ``max_streams`` at once. The kubelet opens one per plugin;
+    more are refused with RESOURCE_EXHAUSTED, and the DRA server has ``max_streams`` threads
+    beyond the ones prepare and unprepare use, so health streams can never starve them."""
+
+    def __init__(
+        self,
+        board: HealthBoard,
+        stop: threading.Event,
+        resend_interval: float,
+        max_streams: int = 4,
+        log: logging.Logger | None = None,
+    ) -> None:
         self.board = board
         self.stop = stop
         self.resend_interval = resend_interval
+        self.max_streams = max_streams
+        self.throttle = Throttle(log or logging.getLogger("tessera.plugin"), LOG_INTERVAL)
+        self._streams = 0
+        self._lock = threading.Lock()
 
-    def NodeWatchResources(self, request: Any, context: Any) -> Any:
+    def _enter(self) -> bool:
+        with self._lock:
+            if self._streams >= self.max_streams:
+                return False
+            self._streams += 1
+            return True
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._streams -= 1
+
+    def NodeWatchResources(self, request: Any, context: Any) -> Iterator[Any]:
+        if not self._enter():
+            self.throttle(
+                logging.WARNING,
+                "health-streams",
+                "health-watch stream refused: too many are open",
+                peer=context.peer(),
+                max_streams=self.max_streams,
+            )
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"too many health-watch streams: {self.max_streams} are open (the agent's"
+                " --kubelet-health-streams; the kubelet opens one); retry when one ends",
+            )
+        # a stream that ends (the kubelet restarted) wakes its thread at once, freeing its place
+        context.add_callback(self.board.wake_all)
+        try:
+            yield from self._watch(context)
+        finally:
+            self._leave()
+
+    def _watch(self, context: Any) -> Iterator[Any]:
         pb = health_v1alpha1_pb2
         seen = -1
         while not self.stop.is_set() and context.is_active():
@@ -195,7 +247,10 @@ class PluginServer:
         log: logging.Logger,
         max_workers: int = 16,
         resend_interval: float = 20.0,
+        health_streams: int = 4,
     ) -> None:
+        """``max_workers`` threads serve the kubelet's DRA calls; ``health_streams`` more serve
+        at most as many health-watch streams (more are refused)."""
         self.driver_name = driver_name
         self.reg_socket = (registry_dir / f"{driver_name}-reg.sock").absolute()
         self.dra_socket = (plugins_dir / driver_name / "dra.sock").absolute()
@@ -207,7 +262,10 @@ class PluginServer:
         self._bound: dict[Path, SocketIdentity | None] = {}
         self._stop = threading.Event()
         self._reg = grpc.server(ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
-        self._dra = grpc.server(ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
+        self._dra = grpc.server(
+            ThreadPoolExecutor(max_workers=max_workers + health_streams, thread_name_prefix="dra"),
+            options=GRPC_OPTIONS,
+        )
         registration_pb2_grpc.add_RegistrationServicer_to_server(
             RegistrationService(self), self._reg
         )
@@ -216,7 +274,7 @@ class PluginServer:
             DraService(dra_v1beta1_pb2, preparer), self._dra
         )
         health_v1alpha1_pb2_grpc.add_DRAResourceHealthServicer_to_server(
-            HealthService(health, self._stop, resend_interval), self._dra
+            HealthService(health, self._stop, resend_interval, health_streams, log), self._dra
         )
 
     def start(self) -> None:

@@ -37,6 +37,7 @@ from agent.cli.framework import build_parser as build_tree_parser
 from agent.cli.node import advertised, node_session
 from agent.config import Config, host_port, seconds, setting
 from agent.node import discover
+from agent.tls import TlsFiles
 
 __all__ = ["EXIT_ERROR", "NO_DRIVER_HINT", "build_parser", "main"]
 
@@ -104,6 +105,37 @@ class TopOptions:
     )
     once: bool = setting(False, "Print one frame and exit (scripts, tests).")
     interval: float = setting(1.0, "Seconds between frames.", metavar="SECONDS", parse=seconds)
+    tls: bool = setting(
+        False,
+        "Connect to a HOST:PORT endpoint with TLS (implied by --tls-ca, --tls-cert, --tls-key),"
+        " checking the agent's certificate against --tls-ca or the system's CAs.",
+    )
+    tls_ca: Path | None = setting(
+        None,
+        "PEM bundle of the CA that signed the agent's --telemetry-tls-cert.",
+        metavar="FILE",
+    )
+    tls_cert: Path | None = setting(
+        None,
+        "PEM client certificate, for an agent that asks for one (--telemetry-tls-client-ca);"
+        " needs --tls-key.",
+        metavar="FILE",
+    )
+    tls_key: Path | None = setting(
+        None, "PEM private key (unencrypted) of --tls-cert.", metavar="FILE"
+    )
+    tls_server_name: str | None = setting(
+        None,
+        "The name the agent's certificate must carry, when it is not the endpoint's host.",
+        metavar="NAME",
+    )
+
+    def tls_files(self) -> TlsFiles | None:
+        """The client's TLS files; None: plain gRPC."""
+        given = (self.tls_ca, self.tls_cert, self.tls_key)
+        if not self.tls and all(f is None for f in given) and self.tls_server_name is None:
+            return None
+        return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca, option="--tls", ca_suffix="-ca")
 
 
 # -- handlers ---------------------------------------------------------------------------------
@@ -162,7 +194,15 @@ def cmd_top(inv: Invocation) -> int:
     if not opts.once:
         signal.signal(signal.SIGINT, lambda *_: stop.set())
     endpoint = target(opts.endpoint, opts.state_dir or DEFAULT_STATE_DIR)
-    return run_top(endpoint, opts.once, opts.interval, inv.out, stop)
+    return run_top(
+        endpoint,
+        opts.once,
+        opts.interval,
+        inv.out,
+        stop,
+        tls=opts.tls_files(),
+        server_name=opts.tls_server_name,
+    )
 
 
 def cmd_run(inv: Invocation) -> int:
@@ -175,9 +215,16 @@ def cmd_run(inv: Invocation) -> int:
         # the stream JSON-only unless the operator asks for them (GRPC_VERBOSITY=ERROR).
         os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     from agent.daemon import build_agent
+    from agent.http import raise_descriptor_limit
     from agent.logs import configure_logging
 
     log = configure_logging(config.log_format, config.log_level)
+    raised = raise_descriptor_limit()  # --fd-reserve is kept below this limit
+    if raised is not None:
+        log.info(
+            "raised the open-file limit to the hard limit",
+            extra={"fields": {"soft_was": raised[0], "soft": raised[1]}},
+        )
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:

@@ -1,8 +1,20 @@
 """Tessera's telemetry gRPC API (``tessera.telemetry.v1``): ``Watch`` and ``Snapshot``.
 
-Served on ``<state-dir>/telemetry.sock`` (and optionally TCP). Both read the sampler's latest
-snapshot; a watcher that reads slowly only ever skips samples: gRPC flow control holds back that
-stream's own thread, never the sampler.
+Served on ``<state-dir>/telemetry.sock`` (0600) and optionally on TCP (``--telemetry-address``,
+optionally TLS with client certificates). Both read the sampler's latest snapshot; a watcher that
+reads slowly only ever skips samples: gRPC flow control holds back that stream's own thread,
+never the sampler.
+
+Each listener is its own gRPC server, so a network client can never use up what local clients
+need (see docs/reliability.md, "The network endpoints"):
+
+- at most ``max_watchers`` Watch streams at once per listener; more are refused with
+  ``RESOURCE_EXHAUSTED``, and ``SNAPSHOT_THREADS`` threads beyond the watchers' stay free for
+  ``Snapshot`` (``tessera top --once``);
+- at most ``streams_per_connection`` streams on one client connection (HTTP/2
+  ``MAX_CONCURRENT_STREAMS``; further calls wait on the client);
+- a watcher that has not taken a sample within ``send_timeout`` is dropped (its call is
+  cancelled), so watchers that stopped reading do not hold threads forever.
 """
 
 from __future__ import annotations
@@ -10,8 +22,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +33,27 @@ import grpc
 
 from agent.errors import ConfigError
 from agent.fsutil import SocketIdentity, ensure_dir, socket_identity
-from agent.logs import fields_
+from agent.logs import Throttle, fields_
 from agent.telemetry.api import telemetry_pb2 as pb
 from agent.telemetry.api import telemetry_pb2_grpc as pb_grpc
 from agent.telemetry.snapshot import GpuTelemetry, Snapshot
+from agent.tls import TlsFiles, TlsMaterial, load_server
 
-MAX_STREAMS = 64
+SNAPSHOT_THREADS = 4
+"""Threads of each listener beyond its watchers': Snapshot calls always have these."""
+QUEUED_CALLS = 16
+"""Calls a listener queues when its threads are busy; beyond, gRPC answers RESOURCE_EXHAUSTED."""
+LOG_INTERVAL = 10.0
+"""Seconds between two log records of one kind of refused or dropped watcher."""
+
+
+@dataclass(frozen=True)
+class TelemetryLimits:
+    """What each listener gives its clients (the daemon's ``--telemetry-*`` limits)."""
+
+    max_watchers: int = 32
+    streams_per_connection: int = 8
+    send_timeout: float = 10.0
 
 
 def _gpu_selected(g: GpuTelemetry, wanted: set[str]) -> tuple[bool, set[str]]:
@@ -115,16 +144,71 @@ def to_proto(snap: Snapshot, devices: Any = ()) -> Any:
     )
 
 
+class Watcher:
+    """One Watch stream: its call, and since when its current sample has been sending."""
+
+    __slots__ = ("context", "dropped", "peer", "sending_since")
+
+    def __init__(self, context: Any) -> None:
+        self.context = context
+        self.peer: str = context.peer()
+        self.sending_since: float | None = None
+        self.dropped = False
+
+
+class Watchers:
+    """The watchers of one listener: at most ``limit`` at once."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._active: set[Watcher] = set()
+        self._lock = threading.Lock()
+
+    def enter(self, context: Any) -> Watcher | None:
+        """A place for a new watcher; None when all ``limit`` are taken."""
+        with self._lock:
+            if len(self._active) >= self.limit:
+                return None
+            watcher = Watcher(context)
+            self._active.add(watcher)
+            return watcher
+
+    def leave(self, watcher: Watcher) -> None:
+        with self._lock:
+            self._active.discard(watcher)
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self._active)
+
+    def slow(self, now: float, timeout: float) -> list[Watcher]:
+        """Watchers whose current sample has been sending for ``timeout`` seconds or more."""
+        with self._lock:
+            return [
+                w
+                for w in self._active
+                if not w.dropped
+                and w.sending_since is not None
+                and now - w.sending_since >= timeout
+            ]
+
+
 class TelemetryService(pb_grpc.TelemetryServicer):
     def __init__(
         self,
         latest: Callable[[], Snapshot | None],
         stop: threading.Event,
         wake: threading.Condition,
+        watchers: Watchers | None = None,
+        throttle: Throttle | None = None,
+        listener: str = "unix",
     ) -> None:
         self.latest = latest
         self.stop = stop
         self.wake = wake
+        self.watchers = watchers or Watchers(32)
+        self.throttle = throttle or Throttle(logging.getLogger("tessera.telemetry"))
+        self.listener = listener
 
     def Snapshot(self, request: Any, context: Any) -> Any:
         snap = self.latest()
@@ -133,23 +217,58 @@ class TelemetryService(pb_grpc.TelemetryServicer):
         assert snap is not None
         return to_proto(snap, request.devices)
 
+    def _wake_all(self) -> None:
+        with self.wake:
+            self.wake.notify_all()
+
     def Watch(self, request: Any, context: Any) -> Iterator[Any]:
         if request.interval_seconds < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "interval_seconds must be >= 0")
-        last_tick = -1
-        next_due = 0.0
-        while not self.stop.is_set() and context.is_active():
-            snap = self.latest()
-            if snap is not None and snap.tick != last_tick and snap.monotonic >= next_due:
-                last_tick = snap.tick
-                next_due = snap.monotonic + request.interval_seconds - snap.interval_seconds / 2
-                yield to_proto(snap, request.devices)
-            with self.wake:
-                self.wake.wait(timeout=0.5)
+        watcher = self.watchers.enter(context)
+        if watcher is None:
+            self.throttle(
+                logging.WARNING,
+                f"watchers-{self.listener}",
+                "telemetry watcher refused: too many watchers on this listener",
+                listener=self.listener,
+                peer=context.peer(),
+                max_watchers=self.watchers.limit,
+            )
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"too many telemetry watchers: {self.watchers.limit} are open on this listener"
+                " (the agent's --telemetry-max-watchers); Snapshot still answers; retry later",
+            )
+        assert watcher is not None
+        context.add_callback(self._wake_all)  # a watcher that goes away frees its place at once
+        try:
+            last_tick = -1
+            next_due = 0.0
+            while not self.stop.is_set() and context.is_active():
+                snap = self.latest()
+                if snap is not None and snap.tick != last_tick and snap.monotonic >= next_due:
+                    last_tick = snap.tick
+                    next_due = snap.monotonic + request.interval_seconds - snap.interval_seconds / 2
+                    message = to_proto(snap, request.devices)
+                    watcher.sending_since = time.monotonic()
+                    yield message  # returns once gRPC has handed it to the transport
+                    watcher.sending_since = None
+                with self.wake:
+                    self.wake.wait(timeout=0.5)
+        finally:
+            self.watchers.leave(watcher)
+
+
+@dataclass
+class _Listener:
+    name: str
+    """``unix`` or ``tcp``."""
+    server: grpc.Server
+    watchers: Watchers
 
 
 class TelemetryServer:
-    """The gRPC server: a unix socket (0660) and optionally a TCP address."""
+    """The gRPC servers: the unix socket (0600) and optionally a TCP address (optionally TLS)."""
 
     def __init__(
         self,
@@ -157,22 +276,44 @@ class TelemetryServer:
         socket: Path,
         log: logging.Logger,
         tcp_address: str | None = None,
+        *,
+        limits: TelemetryLimits | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.socket = socket.absolute()
         self.tcp_address = tcp_address
         self.log = log
+        self.limits = limits or TelemetryLimits()
+        self.tls: TlsMaterial | None = None if tls is None else load_server(tls)
         self.tcp_port: int | None = None
+        self.throttle = Throttle(log, LOG_INTERVAL)
+        self._latest = latest
         self._started = False
         self._identity: SocketIdentity | None = None
         self._stop = threading.Event()
         self.wake = threading.Condition()
-        self._server = grpc.server(
-            ThreadPoolExecutor(max_workers=MAX_STREAMS + 4, thread_name_prefix="telemetry"),
-            maximum_concurrent_rpcs=MAX_STREAMS,
+        self._listeners = [self._listener("unix")]
+        if tcp_address:
+            self._listeners.append(self._listener("tcp"))
+        self._watchdog: threading.Thread | None = None
+
+    def _listener(self, name: str) -> _Listener:
+        threads = self.limits.max_watchers + SNAPSHOT_THREADS
+        server = grpc.server(
+            ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"telemetry-{name}"),
+            options=[("grpc.max_concurrent_streams", self.limits.streams_per_connection)],
+            maximum_concurrent_rpcs=threads + QUEUED_CALLS,
         )
-        pb_grpc.add_TelemetryServicer_to_server(
-            TelemetryService(latest, self._stop, self.wake), self._server
+        watchers = Watchers(self.limits.max_watchers)
+        service = TelemetryService(
+            self._latest, self._stop, self.wake, watchers, self.throttle, listener=name
         )
+        pb_grpc.add_TelemetryServicer_to_server(service, server)
+        return _Listener(name, server, watchers)
+
+    def watchers(self) -> dict[str, int]:
+        """Watchers open now, by listener."""
+        return {lst.name: lst.watchers.count() for lst in self._listeners}
 
     def notify(self) -> None:
         """A new snapshot exists: wake the watchers (called by the sampler after each tick)."""
@@ -184,26 +325,68 @@ class TelemetryServer:
             raise ConfigError(f"telemetry socket path {self.socket} is longer than 107 bytes")
         ensure_dir(self.socket.parent)
         self.socket.unlink(missing_ok=True)
+        unix = self._listeners[0].server
         try:
-            self._server.add_insecure_port(f"unix://{self.socket}")
+            unix.add_insecure_port(f"unix://{self.socket}")
         except RuntimeError as exc:  # what grpc raises for a failed bind
             raise ConfigError(f"cannot listen on {self.socket}: {exc}") from exc
         if self.tcp_address:
-            try:
-                self.tcp_port = self._server.add_insecure_port(self.tcp_address)
-            except RuntimeError as exc:
-                raise ConfigError(
-                    f"--telemetry-address: cannot listen on {self.tcp_address}: the address is"
-                    " in use or not allowed here"
-                ) from exc
-        self._server.start()
+            self.tcp_port = self._bind_tcp(self._listeners[1].server, self.tcp_address)
+        for lst in self._listeners:
+            lst.server.start()
         self._started = True
-        os.chmod(self.socket, 0o660)
+        os.chmod(self.socket, 0o600)
         self._identity = socket_identity(self.socket)
+        self._watchdog = threading.Thread(target=self._drop_slow, name="telemetry-watchdog")
+        self._watchdog.daemon = True
+        self._watchdog.start()
         self.log.info(
             "telemetry API serving",
-            extra=fields_(socket=str(self.socket), tcp=self.tcp_address, tcp_port=self.tcp_port),
+            extra=fields_(
+                socket=str(self.socket),
+                tcp=self.tcp_address,
+                tcp_port=self.tcp_port,
+                tls=self.tls is not None,
+                client_certificates=self.tls is not None and self.tls.verifies_peer,
+                max_watchers=self.limits.max_watchers,
+            ),
         )
+
+    def _bind_tcp(self, server: grpc.Server, address: str) -> int:
+        try:
+            if self.tls is None:
+                return int(server.add_insecure_port(address))
+            assert self.tls.key is not None and self.tls.cert_chain is not None
+            credentials = grpc.ssl_server_credentials(
+                [(self.tls.key, self.tls.cert_chain)],
+                root_certificates=self.tls.ca,
+                require_client_auth=self.tls.verifies_peer,
+            )
+            return int(server.add_secure_port(address, credentials))
+        except RuntimeError as exc:
+            raise ConfigError(
+                f"--telemetry-address: cannot listen on {address}: the address is"
+                " in use or not allowed here"
+            ) from exc
+
+    def _drop_slow(self) -> None:
+        """Cancel watchers that have not taken a sample within the send timeout: the client
+        stopped reading, and its thread would wait for it forever."""
+        timeout = self.limits.send_timeout
+        while not self._stop.wait(min(1.0, timeout / 4)):
+            now = time.monotonic()
+            for lst in self._listeners:
+                for w in lst.watchers.slow(now, timeout):
+                    w.dropped = True
+                    w.context.cancel()
+                    self.throttle(
+                        logging.WARNING,
+                        f"slow-{lst.name}",
+                        "dropped a slow telemetry watcher: it took no sample in time",
+                        listener=lst.name,
+                        peer=w.peer,
+                        send_timeout_seconds=timeout,
+                    )
 
     def socket_intact(self) -> tuple[bool, str]:
         """Whether the unix socket we bound is still there and still ours."""
@@ -216,7 +399,11 @@ class TelemetryServer:
     def stop(self, grace: float = 1.0) -> None:
         self._stop.set()
         self.notify()
-        self._server.stop(grace).wait()
+        stopped = [lst.server.stop(grace) for lst in self._listeners]  # all at once
+        for done in stopped:
+            done.wait()
+        if self._watchdog is not None:
+            self._watchdog.join(timeout=5)
         if self._started:  # only our own socket, never another instance's
             if socket_identity(self.socket) == self._identity:
                 self.socket.unlink(missing_ok=True)

@@ -17,9 +17,10 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from agent.errors import TesseraError
+from agent.errors import ConfigError, TesseraError
 from agent.telemetry.api import telemetry_pb2 as pb
 from agent.telemetry.api import telemetry_pb2_grpc as pb_grpc
+from agent.tls import TlsFiles, load_client
 
 GIB = 1024**3
 
@@ -116,16 +117,47 @@ def render(sample: Any) -> Group:
 
 
 class TopClient:
-    def __init__(self, endpoint: str, timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        timeout: float = 10.0,
+        tls: TlsFiles | None = None,
+        server_name: str | None = None,
+    ) -> None:
+        """``tls``: connect with TLS (a HOST:PORT endpoint only), checking the server against
+        its CA (unset: the system's) and presenting its certificate when given; ``server_name``:
+        the name the server's certificate must carry when it is not the endpoint's host."""
         self.endpoint = endpoint
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(endpoint)
+        self.tls = tls
+        if tls is None:
+            self._channel = grpc.insecure_channel(endpoint)
+        else:
+            if endpoint.startswith("unix:"):
+                raise ConfigError(
+                    f"{tls.option} options apply to a HOST:PORT endpoint (the agent's"
+                    f" --telemetry-address), not to the unix socket {endpoint}"
+                )
+            material = load_client(tls)
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=material.ca,
+                private_key=material.key,
+                certificate_chain=material.cert_chain,
+            )
+            options = (
+                [] if server_name is None else [("grpc.ssl_target_name_override", server_name)]
+            )
+            self._channel = grpc.secure_channel(endpoint, credentials, options=options)
         self._stub = pb_grpc.TelemetryStub(self._channel)
 
     def close(self) -> None:
         self._channel.close()
 
     def _error(self, exc: grpc.RpcError) -> TopError:
+        if self.tls is not None and exc.code() == grpc.StatusCode.UNAVAILABLE:
+            return TopError(  # most often the handshake: say what gRPC saw
+                f"{no_agent(self.endpoint)}; over TLS: {exc.details()}"
+            )
         if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED):
             return TopError(no_agent(self.endpoint))
         return TopError(f"telemetry API at {self.endpoint}: {exc.code().name}: {exc.details()}")
@@ -147,8 +179,16 @@ class TopClient:
             call.cancel()
 
 
-def run_top(endpoint: str, once: bool, interval: float, out: IO[str], stop: threading.Event) -> int:
-    client = TopClient(endpoint)
+def run_top(
+    endpoint: str,
+    once: bool,
+    interval: float,
+    out: IO[str],
+    stop: threading.Event,
+    tls: TlsFiles | None = None,
+    server_name: str | None = None,
+) -> int:
+    client = TopClient(endpoint, tls=tls, server_name=server_name)
     try:
         if once:
             console(out, width=140).print(render(client.snapshot()))

@@ -97,3 +97,47 @@ def test_settings_outside_the_commands_groups_are_not_read():
     env = {"TESSERA_LOG_FORMAT": "xml", "TESSERA_SIMULATE": "mixed"}
     c = load_config({}, env, groups=("node",))
     assert c.simulate == "mixed" and c.log_format == "json"
+
+
+def test_network_limits_have_defaults_and_are_checked():
+    c = load_config({}, {})
+    assert (c.http_max_connections, c.http_threads, c.fd_reserve) == (64, 4, 64)
+    assert (c.http_header_timeout, c.http_body_timeout, c.http_response_timeout) == (10, 10, 10)
+    assert (c.telemetry_max_watchers, c.telemetry_streams_per_connection) == (32, 8)
+    assert c.telemetry_send_timeout == 10 and c.kubelet_health_streams == 4
+    assert c.metrics_tls() is None and c.telemetry_tls() is None
+    assert load_config({}, {"TESSERA_FD_RESERVE": "0"}).fd_reserve == 0
+    with pytest.raises(ConfigError, match=r"^TESSERA_HTTP_THREADS='0' is not a positive whole"):
+        load_config({}, {"TESSERA_HTTP_THREADS": "0"})
+    with pytest.raises(ConfigError, match=r"^--telemetry-max-watchers: 'many' is not a whole"):
+        load_config({"telemetry_max_watchers": "many"}, {})
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"metrics_tls_cert": "c.pem"}, "--metrics-tls-cert and --metrics-tls-key go together"),
+        ({"telemetry_tls_key": "k.pem"}, "--telemetry-tls-cert and --telemetry-tls-key go"),
+        ({"metrics_tls_client_ca": "ca.pem"}, "--metrics-tls-client-ca needs --metrics-tls-cert"),
+        (
+            {"telemetry_tls_cert": "c.pem", "telemetry_tls_key": "k.pem"},
+            "--telemetry-tls-cert applies to the TCP listener, and --telemetry-address is not set",
+        ),
+    ],
+)
+def test_tls_files_must_come_in_pairs_and_only_where_they_apply(given, message):
+    with pytest.raises(ConfigError, match=f"^{message}"):
+        load_config(given, {})
+
+
+def test_tls_files_name_their_options():
+    c = load_config(
+        {"metrics_tls_cert": "c.pem", "metrics_tls_key": "k.pem", "metrics_tls_client_ca": "a"}, {}
+    )
+    tls = c.metrics_tls()
+    assert tls is not None and (tls.cert, tls.key, tls.ca) == (
+        Path("c.pem"),
+        Path("k.pem"),
+        Path("a"),
+    )
+    assert tls.label("ca") == "--metrics-tls-client-ca" and tls.label("key") == "--metrics-tls-key"

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from agent.logs import LIBRARY_LOGGERS, configure_logging, fields_
+from agent.logs import LIBRARY_LOGGERS, Throttle, configure_logging, fields_
 
 
 @pytest.fixture(autouse=True)
@@ -97,3 +97,20 @@ def test_configuring_twice_does_not_duplicate_lines_or_touch_other_handlers():
     log.info("once")
     assert first.getvalue() == "" and len(lines(second)) == 1
     assert other in logging.getLogger().handlers
+
+
+def test_throttle_logs_one_record_per_key_per_interval_and_counts_the_rest():
+    buf = io.StringIO()
+    log = configure_logging("json", "info", buf)
+    now = [100.0]
+    throttle = Throttle(log, interval=10.0, clock=lambda: now[0])
+    assert throttle(logging.WARNING, "timeout", "HTTP request timed out", peer="a")
+    for _ in range(5):
+        assert not throttle(logging.WARNING, "timeout", "HTTP request timed out", peer="b")
+    assert throttle(logging.WARNING, "refused", "HTTP connection refused", peer="c")  # own key
+    now[0] += 10.0
+    assert throttle(logging.WARNING, "timeout", "HTTP request timed out", peer="d")
+    first, refused, later = lines(buf)
+    assert first["peer"] == "a" and "suppressed" not in first
+    assert refused["msg"] == "HTTP connection refused"
+    assert later["peer"] == "d" and later["suppressed"] == 5

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -19,10 +20,12 @@ DRIVER = "gpu.tessera.dev"
 
 
 class Daemon:
-    def __init__(self, state: Path, model: str, *extra: str) -> None:
+    def __init__(self, state: Path, model: str, *extra: str, nofile: int | None = None) -> None:
+        """``nofile``: run the daemon with this open-file limit (soft and hard)."""
         self.state = state
         self.model = model
         self.extra = list(extra)
+        self.nofile = nofile
         self.proc: subprocess.Popen[str] | None = None
         self.logs: list[dict[str, Any]] = []
         self.raw: list[str] = []
@@ -47,9 +50,10 @@ class Daemon:
     def cdi_dir(self) -> Path:
         return self.state / "cdi"
 
-    def start(self, *extra: str, wait: bool = True) -> Daemon:
+    def start(self, *extra: str, wait: bool = True, env: dict[str, str] | None = None) -> Daemon:
+        """``env``: ``TESSERA_*`` variables for the daemon (the test's own are not passed)."""
         tessera = os.path.join(os.path.dirname(sys.executable), "tessera")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")} | (env or {})
         args = [tessera, "run", "--simulate", self.model, "--state-dir", str(self.state),
                 "--metrics-address", "127.0.0.1:0", *self.extra, *extra]  # fmt: skip
         if "--kubeconfig" not in args:
@@ -62,13 +66,33 @@ class Daemon:
             stderr=subprocess.PIPE,
             text=True,
             env=env,
-            preexec_fn=self.preexec,
+            preexec_fn=self._in_child,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         if wait:
             self.wait_log("agent started")
         return self
+
+    def _in_child(self) -> None:
+        """Before exec, in the daemon's process: the test's file limit, then its own hook."""
+        if self.nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
+        if self.preexec is not None:
+            self.preexec()
+
+    def status(self, field: str) -> int:
+        """A number from the daemon's /proc/<pid>/status (``Threads``)."""
+        assert self.proc is not None
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1])
+        raise AssertionError(f"no {field} in /proc/{self.proc.pid}/status")
+
+    def descriptors(self) -> int:
+        """How many file descriptors the daemon has open."""
+        assert self.proc is not None
+        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
 
     def _read(self) -> None:
         assert self.proc is not None and self.proc.stderr is not None

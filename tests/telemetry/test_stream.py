@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import logging
+import os
+import stat
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
 
+from agent.errors import ConfigError
 from agent.telemetry.api import telemetry_pb2 as pb
 from agent.telemetry.api import telemetry_pb2_grpc as pb_grpc
-from agent.telemetry.stream import TelemetryServer
+from agent.telemetry.stream import TelemetryLimits, TelemetryServer
 from agent.telemetry.top import TopError, render, run_top
+from agent.tls import TlsFiles
 from tests.telemetry.snapshots import make_snapshot
+from tests.tlscerts import make_pki
 
 LOG = logging.getLogger("test.stream")
 
@@ -166,3 +173,144 @@ def test_also_served_over_tcp_when_asked(short_tmp):
     finally:
         server.stop()
     assert not (short_tmp / "telemetry.sock").exists()
+
+
+# -- holding against clients that never let go (docs/reliability.md, "The network endpoints") --
+
+
+@contextlib.contextmanager
+def limited(short_tmp, limits: TelemetryLimits, **kwargs):
+    prod = Producer(0.02)
+    server = TelemetryServer(
+        lambda: prod.snap, short_tmp / "telemetry.sock", LOG, limits=limits, **kwargs
+    )
+    prod.server = server
+    server.start()
+    prod.thread.start()
+    try:
+        yield server
+    finally:
+        prod.stop.set()
+        prod.thread.join()
+        server.stop()
+
+
+def own_channel(target: str, **options: object) -> grpc.Channel:
+    """A channel with its own connection (like another client process)."""
+    return grpc.insecure_channel(
+        target, options=[("grpc.use_local_subchannel_pool", 1), *options.items()]
+    )
+
+
+def test_the_unix_socket_is_for_its_owner_only(served):
+    _, target = served
+    mode = os.stat(target.removeprefix("unix://")).st_mode
+    assert stat.S_IMODE(mode) == 0o600
+
+
+def test_watchers_beyond_the_limit_are_refused_and_snapshot_still_answers(short_tmp):
+    target = f"unix://{short_tmp / 'telemetry.sock'}"
+    with limited(short_tmp, TelemetryLimits(max_watchers=3)) as server:
+        channels = [own_channel(target) for _ in range(5)]
+        calls = [pb_grpc.TelemetryStub(ch).Watch(pb.WatchRequest(), timeout=60) for ch in channels]
+        answers = []
+        for call in calls:
+            try:
+                answers.append(next(call).tick)
+            except grpc.RpcError as exc:
+                answers.append(exc.code())
+        assert answers.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 2
+        assert server.watchers() == {"unix": 3}
+        with own_channel(target) as ch:
+            assert pb_grpc.TelemetryStub(ch).Snapshot(pb.SnapshotRequest(), timeout=30).gpus
+        calls[0].cancel()  # a watcher that leaves frees its place
+        deadline = time.monotonic() + 30
+        while server.watchers()["unix"] != 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with own_channel(target) as ch:
+            assert next(pb_grpc.TelemetryStub(ch).Watch(pb.WatchRequest(), timeout=60)).tick
+        for call in calls:
+            call.cancel()
+        for ch in channels:
+            ch.close()
+
+
+def test_one_connection_gets_at_most_its_streams(short_tmp):
+    """Streams beyond --telemetry-streams-per-connection wait on the client (HTTP/2): the extra
+    watcher never starts on this connection, while another connection is served."""
+    target = f"unix://{short_tmp / 'telemetry.sock'}"
+    with limited(short_tmp, TelemetryLimits(streams_per_connection=2)) as server:
+        ch = own_channel(target)
+        api = pb_grpc.TelemetryStub(ch)
+        first, second = api.Watch(pb.WatchRequest()), api.Watch(pb.WatchRequest())
+        next(first), next(second)
+        waiting = api.Watch(pb.WatchRequest(), timeout=2)
+        with pytest.raises(grpc.RpcError) as e:
+            next(waiting)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # it never started
+        assert server.watchers() == {"unix": 2}
+        with own_channel(target) as other:
+            assert next(pb_grpc.TelemetryStub(other).Watch(pb.WatchRequest(), timeout=60)).tick
+        first.cancel()
+        second.cancel()
+        ch.close()
+
+
+def test_a_watcher_that_stops_reading_is_cancelled(short_tmp):
+    target = f"unix://{short_tmp / 'telemetry.sock'}"
+    with limited(short_tmp, TelemetryLimits(send_timeout=0.5)) as server:
+        ch = own_channel(target, **{"grpc.http2.bdp_probe": 0})  # a small window fills soon
+        call = pb_grpc.TelemetryStub(ch).Watch(pb.WatchRequest())
+        assert next(call).tick
+        deadline = time.monotonic() + 60  # the client reads nothing more: dropped, place freed
+        while server.watchers()["unix"]:
+            assert time.monotonic() < deadline, "the slow watcher was never dropped"
+            time.sleep(0.05)
+        with pytest.raises(grpc.RpcError) as ended:
+            for _ in call:  # what the transport had buffered, then the end
+                pass
+        assert ended.value.code() == grpc.StatusCode.CANCELLED
+        ch.close()
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def test_tcp_with_tls_and_client_certificates(short_tmp, pki):
+    tls = TlsFiles(pki.server_cert, pki.server_key, pki.ca, option="--telemetry-tls")
+    with limited(short_tmp, TelemetryLimits(), tcp_address="127.0.0.1:0", tls=tls) as server:
+        endpoint = f"127.0.0.1:{server.tcp_port}"
+        client = TlsFiles(pki.client_cert, pki.client_key, pki.ca, "--tls", "-ca")
+        out = io.StringIO()
+        assert run_top(endpoint, True, 1.0, out, threading.Event(), tls=client) == 0
+        assert "node-a" in out.getvalue()
+        no_cert = TlsFiles(None, None, pki.ca, "--tls", "-ca")
+        with pytest.raises(TopError, match="over TLS"):
+            run_top(endpoint, True, 1.0, io.StringIO(), threading.Event(), tls=no_cert)
+        with pytest.raises(TopError):  # plain gRPC to a TLS listener
+            run_top(endpoint, True, 1.0, io.StringIO(), threading.Event())
+        # the unix socket stays plain
+        target = f"unix://{short_tmp / 'telemetry.sock'}"
+        assert run_top(target, True, 1.0, io.StringIO(), threading.Event()) == 0
+
+
+def test_tcp_with_tls_and_a_server_name(short_tmp, pki):
+    tls = TlsFiles(pki.server_cert, pki.server_key, option="--telemetry-tls")
+    with limited(short_tmp, TelemetryLimits(), tcp_address="127.0.0.1:0", tls=tls) as server:
+        client = TlsFiles(None, None, pki.ca, "--tls", "-ca")
+        out = io.StringIO()
+        endpoint = f"127.0.0.1:{server.tcp_port}"
+        assert run_top(endpoint, True, 1.0, out, threading.Event(), tls=client,
+                       server_name="localhost") == 0  # fmt: skip
+        with pytest.raises(TopError):  # the certificate is not for that name
+            run_top(endpoint, True, 1.0, io.StringIO(), threading.Event(), tls=client,
+                    server_name="elsewhere.example")  # fmt: skip
+
+
+def test_tls_options_do_not_apply_to_the_unix_socket(short_tmp, pki):
+    with pytest.raises(ConfigError, match="--tls options apply to a HOST:PORT endpoint"):
+        run_top(f"unix://{short_tmp}/t.sock", True, 1.0, io.StringIO(), threading.Event(),
+                tls=TlsFiles(None, None, pki.ca, "--tls", "-ca"))  # fmt: skip
