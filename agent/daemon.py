@@ -122,6 +122,9 @@ class Agent:
         self.preparer.reconcile_on_start()
         self.plugin.start()
         self.readiness.add("sockets", self._sockets_intact)
+        # what a restart repairs: the kubelet restarts the container when /healthz fails
+        self.http.liveness.add("sockets", self._sockets_intact)
+        self.http.liveness.add("state-dir", self._state_dir_intact)
         self.readiness.add("claims", self._claims_moving)
         standalone = self.kube is None
         self.readiness.add(
@@ -180,6 +183,12 @@ class Agent:
         ]
         for path in removed:
             self.log.info("removed a temporary file left by a crash", extra=fields_(path=str(path)))
+
+    def _state_dir_intact(self) -> tuple[bool, str]:
+        """The state directory (and the lock in it) is still the one this agent started with."""
+        if self.lock.intact():
+            return True, "intact"
+        return False, f"{self.state_dir} was deleted or replaced while the agent runs"
 
     def _claims_moving(self) -> tuple[bool, str]:
         """Not ready while a prepare or unprepare is stuck past the kubelet's deadline."""
@@ -355,7 +364,7 @@ def build_agent(config: Config, log: logging.Logger) -> Agent:
 def _build(config: Config, log: logging.Logger, state_dir: Path, lock: StateLock) -> Agent:
     source = open_node(config, state_dir)
     source.nvml.init()
-    readiness = Readiness()
+    readiness, liveness = Readiness(), Readiness()
     registry = CollectorRegistry(auto_describe=True)
     driver_metrics = DriverMetrics(registry)
     host, port = config.metrics_host_port()
@@ -365,6 +374,7 @@ def _build(config: Config, log: logging.Logger, state_dir: Path, lock: StateLock
         port,
         readiness,
         metrics=exposition,
+        liveness=liveness,
         limits=HttpLimits(
             max_connections=config.http_max_connections,
             threads=config.http_threads,

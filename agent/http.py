@@ -90,7 +90,8 @@ class HttpLimits:
 
 
 class Readiness:
-    """Named readiness checks, registered by the components that own them."""
+    """Named checks, registered by the components that own them: /readyz's, and /healthz's
+    (liveness: what a restart of the agent would repair)."""
 
     def __init__(self) -> None:
         self._checks: dict[str, Check] = {}
@@ -100,11 +101,15 @@ class Readiness:
         with self._lock:
             self._checks[name] = check
 
-    def evaluate(self) -> tuple[bool, dict[str, str]]:
+    def evaluate(self, empty_ok: bool = False) -> tuple[bool, dict[str, str]]:
+        """Whether every check passes (no checks at all passes only when ``empty_ok``), with
+        every check's detail; for liveness, only the failing ones' details matter."""
         with self._lock:
             checks = dict(self._checks)
         results = {name: check() for name, check in checks.items()}
-        ok = bool(results) and all(passed for passed, _ in results.values())
+        ok = (bool(results) or empty_ok) and all(passed for passed, _ in results.values())
+        if empty_ok:  # liveness: say what is wrong, not what is fine
+            return ok, {name: detail for name, (passed, detail) in results.items() if not passed}
         return ok, {name: detail for name, (_, detail) in results.items()}
 
 
@@ -217,11 +222,13 @@ class HttpEndpoint:
         readiness: Readiness,
         metrics: Exposition | None = None,
         *,
+        liveness: Readiness | None = None,
         limits: HttpLimits | None = None,
         tls: TlsFiles | None = None,
         log: logging.Logger | None = None,
     ) -> None:
         self.readiness = readiness
+        self.liveness = liveness or Readiness()
         self.metrics = metrics
         self.limits = limits or HttpLimits()
         self.log = log or logging.getLogger("tessera.http")
@@ -697,7 +704,11 @@ class HttpEndpoint:
 
     def _route(self, path: str) -> tuple[int, str, bytes]:
         if path == "/healthz":
-            return 200, "text/plain; charset=utf-8", b"ok\n"
+            alive, detail = self.liveness.evaluate(empty_ok=True)
+            if alive:
+                return 200, "text/plain; charset=utf-8", b"ok\n"
+            failing = "".join(f"{name}: {why}\n" for name, why in detail.items())
+            return 503, "text/plain; charset=utf-8", failing.encode()
         if path == "/metrics" and self.metrics is not None:
             body, ctype = self.metrics()
             return 200, ctype, body

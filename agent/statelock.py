@@ -51,6 +51,17 @@ class StateLock:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
 
+    def intact(self) -> bool:
+        """Whether the lock file we hold is still the one at its path: a state directory that
+        was deleted or replaced while we run no longer protects anything (a restart repairs)."""
+        if self._fd is None:
+            return False
+        try:
+            held, there = os.fstat(self._fd), os.stat(self.path)
+        except OSError:
+            return False
+        return (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino)
+
     def release(self) -> None:
         """Give the lock up (idempotent). The file stays: removing it would race a successor."""
         fd, self._fd = self._fd, None

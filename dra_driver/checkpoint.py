@@ -29,7 +29,10 @@ directory). ``load`` never loses a file it cannot read: a corrupt file is moved 
 ``<name>.corrupt-<UTC timestamp>`` (never overwriting an earlier one) and an empty checkpoint is
 returned; a file from a newer Tessera is left alone and ``CheckpointTooNew`` raised. A checkpoint
 from another boot (the node rebooted: partitions, MPS daemons and device state are gone) loads
-as empty with ``rebooted=True``.
+as empty with ``rebooted=True``. ``LoadResult.authoritative`` says whether the result proves
+anything about claims it does not list (only a file of this boot that decoded does); the
+preparer keeps the CDI specs such a result cannot vouch for as ``recovered`` claims, whose
+``recovered`` flag is written only when set (so older builds read the file unchanged).
 
 ``encode``, ``decode`` and the migrations are pure; ``CheckpointStore`` does the I/O.
 """

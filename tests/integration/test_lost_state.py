@@ -116,3 +116,38 @@ def test_specs_from_before_a_reboot_are_not_evidence(short_tmp):
         assert call(d, "prepare", b) == ""
     finally:
         d.kill()
+
+
+def healthz(d: Daemon) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(d.metrics_url("/healthz"), timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.read().decode()
+
+
+def test_healthz_fails_when_the_state_dir_or_a_socket_is_gone(short_tmp):
+    """/healthz (the liveness probe) fails when a restart would repair something: the state
+    directory deleted or replaced, or a socket the kubelet needs gone."""
+    d = daemon(short_tmp)
+    d.start()
+    try:
+        assert healthz(d) == (200, "ok\n")
+        d.dra_socket.unlink()
+        code, body = healthz(d)
+        assert code == 503 and f"sockets: socket gone or replaced: {d.dra_socket}" in body
+    finally:
+        d.kill()
+    d = daemon(short_tmp / "again")
+    d.start()
+    try:
+        shutil.rmtree(d.state / "resourceslices")
+        (d.state / "agent.lock").unlink()  # the state directory's contents are gone
+        code, body = healthz(d)
+        assert code == 503 and f"state-dir: {d.state} was deleted or replaced" in body
+    finally:
+        d.kill()
