@@ -163,7 +163,7 @@ class Agent:
                 simulated=self.source.model,
                 driver=self.config.driver_name,
                 mode="standalone" if self.kube is None else "kube",
-                healthz=f"http://{host}:{port}/healthz",
+                healthz=f"{'https' if self.http.tls else 'http'}://{host}:{port}/healthz",
                 state_dir=str(self.state_dir),
             ),
         )

@@ -308,18 +308,7 @@ class Preparer:
             d = self.devices().device(name)
         except (KeyError, ClaimError):
             return PreparedDevice((), self.pool, name, (), "gpu", "", -1)
-        return PreparedDevice(
-            request_names=(),
-            pool=self.pool,
-            device=name,
-            cdi_device_ids=(self.cdi.device_id(uid, name),),
-            kind=d.kind,
-            gpu_uuid=d.parent_uuid,
-            gpu_minor=d.gpu_minor,
-            mig_uuid=d.uuid if d.kind == "mig" else None,
-            gpu_instance_id=d.gpu_instance_id,
-            compute_instance_id=d.compute_instance_id,
-        )
+        return self._record(uid, d, ())
 
     # -- prepare -----------------------------------------------------------------------------
     def prepare(self, claims: Sequence[ClaimKey]) -> dict[str, ClaimResult]:
@@ -475,12 +464,17 @@ class Preparer:
             )
 
     def _prepared_device(self, claim: ClaimKey, p: PlannedDevice) -> PreparedDevice:
-        d = p.device
+        return self._record(claim.uid, p.device, p.request_names)
+
+    def _record(
+        self, uid: str, d: AdvertisedDevice, request_names: tuple[str, ...]
+    ) -> PreparedDevice:
+        """The checkpoint's record of advertised device ``d`` prepared for claim ``uid``."""
         return PreparedDevice(
-            request_names=p.request_names,
+            request_names=request_names,
             pool=self.pool,
             device=d.name,
-            cdi_device_ids=(self.cdi.device_id(claim.uid, d.name),),
+            cdi_device_ids=(self.cdi.device_id(uid, d.name),),
             kind=d.kind,
             gpu_uuid=d.parent_uuid,
             gpu_minor=d.gpu_minor,

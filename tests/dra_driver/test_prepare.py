@@ -36,7 +36,7 @@ class BlockingClaims:
         raise ClaimError(f"claim {namespace}/{name} not found", "not_found")
 
 
-def make_preparer(tmp_path: Path, claims: object) -> Preparer:
+def make_preparer(tmp_path: Path, claims: object, **options: object) -> Preparer:
     return Preparer(
         driver_name="gpu.tessera.dev",
         pool="node-a",
@@ -45,6 +45,7 @@ def make_preparer(tmp_path: Path, claims: object) -> Preparer:
         cdi=CdiWriter(tmp_path / "cdi", "gpu.tessera.dev", tmp_path, "550.90.07"),
         devices=lambda: DeviceModel((), ()),
         log=logging.getLogger("test.prepare"),
+        **options,  # type: ignore[arg-type]
     )
 
 
@@ -127,17 +128,7 @@ class FakeClock:
 
 def test_a_claim_running_past_the_deadline_is_reported_stuck(tmp_path):
     claims, clock = BlockingClaims(), FakeClock()
-    preparer = Preparer(
-        driver_name="gpu.tessera.dev",
-        pool="node-a",
-        claims=claims,  # type: ignore[arg-type]
-        store=CheckpointStore(tmp_path / "checkpoint.json", "boot"),
-        cdi=CdiWriter(tmp_path / "cdi", "gpu.tessera.dev", tmp_path, "550.90.07"),
-        devices=lambda: DeviceModel((), ()),
-        log=logging.getLogger("test.prepare"),
-        deadline_s=40.0,
-        clock=clock,
-    )
+    preparer = make_preparer(tmp_path, claims, deadline_s=40.0, clock=clock)
     preparer.reconcile_on_start()
     key = ClaimKey("ns", "slow", "uid-slow")
     caller = threading.Thread(target=preparer.prepare, args=([key],))
