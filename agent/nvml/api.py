@@ -45,6 +45,8 @@ if TYPE_CHECKING:
     _Opaque: TypeAlias = ctypes._Pointer[ctypes.Structure]
     UIntRef: TypeAlias = _CArgObject | ctypes._Pointer[ctypes.c_uint]
     """``ctypes.byref(c_uint())`` or ``ctypes.pointer(c_uint())``: an ``unsigned int *``."""
+    GpuInstancePlacementRef: TypeAlias = _CArgObject
+    """``ctypes.byref(c_nvmlGpuInstancePlacement_t())``."""
 else:
     _Opaque = ctypes._Pointer  # not subscriptable at run time (Python 3.11)
 
@@ -131,8 +133,23 @@ class GpuInstancePlacement(Protocol):
 class GpuInstanceInfo(Protocol):
     """pynvml ``c_nvmlGpuInstanceInfo_t``."""
 
+    id: int
     profileId: int
     placement: GpuInstancePlacement
+
+
+class ComputeInstanceProfileInfo(Protocol):
+    """pynvml ``c_nvmlComputeInstanceProfileInfo_t`` (v2 adds a name)."""
+
+    id: int
+    sliceCount: int
+
+
+class ComputeInstanceInfo(Protocol):
+    """pynvml ``c_nvmlComputeInstanceInfo_t``."""
+
+    id: int
+    profileId: int
 
 
 class Utilization(Protocol):
@@ -228,9 +245,12 @@ class NvmlApi(Protocol):
 
     NVMLError: type[Exception]
     NVML_GPU_INSTANCE_PROFILE_COUNT: int
+    NVML_COMPUTE_INSTANCE_PROFILE_COUNT: int
+    NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED: int
     NVML_NVLINK_MAX_LINKS: int
     nvmlMemory_v2: MemoryInfoVersion
     c_nvmlGpuInstancePlacement_t: StructType[GpuInstancePlacement]
+    c_nvmlGpuInstance_t: StructType[GpuInstanceHandle]
     c_nvmlGpmMetricsGet_t: StructType[GpmMetricsGet]
 
     # -- lifecycle, system -----------------------------------------------------------------------
@@ -325,6 +345,51 @@ class NvmlApi(Protocol):
     ) -> GpuInstanceHandle: ...
 
     def nvmlGpuInstanceGetInfo(self, gpuInstance: GpuInstanceHandle) -> GpuInstanceInfo: ...
+
+    # -- MIG configuration (dynamic MIG: prepare creates, unprepare destroys) ---------------------
+    def nvmlDeviceSetMigMode(self, device: DeviceHandle, mode: int) -> int:
+        """``mode`` NVML_DEVICE_MIG_ENABLE (1) or _DISABLE (0); returns the activation status
+        (NVML_SUCCESS, or NVML_ERROR_RESET_REQUIRED where only a GPU reset applies it)."""
+        ...
+
+    def nvmlDeviceGetGpuInstances(
+        self,
+        device: DeviceHandle,
+        profileId: int,
+        gpuInstancesRef: CArray[GpuInstanceHandle],
+        countRef: UIntRef,
+    ) -> int:
+        """Fills ``gpuInstancesRef`` with the GPU instances of profile ``profileId`` and sets
+        ``countRef`` to their number."""
+        ...
+
+    def nvmlDeviceCreateGpuInstanceWithPlacement(
+        self, device: DeviceHandle, profileId: int, placement: GpuInstancePlacementRef
+    ) -> GpuInstanceHandle:
+        """``placement``: ``ctypes.byref`` of a c_nvmlGpuInstancePlacement_t."""
+        ...
+
+    def nvmlGpuInstanceGetComputeInstanceProfileInfo(
+        self, device: GpuInstanceHandle, profile: int, engProfile: int, version: int = 2
+    ) -> ComputeInstanceProfileInfo:
+        """``profile`` an NVML_COMPUTE_INSTANCE_PROFILE_* value; ``engProfile`` 0 (shared)."""
+        ...
+
+    def nvmlGpuInstanceCreateComputeInstance(
+        self, gpuInstance: GpuInstanceHandle, profileId: int
+    ) -> ComputeInstanceHandle: ...
+
+    def nvmlGpuInstanceGetComputeInstanceById(
+        self, gpuInstance: GpuInstanceHandle, computeInstanceId: int
+    ) -> ComputeInstanceHandle: ...
+
+    def nvmlComputeInstanceGetInfo(
+        self, computeInstance: ComputeInstanceHandle
+    ) -> ComputeInstanceInfo: ...
+
+    def nvmlComputeInstanceDestroy(self, computeInstance: ComputeInstanceHandle) -> int: ...
+
+    def nvmlGpuInstanceDestroy(self, gpuInstance: GpuInstanceHandle) -> int: ...
 
     # -- NVLink ------------------------------------------------------------------------------------
     def nvmlDeviceGetNvLinkState(self, device: DeviceHandle, link: int) -> int:

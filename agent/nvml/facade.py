@@ -272,6 +272,18 @@ class Nvml:
             return MemoryInfo(m.total, m.free, m.used)
 
     # -- MIG -------------------------------------------------------------------------------
+    def mig_mode(self, index: int) -> MigMode | None:
+        """The MIG mode of GPU ``index``; None when the GPU has no MIG."""
+        return self._mig_mode(self.api(str(index)), self.handle(index))
+
+    def mig_instances(self, index: int) -> tuple[MigInstance, ...]:
+        """The MIG devices (GPU instance + compute instance pairs) of GPU ``index`` now."""
+        api, dev = self.api(str(index)), str(index)
+        h = self.handle(index)
+        if not (mode := self._mig_mode(api, h)) or not mode.current:
+            return ()
+        return self._mig_instances(api, h, dev, self._mig_profiles(api, h))
+
     def _mig_mode(self, api: NvmlApi, h: DeviceHandle) -> MigMode | None:
         mode = self._optional(lambda: api.nvmlDeviceGetMigMode(h))
         if mode is None:

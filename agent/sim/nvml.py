@@ -77,12 +77,17 @@ class FakeNvml(TelemetryCalls, EventCalls, GpmCalls, MigCalls):
     # checks the simulator against it; the other ones are copied at the end of the module.
     NVMLError: type[Exception] = pynvml.NVMLError
     NVML_GPU_INSTANCE_PROFILE_COUNT: int = pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT
+    NVML_COMPUTE_INSTANCE_PROFILE_COUNT: int = pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT
+    NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED: int = (
+        pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
+    )
     NVML_NVLINK_MAX_LINKS: int = pynvml.NVML_NVLINK_MAX_LINKS
     nvmlMemory_v2: api.MemoryInfoVersion = pynvml.nvmlMemory_v2
     c_nvmlGpuInstancePlacement_t: api.StructType[api.GpuInstancePlacement] = (
         pynvml.c_nvmlGpuInstancePlacement_t
     )
     c_nvmlGpmMetricsGet_t: api.StructType[api.GpmMetricsGet] = pynvml.c_nvmlGpmMetricsGet_t
+    c_nvmlGpuInstance_t: api.StructType[api.GpuInstanceHandle] = pynvml.c_nvmlGpuInstance_t
 
     _link_table: dict[int, tuple[LinkEnd | None, ...]] | None = None
 

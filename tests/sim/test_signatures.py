@@ -95,7 +95,7 @@ def protocol_mismatches(protocol: type, names: typing.Iterable[str]) -> list[str
 
 
 def test_the_protocol_declares_the_calls():
-    assert len(PROTOCOL_FUNCTIONS) == 48
+    assert len(PROTOCOL_FUNCTIONS) == 57
     assert {"nvmlInit", "nvmlDeviceGetMemoryInfo", "nvmlGpmMetricsGet"} <= set(PROTOCOL_FUNCTIONS)
 
 
@@ -193,6 +193,8 @@ STRUCTS: dict[type, type] = {
     api.MemoryV2: pynvml.c_nvmlMemory_v2_t,
     api.GpuInstanceProfileInfo: pynvml.c_nvmlGpuInstanceProfileInfo_v2_t,
     api.GpuInstanceInfo: pynvml.c_nvmlGpuInstanceInfo_t,
+    api.ComputeInstanceProfileInfo: pynvml.c_nvmlComputeInstanceProfileInfo_v2_t,
+    api.ComputeInstanceInfo: pynvml.c_nvmlComputeInstanceInfo_t,
     api.Utilization: pynvml.c_nvmlUtilization_t,
     api.ProcessInfo: pynvml.c_nvmlProcessInfo_v3_t,
     api.ProcessUtilizationSample: pynvml.c_nvmlProcessUtilizationSample_t,
@@ -206,7 +208,15 @@ STRUCT_TYPES: dict[str, type] = {
     "c_nvmlGpuInstancePlacement_t": api.GpuInstancePlacement,
     "c_nvmlGpmMetricsGet_t": api.GpmMetricsGet,
 }
-CONSTANTS = {"NVML_GPU_INSTANCE_PROFILE_COUNT", "NVML_NVLINK_MAX_LINKS", "nvmlMemory_v2"}
+CONSTANTS = {
+    "NVML_GPU_INSTANCE_PROFILE_COUNT",
+    "NVML_COMPUTE_INSTANCE_PROFILE_COUNT",
+    "NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED",
+    "NVML_NVLINK_MAX_LINKS",
+    "nvmlMemory_v2",
+}
+# The Protocol's handle types whose arrays the agent allocates (ctypes pointer types).
+POINTER_TYPES = {"c_nvmlGpuInstance_t"}
 _NOT_SHAPES = {NvmlApi, api.CArray, api.StructType}
 
 
@@ -287,11 +297,13 @@ def test_the_shape_check_catches_wrong_fields():
 
 
 def test_protocol_constants_and_types_exist_in_pynvml_and_the_simulator():
-    assert set(api_attributes()) == CONSTANTS | set(STRUCT_TYPES) | {"NVMLError"}
+    assert set(api_attributes()) == CONSTANTS | set(STRUCT_TYPES) | POINTER_TYPES | {"NVMLError"}
     assert issubclass(pynvml.NVMLError, Exception)
     for name in CONSTANTS:
         assert isinstance(getattr(pynvml, name), int), name
     for name in STRUCT_TYPES:
         assert issubclass(getattr(pynvml, name), ctypes.Structure), name
+    for name in POINTER_TYPES:
+        assert issubclass(getattr(pynvml, name), ctypes._Pointer), name
     for name in api_attributes():
         assert getattr(FakeNvml, name) is getattr(pynvml, name), name
