@@ -38,10 +38,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from agent.discovery.inventory import Gpu, NodeInventory
+from agent.nvml.mig import mode_switch_needs_reset
 from agent.nvml.types import GpuDevice, MigInstance, MigProfile, Placement, SystemInfo
 
 STANDARD_DOMAIN = "resource.kubernetes.io"
 MIG_MODES = ("static", "dynamic")
+SHARING_MODES = ("none", "time-slicing", "memory-shares")
+GIB = 1024**3
 MAX_STRING_LENGTH = 64
 
 # (counter name: a DNS label, capacity name: a C identifier, MigProfile attribute)
@@ -63,6 +66,15 @@ class DevicePolicy:
     driver_name: str = "gpu.tessera.dev"
     mig_mode: str = "static"
     """``static`` or ``dynamic``."""
+    sharing: str = "none"
+    """How whole GPUs may be shared between claims: ``none`` (one claim per GPU),
+    ``time-slicing`` (several claims, time-sliced) or ``memory-shares`` (several claims, each
+    with the memory it consumed, enforced by MPS). Sharing sets ``allowMultipleAllocations``,
+    which needs the DRAConsumableCapacity feature gate (alpha in 1.34/1.35)."""
+    memory_share_min: int = GIB
+    """memory-shares: the smallest share, in bytes (the request policy's min and default)."""
+    memory_share_step: int = GIB
+    """memory-shares: shares are a multiple of this many bytes (the request policy's step)."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +87,19 @@ class CounterSet:
     def api(self) -> dict[str, object]:
         """The v1 CounterSet object."""
         return {"name": self.name, "counters": {c: {"value": q} for c, q in self.counters}}
+
+
+@dataclass(frozen=True)
+class RequestPolicy:
+    """How a claim consumes a capacity of a shared device: ``default`` when it asks nothing,
+    else at least ``min`` and rounded up to ``min + n * step`` (Quantity strings)."""
+
+    default: str
+    min: str
+    step: str
+
+    def api(self) -> dict[str, object]:
+        return {"default": self.default, "validRange": {"min": self.min, "step": self.step}}
 
 
 @dataclass(frozen=True)
@@ -99,14 +124,27 @@ class AdvertisedDevice:
     """(name, Quantity string), sorted by name."""
     consumes_counters: tuple[tuple[str, Quantities], ...] = ()
     """(counter set, ((counter, Quantity), ...)); empty when the device uses no counters."""
+    allow_multiple_allocations: bool = False
+    """Several claims may be allocated this device at once (GPU sharing)."""
+    request_policies: tuple[tuple[str, RequestPolicy], ...] = ()
+    """(capacity name, how a claim consumes it) for consumable capacity."""
 
     def api(self) -> dict[str, object]:
         """The v1 Device object as the API server stores it."""
+        policies = dict(self.request_policies)
+        capacity: dict[str, object] = {}
+        for k, q in self.capacity:
+            entry: dict[str, object] = {"value": q}
+            if k in policies:
+                entry["requestPolicy"] = policies[k].api()
+            capacity[k] = entry
         out: dict[str, object] = {
             "name": self.name,
             "attributes": {k: dict(v) for k, v in self.attributes},
-            "capacity": {k: {"value": q} for k, q in self.capacity},
+            "capacity": capacity,
         }
+        if self.allow_multiple_allocations:
+            out["allowMultipleAllocations"] = True
         if self.consumes_counters:
             out["consumesCounters"] = [
                 {"counterSet": s, "counters": {c: {"value": q} for c, q in counters}}
@@ -205,12 +243,16 @@ def _quantities(values: dict[str, int]) -> Quantities:
 
 
 def _whole_gpu(
-    gpu: Gpu, system: SystemInfo, counters: CounterSet | None = None
+    gpu: Gpu, system: SystemInfo, policy: DevicePolicy, counters: CounterSet | None = None
 ) -> AdvertisedDevice:
     d = gpu.device
     attrs = _parent_attributes(gpu, system)
     attrs |= {"type": _s("gpu"), "uuid": _s(d.uuid), "nvlinkLinks": _i(gpu.nvlink_links)}
     consumes = ((counters.name, counters.counters),) if counters is not None else ()
+    policies: tuple[tuple[str, RequestPolicy], ...] = ()
+    if policy.sharing == "memory-shares":
+        step, low = str(policy.memory_share_step), str(policy.memory_share_min)
+        policies = (("memory", RequestPolicy(default=low, min=low, step=step)),)
     return AdvertisedDevice(
         name=f"gpu-{d.minor}",
         kind="gpu",
@@ -226,6 +268,8 @@ def _whole_gpu(
         attributes=_sorted_attrs(attrs),
         capacity=_quantities({"memory": d.memory.total}),
         consumes_counters=consumes,
+        allow_multiple_allocations=policy.sharing != "none",
+        request_policies=policies,
     )
 
 
@@ -346,9 +390,19 @@ def _static_mig_devices(gpu: Gpu, system: SystemInfo) -> list[AdvertisedDevice]:
     return out
 
 
-def _dynamic_devices(gpu: Gpu, system: SystemInfo) -> tuple[list[AdvertisedDevice], CounterSet]:
+def _dynamic_devices(
+    gpu: Gpu, system: SystemInfo, policy: DevicePolicy
+) -> tuple[list[AdvertisedDevice], CounterSet]:
+    """The whole GPU and every MIG placement, as far as the GPU can switch: a GPU that needs a
+    reset to enter or leave MIG mode (Ampere) offers the whole GPU only while MIG is off and
+    its placements only while MIG is on; Hopper and newer offer both (the counters keep a
+    whole-GPU allocation and placements apart, and prepare switches the mode when idle)."""
     counters = gpu_counter_set(gpu.device)
-    out = [_whole_gpu(gpu, system, counters)]
+    d = gpu.device
+    fixed = mode_switch_needs_reset(d.architecture)
+    out = [_whole_gpu(gpu, system, policy, counters)] if not (fixed and d.mig_enabled) else []
+    if fixed and not d.mig_enabled:
+        return out, counters
     for prof in gpu.device.mig_profiles:
         capacity = _mig_capacity(prof, prof.memory_bytes, prof.multiprocessors)
         for placement in prof.placements:
@@ -379,18 +433,20 @@ def advertised_devices(inv: NodeInventory, policy: DevicePolicy) -> DeviceModel:
     the whole GPU first, then MIG devices by (slice count, profile id, placement start)."""
     if policy.mig_mode not in MIG_MODES:
         raise ValueError(f"mig_mode {policy.mig_mode!r}: expected one of {', '.join(MIG_MODES)}")
+    if policy.sharing not in SHARING_MODES:
+        raise ValueError(f"sharing {policy.sharing!r}: expected one of {', '.join(SHARING_MODES)}")
     devices: list[AdvertisedDevice] = []
     counter_sets: list[CounterSet] = []
     for gpu in sorted(inv.gpus, key=lambda g: g.device.minor):
         d = gpu.device
         if policy.mig_mode == "dynamic" and d.mig_capable and d.mig_profiles:
-            found, counters = _dynamic_devices(gpu, inv.system)
+            found, counters = _dynamic_devices(gpu, inv.system, policy)
             devices += found
             counter_sets.append(counters)
         elif policy.mig_mode == "static" and d.mig_enabled:
             devices += _static_mig_devices(gpu, inv.system)
         else:
-            devices.append(_whole_gpu(gpu, inv.system))
+            devices.append(_whole_gpu(gpu, inv.system, policy))
 
     def order(dev: AdvertisedDevice) -> tuple[int, int, int, int, int]:
         if dev.kind == "gpu":

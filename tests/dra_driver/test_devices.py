@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 
 from agent.sim.model import model_names
 from dra_driver.devices import (
+    GIB,
     AdvertisedDevice,
     DeviceModel,
     DevicePolicy,
@@ -247,14 +249,68 @@ def test_order_and_determinism(inventory: Inventory, model_name: str, mode: Devi
 # --- dynamic MIG -----------------------------------------------------------------------------
 
 
+def whole_gpu(model: DeviceModel, minor: int) -> AdvertisedDevice:
+    """The whole GPU, or on an A100 in MIG mode (not offered whole) what it would consume: its
+    entire counter set (so the counter model is checked on every MIG GPU)."""
+    try:
+        return model.device(f"gpu-{minor}")
+    except KeyError:
+        (cs,) = [c for c in model.counter_sets if c.name == f"gpu-{minor}-counter-set"]
+        any_mig = mig_devices(model, minor)[0]
+        return dataclasses.replace(
+            any_mig, name=f"gpu-{minor}", kind="gpu", consumes_counters=((cs.name, cs.counters),)
+        )
+
+
+@pytest.mark.parametrize(
+    ("model_name", "layout", "whole", "placements"),
+    [
+        ("dgx-a100", "balanced", False, True),  # Ampere in MIG mode: leaving it needs a reset
+        ("dgx-a100", "none", True, False),  # Ampere, MIG off: entering it needs a reset
+        ("dgx-h100", "balanced", True, True),  # Hopper switches when idle: both
+        ("dgx-h100", "none", True, True),
+    ],
+    ids=["a100-mig", "a100-no-mig", "h100-mig", "h100-no-mig"],
+)
+def test_dynamic_mode_offers_what_the_gpu_can_switch_to(
+    inventory: Inventory, model_name: str, layout: str, whole: bool, placements: bool
+) -> None:
+    model = advertised_devices(inventory(model_name, layout), DYNAMIC)
+    names = {d.name for d in model.devices}
+    assert ("gpu-0" in names) == whole
+    assert bool(mig_devices(model, 0)) == placements
+    assert next(cs.name for cs in model.counter_sets) == "gpu-0-counter-set"
+
+
+@pytest.mark.parametrize("sharing", ["time-slicing", "memory-shares"])
+def test_sharing_lets_several_claims_allocate_a_whole_gpu(
+    inventory: Inventory, sharing: str
+) -> None:
+    policy = DevicePolicy(sharing=sharing, memory_share_min=2 * GIB, memory_share_step=GIB)
+    model = advertised_devices(inventory("dgx-h100"), policy)
+    api = model.device("gpu-0").api()
+    assert api["allowMultipleAllocations"] is True
+    memory = api["capacity"]["memory"]  # type: ignore[index]
+    if sharing == "memory-shares":
+        assert memory["requestPolicy"] == {
+            "default": str(2 * GIB),
+            "validRange": {"min": str(2 * GIB), "step": str(GIB)},
+        }
+    else:
+        assert "requestPolicy" not in memory
+    plain = advertised_devices(inventory("dgx-h100"), DevicePolicy()).device("gpu-0").api()
+    assert "allowMultipleAllocations" not in plain
+
+
 @pytest.mark.parametrize("model_name", ["dgx-a100", "dgx-h100"], ids=str)
 def test_dynamic_placements_match_the_tables(inventory: Inventory, model_name: str) -> None:
     inv = inventory(model_name)
     model = advertised_devices(inv, DYNAMIC)
     for gpu in inv.gpus:
         m = gpu.device.minor
-        whole = model.device(f"gpu-{m}")
-        assert whole.kind == "gpu" and whole.consumes_counters
+        if gpu.device.architecture != "Ampere":  # an A100 in MIG mode is not offered whole
+            whole = model.device(f"gpu-{m}")
+            assert whole.kind == "gpu" and whole.consumes_counters
         found: dict[int, list[tuple[int, int]]] = {}
         for d in mig_devices(model, m):
             assert d.mig_profile_id is not None and d.mig_placement_start is not None
@@ -302,7 +358,7 @@ def test_overlapping_placements_never_fit_together(
     model = advertised_devices(inventory(model_name), DYNAMIC)
     minor = 0
     devs = mig_devices(model, minor)
-    whole = model.device(f"gpu-{minor}")
+    whole = whole_gpu(model, minor)
     assert fits(model, [whole])
     for d in devs:
         assert fits(model, [d]), d.name
@@ -317,8 +373,8 @@ def test_overlapping_placements_never_fit_together(
 
 
 def test_counters_of_one_gpu_do_not_limit_another(inventory: Inventory, fits: Fits) -> None:
-    model = advertised_devices(inventory("dgx-a100"), DYNAMIC)
-    assert fits(model, [model.device("gpu-0"), model.device("gpu-1-mig-7g40gb-0-0")])
+    model = advertised_devices(inventory("dgx-h100"), DYNAMIC)
+    assert fits(model, [model.device("gpu-0"), model.device("gpu-1-mig-7g80gb-0-0")])
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=str)
@@ -331,7 +387,7 @@ def test_every_legal_full_layout_fits(
         devs = [placement(model, minor, pid, start) for pid, start in LAYOUTS[layout]]
         assert fits(model, devs), (minor, [d.name for d in devs])
         # The layout is full: the whole GPU no longer fits next to it.
-        assert not fits(model, [*devs, model.device(f"gpu-{minor}")])
+        assert not fits(model, [*devs, whole_gpu(model, minor)])
 
 
 def test_dynamic_mixed_non_mig_gpus_stay_plain(inventory: Inventory) -> None:

@@ -91,16 +91,17 @@ def test_dynamic_135_counters_first(inventory: Inventory) -> None:
     first = slices[0]["spec"]
     assert "devices" not in first and len(first["sharedCounters"]) == 8
     assert all("sharedCounters" not in s["spec"] for s in slices[1:])
-    assert [len(s["spec"]["devices"]) for s in slices[1:]] == [64, 64, 64, 16]
+    # an A100 in MIG mode offers its 25 placements, not itself (leaving MIG needs a reset)
+    assert [len(s["spec"]["devices"]) for s in slices[1:]] == [64, 64, 64, 8]
 
 
 def test_dynamic_134_one_counter_set_per_slice(inventory: Inventory) -> None:
-    model = advertised_devices(inventory("mixed"), DevicePolicy(mig_mode="dynamic"))
+    model = advertised_devices(inventory("mixed", "balanced"), DevicePolicy(mig_mode="dynamic"))
     slices = build_slices(model, policy(layout="1.34"), 1)
     assert len(slices) == 3
     for s in slices[:2]:
         (cs,) = s["spec"]["sharedCounters"]
-        assert len(s["spec"]["devices"]) == 26
+        assert len(s["spec"]["devices"]) == 25  # the A100s are in MIG mode: placements only
         for d in s["spec"]["devices"]:
             assert [c["counterSet"] for c in d["consumesCounters"]] == [cs["name"]]
     assert [d["name"] for d in slices[2]["spec"]["devices"]] == ["gpu-2", "gpu-3"]
@@ -200,7 +201,8 @@ def test_long_node_names_are_shortened(length: int) -> None:
 
 @pytest.fixture
 def built(inventory: Inventory) -> dict[str, Any]:
-    model = advertised_devices(inventory("dgx-a100"), DevicePolicy(mig_mode="dynamic"))
+    """MIG is off: an A100 in dynamic mode offers itself whole (40 GiB first)."""
+    model = advertised_devices(inventory("dgx-a100", "none"), DevicePolicy(mig_mode="dynamic"))
     return build_slices(model, policy(), 4)[1]
 
 
