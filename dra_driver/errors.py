@@ -100,3 +100,24 @@ class CheckpointTooNew(CheckpointError):
 
 class CdiError(TesseraError):
     """A CDI spec could not be built, validated, written or removed (the message says why)."""
+
+
+class SharingError(TesseraError):
+    """A partition or a sharing setting could not be made or undone (MIG, time-slicing, MPS).
+
+    ``reason`` is a short stable word for metrics, like ClaimError's."""
+
+    def __init__(self, message: str, reason: str = "sharing_error") -> None:
+        self.reason = reason
+        super().__init__(message)
+
+
+class ToolError(SharingError):
+    """An NVIDIA tool (nvidia-smi, nvidia-cuda-mps-control) failed, timed out or could not run.
+
+    ``command`` is what was run, ``code`` its exit status (None: it did not finish)."""
+
+    def __init__(self, message: str, command: str = "", code: int | None = None) -> None:
+        self.command = command
+        self.code = code
+        super().__init__(message, "tool_error")

@@ -28,7 +28,7 @@ from typing import cast
 from agent.nvml.api import GpuInstanceHandle, NvmlApi
 from agent.nvml.errors import NvmlInvalidArgument, NvmlNotFound, NvmlNotSupported
 from agent.nvml.facade import Nvml
-from agent.nvml.types import MigInstance, Placement
+from agent.nvml.types import MigInstance, MigMode, Placement
 
 MIG_DISABLE, MIG_ENABLE = 0, 1
 RESET_REQUIRED = 16
@@ -59,6 +59,10 @@ class MigControl:
 
     def _api(self, index: int) -> NvmlApi:
         return self._nvml.api(str(index))
+
+    def mode(self, index: int) -> MigMode | None:
+        """GPU ``index``'s MIG mode (None without MIG)."""
+        return self._nvml.mig_mode(index)
 
     def set_mode(self, index: int, enabled: bool) -> bool:
         """Turn MIG mode on or off; True when it applied now, False when it is only pending (it
@@ -114,15 +118,20 @@ class MigControl:
         """Create the GPU instance of ``profile_id`` at placement ``start`` (``size`` memory
         slices) and its default compute instance; the MIG device with its UUID. Raises
         agent.nvml.errors errors (NvmlInsufficientResources when the placement is taken)."""
+        gi_id = self.create_gpu_instance(index, profile_id, start, size)
+        ci_id = self.create_compute_instance(index, gi_id)
+        return self.mig_device(index, gi_id, ci_id)
+
+    def create_gpu_instance(self, index: int, profile_id: int, start: int, size: int) -> int:
+        """The GPU instance alone (no compute instance yet); its id."""
         api = self._api(index)
-        h = self._nvml.handle(index)
         placement = api.c_nvmlGpuInstancePlacement_t()
         placement.start, placement.size = start, size
         struct = cast(ctypes.Structure, placement)  # pynvml's ctypes struct behind the shape
-        gi = api.nvmlDeviceCreateGpuInstanceWithPlacement(h, profile_id, ctypes.byref(struct))
-        gi_id = int(api.nvmlGpuInstanceGetInfo(gi).id)
-        ci_id = self.create_compute_instance(index, gi_id)
-        return self.mig_device(index, gi_id, ci_id)
+        gi = api.nvmlDeviceCreateGpuInstanceWithPlacement(
+            self._nvml.handle(index), profile_id, ctypes.byref(struct)
+        )
+        return int(api.nvmlGpuInstanceGetInfo(gi).id)
 
     def create_compute_instance(self, index: int, gpu_instance_id: int) -> int:
         """The default compute instance of a GPU instance (all its compute slices); its id."""
@@ -147,6 +156,12 @@ class MigControl:
             )
         ci = api.nvmlGpuInstanceCreateComputeInstance(gi, best[1])
         return int(api.nvmlComputeInstanceGetInfo(ci).id)
+
+    def compute_instances(self, index: int, gpu_instance_id: int) -> tuple[MigInstance, ...]:
+        """The MIG devices (compute instances) of one GPU instance."""
+        return tuple(
+            i for i in self._nvml.mig_instances(index) if i.gpu_instance_id == gpu_instance_id
+        )
 
     def mig_device(self, index: int, gpu_instance_id: int, compute_instance_id: int) -> MigInstance:
         """The MIG device of (GPU instance, compute instance); NvmlNotFound when there is none."""
