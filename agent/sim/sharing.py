@@ -11,7 +11,8 @@ the same node:
 * every MPS control daemon started with the simulated ``nvidia-cuda-mps-control -d``: its pid,
   pipe and log directories, the devices it serves and the defaults its clients set.
 
-Everything here except :class:`SharingStore` is pure.
+Everything here except :class:`SharingStore`, :func:`start_ticks` and :func:`live_daemons` is
+pure.
 """
 
 from __future__ import annotations
@@ -229,3 +230,24 @@ class SharingStore(SharedJsonStore[SharingState]):
             empty=initial_sharing(model),
             format_error=SharingFormatError,
         )
+
+
+# -- which recorded daemons still run (I/O) -------------------------------------------------
+
+
+def start_ticks(pid: int) -> int | None:
+    """A process's start time in clock ticks (``/proc/<pid>/stat`` field 22); None when there is
+    no such process or it is a zombie (it has exited)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def live_daemons(state: SharingState) -> list[MpsDaemon]:
+    """The recorded MPS daemons whose process still runs (a killed one leaves its record)."""
+    return [d for d in state.mps_daemons if start_ticks(d.pid) == d.start_ticks]

@@ -140,3 +140,10 @@ def test_the_calls_need_init(make_fake: MakeFake):
     fake = make_fake("l40s-pcie", init=False)
     with pytest.raises(pynvml.NVMLError_Uninitialized):
         fake.nvmlDeviceGetComputeMode(None)
+
+
+def test_the_tools_know_which_file_says_the_node_exists():
+    from agent.sim.state import STATE_FILE as NODE_STATE
+    from agent.sim.tools.common import NODE_STATE_FILE
+
+    assert NODE_STATE_FILE == NODE_STATE
