@@ -158,8 +158,8 @@ def _targets(fake: FakeNvml, ids: str | None) -> list[Target]:
 def _whole_gpu(target: Target, what: str) -> None:
     if target.mig:
         raise ToolError(
-            f"Unable to {what} for {target.uuid}: not supported on a MIG device; it is a"
-            f" setting of the whole GPU {target.bus_id}",
+            f"Unable to {what} for {target.uuid}: not supported on a MIG device, only on its"
+            f" GPU {target.bus_id}",
             EXIT_NOT_AVAILABLE,
         )
 
@@ -216,11 +216,11 @@ def query_gpu(fake: FakeNvml, opts: Options, out: TextIO) -> int:
         raise _bad(f"--query-gpu needs --format=csv[,noheader][,nounits], got {fmt!r}")
     rows = []
     for target in _targets(fake, opts.values.get("id")):
-        _whole_gpu(target, "query the GPU")
+        _whole_gpu(target, "query the fields")
         try:
             rows.append(", ".join(QUERY_FIELDS[name](fake, target) for name in fields))
         except pynvml.NVMLError as exc:
-            raise _nvml_failure(exc, "query the GPU", target) from exc
+            raise _nvml_failure(exc, "query the fields", target) from exc
     if "noheader" not in formats:
         out.write(", ".join(fields) + "\n")
     out.writelines(row + "\n" for row in rows)
