@@ -8,6 +8,7 @@ Layout under ``root`` (as the driver has it under ``/``)::
     proc/driver/nvidia/capabilities/gpu<minor>/mig/gi<G>/ci<C>/access      C in 0..7
     usr/lib/x86_64-linux-gnu/lib{cuda,nvidia-ml,nvidia-ptxjitcompiler}.so.<version>  (empty)
     usr/lib/x86_64-linux-gnu/lib….so.1 -> lib….so.<version>
+    usr/bin/{nvidia-smi,nvidia-cuda-mps-control}     stand-ins acting on the simulated node
 
 The per-GPU capability files exist only for MIG-capable GPUs and, as with the real driver, for
 every possible GPU and compute instance whether or not it exists. The GPU minor is the NVML index
@@ -24,15 +25,22 @@ instances))::
 which is unique per node. Readers must never compute minors: on a real node they come from the
 files (and from nvidia-caps), so anything that reads them must read them.
 
+The two executables in ``usr/bin`` (:mod:`agent.sim.tools`) are installed when the simulator's
+state directory is given: scripts run by this Python that set the simulated GPUs' compute mode
+and time-slice and run simulated MPS control daemons, so the driver runs the real commands.
+
 ``caps_minor`` is pure; ``write_driver_root`` does the I/O, and is idempotent.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 from pathlib import Path
 
 from agent.sim.model import NodeModel
+from agent.sim.tools.install import BIN_DIR, MODE, tool_scripts
 from agent.sim.tree import symlink, write_text, write_tree
 
 GPU_INSTANCES = 15
@@ -65,7 +73,33 @@ def _version_text(version: str) -> str:
     )
 
 
-def _write_tree(model: NodeModel, root: Path) -> None:
+def _write_executable(path: Path, text: str) -> None:
+    """Write ``text`` with mode 0755 atomically; leave the file alone when it already is so."""
+    try:
+        if path.read_text() == text and path.stat().st_mode & 0o777 == MODE:
+            return
+    except OSError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.chmod(tmp, MODE)
+    os.replace(tmp, path)
+
+
+def _write_tools(root: Path, tools: dict[str, str]) -> None:
+    """Install ``tools`` (relative path -> text) and remove the stand-ins it does not list."""
+    for rel, text in tools.items():
+        _write_executable(root / rel, text)
+    for rel in tool_scripts("", "", ""):
+        if rel not in tools and (root / rel).exists():
+            (root / rel).unlink()
+    bin_dir = root / BIN_DIR
+    if bin_dir.is_dir() and not any(bin_dir.iterdir()):
+        bin_dir.rmdir()
+
+
+def _write_tree(model: NodeModel, root: Path, tools: dict[str, str]) -> None:
     nvidia = root / "proc" / "driver" / "nvidia"
     write_text(nvidia / "version", _version_text(model.driver_version))
     caps = root / CAPS_DIR
@@ -100,13 +134,31 @@ def _write_tree(model: NodeModel, root: Path) -> None:
     for entry in libs.iterdir():
         if entry.name.startswith(LIBRARIES) and entry.name not in keep:
             entry.unlink()
+    _write_tools(root, tools)
 
 
-def write_driver_root(model: NodeModel, root: Path) -> None:
+def write_driver_root(
+    model: NodeModel,
+    root: Path,
+    *,
+    state_dir: Path | None = None,
+    model_ref: str | None = None,
+) -> None:
     """Write (or rewrite) the simulated driver root of ``model`` under ``root``.
+
+    With ``state_dir`` (the simulator's state directory, where ``nvml-state.json`` is) the
+    stand-in ``nvidia-smi`` and ``nvidia-cuda-mps-control`` are installed for that node;
+    ``model_ref`` is how they load the model (default its name; a model file's path). Without
+    it they are not (and an earlier write's are removed).
 
     Idempotent: unchanged files are left alone, changed ones replaced atomically, and the GPUs
     and library versions a previous model had are removed. Raises ConfigError for ``/`` itself
     or when the tree cannot be written.
     """
-    write_tree(root, "/", "driver root", lambda r: _write_tree(model, r))
+    tools: dict[str, str] = {}
+    if state_dir is not None:
+        ref = model_ref or model.name
+        if ref.endswith((".yaml", ".yml")):
+            ref = os.path.abspath(ref)
+        tools = tool_scripts(sys.executable, os.path.abspath(state_dir), ref)
+    write_tree(root, "/", "driver root", lambda r: _write_tree(model, r, tools))

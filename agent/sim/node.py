@@ -36,7 +36,7 @@ def simulated_node(
     api: NvmlApi = fake  # mypy proves that the simulator has the NVML surface the agent uses
     if driver_root is None:
         driver_root = sim_dir / "driver-root"
-        write_driver_root(model, driver_root)
+        write_driver_root(model, driver_root, state_dir=sim_dir, model_ref=model_name)
     return NodeSource(
         nvml=Nvml(api),
         sysfs_root=sysfs_root,

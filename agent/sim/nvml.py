@@ -23,13 +23,16 @@ shapes; the pynvml structs it fills are untyped and cast to those shapes, which
 is a method here with pynvml's signature (that test compares them) plus its line in ``NvmlApi``.
 
 Simulator controls (not pynvml functions): ``reset_gpu(index)``, ``apply_mig_layout(name)``,
-``state``, ``state_dir`` (see :class:`agent.sim.nvml_core.NvmlCore`); the load and faults
+``state``, ``state_dir`` (see :class:`agent.sim.nvml_core.NvmlCore`); compute modes, time-slices
+and MPS daemons (``sharing_state``, ``set_timeslice``, ``record_mps_daemon``, …, see
+:class:`agent.sim.nvml_sharing.SharingCalls`); the load and faults
 (``set_load``, ``add_process``, ``inject_xid``, ``lose_gpu``, ``reload_driver``, …, see
 :class:`agent.sim.telemetry.TelemetryBase`), driven by the ``clock`` keyword (default
 ``time.monotonic``). MIG calls are in :mod:`agent.sim.nvml_mig`; telemetry calls in
 :mod:`agent.sim.telemetry_calls`; events and GPM in :mod:`agent.sim.telemetry_events`. The MIG
 state lives in ``<state_dir>/nvml-state.json``, the load, counters and faults in
-``<state_dir>/telemetry-state.json``, both shared with other processes.
+``<state_dir>/telemetry-state.json``, the sharing settings in ``<state_dir>/sharing-state.json``,
+all shared with other processes.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from agent.sim.mig import nvml_error
 from agent.sim.nvlink import LinkEnd, nvlink_table
 from agent.sim.nvml_core import pci_info, pynvml_constants
 from agent.sim.nvml_mig import MigCalls
+from agent.sim.nvml_sharing import SharingCalls
 from agent.sim.specs import MIB
 from agent.sim.telemetry_calls import TelemetryCalls
 from agent.sim.telemetry_events import EventCalls, GpmCalls
@@ -70,7 +74,7 @@ def mig_uuid(parent_uuid: str, gi_id: int, ci_id: int) -> str:
     return "MIG-" + str(uuidlib.uuid5(uuidlib.NAMESPACE_URL, f"{parent_uuid}/gi{gi_id}/ci{ci_id}"))
 
 
-class FakeNvml(TelemetryCalls, EventCalls, GpmCalls, MigCalls):
+class FakeNvml(TelemetryCalls, EventCalls, GpmCalls, MigCalls, SharingCalls):
     """The simulated pynvml module for one node model (see the module docstring)."""
 
     # pynvml's constants and types that agent.nvml.api.NvmlApi names, declared so that mypy

@@ -22,6 +22,7 @@ from agent.sim.errors import ModelError
 from agent.sim.handles import Ref
 from agent.sim.mig import nvml_error
 from agent.sim.model import GpuSlot, NodeModel
+from agent.sim.sharing import SharingStore, initial_sharing
 from agent.sim.state import (
     ComputeInstance,
     GpuInstance,
@@ -109,6 +110,8 @@ class NvmlCore:
             return stored
 
         self._store.open(init)
+        self._sharing = SharingStore(Path(state_dir), model)
+        self._sharing.open(lambda stored: stored if stored is not None else initial_sharing(model))
 
     # -- simulator controls (not pynvml functions) -------------------------------------------
     @property

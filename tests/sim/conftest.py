@@ -8,6 +8,7 @@ import pytest
 
 from agent.sim.model import load_model
 from agent.sim.nvml import FakeNvml
+from tests.sim.tools_helpers import NodeFactory
 
 MakeFake = Callable[..., FakeNvml]
 
@@ -30,3 +31,9 @@ def make_fake(state_dir: Path) -> MakeFake:
         return fake
 
     return make
+
+
+@pytest.fixture(scope="session")
+def sim_nodes(tmp_path_factory: pytest.TempPathFactory) -> NodeFactory:
+    """``sim_nodes(model)`` -> a fresh simulated node whose driver root has the stand-in tools."""
+    return NodeFactory(tmp_path_factory.mktemp("sim-nodes"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,54 @@ def test_unwritable_root_is_config_error(tmp_path: Path) -> None:
     blocker.write_text("x")
     with pytest.raises(ConfigError, match="cannot write the simulated driver root"):
         write_driver_root(load_model("l40s-pcie"), blocker)
+
+
+# -- the sharing tools ---------------------------------------------------------------------------
+
+TOOLS = ("usr/bin/nvidia-smi", "usr/bin/nvidia-cuda-mps-control")
+
+
+def test_tools_are_installed_for_the_simulator_state(tmp_path: Path):
+    state = tmp_path / "state"
+    write_driver_root(load_model("dgx-h100"), tmp_path / "root", state_dir=state)
+    for rel in TOOLS:
+        tool = tmp_path / "root" / rel
+        assert tool.stat().st_mode & 0o777 == 0o755
+        text = tool.read_text()
+        assert text.startswith(f"#!{sys.executable}\n")
+        assert repr(str(state)) in text and "'dgx-h100'" in text
+    assert "dict(os.environ)" in (tmp_path / "root" / TOOLS[1]).read_text()
+
+
+def test_tools_are_installed_idempotently_and_removed_without_a_state(tmp_path: Path):
+    model = load_model("l40s-pcie")
+    write_driver_root(model, tmp_path, state_dir=tmp_path / "s")
+    before = snapshot(tmp_path)
+    write_driver_root(model, tmp_path, state_dir=tmp_path / "s")
+    assert snapshot(tmp_path) == before
+    (tmp_path / TOOLS[0]).chmod(0o644)
+    write_driver_root(model, tmp_path, state_dir=tmp_path / "s")
+    assert (tmp_path / TOOLS[0]).stat().st_mode & 0o777 == 0o755
+    write_driver_root(model, tmp_path, state_dir=tmp_path / "other")
+    assert repr(str(tmp_path / "other")) in (tmp_path / TOOLS[0]).read_text()
+    write_driver_root(model, tmp_path)
+    assert not (tmp_path / "usr/bin").exists()
+    assert not [p for p in tmp_path.rglob(".*")]
+
+
+def test_a_model_file_is_named_by_its_absolute_path(tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_driver_root(
+        load_model("l40s-pcie"), tmp_path / "r", state_dir=Path("s"), model_ref="m/node.yaml"
+    )
+    text = (tmp_path / "r" / TOOLS[0]).read_text()
+    assert repr(str(tmp_path / "m/node.yaml")) in text and repr(str(tmp_path / "s")) in text
+
+
+def test_the_simulated_node_installs_its_tools(tmp_path: Path):
+    from agent.sim.node import simulated_node
+
+    node = simulated_node("l40s-pcie", tmp_path)
+    assert node.driver_root is not None
+    text = (node.driver_root / TOOLS[0]).read_text()
+    assert repr(str(tmp_path / "sim")) in text and "'l40s-pcie'" in text
