@@ -46,13 +46,14 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-# Tests run in a random order (pytest-randomly); `make test SEED=N` repeats one order.
+# Tests run in a random order (pytest-randomly) on every core (pytest-xdist: most wait on the
+# daemons they start); `make test SEED=N` repeats one order.
 ifeq ($(SEED),)
 SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
 endif
 unit: $(STAMP)
 	@echo "test order: random, seed $(SEED) (repeat it with: make test SEED=$(SEED))"
-	$(PY) -m pytest -q -m "not reliability" -p randomly --randomly-seed=$(SEED)
+	$(PY) -m pytest -q -m "not reliability" -p randomly --randomly-seed=$(SEED) -n auto
 
 test: lint typecheck unit
 
