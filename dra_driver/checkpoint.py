@@ -55,7 +55,10 @@ from agent.fsutil import atomic_write, move_aside
 from agent.logs import fields_
 from dra_driver.errors import CheckpointCorrupt, CheckpointError, CheckpointTooNew
 
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2
+"""The newest format this build reads and writes. A checkpoint is written at the lowest version
+that holds its content: version 1 while no claim uses sharing or dynamic MIG (so an older build
+still reads it), version 2 once one does."""
 API_VERSION = "tessera.dev/v1"
 KIND = "Checkpoint"
 PREPARE_STARTED = "PrepareStarted"
@@ -64,6 +67,8 @@ STATES = (PREPARE_STARTED, PREPARE_COMPLETED)
 DEVICE_KINDS = ("gpu", "mig")
 CHECKSUM_PREFIX = "sha256:"
 FILE_MODE = 0o600
+LOWEST_WRITTEN_VERSION = 1
+"""Files of this version and newer are current formats; older ones were converted."""
 MAX_FILE_BYTES = 64 * 1024 * 1024
 """A checkpoint larger than this is corrupt (10,000 claims take about 10 MiB)."""
 
@@ -84,10 +89,46 @@ class PreparedDevice:
     mig_uuid: str | None = None
     gpu_instance_id: int | None = None
     compute_instance_id: int | None = None
+    # -- version 2: partitions made and sharing set up at prepare --------------------------------
+    placement: tuple[int, int, int] | None = None
+    """Dynamic MIG: (profile id, placement start, size) of the instance prepare created (so
+    unprepare and rollback find it without the device model)."""
+    sharing: str | None = None
+    """How the device is shared: None (exclusive), ``TimeSlicing``, ``MPS`` or ``MemoryShare``."""
+    interval: str | None = None
+    """TimeSlicing: the interval set on the GPU."""
+    share_id: str | None = None
+    """The allocation's share ID (a device several claims hold), echoed to the kubelet."""
+    memory_bytes: int | None = None
+    """MemoryShare: the memory the claim consumed (its MPS pinned-memory limit)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "request_names", tuple(self.request_names))
         object.__setattr__(self, "cdi_device_ids", tuple(self.cdi_device_ids))
+
+    @property
+    def needs_v2(self) -> bool:
+        return any(
+            v is not None
+            for v in (self.placement, self.sharing, self.interval, self.share_id, self.memory_bytes)
+        )
+
+
+@dataclass(frozen=True)
+class MpsRecord:
+    """The MPS control daemon a claim runs (version 2)."""
+
+    pid: int
+    started_at: float
+    """The process's start time: the PID alone could be another process's after a restart."""
+    pipe_dir: str
+    log_dir: str
+    shm_dir: str
+    devices: tuple[str, ...]
+    """The UUIDs (GPU or MIG) it serves."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", tuple(self.devices))
 
 
 @dataclass(frozen=True)
@@ -106,9 +147,19 @@ class ClaimEntry:
     """Rebuilt from a CDI spec found on disk when the checkpoint could not vouch for it (lost or
     corrupt): its devices stay held until the claim is unprepared or prepared again, but its
     namespace and name are unknown (empty) until the kubelet calls with them."""
+    mps: MpsRecord | None = None
+    """The claim's MPS control daemon (version 2)."""
+    pods: tuple[str, ...] = ()
+    """UIDs of the pods the claim is reserved for (``status.reservedFor``), to attribute their
+    processes' GPU use to the claim (version 2)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
+        object.__setattr__(self, "pods", tuple(self.pods))
+
+    @property
+    def needs_v2(self) -> bool:
+        return self.mps is not None or bool(self.pods) or any(d.needs_v2 for d in self.devices)
 
 
 def _empty_claims() -> Mapping[str, ClaimEntry]:
@@ -182,7 +233,7 @@ def checksum_of(obj: Mapping[str, Any]) -> str:
 
 
 def _device_json(d: PreparedDevice) -> dict[str, Any]:
-    return {
+    out: dict[str, Any] = {
         "requestNames": list(d.request_names),
         "pool": d.pool,
         "device": d.device,
@@ -193,6 +244,26 @@ def _device_json(d: PreparedDevice) -> dict[str, Any]:
         "migUUID": d.mig_uuid,
         "gpuInstanceID": d.gpu_instance_id,
         "computeInstanceID": d.compute_instance_id,
+    }
+    v2 = {
+        "placement": list(d.placement) if d.placement is not None else None,
+        "sharing": d.sharing,
+        "interval": d.interval,
+        "shareID": d.share_id,
+        "memoryBytes": d.memory_bytes,
+    }
+    out.update({k: v for k, v in v2.items() if v is not None})
+    return out
+
+
+def _mps_json(m: MpsRecord) -> dict[str, Any]:
+    return {
+        "pid": m.pid,
+        "startedAt": m.started_at,
+        "pipeDir": m.pipe_dir,
+        "logDir": m.log_dir,
+        "shmDir": m.shm_dir,
+        "devices": list(m.devices),
     }
 
 
@@ -207,15 +278,19 @@ def _claim_json(c: ClaimEntry) -> dict[str, Any]:
     }
     if c.recovered:  # written only when set: older builds read the file as before
         out["recovered"] = True
+    if c.mps is not None:
+        out["mps"] = _mps_json(c.mps)
+    if c.pods:
+        out["pods"] = list(c.pods)
     return out
 
 
 def to_json(cp: Checkpoint) -> dict[str, Any]:
-    """The current-version file object of ``cp``, checksum included. Pure."""
+    """The file object of ``cp`` at the lowest version that holds it, checksum included. Pure."""
     obj: dict[str, Any] = {
         "apiVersion": API_VERSION,
         "kind": KIND,
-        "version": CHECKPOINT_VERSION,
+        "version": 2 if any(c.needs_v2 for c in cp.claims.values()) else 1,
         "bootID": cp.boot_id,
         "claims": {uid: _claim_json(cp.claims[uid]) for uid in sorted(cp.claims)},
     }
@@ -309,6 +384,39 @@ def _device(obj: Mapping[str, Any], where: str) -> PreparedDevice:
         mig_uuid=_opt_str(obj, "migUUID", where),
         gpu_instance_id=_opt_int(obj, "gpuInstanceID", where),
         compute_instance_id=_opt_int(obj, "computeInstanceID", where),
+        placement=_placement(obj, where),
+        sharing=_opt_str(obj, "sharing", where),
+        interval=_opt_str(obj, "interval", where),
+        share_id=_opt_str(obj, "shareID", where),
+        memory_bytes=_opt_int(obj, "memoryBytes", where),
+    )
+
+
+def _placement(obj: Mapping[str, Any], where: str) -> tuple[int, int, int] | None:
+    v = obj.get("placement")
+    if v is None:
+        return None
+    if (
+        not isinstance(v, list)
+        or len(v) != 3
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+    ):
+        raise CheckpointCorrupt(f"{where}.placement: expected [profile id, start, size]")
+    return (v[0], v[1], v[2])
+
+
+def _mps(obj: Any, where: str) -> MpsRecord | None:
+    if obj is None:
+        return None
+    if not isinstance(obj, dict):
+        raise CheckpointCorrupt(f"{where}: expected an object")
+    return MpsRecord(
+        pid=_int(obj, "pid", where),
+        started_at=_number(obj, "startedAt", where),
+        pipe_dir=_str(obj, "pipeDir", where),
+        log_dir=_str(obj, "logDir", where),
+        shm_dir=_str(obj, "shmDir", where),
+        devices=_strs(obj, "devices", where),
     )
 
 
@@ -329,6 +437,8 @@ def _claim(uid: str, obj: Any, where: str) -> ClaimEntry:
         ),
         updated_at=_number(obj, "updatedAt", where),
         recovered=_flag(obj, "recovered", where),
+        mps=_mps(obj.get("mps"), f"{where}.mps"),
+        pods=_strs(obj, "pods", where) if "pods" in obj else (),
     )
 
 
@@ -384,7 +494,12 @@ def _v0_to_v1(obj: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {0: _v0_to_v1}
+def _v1_to_v2(obj: dict[str, Any]) -> dict[str, Any]:
+    """Version 2 only adds optional fields (sharing, dynamic MIG, MPS daemons, pods). Pure."""
+    return {**obj, "version": 2}
+
+
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {0: _v0_to_v1, 1: _v1_to_v2}
 """Format version N -> a version N+1 object (no checksum needed: it is checked on the input)."""
 
 
@@ -416,7 +531,8 @@ def decode(data: bytes, source: str = "<checkpoint>") -> tuple[Checkpoint, int |
     current = obj
     for v in range(version, CHECKPOINT_VERSION):
         current = MIGRATIONS[v](current)
-    return _from_current(current), (version if version != CHECKPOINT_VERSION else None)
+    # version 1 is current too (it is what a checkpoint without version-2 content is written as)
+    return _from_current(current), (version if version < LOWEST_WRITTEN_VERSION else None)
 
 
 # --- I/O --------------------------------------------------------------------------------------

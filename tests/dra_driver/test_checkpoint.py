@@ -123,7 +123,7 @@ def test_file_format(store: CheckpointStore, path: Path) -> None:
     obj = json.loads(path.read_text())
     assert obj["apiVersion"] == "tessera.dev/v1"
     assert obj["kind"] == "Checkpoint"
-    assert obj["version"] == CHECKPOINT_VERSION == 1
+    assert obj["version"] == 1  # no version-2 content: an older build can still read it
     assert obj["bootID"] == BOOT
     assert obj["checksum"].startswith("sha256:") and len(obj["checksum"]) == 7 + 64
     dev = obj["claims"][UID_B]["devices"][0]
@@ -274,7 +274,7 @@ def test_newer_version_is_refused_and_left_alone(store: CheckpointStore, path: P
     assert f"version {CHECKPOINT_VERSION + 1}" in message
     assert f"up to {CHECKPOINT_VERSION}" in message
     assert "upgrade Tessera or move the file aside" in message
-    assert (info.value.version, info.value.supported) == (CHECKPOINT_VERSION + 1, 1)
+    assert (info.value.version, info.value.supported) == (CHECKPOINT_VERSION + 1, 2)
     assert path.read_bytes() == before
     assert [p.name for p in path.parent.iterdir()] == ["checkpoint.json"]
 
@@ -349,7 +349,7 @@ def test_v0_round_trip(store: CheckpointStore, path: Path) -> None:
     path.write_text(json.dumps(v0_document()))
     first = store.load()
     store.save(first.checkpoint)
-    assert json.loads(path.read_text())["version"] == CHECKPOINT_VERSION
+    assert json.loads(path.read_text())["version"] == 1  # the lowest version that holds it
     second = store.load()
     assert second.checkpoint == first.checkpoint
     assert (first.migrated_from, second.migrated_from) == (0, None)
@@ -441,3 +441,29 @@ def test_lists_become_tuples() -> None:
 def test_claim_key_must_match_uid() -> None:
     with pytest.raises(ValueError, match="has uid"):
         Checkpoint(BOOT, {UID_B: claim_a()})
+
+
+def test_sharing_records_are_written_as_version_2_and_read_back(store: CheckpointStore, path: Path):
+    from dra_driver.checkpoint import MpsRecord
+
+    mig = PreparedDevice(
+        ("mig",), "node-a", "gpu-0-mig-1g10gb-19-3", ("k8s.x/claim=u-d",), "mig", "GPU-0", 0,
+        mig_uuid="MIG-1", gpu_instance_id=9, compute_instance_id=0, placement=(19, 3, 1),
+        sharing="MPS",
+    )  # fmt: skip
+    shared = PreparedDevice(
+        ("gpu",), "node-a", "gpu-1", ("k8s.x/claim=u-g",), "gpu", "GPU-1", 1,
+        sharing="MemoryShare", share_id="3f2a", memory_bytes=4 * 1024**3,
+    )  # fmt: skip
+    entry = ClaimEntry(
+        "uid-a", "ns", "a", PREPARE_COMPLETED, (mig, shared), 5.0,
+        mps=MpsRecord(42, 1700000000.5, "/s/mps/uid-a/pipe", "/s/mps/uid-a/log",
+                      "/s/mps/uid-a/shm", ("MIG-1",)),
+        pods=("pod-1", "pod-2"),
+    )  # fmt: skip
+    store.save(Checkpoint(BOOT, {"uid-a": entry}))
+    assert json.loads(path.read_text())["version"] == 2
+    result = store.load()
+    assert result.checkpoint.claims["uid-a"] == entry and result.migrated_from is None
+    # an older build (version 1 only) refuses it rather than misread it
+    assert "version 2" in str(CheckpointTooNew(str(path), 2, 1))
