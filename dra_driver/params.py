@@ -27,9 +27,9 @@ Defaults, and what they mean:
 
 - no ``sharing`` or no ``sharing.strategy``: ``Exclusive``, one claim per device;
 - ``TimeSlicing`` without ``timeSlicing.interval``: ``Default``, the GPU driver's own timeslice.
-  ``Short``, ``Medium`` and ``Long`` are the longer-running compute-policy timeslices the NVIDIA
-  driver offers (``nvidia-smi compute-policy --set-timeslice`` 1, 2 and 3; ``Default`` is 0, as
-  NVIDIA's reference DRA driver maps them);
+  ``Short``, ``Medium`` and ``Long`` are the NVIDIA driver's other timeslice settings, shortest
+  to longest (``nvidia-smi compute-policy --set-timeslice`` 1, 2 and 3; ``Default`` is 0, as
+  NVIDIA's reference DRA driver, k8s-dra-driver-gpu, maps them);
 - ``MPS`` without ``activeThreadPercentage``: the driver decides (it sets none, so MPS's own
   default applies: every client may use all of the device's SMs);
 - ``MPS`` without ``pinnedMemoryLimit``: no limit on a device that

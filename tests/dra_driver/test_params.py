@@ -2,9 +2,12 @@
 is allowed, and the version table as the one seam for a later apiVersion."""
 
 import datetime
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from dra_driver.errors import ParamsError
 from dra_driver.params import (
@@ -296,3 +299,51 @@ def test_a_new_api_version_is_one_entry_in_the_version_table():
 def test_the_version_table_is_read_only():
     with pytest.raises(TypeError):
         VERSIONS["gpu.tessera.dev/v1"] = _decode_fake_v1  # type: ignore[index]
+
+
+# -- the documentation -----------------------------------------------------------------------
+COOKBOOK = Path(__file__).resolve().parents[2] / "docs" / "claims-cookbook.md"
+
+
+def _reference() -> str:
+    doc = COOKBOOK.read_text()
+    return doc[doc.index("## Configuration reference") :]
+
+
+def test_every_config_in_the_reference_validates():
+    blocks = re.findall(r"```yaml\n(.*?)```", _reference(), re.DOTALL)
+    configs = [yaml.safe_load(b) for b in blocks]
+    opaque = [c.get("opaque") or c["config"][0]["opaque"] for c in configs]
+    decoded = {validate(o["parameters"]) for o in opaque}
+    assert {(d.kind, d.sharing_strategy) for d in decoded} == {
+        ("GpuConfig", "Exclusive"), ("GpuConfig", "TimeSlicing"), ("GpuConfig", "MPS"),
+        ("MigDeviceConfig", "MPS"),
+    }  # fmt: skip
+
+
+def test_the_reference_lists_every_field():
+    rows = re.findall(r"^\| `([a-zA-Z.]+)` \|", _reference(), re.MULTILINE)
+    fields = [r for r in rows if r[0].islower()]
+    assert fields == [
+        "apiVersion", "kind", "sharing", "sharing.strategy", "sharing.timeSlicing",
+        "sharing.timeSlicing.interval", "sharing.mps", "sharing.mps.activeThreadPercentage",
+        "sharing.mps.pinnedMemoryLimit", "sharing.mps.perDevicePinnedMemoryLimit",
+    ]  # fmt: skip
+    for field in fields:  # each is a field the decoder knows: misspelt, it is an unknown field
+        *parents, name = field.split(".")
+        with pytest.raises(ParamsError) as e:
+            validate(_with(parents, {name + "x": 1}))
+        assert f'unknown field(s) "{name}x"' in str(e.value)
+        assert name in str(e.value).split("allowed: ")[1]
+
+
+def _with(parents: list[str], leaf: dict[str, Any]) -> dict[str, Any]:
+    """A valid config with ``leaf`` merged into the object at ``parents``."""
+    obj = gpu({"strategy": "MPS", "mps": {}})
+    if parents[:2] == ["sharing", "timeSlicing"]:
+        obj = gpu({"strategy": "TimeSlicing", "timeSlicing": {}})
+    target = obj
+    for p in parents:
+        target = target[p]
+    target.update(leaf)
+    return obj
