@@ -141,7 +141,7 @@ class DeviceConfig:
 
     def applies_to(self, device_kind: str) -> bool:
         """``GpuConfig`` configures whole GPUs (``gpu``), ``MigDeviceConfig`` MIG devices."""
-        return DEVICE_TYPES[self.kind] == device_kind
+        return DEVICE_TYPES.get(self.kind) == device_kind
 
 
 Decoder: TypeAlias = Callable[[dict[str, Any], str], DeviceConfig]
