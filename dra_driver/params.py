@@ -173,10 +173,16 @@ def _got(value: Any) -> str:
     return "null" if value is None else f"{_kind(value)}: {_show(value)}"
 
 
+def _field_name(key: Any) -> str:
+    """A field name as written (``turbo``); a key YAML made a number or null as JSON (``1``)."""
+    text = key if isinstance(key, str) else _show(key)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _object(value: Any, path: str, allowed: tuple[str, ...]) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ParamsError(f"{path}: expected an object, got {_got(value)}")
-    unknown = sorted(_show(k) for k in value if k not in allowed)
+    unknown = sorted(_field_name(k) for k in value if k not in allowed)
     if unknown:
         raise ParamsError(
             f"{path}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}"
