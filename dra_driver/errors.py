@@ -6,6 +6,7 @@ TesseraError
 ├── KubeletApiError          a kubelet-plugin gRPC call failed (gRPC status name, details)
 ├── ClaimError               a ResourceClaim that cannot be prepared here (per-claim error)
 ├── ParamsError              opaque device configuration that does not parse or validate
+├── QuantityError            text that is not a Kubernetes resource quantity (``4Gi``)
 ├── CheckpointError          the driver checkpoint cannot be read or written
 │   ├── CheckpointCorrupt    unreadable JSON, bad checksum, wrong kind or field types
 │   └── CheckpointTooNew     written by a newer Tessera (upgrade or move the file aside)
@@ -56,6 +57,11 @@ class ClaimError(TesseraError):
 class ParamsError(TesseraError):
     """Opaque configuration parameters that do not parse or validate (the message has the path,
     the offending value and what is allowed)."""
+
+
+class QuantityError(TesseraError):
+    """Text that is not a Kubernetes resource quantity (the message has the text, the problem
+    and the allowed forms). Callers that know where the text came from wrap it with the path."""
 
 
 class KubeletApiError(TesseraError):

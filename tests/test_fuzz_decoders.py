@@ -1,7 +1,9 @@
 """Every decoder of untrusted input raises only its own error, whatever it is fed (hypothesis).
 
-Fed: arbitrary JSON values, arbitrary bytes and text, and valid objects with one random part
-replaced (the shape a broken or hostile writer produces). The property: the decoder returns, or
+Fed: arbitrary JSON values, arbitrary bytes and text, valid objects with one random part
+replaced (the shape a broken or hostile writer produces), and, for the opaque config, near-valid
+configs of every kind and strategy (the API's own words in the wrong places, extra keys of any
+kind, random quantity text). The property: the decoder returns, or
 raises the one error class its callers handle; nothing else escapes. `make test` runs a few
 hundred cases per decoder; `make reliability` runs the `reliability` profile (thousands).
 """
@@ -37,11 +39,15 @@ from dra_driver.errors import (
     ClaimError,
     KubeMalformed,
     ParamsError,
+    QuantityError,
 )
 from dra_driver.kube import _event, _json_object
 from dra_driver.publisher import slice_list
+from dra_driver.quantity import parse_bytes, parse_quantity
 
 DRIVER, NODE = "gpu.tessera.dev", "node-a"
+GPU_UUID = "GPU-5f1e2d3c-4b5a-6978-8a9b-0c1d2e3f4a5b"
+MIG_UUID = "MIG-0a1b2c3d-4e5f-5a6b-8c7d-9e0f1a2b3c4d"
 KEY = ClaimKey("default", "c1", "uid-1")
 
 scalars = (
@@ -186,11 +192,133 @@ def test_claims_decode_or_raise_claim_error(obj):
     assert all(d.driver == DRIVER and d.pool == NODE for d in allocation.devices)
 
 
+# One valid opaque config of every kind and strategy, every field set.
+VALID_CONFIGS = [
+    VALID_PARAMS,
+    {
+        "apiVersion": params.API_VERSION,
+        "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}},
+    },
+    {
+        "apiVersion": params.API_VERSION,
+        "kind": "GpuConfig",
+        "sharing": {
+            "strategy": "MPS",
+            "mps": {
+                "activeThreadPercentage": 50,
+                "pinnedMemoryLimit": "4Gi",
+                "perDevicePinnedMemoryLimit": {"gpu-1": "2Gi", GPU_UUID: 1073741824},
+            },
+        },
+    },
+    {"apiVersion": params.API_VERSION, "kind": "MigDeviceConfig"},
+    {
+        "apiVersion": params.API_VERSION,
+        "kind": "MigDeviceConfig",
+        "sharing": {
+            "strategy": "MPS",
+            "mps": {
+                "activeThreadPercentage": 10,
+                "pinnedMemoryLimit": "1.5G",
+                "perDevicePinnedMemoryLimit": {"gpu-0-mig-1g10gb-19-0": "5Gi", MIG_UUID: "1e9"},
+            },
+        },
+    },
+]
+quantity_texts = st.one_of(
+    st.text(alphabet="0123456789+-.eEnumkKMGTPi ", max_size=24),
+    st.sampled_from(["4Gi", "1Mi", "1023Ki", "0", "-1Gi", "9Ei", "1e30", "1e101", "1.5", ".", ""]),
+    st.text(max_size=70),
+)
+# the words of the API and its near misses: a near-valid config is one of them in the wrong place
+near_words = st.sampled_from(
+    [
+        "GpuConfig", "MigDeviceConfig", "gpuconfig", "Exclusive", "TimeSlicing", "timeslicing",
+        "MPS", "mps", "Mps", "Default", "Short", "Medium", "Long", "strategy", "timeSlicing",
+        "interval", "activeThreadPercentage", "pinnedMemoryLimit", "perDevicePinnedMemoryLimit",
+        "sharing", "gpu-0", "gpu-01", "gpu-0-mig-1g10gb-19-0", GPU_UUID, MIG_UUID, "GPU-", "MIG-",
+        params.API_VERSION, "gpu.tessera.dev/v1",
+    ]
+)  # fmt: skip
+near_values = st.one_of(
+    near_words,
+    quantity_texts,
+    st.integers(-2, 102),
+    st.just(2**63),
+    st.builds(dict) | st.builds(list),
+)
+
+
+@st.composite
+def near_valid(draw: st.DrawFn, valid: Any) -> Any:
+    """``valid`` with one to three changes: a part replaced by a near miss, or an object given
+    extra keys of any JSON-able kind (YAML keys may be numbers, booleans or null)."""
+    obj = copy.deepcopy(valid)
+    keys = near_words | st.integers() | st.booleans() | st.none() | st.text(max_size=5)
+    for _ in range(draw(st.integers(1, 3))):
+        paths = _paths(obj)
+        objects = [p for p in paths if isinstance(_at(obj, p), dict)]
+        if len(paths) == 1 or (objects and draw(st.booleans())):
+            target = _at(obj, draw(st.sampled_from(objects)))
+            target.update(draw(st.dictionaries(keys, near_values, min_size=1, max_size=3)))
+        else:
+            path = draw(st.sampled_from(paths[1:]))
+            _at(obj, path[:-1])[path[-1]] = draw(near_values)
+    return obj
+
+
+def _at(obj: Any, path: tuple[Any, ...]) -> Any:
+    for step in path:
+        obj = obj[step]
+    return obj
+
+
+def test_the_fuzzed_configs_start_valid():
+    kinds = {(c.kind, c.sharing_strategy) for c in map(params.validate, VALID_CONFIGS)}
+    assert kinds == {
+        ("GpuConfig", "Exclusive"), ("GpuConfig", "TimeSlicing"), ("GpuConfig", "MPS"),
+        ("MigDeviceConfig", "Exclusive"), ("MigDeviceConfig", "MPS"),
+    }  # fmt: skip
+
+
 @FUZZ
-@given(st.one_of(json_values, mutated(VALID_PARAMS)))
+@given(
+    st.one_of(
+        json_values,
+        *[mutated(v) for v in VALID_CONFIGS],
+        *[near_valid(v) for v in VALID_CONFIGS],
+    )
+)
 def test_opaque_configs_validate_or_raise_params_error(obj):
     with contextlib.suppress(ParamsError):
         params.validate(obj)
+
+
+@FUZZ
+@given(quantity_texts, quantity_texts, st.sampled_from(VALID_CONFIGS[2::2]))
+def test_random_memory_limits_validate_or_raise_params_error(limit, per_device, valid):
+    obj = copy.deepcopy(valid)
+    mps = obj["sharing"]["mps"]
+    mps["pinnedMemoryLimit"] = limit
+    mps["perDevicePinnedMemoryLimit"] = dict.fromkeys(mps["perDevicePinnedMemoryLimit"], per_device)
+    try:
+        cfg = params.validate(obj)
+    except ParamsError:
+        return
+    assert isinstance(cfg.sharing, params.Mps)
+    assert cfg.sharing.pinned_memory_limit_bytes == parse_bytes(limit) >= 2**20
+
+
+@FUZZ
+@given(quantity_texts)
+def test_quantities_parse_or_raise_quantity_error_and_their_text_round_trips(text):
+    try:
+        q = parse_quantity(text)
+    except QuantityError:
+        return
+    again = parse_quantity(str(q))
+    assert again == q and str(again) == str(q)
 
 
 def _as_bytes(value: Any) -> bytes:
