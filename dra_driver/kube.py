@@ -12,6 +12,7 @@ backoff like a 503), never anything else.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -78,7 +79,8 @@ class KubeClient:
             self._closed = True
             open_streams = list(self._watches)
         for raw in open_streams:
-            raw.shutdown()
+            with contextlib.suppress(OSError):  # the stream ended (and closed) meanwhile
+                raw.shutdown()
 
     def close(self) -> None:
         self.abort_watches()
