@@ -7,7 +7,9 @@ A spec (``cdiVersion`` 0.5.0, the lowest that allows device nodes with ``hostPat
                                              + for MIG /dev/nvidia-caps/nvidia-cap<GI>, ...<CI>
     containerEdits: /dev/nvidiactl, /dev/nvidia-uvm, /dev/nvidia-uvm-tools,
                     env TESSERA_CLAIM_UID, TESSERA_DEVICES (device names, comma-separated),
-                    read-only bind mounts of the driver's user-space libraries
+                    read-only bind mounts of the driver's user-space libraries;
+                    with MPS: env CUDA_MPS_PIPE_DIRECTORY=/run/tessera/mps and bind mounts of
+                    the claim's daemon's pipe directory there and its shm directory at /dev/shm
 
 Device names carry the claim UID because runtimes cache specs: a name is never reused by another
 claim. File and device names are built only from validated values (a claim UID, DNS-label device
@@ -74,6 +76,25 @@ LIBRARIES = (
 MOUNT_OPTIONS = ("ro", "nosuid", "nodev", "bind")
 CAPS_DIR = "proc/driver/nvidia/capabilities"
 _MINOR_RE = re.compile(r"^\s*DeviceFileMinor:\s*([0-9]+)\s*$", re.MULTILINE)
+
+
+MPS_CONTAINER_PIPE_DIR = "/run/tessera/mps"
+"""Where a claim's containers see its MPS daemon's pipe directory (CUDA_MPS_PIPE_DIRECTORY)."""
+
+
+@dataclass(frozen=True)
+class MpsEdits:
+    """The host directories of a claim's MPS daemon that its containers need."""
+
+    pipe_dir: str
+    """Mounted at ``MPS_CONTAINER_PIPE_DIR`` (the control socket)."""
+    shm_dir: str
+    """Mounted at ``/dev/shm`` (the shared memory of the MPS server and its clients)."""
+
+    def __post_init__(self) -> None:
+        for path in (self.pipe_dir, self.shm_dir):
+            if not path.startswith("/") or "\x00" in path or ".." in path.split("/"):
+                raise CdiError(f"MPS directory {path!r} is not a plain absolute path")
 
 
 @dataclass(frozen=True)
@@ -231,8 +252,11 @@ class CdiWriter:
                     break
         return mounts
 
-    def build_spec(self, claim_uid: str, devices: Sequence[CdiRequest]) -> dict[str, Any]:
-        """The CDI spec of a claim with ``devices``. Pure apart from reading the driver root.
+    def build_spec(
+        self, claim_uid: str, devices: Sequence[CdiRequest], mps: MpsEdits | None = None
+    ) -> dict[str, Any]:
+        """The CDI spec of a claim with ``devices`` (and its MPS daemon's directories). Pure
+        apart from reading the driver root.
 
         Raises CdiError for a bad claim UID or device name, a duplicate device, no devices, or a
         MIG device whose capability files are missing.
@@ -258,6 +282,14 @@ class CdiWriter:
             "deviceNodes": [_node(p) for p in CONTROL_NODES],
         }
         mounts = self.library_mounts()
+        if mps is not None:
+            edits["env"].append(f"CUDA_MPS_PIPE_DIRECTORY={MPS_CONTAINER_PIPE_DIR}")
+            mounts += [
+                {"hostPath": mps.pipe_dir, "containerPath": MPS_CONTAINER_PIPE_DIR,
+                 "options": ["rw", "nosuid", "nodev", "bind"]},
+                {"hostPath": mps.shm_dir, "containerPath": "/dev/shm",
+                 "options": ["rw", "nosuid", "nodev", "bind"]},
+            ]  # fmt: skip
         if mounts:
             edits["mounts"] = mounts
         spec: dict[str, Any] = {

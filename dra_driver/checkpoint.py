@@ -126,9 +126,14 @@ class MpsRecord:
     shm_dir: str
     devices: tuple[str, ...]
     """The UUIDs (GPU or MIG) it serves."""
+    thread_percentage: int | None = None
+    """The default active thread percentage it was given (None: MPS's own)."""
+    pinned: tuple[tuple[str, int], ...] = ()
+    """(device UUID, bytes): the pinned-memory limits it was given (to start it again)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
+        object.__setattr__(self, "pinned", tuple((u, int(b)) for u, b in self.pinned))
 
 
 @dataclass(frozen=True)
@@ -264,6 +269,8 @@ def _mps_json(m: MpsRecord) -> dict[str, Any]:
         "logDir": m.log_dir,
         "shmDir": m.shm_dir,
         "devices": list(m.devices),
+        "threadPercentage": m.thread_percentage,
+        "pinnedMemory": {uuid: b for uuid, b in m.pinned},
     }
 
 
@@ -417,7 +424,19 @@ def _mps(obj: Any, where: str) -> MpsRecord | None:
         log_dir=_str(obj, "logDir", where),
         shm_dir=_str(obj, "shmDir", where),
         devices=_strs(obj, "devices", where),
+        thread_percentage=_opt_int(obj, "threadPercentage", where),
+        pinned=_pinned(obj.get("pinnedMemory"), where),
     )
+
+
+def _pinned(obj: Any, where: str) -> tuple[tuple[str, int], ...]:
+    if obj is None:
+        return ()
+    if not isinstance(obj, dict) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in obj.values()
+    ):
+        raise CheckpointCorrupt(f"{where}.pinnedMemory: expected an object of byte counts")
+    return tuple(sorted(obj.items()))
 
 
 def _claim(uid: str, obj: Any, where: str) -> ClaimEntry:

@@ -29,8 +29,9 @@ from typing import Any, Protocol
 
 from agent.decode import load_yaml_documents
 from agent.errors import DecodeError
-from dra_driver.errors import ClaimError, KubeError
+from dra_driver.errors import ClaimError, KubeError, QuantityError
 from dra_driver.kube import KubeClient
+from dra_driver.quantity import parse_bytes
 
 MAX_CLAIM_FILE_BYTES = 1024 * 1024
 CLAIM_READ_TIMEOUT = (5.0, 15.0)
@@ -75,6 +76,9 @@ class AllocatedDevice:
     device: str
     admin_access: bool = False
     share_id: str | None = None
+    consumed_memory: int | None = None
+    """Bytes of the device's ``memory`` capacity this allocation consumed (consumable capacity:
+    a memory share), from ``consumedCapacity``."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,8 @@ class Allocation:
     """Results for this driver only."""
     configs: tuple[OpaqueConfig, ...]
     """Opaque configs for this driver, in the order they apply (class first, then claim)."""
+    pods: tuple[str, ...] = ()
+    """UIDs of the pods the claim is reserved for (``status.reservedFor``)."""
 
 
 class _Fields:
@@ -223,6 +229,7 @@ def parse_allocation(obj: Any, key: ClaimKey, driver: str, node: str) -> Allocat
                 device=str(name),
                 admin_access=r.flag("adminAccess"),
                 share_id=r.text("shareID", required=False),
+                consumed_memory=_consumed_memory(r),
             )
         )
     configs = []
@@ -239,7 +246,35 @@ def parse_allocation(obj: Any, key: ClaimKey, driver: str, node: str) -> Allocat
         )
     # class configs first, then claim configs; within each, later entries win (stable sort)
     configs.sort(key=lambda c: 0 if c.source == "FromClass" else 1)
-    return Allocation(claim=key, devices=tuple(results), configs=tuple(configs))
+    pods = (
+        tuple(
+            str(ref.text("uid"))
+            for ref in status.items("reservedFor")
+            if ref.get("resource") == "pods" and ref.get("uid") is not None
+        )
+        if status is not None
+        else ()
+    )
+    return Allocation(claim=key, devices=tuple(results), configs=tuple(configs), pods=pods)
+
+
+def _consumed_memory(result: _Fields) -> int | None:
+    consumed = result.obj_or_none("consumedCapacity")
+    text = consumed.get("memory") if consumed is not None else None
+    if text is None:
+        return None
+    where = f"{result.path}.consumedCapacity.memory"
+    if isinstance(text, int) and not isinstance(text, bool) and text >= 0:
+        return text
+    if not isinstance(text, str):
+        raise _bad(result.key, where, f"expected a quantity, got {_kind(text)}")
+    try:
+        value = parse_bytes(text)
+    except QuantityError as exc:
+        raise _bad(result.key, where, str(exc)) from exc
+    if value < 0:
+        raise _bad(result.key, where, f"{text!r} is negative")
+    return value
 
 
 def configs_for(allocation: Allocation, request: str) -> list[OpaqueConfig]:

@@ -91,12 +91,17 @@ class DraService:
         return [ClaimKey(c.namespace, c.name, c.uid) for c in request.claims]
 
     def _device(self, d: Any) -> Any:
-        return self.pb2.Device(
+        device = self.pb2.Device(
             request_names=list(d.request_names),
             pool_name=d.pool,
             device_name=d.device,
             cdi_device_ids=list(d.cdi_device_ids),
         )
+        # the allocation's share ID, echoed so the kubelet matches the device to its result
+        # (v1 only: v1beta1 has no such field)
+        if d.share_id is not None and "share_id" in self.pb2.Device.DESCRIPTOR.fields_by_name:
+            device.share_id = d.share_id
+        return device
 
     def NodePrepareResources(self, request: Any, context: Any) -> Any:
         results: dict[str, ClaimResult] = self.preparer.prepare(self._keys(request))

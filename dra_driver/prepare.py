@@ -2,16 +2,21 @@
 
 Every prepare is a short fixed sequence (see ``Preparer._prepare_one``):
 
-1. read the claim and compute the plan (``plan_claim``, pure): our devices, their configs;
+1. read the claim and compute the plan (``plan.plan_claim``, pure): our devices, their configs,
+   how each is shared;
 2. under the checkpoint lock: a ``PrepareCompleted`` entry is returned unchanged; a
-   ``PrepareStarted`` one is rolled back first; the exclusivity rule is checked; the claim is
-   recorded as ``PrepareStarted`` (the devices are now reserved);
-3. side effects: the CDI spec (idempotent, discoverable by its file name);
+   ``PrepareStarted`` (or recovered) one is rolled back first; the sharing rule
+   (``plan.conflicts``) is checked; the claim is recorded as ``PrepareStarted`` with its plan
+   (the devices are now reserved);
+3. side effects, under the locks of the claim's GPUs (``sharing.effects``): dynamic MIG devices
+   created, time-slicing and MPS set up, each recorded as it is made; then the CDI spec
+   (idempotent, discoverable by its file name);
 4. under the lock: the entry becomes ``PrepareCompleted``.
 
-A crash between any two steps is repaired by the next prepare of the claim (the kubelet retries)
-or by ``reconcile_on_start``. Claims touching different devices run concurrently; the same claim
-from many callers is serialized by a per-claim lock.
+A failure in step 3 undoes what the claim got to before it answers. A crash between any two
+steps is repaired by the next prepare of the claim (the kubelet retries) or by
+``reconcile_on_start``. Claims touching different GPUs run concurrently; the same claim from many
+callers is serialized by a per-claim lock, side effects on one GPU by a per-GPU lock.
 """
 
 from __future__ import annotations
@@ -19,16 +24,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from functools import partial
+from typing import TypeVar
 
 from agent.errors import TesseraError
 from agent.logs import fields_
-from dra_driver import params
 from dra_driver.cdi import CdiRequest, CdiWriter
 from dra_driver.checkpoint import (
     PREPARE_COMPLETED,
@@ -36,23 +42,30 @@ from dra_driver.checkpoint import (
     Checkpoint,
     CheckpointStore,
     ClaimEntry,
+    MpsRecord,
     PreparedDevice,
 )
-from dra_driver.claims import Allocation, ClaimKey, ClaimSource, configs_for, parse_allocation
-from dra_driver.devices import AdvertisedDevice, DeviceModel
+from dra_driver.claims import ClaimKey, ClaimSource, parse_allocation
+from dra_driver.devices import DeviceModel
 from dra_driver.errors import CdiError, ClaimError, KubeError, ParamsError
+from dra_driver.plan import ClaimPlan, PlannedDevice, SharingPolicy, conflicts, plan_claim
+from dra_driver.sharing.effects import Effects, mps_edits
 
+T = TypeVar("T")
 CrashHook = Callable[[str], None]
 Observer = Callable[[str, float, str | None], None]
 """``observe(operation, seconds, error reason or None)`` after every claim (for metrics)."""
-CRASH_POINTS = ("after-started", "after-cdi", "after-completed", "after-unprepare-commit")
-
-
-@dataclass(frozen=True)
-class PlannedDevice:
-    device: AdvertisedDevice
-    request_names: tuple[str, ...]
-    config: params.DeviceConfig | None
+CRASH_POINTS = (
+    "after-started",
+    "after-gi-create",
+    "after-ci-create",
+    "after-compute-policy",
+    "after-mps-start",
+    "after-cdi",
+    "after-completed",
+    "after-unprepare-undo",
+    "after-unprepare-commit",
+)
 
 
 @dataclass(frozen=True)
@@ -61,60 +74,8 @@ class ClaimResult:
     error: str = ""
 
 
-def plan_claim(allocation: Allocation, model: DeviceModel) -> list[PlannedDevice]:
-    """Our devices of the allocation, each with its request names and effective config. Pure.
-
-    Raises ClaimError for devices this node does not advertise or cannot prepare, ParamsError
-    for configs that do not parse or validate."""
-    requests: dict[str, list[str]] = {}
-    for d in allocation.devices:
-        requests.setdefault(d.device, [])
-        if d.request not in requests[d.device]:
-            requests[d.device].append(d.request)
-    for i, c in enumerate(allocation.configs):  # every config of ours must be valid
-        params.validate(c.parameters, f"config[{i}].opaque.parameters")
-    planned = []
-    for name, reqs in requests.items():
-        try:
-            dev = model.device(name)
-        except KeyError:
-            raise ClaimError(
-                f"claim {allocation.claim}: device {name!r} is not advertised by this node",
-                "unknown_device",
-            ) from None
-        if dev.kind == "mig" and dev.gpu_instance_id is None:
-            raise ClaimError(
-                f"claim {allocation.claim}: {name} is a dynamic MIG placement; creating MIG"
-                " devices at prepare time is not supported by this driver version",
-                "unsupported_device",
-            )
-        config = None
-        for r in reqs:
-            for c in configs_for(allocation, r):
-                cfg = params.validate(c.parameters)
-                if cfg.applies_to(dev.kind):
-                    config = cfg  # later entries win
-        planned.append(PlannedDevice(dev, tuple(reqs), config))
-    return planned
-
-
-def exclusive_conflict(
-    cp: Checkpoint, claim: ClaimKey, pool: str, devices: Sequence[PlannedDevice]
-) -> None:
-    """The one rule for who may hold a device: a device prepared for another claim is refused.
-    (Sharing modes relax this here, and only here.) Raises ClaimError naming both claims."""
-    for p in devices:
-        holder = cp.holder_of(pool, p.device.name)
-        if holder is not None and holder.uid != claim.uid:
-            raise ClaimError(
-                f"device {p.device.name} is already prepared for claim {holder.namespace}/"
-                f"{holder.name} ({holder.uid}); claim {claim} cannot have it too",
-                "device_busy",
-            )
-
-
-def _cdi_requests(entry: ClaimEntry) -> list[CdiRequest]:
-    """What the CDI spec of a recorded claim contains (to write it again)."""
+def _cdi_requests(devices: Sequence[PreparedDevice]) -> list[CdiRequest]:
+    """What the CDI spec of a claim's recorded devices contains."""
     return [
         CdiRequest(
             device_name=d.device,
@@ -122,8 +83,12 @@ def _cdi_requests(entry: ClaimEntry) -> list[CdiRequest]:
             gpu_instance_id=d.gpu_instance_id,
             compute_instance_id=d.compute_instance_id,
         )
-        for d in entry.devices
+        for d in devices
     ]
+
+
+def _gpus(devices: Iterable[PreparedDevice]) -> set[str]:
+    return {d.gpu_uuid for d in devices if d.gpu_uuid}
 
 
 def _shutting_down(claim: ClaimKey) -> ClaimResult:
@@ -134,8 +99,8 @@ def _shutting_down(claim: ClaimKey) -> ClaimResult:
 
 
 class ClaimLocks:
-    """One lock per claim UID, kept only while some call uses it: the same claim from several
-    callers is serialized, and a claim that is gone leaves nothing behind."""
+    """One lock per key (a claim UID, a GPU UUID), kept only while some call uses it: the same
+    claim from several callers is serialized, and a claim that is gone leaves nothing behind."""
 
     def __init__(self) -> None:
         self._guard = threading.Lock()
@@ -156,6 +121,15 @@ class ClaimLocks:
                     del self._locks[uid]
                 else:
                     self._locks[uid] = (lock, users - 1)
+
+    @contextmanager
+    def hold_all(self, keys: Iterable[str]) -> Iterator[None]:
+        """Hold the locks of every key, taken in sorted order (so two callers never wait on
+        each other the other way round)."""
+        with ExitStack() as stack:
+            for key in sorted(set(keys)):
+                stack.enter_context(self.hold(key))
+            yield
 
     def __len__(self) -> int:
         with self._guard:
@@ -178,6 +152,8 @@ class Preparer:
         cdi: CdiWriter,
         devices: Callable[[], DeviceModel],
         log: logging.Logger,
+        effects: Effects | None = None,
+        sharing: SharingPolicy | None = None,
         crash_hook: CrashHook = lambda point: None,
         observe: Observer = lambda op, seconds, reason: None,
         workers: int = 8,
@@ -192,6 +168,9 @@ class Preparer:
         self.cdi = cdi
         self.devices = devices
         self.log = log
+        self.effects = effects or Effects(mig=None, settings=None, mps=None, gpus=dict, log=log)
+        """Side effects of sharing and dynamic MIG; without tools, claims that need them fail."""
+        self.sharing = sharing or SharingPolicy()
         self.crash = crash_hook
         self.observe = observe
         self.deadline_s = deadline_s
@@ -199,6 +178,7 @@ class Preparer:
         self._clock = clock
         self._cp_lock = threading.Lock()
         self.claim_locks = ClaimLocks()
+        self.gpu_locks = ClaimLocks()
         # unprepare never queues behind prepares of other claims (a slow claim read holds a
         # prepare worker, never an unprepare one)
         self._pools = {
@@ -256,22 +236,50 @@ class Preparer:
         with self._cp_lock:
             for entry in list(cp.claims.values()):
                 if entry.state == PREPARE_STARTED:
-                    self.cdi.remove(entry.uid)
-                    cp = cp.without_claim(entry.uid)
-                    self.log.warning(
-                        "rolled back an interrupted prepare",
-                        extra=fields_(claim=f"{entry.namespace}/{entry.name}", uid=entry.uid),
-                    )
+                    rest = cp.without_claim(entry.uid)
+                    if self._start_step("roll back", entry, partial(self._undo, entry, rest)):
+                        cp = rest
+                        self.log.warning(
+                            "rolled back an interrupted prepare",
+                            extra=fields_(claim=f"{entry.namespace}/{entry.name}", uid=entry.uid),
+                        )
             for uid in sorted(self.cdi.claim_uids() - set(cp.claims)):
                 cp = self._unlisted_spec(cp, uid, result.authoritative)
-            for entry in cp.claims.values():
-                if entry.devices and entry.uid not in self.cdi.claim_uids():
-                    self.cdi.write(entry.uid, self.cdi.build_spec(entry.uid, _cdi_requests(entry)))
+            try:
+                self.effects.sweep(cp)
+            except TesseraError as exc:
+                self.log.error(
+                    "cannot sweep partitions and MPS daemons no claim owns; retried at the next"
+                    " start",
+                    extra=fields_(error=str(exc)),
+                )
+            for entry in list(cp.claims.values()):
+                restored = self._start_step("restore", entry, partial(self.effects.restore, entry))
+                if restored is not None and restored[0] is not entry:
+                    cp = cp.with_claim(restored[0])
+                current = cp.claims[entry.uid]
+                if current.devices and current.uid not in self.cdi.claim_uids():
+                    self._write_spec(current)
                     self.log.warning(
                         "restored the missing CDI spec of a prepared claim",
                         extra=fields_(claim=f"{entry.namespace}/{entry.name}", uid=entry.uid),
                     )
             self._commit(cp)
+
+    def _start_step(self, what: str, entry: ClaimEntry, step: Callable[[], T]) -> tuple[T] | None:
+        """One claim's step at start: ``(its result,)``, or None when it failed; a failure is
+        logged (the claim's next prepare or unprepare tries again, and a rolled-back claim
+        keeps its devices until then) and never keeps the agent from starting."""
+        try:
+            return (step(),)
+        except TesseraError as exc:
+            self.log.error(
+                f"cannot {what} a claim's sharing and partitions at start",
+                extra=fields_(
+                    claim=f"{entry.namespace}/{entry.name}", uid=entry.uid, error=str(exc)
+                ),
+            )
+            return None
 
     def _unlisted_spec(self, cp: Checkpoint, uid: str, authoritative: bool) -> Checkpoint:
         """Decide about the CDI spec of a claim the checkpoint does not list (see
@@ -308,7 +316,7 @@ class Preparer:
             d = self.devices().device(name)
         except (KeyError, ClaimError):
             return PreparedDevice((), self.pool, name, (), "gpu", "", -1)
-        return self._record(uid, d, ())
+        return self._record(uid, PlannedDevice(d, (), None))
 
     # -- prepare -----------------------------------------------------------------------------
     def prepare(self, claims: Sequence[ClaimKey]) -> dict[str, ClaimResult]:
@@ -416,62 +424,110 @@ class Preparer:
                 raise ClaimError(f"claim {claim}: cannot read it: {exc}", "api_error") from exc
             allocation = parse_allocation(obj, claim, self.driver_name, self.pool)
             try:
-                planned = plan_claim(allocation, self.devices())
+                plan = plan_claim(allocation, self.devices(), self.sharing)
             except ParamsError as exc:
                 raise ClaimError(
                     f"claim {claim}: invalid configuration: {exc}", "invalid_config"
                 ) from exc
-            prepared = tuple(self._prepared_device(claim, p) for p in planned)
+            if existing is not None:  # left by a crash, or recovered: roll back first
+                self._roll_back(existing)
+            records = tuple(self._record(claim.uid, p) for p in plan.devices)
             with self._cp_lock:
-                cp = self.checkpoint
-                if claim.uid in cp.claims:  # left by a crash, or recovered: roll back first
-                    self.cdi.remove(claim.uid)
-                    cp = cp.without_claim(claim.uid)
-                exclusive_conflict(cp, claim, self.pool, planned)
-                self._commit(cp.with_claim(self._entry(claim, PREPARE_STARTED, prepared)))
-            self.crash("after-started")
-            requests = [
-                CdiRequest(
-                    device_name=p.device.name,
-                    gpu_minor=p.device.gpu_minor,
-                    gpu_instance_id=p.device.gpu_instance_id,
-                    compute_instance_id=p.device.compute_instance_id,
-                )
-                for p in planned
-            ]
-            if requests:
-                self.cdi.write(claim.uid, self.cdi.build_spec(claim.uid, requests))
-            self.crash("after-cdi")
-            with self._cp_lock:
+                conflicts(self.checkpoint, claim, self.pool, plan.devices, self.sharing)
                 self._commit(
-                    self.checkpoint.with_claim(self._entry(claim, PREPARE_COMPLETED, prepared))
+                    self.checkpoint.with_claim(
+                        self._entry(claim, PREPARE_STARTED, records, pods=plan.pods)
+                    )
                 )
+            self.crash("after-started")
+            try:
+                entry = self._make(claim, plan, records)
+            except TesseraError:
+                self._roll_back(self.checkpoint.claims[claim.uid], quiet=True)
+                raise
+            with self._cp_lock:
+                self._commit(self.checkpoint.with_claim(entry))
             self.crash("after-completed")
             self.log.info(
                 "prepared claim",
-                extra=fields_(claim=str(claim), devices=",".join(d.device for d in prepared)),
+                extra=fields_(claim=str(claim), devices=",".join(d.device for d in entry.devices)),
             )
-            return ClaimResult(devices=prepared)
+            return ClaimResult(devices=entry.devices)
+
+    def _make(
+        self, claim: ClaimKey, plan: ClaimPlan, records: tuple[PreparedDevice, ...]
+    ) -> ClaimEntry:
+        """Step 3: the side effects and the CDI spec; the completed entry."""
+
+        def save(devices: tuple[PreparedDevice, ...], mps: MpsRecord | None) -> None:
+            with self._cp_lock:
+                self._commit(
+                    self.checkpoint.with_claim(
+                        self._entry(claim, PREPARE_STARTED, devices, pods=plan.pods, mps=mps)
+                    )
+                )
+
+        with self.gpu_locks.hold_all(_gpus(records)):
+            applied = self.effects.apply(claim, plan, records, save)
+        entry = self._entry(
+            claim, PREPARE_COMPLETED, applied.devices, pods=plan.pods, mps=applied.mps
+        )
+        if entry.devices:
+            self._write_spec(entry)
+        self.crash("after-cdi")
+        return entry
+
+    def _roll_back(self, entry: ClaimEntry, quiet: bool = False) -> None:
+        """Undo whatever ``entry`` got to and forget it (a failed, interrupted or recovered
+        prepare). When undoing fails, the entry stays (its devices stay held) and the error
+        is raised: the claim's next prepare or unprepare tries again."""
+        try:
+            self._undo(entry, self.checkpoint)
+        except TesseraError as exc:
+            self.log.error(
+                "cannot undo a claim's partial prepare; its devices stay held until a retry"
+                " succeeds",
+                extra=fields_(
+                    claim=f"{entry.namespace}/{entry.name}", uid=entry.uid, error=str(exc)
+                ),
+            )
+            if not quiet:
+                raise
+            return
+        with self._cp_lock:
+            self._commit(self.checkpoint.without_claim(entry.uid))
+
+    def _undo(self, entry: ClaimEntry, cp: Checkpoint) -> None:
+        """Undo the claim's side effects (under its GPUs' locks) and remove its CDI spec."""
+        with self.gpu_locks.hold_all(_gpus(entry.devices)):
+            self.effects.undo(entry, cp)
+        self.cdi.remove(entry.uid)
+
+    def _write_spec(self, entry: ClaimEntry) -> None:
+        self.cdi.write(
+            entry.uid,
+            self.cdi.build_spec(entry.uid, _cdi_requests(entry.devices), mps_edits(entry.mps)),
+        )
 
     def _ensure_spec(self, entry: ClaimEntry) -> None:
         """A prepared claim is only prepared with its CDI spec: one deleted since is written
         again from the record (the container runtime needs it to start the pod)."""
         if entry.devices and not self.cdi.path(entry.uid).exists():
-            self.cdi.write(entry.uid, self.cdi.build_spec(entry.uid, _cdi_requests(entry)))
+            self._write_spec(entry)
             self.log.warning(
                 "re-wrote the missing CDI spec of a prepared claim",
                 extra=fields_(claim=f"{entry.namespace}/{entry.name}", uid=entry.uid),
             )
 
-    def _prepared_device(self, claim: ClaimKey, p: PlannedDevice) -> PreparedDevice:
-        return self._record(claim.uid, p.device, p.request_names)
-
-    def _record(
-        self, uid: str, d: AdvertisedDevice, request_names: tuple[str, ...]
-    ) -> PreparedDevice:
-        """The checkpoint's record of advertised device ``d`` prepared for claim ``uid``."""
+    def _record(self, uid: str, p: PlannedDevice) -> PreparedDevice:
+        """The checkpoint's record of planned device ``p`` for claim ``uid`` (a dynamic MIG
+        device's UUID and instance ids are added once it is created)."""
+        d = p.device
+        placement = None
+        if p.dynamic and d.mig_profile_id is not None and d.mig_placement_start is not None:
+            placement = (d.mig_profile_id, d.mig_placement_start, d.mig_placement_size or 0)
         return PreparedDevice(
-            request_names=request_names,
+            request_names=p.request_names,
             pool=self.pool,
             device=d.name,
             cdi_device_ids=(self.cdi.device_id(uid, d.name),),
@@ -481,10 +537,21 @@ class Preparer:
             mig_uuid=d.uuid if d.kind == "mig" else None,
             gpu_instance_id=d.gpu_instance_id,
             compute_instance_id=d.compute_instance_id,
+            placement=placement,
+            sharing=p.sharing,
+            interval=p.interval,
+            share_id=p.share_id,
+            memory_bytes=p.memory_bytes,
         )
 
     @staticmethod
-    def _entry(claim: ClaimKey, state: str, devices: tuple[PreparedDevice, ...]) -> ClaimEntry:
+    def _entry(
+        claim: ClaimKey,
+        state: str,
+        devices: tuple[PreparedDevice, ...],
+        pods: tuple[str, ...] = (),
+        mps: MpsRecord | None = None,
+    ) -> ClaimEntry:
         return ClaimEntry(
             uid=claim.uid,
             namespace=claim.namespace,
@@ -492,19 +559,27 @@ class Preparer:
             state=state,
             devices=devices,
             updated_at=time.time(),
+            mps=mps,
+            pods=pods,
         )
 
     # -- unprepare ---------------------------------------------------------------------------
     def _unprepare_one(self, claim: ClaimKey) -> ClaimResult:
-        """Release the record first, then clean up: a crash in between leaves only orphaned side
-        effects, which the next start sweeps (never a record whose side effects are gone)."""
+        """Undo the claim's side effects, then release its record: a failure to undo answers
+        with the error and keeps the record (its devices stay held; the kubelet retries), and a
+        crash in between leaves a record whose undo the retry repeats (every step is
+        idempotent). The CDI spec goes last, also one left by an earlier crash."""
         with self.claim_locks.hold(claim.uid):
-            if claim.uid in self.checkpoint.claims:
+            entry = self.checkpoint.claims.get(claim.uid)
+            if entry is not None:
+                with self.gpu_locks.hold_all(_gpus(entry.devices)):
+                    self.effects.undo(entry, self.checkpoint)
+                self.crash("after-unprepare-undo")
                 with self._cp_lock:
                     self._commit(self.checkpoint.without_claim(claim.uid))
                 self.crash("after-unprepare-commit")
                 self.log.info("unprepared claim", extra=fields_(claim=str(claim)))
-            self.cdi.remove(claim.uid)  # idempotent; also a spec left by an earlier crash
+            self.cdi.remove(claim.uid)
             return ClaimResult()
 
     def close(self, timeout: float) -> list[str]:

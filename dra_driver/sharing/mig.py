@@ -100,23 +100,27 @@ class DynamicMig:
             )
         self.log.info("turned MIG mode on", extra=fields_(gpu=device.gpu_index))
 
-    def release(self, device: AdvertisedDevice) -> bool:
-        """Destroy the MIG device at ``device``'s placement (compute instance first); True if
-        there was one. Idempotent."""
-        profile, start, _ = _placement(device)
+    def release(self, name: str, gpu_index: int, profile: int, start: int) -> bool:
+        """Destroy the MIG device of profile ``profile`` at placement ``start`` on GPU
+        ``gpu_index`` (compute instances first); True if there was one. Idempotent. ``name``
+        says whose it was, for the log and errors."""
         try:
-            found = self.control.find(device.gpu_index, profile, start)
+            found = self.control.find(gpu_index, profile, start)
             if found is None:
                 return False
-            self.control.destroy(device.gpu_index, found.gpu_instance_id)
+            self.control.destroy(gpu_index, found.gpu_instance_id)
         except NvmlError as exc:
             raise SharingError(
-                f"{device.name}: cannot destroy the MIG device: {exc}", "mig_error"
+                f"{name}: cannot destroy the MIG device: {exc}", "mig_error"
             ) from exc
         self.log.info(
             "destroyed MIG device",
             extra=fields_(
-                device=device.name, gpu=device.gpu_index, gpu_instance=found.gpu_instance_id
+                device=name,
+                gpu=gpu_index,
+                gpu_instance=found.gpu_instance_id,
+                profile=profile,
+                placement_start=start,
             ),
         )
         return True

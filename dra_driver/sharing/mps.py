@@ -43,8 +43,6 @@ from dra_driver.errors import SharingError, ToolError
 from dra_driver.sharing.tools import Tools, check_uuid
 
 PID_FILE = "nvidia-cuda-mps-control.pid"
-CONTAINER_PIPE_DIR = "/run/tessera/mps"
-"""Where a claim's containers see the daemon's pipe directory (CUDA_MPS_PIPE_DIRECTORY)."""
 MIB = 1024 * 1024
 KEY_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
@@ -245,8 +243,12 @@ class MpsControl:
                         break
                     if self._gone(d, self.stop_timeout_s / 2):
                         break
-        shutil.rmtree(self.directory(d.key), ignore_errors=True)
+        self.remove(d.key)
         self.log.info("MPS control daemon stopped", extra=fields_(claim_uid=d.key, pid=d.pid))
+
+    def remove(self, key: str) -> None:
+        """Remove a daemon's directories (after it stopped, or what a crash left)."""
+        shutil.rmtree(self.directory(key), ignore_errors=True)
 
     def _gone(self, d: MpsDaemon, timeout_s: float) -> bool:
         deadline = self._clock() + timeout_s

@@ -1,0 +1,293 @@
+"""What preparing a claim means, decided before anything is touched (pure).
+
+``plan_claim`` turns a claim's allocation into the devices to prepare, each with its effective
+opaque config and how it is shared; ``conflicts`` is the one rule for who may hold a device at
+the same time as whom. Neither does I/O: prepare calls them under its checkpoint lock, and
+``tessera explain`` can too.
+
+How a device is shared (``PlannedDevice.sharing``):
+
+- ``None``: exclusive, the claim alone (the default);
+- ``TimeSlicing`` (a whole GPU, from a GpuConfig): the claim's pods and containers take turns,
+  at the config's interval; with ``--sharing time-slicing`` other claims may share the GPU too,
+  when they ask for the same interval;
+- ``MPS`` (a whole GPU or a MIG device, from a config): the claim's processes share it through
+  the claim's own MPS control daemon, with the config's thread percentage and memory limits;
+- ``MemoryShare`` (a whole GPU under ``--sharing memory-shares``): the claim gets the memory it
+  consumed (the allocation's ``consumedCapacity.memory``, the request policy's default when
+  absent) as its MPS daemon's pinned-memory limit, and a thread percentage proportional to its
+  share unless its MPS config says otherwise; the shares of one GPU never add up to more than
+  its memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from dra_driver import params
+from dra_driver.checkpoint import Checkpoint, ClaimEntry, PreparedDevice
+from dra_driver.claims import Allocation, ClaimKey, configs_for
+from dra_driver.devices import AdvertisedDevice, DeviceModel
+from dra_driver.errors import ClaimError, ParamsError
+
+TIME_SLICING, MPS, MEMORY_SHARE = "TimeSlicing", "MPS", "MemoryShare"
+
+
+@dataclass(frozen=True)
+class SharingPolicy:
+    """The node's sharing settings (from ``--sharing``, ``--mig-mode``)."""
+
+    mode: str = "none"
+    """``none``, ``time-slicing`` or ``memory-shares``."""
+    dynamic_mig: bool = False
+    memory_share_min: int = 1024**3
+
+
+@dataclass(frozen=True)
+class PlannedDevice:
+    device: AdvertisedDevice
+    request_names: tuple[str, ...]
+    config: params.DeviceConfig | None
+    sharing: str | None = None
+    """None (exclusive), TimeSlicing, MPS or MemoryShare (see the module docstring)."""
+    interval: str | None = None
+    """TimeSlicing: Default, Short, Medium or Long."""
+    share_id: str | None = None
+    memory_bytes: int | None = None
+    """MemoryShare: the memory the claim consumed."""
+    thread_percentage: int | None = None
+    """MPS and MemoryShare: the daemon's default active thread percentage (None: MPS's own)."""
+    pinned_memory_bytes: int | None = None
+    """MPS and MemoryShare: the pinned-memory limit of this device (None: none)."""
+
+    @property
+    def dynamic(self) -> bool:
+        """A dynamic MIG placement: prepare creates the MIG device."""
+        return self.device.kind == "mig" and self.device.gpu_instance_id is None
+
+    @property
+    def uses_mps(self) -> bool:
+        return self.sharing in (MPS, MEMORY_SHARE)
+
+
+@dataclass(frozen=True)
+class ClaimPlan:
+    devices: tuple[PlannedDevice, ...]
+    pods: tuple[str, ...] = ()
+    mps_thread_percentage: int | None = field(default=None)
+    """The claim's MPS daemon's default thread percentage (the largest its devices ask)."""
+
+    @property
+    def uses_mps(self) -> bool:
+        return any(p.uses_mps for p in self.devices)
+
+
+def _memory(device: AdvertisedDevice) -> int:
+    return int(dict(device.capacity).get("memory", "0"))
+
+
+def _sharing(
+    claim: ClaimKey,
+    device: AdvertisedDevice,
+    config: params.DeviceConfig | None,
+    policy: SharingPolicy,
+    consumed: int | None,
+    share_id: str | None,
+) -> PlannedDevice:
+    """How ``device`` is shared for this claim (raises ParamsError for a config that does not
+    fit the node's sharing)."""
+    sharing = config.sharing if config is not None else params.Exclusive()
+    base = PlannedDevice(device, (), config, share_id=share_id)
+    if policy.mode == "memory-shares" and device.kind == "gpu":
+        if isinstance(sharing, params.TimeSlicing):
+            raise ParamsError(
+                f"{device.name}: TimeSlicing does not apply under --sharing memory-shares (whole"
+                " GPUs are shared by memory, through MPS); use MPS or leave sharing unset"
+            )
+        total = _memory(device)
+        memory = consumed if consumed is not None else policy.memory_share_min
+        if not 0 < memory <= total:
+            raise ClaimError(
+                f"claim {claim}: {device.name}: a memory share of {memory} bytes does not fit its"
+                f" {total} bytes",
+                "invalid_claim",
+            )
+        mps = sharing if isinstance(sharing, params.Mps) else params.Mps()
+        percentage = mps.active_thread_percentage or max(1, math.ceil(100 * memory / total))
+        pinned = mps.pinned_memory_limit_for(device.name, device.uuid)
+        return PlannedDevice(
+            device,
+            (),
+            config,
+            sharing=MEMORY_SHARE,
+            share_id=share_id,
+            memory_bytes=memory,
+            thread_percentage=min(100, percentage),
+            pinned_memory_bytes=min(memory, pinned) if pinned else memory,
+        )
+    if isinstance(sharing, params.TimeSlicing):
+        return PlannedDevice(
+            device, (), config, sharing=TIME_SLICING, interval=sharing.interval, share_id=share_id
+        )
+    if isinstance(sharing, params.Mps):
+        return PlannedDevice(
+            device,
+            (),
+            config,
+            sharing=MPS,
+            share_id=share_id,
+            thread_percentage=sharing.active_thread_percentage,
+            pinned_memory_bytes=sharing.pinned_memory_limit_for(device.name, device.uuid),
+        )
+    return base
+
+
+def _check_limit_keys(planned: Sequence[PlannedDevice]) -> None:
+    """Per-device memory limits must name devices of the claim (by name or UUID)."""
+    names = {p.device.name for p in planned} | {p.device.uuid for p in planned if p.device.uuid}
+    for p in planned:
+        if isinstance(p.config, params.DeviceConfig) and isinstance(p.config.sharing, params.Mps):
+            for key, _ in p.config.sharing.per_device_pinned_memory_limit_bytes:
+                if key not in names:
+                    raise ParamsError(
+                        f"sharing.mps.perDevicePinnedMemoryLimit: {key!r} is not a device of"
+                        f" this claim; its devices: {', '.join(sorted(n for n in names if n))}"
+                    )
+
+
+def plan_claim(
+    allocation: Allocation, model: DeviceModel, policy: SharingPolicy = SharingPolicy()
+) -> ClaimPlan:
+    """Our devices of the allocation, each with its request names, effective config and how it
+    is shared. Pure.
+
+    Raises ClaimError for devices this node does not advertise, ParamsError for configs that do
+    not parse, validate or fit the node's sharing."""
+    requests: dict[str, list[str]] = {}
+    consumed: dict[str, int] = {}
+    share_ids: dict[str, str] = {}
+    for d in allocation.devices:
+        requests.setdefault(d.device, [])
+        if d.request not in requests[d.device]:
+            requests[d.device].append(d.request)
+        if d.consumed_memory is not None:
+            consumed[d.device] = consumed.get(d.device, 0) + d.consumed_memory
+        if d.share_id is not None:
+            share_ids[d.device] = d.share_id
+    for i, c in enumerate(allocation.configs):  # every config of ours must be valid
+        params.validate(c.parameters, f"config[{i}].opaque.parameters")
+    planned = []
+    for name, reqs in requests.items():
+        try:
+            dev = model.device(name)
+        except KeyError:
+            raise ClaimError(
+                f"claim {allocation.claim}: device {name!r} is not advertised by this node",
+                "unknown_device",
+            ) from None
+        config = None
+        for r in reqs:
+            for c in configs_for(allocation, r):
+                cfg = params.validate(c.parameters)
+                if cfg.applies_to(dev.kind):
+                    config = cfg  # later entries win
+        p = _sharing(allocation.claim, dev, config, policy, consumed.get(name), share_ids.get(name))
+        planned.append(dataclasses.replace(p, request_names=tuple(reqs)))
+    _check_limit_keys(planned)
+    percentages = [p.thread_percentage for p in planned if p.thread_percentage is not None]
+    return ClaimPlan(
+        devices=tuple(planned),
+        pods=allocation.pods,
+        mps_thread_percentage=max(percentages) if percentages else None,
+    )
+
+
+def _holders(cp: Checkpoint, claim: ClaimKey) -> list[tuple[ClaimEntry, PreparedDevice]]:
+    return [
+        (entry, d) for entry in cp.claims.values() if entry.uid != claim.uid for d in entry.devices
+    ]
+
+
+def conflicts(
+    cp: Checkpoint,
+    claim: ClaimKey,
+    pool: str,
+    planned: Sequence[PlannedDevice],
+    policy: SharingPolicy,
+) -> None:
+    """The one rule for who may hold a device at the same time as whom (ClaimError naming the
+    other claim and what differs):
+
+    - a device held by another claim is refused, except under ``--sharing time-slicing`` when
+      every holder time-slices it at the same interval as this claim, and under
+      ``--sharing memory-shares`` when every holder has a memory share of it and the shares,
+      this one included, fit the GPU's memory;
+    - a whole GPU and a MIG device of the same GPU are never held by two claims at once (dynamic
+      MIG: the scheduler's counters keep them apart; this keeps prepare safe regardless).
+    """
+    others = _holders(cp, claim)
+    for p in planned:
+        same = [(e, d) for e, d in others if d.pool == pool and d.device == p.device.name]
+        for entry, held in same:
+            who = f"claim {entry.namespace}/{entry.name} ({entry.uid})"
+            if policy.mode == "time-slicing" and p.sharing == TIME_SLICING:
+                if held.sharing == TIME_SLICING and held.interval == p.interval:
+                    continue
+                raise ClaimError(
+                    f"device {p.device.name} is time-sliced by {who} at interval"
+                    f" {held.interval or 'none (exclusive)'}; claim {claim} asks"
+                    f" {p.interval}: sharers must agree",
+                    "device_busy",
+                )
+            if policy.mode == "memory-shares" and p.sharing == MEMORY_SHARE:
+                if held.sharing == MEMORY_SHARE:
+                    continue
+                raise ClaimError(
+                    f"device {p.device.name} is held by {who} without a memory share; claim"
+                    f" {claim} cannot share it",
+                    "device_busy",
+                )
+            raise ClaimError(
+                f"device {p.device.name} is already prepared for {who}; claim {claim} cannot"
+                " have it too",
+                "device_busy",
+            )
+        if p.sharing == MEMORY_SHARE and p.memory_bytes is not None:
+            total = _memory(p.device)
+            used = sum(d.memory_bytes or 0 for _, d in same)
+            if used + p.memory_bytes > total:
+                raise ClaimError(
+                    f"device {p.device.name}: memory shares would total {used + p.memory_bytes}"
+                    f" bytes, more than its {total} (held: {used} by {len(same)} claim(s));"
+                    f" claim {claim} asks {p.memory_bytes}",
+                    "device_busy",
+                )
+        mixed = [
+            (e, d)
+            for e, d in others
+            if d.pool == pool
+            and d.gpu_uuid == p.device.parent_uuid
+            and d.device != p.device.name
+            and (d.kind == "gpu") != (p.device.kind == "gpu")
+        ]
+        if mixed:
+            entry, held = mixed[0]
+            raise ClaimError(
+                f"{p.device.name} and {held.device} are on the same GPU, and {held.device} is"
+                f" prepared for claim {entry.namespace}/{entry.name} ({entry.uid}): a whole GPU"
+                " and its MIG devices are never held at once",
+                "device_busy",
+            )
+
+
+def limits(planned: Sequence[PlannedDevice], uuids: Mapping[str, str]) -> dict[str, int]:
+    """Pinned-memory limits by device UUID for the claim's MPS daemon: ``uuids`` maps each
+    device name to its UUID (a dynamic MIG device's is known once created)."""
+    return {
+        uuids[p.device.name]: p.pinned_memory_bytes
+        for p in planned
+        if p.uses_mps and p.pinned_memory_bytes is not None and p.device.name in uuids
+    }

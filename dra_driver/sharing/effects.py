@@ -1,0 +1,272 @@
+"""The side effects of a claim's plan: made in order at prepare, undone at unprepare and rollback,
+swept and restored at start. Every step is idempotent and can be found again, so a crash between
+any two steps is repaired by redoing or undoing the claim.
+
+Order at prepare (each after the claim is recorded as ``PrepareStarted`` with its plan):
+
+1. dynamic MIG devices are created (``DynamicMig.ensure``; crash points ``after-gi-create``,
+   ``after-ci-create``), and the record gets their UUIDs and instance ids;
+2. a whole GPU in dynamic mode is freed of MIG (``DynamicMig.free_whole_gpu``);
+3. time-sliced GPUs get compute mode DEFAULT and their interval (crash point
+   ``after-compute-policy``);
+4. a claim that shares through MPS gets its control daemon (``MpsControl.start``), after its
+   whole GPUs' compute mode: EXCLUSIVE_PROCESS when the claim holds them alone, DEFAULT for
+   memory shares (several claims' MPS servers on one GPU); the record gets the daemon (crash
+   point ``after-mps-start``).
+
+Undo (unprepare, rollback): the MPS daemon is stopped (its record, else found by its directory),
+compute mode back to DEFAULT on a whole GPU no other MPS claim holds, the interval back to
+Default on a GPU no other claim time-slices, dynamic MIG devices destroyed by placement.
+
+Start: dynamic MIG instances no completed claim owns are destroyed (dynamic mode only: a static
+node is never touched), MPS directories no claim owns are stopped and removed, time-slice
+intervals of completed claims are set again, and their MPS daemons adopted (same PID and start
+time) or, when gone, started again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import TypeVar
+
+from agent.logs import fields_
+from dra_driver.cdi import MpsEdits
+from dra_driver.checkpoint import (
+    PREPARE_COMPLETED,
+    Checkpoint,
+    ClaimEntry,
+    MpsRecord,
+    PreparedDevice,
+)
+from dra_driver.claims import ClaimKey
+from dra_driver.errors import SharingError
+from dra_driver.plan import MEMORY_SHARE, MPS, TIME_SLICING, ClaimPlan, PlannedDevice, limits
+from dra_driver.sharing.mig import DynamicMig
+from dra_driver.sharing.mps import MpsControl, MpsDaemon, MpsSettings
+from dra_driver.sharing.timeslice import GpuSettings
+
+T = TypeVar("T")
+CrashHook = Callable[[str], None]
+Save = Callable[[tuple[PreparedDevice, ...], MpsRecord | None], None]
+"""Record progress: the claim's devices and MPS daemon so far (a ``PrepareStarted`` commit)."""
+
+
+@dataclass(frozen=True)
+class Applied:
+    devices: tuple[PreparedDevice, ...]
+    mps: MpsRecord | None
+
+
+def mps_edits(record: MpsRecord | None) -> MpsEdits | None:
+    """What the claim's CDI spec mounts for its MPS daemon."""
+    return None if record is None else MpsEdits(record.pipe_dir, record.shm_dir)
+
+
+def _daemon(key: str, r: MpsRecord) -> MpsDaemon:
+    return MpsDaemon(key, r.pid, r.started_at, r.pipe_dir, r.log_dir, r.shm_dir, r.devices)
+
+
+class Effects:
+    """Applies and undoes the side effects of claims (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        mig: DynamicMig | None,
+        settings: GpuSettings | None,
+        mps: MpsControl | None,
+        gpus: Callable[[], Mapping[str, int]],
+        log: logging.Logger,
+        crash_hook: CrashHook = lambda point: None,
+    ) -> None:
+        """``mig`` is None in static MIG mode (nothing is created or destroyed); ``settings``
+        and ``mps`` are None where sharing is not available (their claims are refused);
+        ``gpus`` maps the UUID of every GPU on the node to its NVML index, as it is now."""
+        self.mig = mig
+        self.settings = settings
+        self.mps = mps
+        self.gpus = gpus
+        self.log = log
+        self.crash = crash_hook
+
+    # -- prepare -----------------------------------------------------------------------------
+    def apply(
+        self,
+        claim: ClaimKey,
+        plan: ClaimPlan,
+        records: tuple[PreparedDevice, ...],
+        save: Save,
+    ) -> Applied:
+        """Make the claim's side effects (the records say what is already done); raises
+        SharingError. The caller rolls back with ``undo`` when this fails."""
+        by_name = {r.device: r for r in records}
+        created = False
+        for p in plan.devices:
+            if p.dynamic:
+                mig = self._need(self.mig, p, "dynamic MIG (--mig-mode dynamic)")
+                inst = mig.ensure(p.device)
+                by_name[p.device.name] = replace(
+                    by_name[p.device.name],
+                    mig_uuid=inst.uuid,
+                    gpu_instance_id=inst.gpu_instance_id,
+                    compute_instance_id=inst.compute_instance_id,
+                )
+                created = True
+            elif p.device.kind == "gpu" and self.mig is not None and p.device.consumes_counters:
+                self.mig.free_whole_gpu(p.device)
+        devices = tuple(by_name[r.device] for r in records)
+        if created:
+            save(devices, None)
+        for p in plan.devices:
+            if p.sharing == TIME_SLICING and p.interval is not None:
+                settings = self._need(self.settings, p, "time-slicing (nvidia-smi)")
+                settings.compute_mode(p.device.parent_uuid, "DEFAULT")
+                settings.timeslice(p.device.parent_uuid, p.interval)
+                self.crash("after-compute-policy")
+        record = None
+        if plan.uses_mps:
+            record = self._start_mps(claim, plan, devices)
+            save(devices, record)
+            self.crash("after-mps-start")
+        return Applied(devices, record)
+
+    def _need(self, tool: T | None, p: PlannedDevice, what: str) -> T:
+        if tool is None:
+            raise SharingError(
+                f"{p.device.name}: {what} is not available on this node", "sharing_unavailable"
+            )
+        return tool
+
+    def _uuid(self, p: PlannedDevice, devices: tuple[PreparedDevice, ...]) -> str:
+        record = next(d for d in devices if d.device == p.device.name)
+        uuid = record.mig_uuid if record.kind == "mig" else record.gpu_uuid
+        if not uuid:
+            raise SharingError(f"{p.device.name}: no UUID to give MPS")
+        return uuid
+
+    def _start_mps(
+        self, claim: ClaimKey, plan: ClaimPlan, devices: tuple[PreparedDevice, ...]
+    ) -> MpsRecord:
+        shared = [p for p in plan.devices if p.uses_mps]
+        control = self._need(self.mps, shared[0], "MPS (nvidia-cuda-mps-control)")
+        uuids = {p.device.name: self._uuid(p, devices) for p in shared}
+        for p in shared:
+            if p.device.kind == "gpu" and self.settings is not None:
+                # one process (the MPS server) when the claim holds the GPU alone; several
+                # claims' servers side by side for memory shares
+                mode = "DEFAULT" if p.sharing == MEMORY_SHARE else "EXCLUSIVE_PROCESS"
+                self.settings.compute_mode(p.device.parent_uuid, mode)
+        pinned = limits(shared, uuids)
+        stale = control.found(claim.uid)  # a daemon a crash left before its record was saved
+        if stale is not None:
+            control.stop(stale)
+        daemon = control.start(
+            claim.uid,
+            MpsSettings(
+                devices=tuple(uuids[p.device.name] for p in shared),
+                active_thread_percentage=plan.mps_thread_percentage,
+                pinned_memory_limits=pinned,
+            ),
+        )
+        return MpsRecord(
+            pid=daemon.pid,
+            started_at=daemon.started_at,
+            pipe_dir=daemon.pipe_dir,
+            log_dir=daemon.log_dir,
+            shm_dir=daemon.shm_dir,
+            devices=daemon.devices,
+            thread_percentage=plan.mps_thread_percentage,
+            pinned=tuple(sorted(pinned.items())),
+        )
+
+    # -- undo --------------------------------------------------------------------------------
+    def undo(self, entry: ClaimEntry, remaining: Checkpoint) -> None:
+        """Undo the side effects of ``entry`` (all of them, whatever it got to), given the
+        claims that remain. Idempotent; raises SharingError when something cannot be undone."""
+        others = [d for e in remaining.claims.values() if e.uid != entry.uid for d in e.devices]
+        if self.mps is not None:
+            daemon = (
+                _daemon(entry.uid, entry.mps)
+                if entry.mps is not None
+                else self.mps.found(entry.uid)
+            )
+            if daemon is not None:
+                self.mps.stop(daemon)
+            self.mps.remove(entry.uid)
+        for d in entry.devices:
+            mps_users = [
+                o for o in others if o.gpu_uuid == d.gpu_uuid and o.sharing in (MPS, MEMORY_SHARE)
+            ]
+            mps_gpu = d.kind == "gpu" and d.sharing in (MPS, MEMORY_SHARE)
+            if mps_gpu and not mps_users and self.settings is not None:
+                self.settings.compute_mode(d.gpu_uuid, "DEFAULT")
+            if d.sharing == TIME_SLICING:
+                sharers = [o for o in others if o.device == d.device and o.sharing == TIME_SLICING]
+                if not sharers and self.settings is not None:
+                    self.settings.timeslice(d.gpu_uuid, "Default")
+            if d.placement is not None and self.mig is not None:
+                index = self.gpus().get(d.gpu_uuid)
+                if index is not None:
+                    profile, start, _ = d.placement
+                    self.mig.release(d.device, index, profile, start)
+
+    # -- start -------------------------------------------------------------------------------
+    def sweep(self, cp: Checkpoint) -> None:
+        """Destroy what no claim of ``cp`` owns: dynamic MIG instances (dynamic mode only) and
+        MPS daemons (by directory)."""
+        if self.mig is not None:
+            owned: dict[str, set[tuple[int, int]]] = {}
+            for entry in cp.claims.values():
+                for d in entry.devices:
+                    if d.placement is not None:
+                        owned.setdefault(d.gpu_uuid, set()).add((d.placement[0], d.placement[1]))
+            for uuid, index in sorted(self.gpus().items(), key=lambda kv: kv[1]):
+                for gi, profile, start in self.mig.strays(index, owned.get(uuid, set())):
+                    self.mig.release(f"gpu {index} instance {gi}", index, profile, start)
+                    self.log.warning(
+                        "destroyed a MIG instance no claim owns",
+                        extra=fields_(gpu=index, profile=profile, placement_start=start),
+                    )
+        if self.mps is not None:
+            for key in sorted(self.mps.keys_on_disk() - set(cp.claims)):
+                daemon = self.mps.found(key)
+                if daemon is not None:
+                    self.mps.stop(daemon)
+                self.mps.remove(key)
+                self.log.warning(
+                    "removed an MPS daemon no claim owns",
+                    extra=fields_(claim_uid=key, was_running=daemon is not None),
+                )
+
+    def restore(self, entry: ClaimEntry) -> ClaimEntry:
+        """Make a completed claim's settings and daemon what its record says (after a crash or
+        a restart); the entry with its daemon's new identity if it had to be started again."""
+        if entry.state != PREPARE_COMPLETED:
+            return entry
+        for d in entry.devices:
+            if d.sharing == TIME_SLICING and d.interval is not None and self.settings is not None:
+                self.settings.compute_mode(d.gpu_uuid, "DEFAULT")
+                self.settings.timeslice(d.gpu_uuid, d.interval)
+        if entry.mps is None or self.mps is None:
+            return entry
+        if self.mps.alive(_daemon(entry.uid, entry.mps)):
+            self.log.info(
+                "adopted a running MPS daemon",
+                extra=fields_(claim_uid=entry.uid, pid=entry.mps.pid),
+            )
+            return entry
+        daemon = self.mps.start(
+            entry.uid,
+            MpsSettings(
+                devices=entry.mps.devices,
+                active_thread_percentage=entry.mps.thread_percentage,
+                pinned_memory_limits=dict(entry.mps.pinned),
+            ),
+        )
+        self.log.warning(
+            "started the MPS daemon of a prepared claim again (it was gone)",
+            extra=fields_(claim_uid=entry.uid, pid=daemon.pid),
+        )
+        return replace(entry, mps=replace(entry.mps, pid=daemon.pid, started_at=daemon.started_at))
