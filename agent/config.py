@@ -30,6 +30,11 @@ from typing import Any, Literal, TypeVar
 
 from agent.errors import ConfigError
 from agent.tls import TlsFiles
+from dra_driver.devices import SHARING_MODES, DevicePolicy
+from dra_driver.errors import QuantityError
+from dra_driver.plan import SharingPolicy
+from dra_driver.prepare import CRASH_POINTS
+from dra_driver.quantity import parse_bytes
 
 ENV_PREFIX = "TESSERA_"
 DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
@@ -166,6 +171,17 @@ def host_port(raw: str) -> str:
     return raw
 
 
+def memory_quantity(raw: str) -> str:
+    """A Kubernetes quantity of bytes > 0 (``1Gi``, ``512Mi``), kept as written."""
+    try:
+        value = parse_bytes(raw)
+    except QuantityError as exc:
+        raise ValueError(f"is not a quantity of bytes ({exc}); e.g. 1Gi, 512Mi") from None
+    if value <= 0:
+        raise ValueError("is not a quantity of bytes > 0 (e.g. 1Gi, 512Mi)")
+    return raw
+
+
 def dns_subdomain(raw: str) -> str:
     if not DNS_SUBDOMAIN.fullmatch(raw) or len(raw) > 63:
         raise ValueError(
@@ -247,6 +263,32 @@ class Config:
         groups=("driver",),
         choices=("static", "dynamic"),
     )
+    sharing: str = setting(
+        "none",
+        "How whole GPUs are shared between claims: none (one claim per GPU; a claim can still"
+        " time-slice or run MPS on its own GPU through its opaque config), time-slicing (claims"
+        " whose configs time-slice at the same interval share a GPU) or memory-shares (claims"
+        " share a GPU by memory: each gets the memory it requested, enforced by its own MPS"
+        " daemon). Sharing needs the DRAConsumableCapacity feature gate.",
+        groups=("driver",),
+        choices=SHARING_MODES,
+    )
+    memory_share_min: str = setting(
+        "1Gi",
+        "With --sharing memory-shares: the smallest memory share, and a claim's share when it"
+        " asks for none (a Kubernetes quantity).",
+        groups=("driver",),
+        metavar="QUANTITY",
+        parse=memory_quantity,
+    )
+    memory_share_step: str = setting(
+        "1Gi",
+        "With --sharing memory-shares: shares are the minimum plus a multiple of this (the"
+        " scheduler rounds requests up).",
+        groups=("driver",),
+        metavar="QUANTITY",
+        parse=memory_quantity,
+    )
     kube_layout: str = setting(
         "1.35",
         "ResourceSlice layout: 1.35 (counters in their own slice) or 1.34 (counters and the"
@@ -308,6 +350,34 @@ class Config:
         groups=("daemon",),
         metavar="DIR",
     )
+    nvidia_smi: Path | None = setting(
+        None,
+        "The nvidia-smi to set compute modes and time-slices with. Unset: the first of"
+        " usr/bin, usr/sbin, bin under --driver-root.",
+        groups=("daemon",),
+        metavar="FILE",
+    )
+    mps_control: Path | None = setting(
+        None,
+        "The nvidia-cuda-mps-control to start MPS daemons with. Unset: found like --nvidia-smi.",
+        groups=("daemon",),
+        metavar="FILE",
+    )
+    mps_root: Path | None = setting(
+        None,
+        "Directory of the claims' MPS daemons (pipe, log and shared-memory directories). The"
+        " CDI specs mount them into containers by this path, so it must be the same path on"
+        " the host. Unset: <state-dir>/mps.",
+        groups=("daemon",),
+        metavar="DIR",
+    )
+    mps_ready_timeout: float = setting(
+        10.0,
+        "Seconds a claim's MPS daemon gets to start and answer; a prepare whose daemon does"
+        " not answer in time fails (and is undone).",
+        groups=("daemon",),
+        metavar="SECONDS",
+    )
     telemetry_interval: float = setting(
         1.0,
         "Seconds between telemetry samples (NVML reads); metrics and the telemetry API serve the"
@@ -346,7 +416,7 @@ class Config:
         "Fault injection, --simulate only: the daemon kills itself (SIGKILL) when a prepare or"
         " unprepare reaches this point; for crash-safety tests.",
         groups=("daemon",),
-        choices=("after-started", "after-cdi", "after-completed", "after-unprepare-commit"),
+        choices=CRASH_POINTS,
     )
     http_max_connections: int = setting(
         64,
@@ -492,6 +562,24 @@ class Config:
                 "--telemetry-tls-cert applies to the TCP listener, and --telemetry-address is"
                 " not set (the unix socket is never TLS)"
             )
+
+    def device_policy(self) -> DevicePolicy:
+        """What the node advertises, from the driver settings."""
+        return DevicePolicy(
+            driver_name=self.driver_name,
+            mig_mode=self.mig_mode,
+            sharing=self.sharing,
+            memory_share_min=parse_bytes(self.memory_share_min),
+            memory_share_step=parse_bytes(self.memory_share_step),
+        )
+
+    def sharing_policy(self) -> SharingPolicy:
+        """How prepare lets claims share devices, from the driver settings."""
+        return SharingPolicy(
+            mode=self.sharing,
+            dynamic_mig=self.mig_mode == "dynamic",
+            memory_share_min=parse_bytes(self.memory_share_min),
+        )
 
     def metrics_host_port(self) -> tuple[str, int]:
         return parse_host_port("metrics-address", self.metrics_address)

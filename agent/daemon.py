@@ -26,6 +26,7 @@ from agent.http import HttpEndpoint, HttpLimits, Readiness
 from agent.logs import fields_
 from agent.node import NodeSource, discover, real_node
 from agent.nvml.events import EventWatcher
+from agent.nvml.mig import MigControl
 from agent.nvml.telemetry import TelemetryReader
 from agent.statelock import StateLock
 from agent.supervisor import Deadline, Supervisor
@@ -43,13 +44,18 @@ from agent.telemetry.stream import TelemetryLimits, TelemetryServer
 from dra_driver.cdi import CdiWriter
 from dra_driver.checkpoint import CheckpointStore
 from dra_driver.claims import ClaimSource, DirClaimSource, KubeClaimSource
-from dra_driver.devices import DeviceModel, DevicePolicy, advertised_devices
+from dra_driver.devices import DeviceModel, advertised_devices
 from dra_driver.errors import ClaimError, KubeError
 from dra_driver.health import HealthBoard
 from dra_driver.kube import KubeClient
 from dra_driver.plugin import PluginServer
 from dra_driver.prepare import Preparer
 from dra_driver.publisher import DirSliceStore, KubeSliceStore, Publisher, SliceStore
+from dra_driver.sharing.effects import Effects
+from dra_driver.sharing.mig import DynamicMig
+from dra_driver.sharing.mps import MpsControl
+from dra_driver.sharing.timeslice import GpuSettings
+from dra_driver.sharing.tools import Tools, find_tool, tool_env
 from dra_driver.slices import SlicePolicy
 
 DEFAULT_STATE_DIR = Path("/var/lib/tessera")
@@ -114,7 +120,7 @@ class Agent:
         if self.kube is not None:
             uid = node_uid(self.kube, self.publisher.policy.node_name, self.log)
             self.publisher.policy = dataclasses.replace(self.publisher.policy, node_uid=uid)
-        policy = DevicePolicy(driver_name=self.config.driver_name, mig_mode=self.config.mig_mode)
+        policy = self.config.device_policy()
         model = advertised_devices(self.inventory, policy)
         self.devices.set(model)
         self.publisher.set_devices(model)
@@ -416,6 +422,8 @@ def _build(config: Config, log: logging.Logger, state_dir: Path, lock: StateLock
     )
     driver_version = source.nvml.system().driver_version
     devices = CurrentDevices()
+    prepare_log = log.getChild("prepare")
+    crash = crash_hook(config.sim_crash_at)
     preparer = Preparer(
         driver_name=config.driver_name,
         pool=source.hostname,
@@ -425,8 +433,10 @@ def _build(config: Config, log: logging.Logger, state_dir: Path, lock: StateLock
         ),
         cdi=CdiWriter(cdi_root, config.driver_name, source.driver_root, driver_version),
         devices=devices.get,
-        log=log.getChild("prepare"),
-        crash_hook=crash_hook(config.sim_crash_at),
+        log=prepare_log,
+        effects=sharing_effects(config, source, state_dir, devices, prepare_log, crash),
+        sharing=config.sharing_policy(),
+        crash_hook=crash,
         observe=driver_metrics.observe,
         boot_time=source.boot_time,
     )
@@ -529,6 +539,46 @@ def agent_status(
         )
 
     return status
+
+
+def sharing_effects(
+    config: Config,
+    source: NodeSource,
+    state_dir: Path,
+    devices: CurrentDevices,
+    log: logging.Logger,
+    crash: Callable[[str], None],
+) -> Effects:
+    """The tools prepare shares devices and makes partitions with: nvidia-smi and
+    nvidia-cuda-mps-control from the driver root (the simulator's stand-ins with --simulate),
+    MPS daemons under --mps-root, and dynamic MIG through NVML when --mig-mode is dynamic."""
+    tools = Tools(
+        nvidia_smi=find_tool("nvidia-smi", source.driver_root, config.nvidia_smi),
+        mps_control=find_tool("nvidia-cuda-mps-control", source.driver_root, config.mps_control),
+        env=tool_env(source.driver_root),
+    )
+    mps = MpsControl(
+        tools,
+        config.mps_root or state_dir / "mps",
+        log.getChild("mps"),
+        # the real daemon gets the claim's shared-memory directory as its /dev/shm (its clients
+        # see the same one through the CDI mount); the simulator's stand-in needs none
+        private_shm=config.simulate is None,
+        ready_timeout_s=config.mps_ready_timeout,
+    )
+    mig = (
+        DynamicMig(MigControl(source.nvml), log.getChild("mig"), crash)
+        if config.mig_mode == "dynamic"
+        else None
+    )
+    return Effects(
+        mig=mig,
+        settings=GpuSettings(tools),
+        mps=mps,
+        gpus=lambda: {d.parent_uuid: d.gpu_index for d in devices.get().devices},
+        log=log,
+        crash_hook=crash,
+    )
 
 
 def crash_hook(point: str | None) -> Callable[[str], None]:

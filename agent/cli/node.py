@@ -31,9 +31,9 @@ def node_session(config: Config) -> Iterator[NodeSource]:
 def advertised(config: Config) -> tuple[str, DeviceModel]:
     """The node's name and the devices the driver would advertise for it (``tessera run`` with
     this Config advertises the same)."""
-    from dra_driver.devices import DevicePolicy, advertised_devices
+    from dra_driver.devices import advertised_devices
 
     with node_session(config) as source:
         inventory = discover(source)
-    policy = DevicePolicy(driver_name=config.driver_name, mig_mode=config.mig_mode)
+    policy = config.device_policy()
     return source.hostname, advertised_devices(inventory, policy)

@@ -224,7 +224,16 @@ class Effects:
                         owned.setdefault(d.gpu_uuid, set()).add((d.placement[0], d.placement[1]))
             for uuid, index in sorted(self.gpus().items(), key=lambda kv: kv[1]):
                 for gi, profile, start in self.mig.strays(index, owned.get(uuid, set())):
-                    self.mig.release(f"gpu {index} instance {gi}", index, profile, start)
+                    try:
+                        self.mig.release(f"gpu {index} instance {gi}", index, profile, start)
+                    except SharingError as exc:  # in use by a process outside Kubernetes?
+                        self.log.error(
+                            "cannot destroy a MIG instance no claim owns; its placement stays"
+                            " taken until it is destroyed",
+                            extra=fields_(gpu=index, profile=profile, placement_start=start,
+                                          error=str(exc)),
+                        )  # fmt: skip
+                        continue
                     self.log.warning(
                         "destroyed a MIG instance no claim owns",
                         extra=fields_(gpu=index, profile=profile, placement_start=start),
