@@ -290,7 +290,12 @@ def _is_mps_control(pid: int) -> bool:
 
 
 def _start_time(pid: int) -> float | None:
+    """The process's start time; None when there is no such process or it has exited (a
+    zombie, which a daemon reparented to an init that does not reap stays)."""
     try:
-        return float(psutil.Process(pid).create_time())
+        proc = psutil.Process(pid)
+        if proc.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            return None
+        return float(proc.create_time())
     except psutil.Error:
         return None
