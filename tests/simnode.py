@@ -10,7 +10,10 @@ import signal
 import time
 from pathlib import Path
 
+from agent.nvml.facade import Nvml
+from agent.nvml.types import MigInstance
 from agent.sim.model import load_model
+from agent.sim.nvml import FakeNvml
 from agent.sim.sharing import MpsDaemon, SharingState, SharingStore, live_daemons, start_ticks
 
 
@@ -39,3 +42,13 @@ def reap_mps_daemons(sim_dir: Path, model: str) -> int:
             raise AssertionError(f"MPS daemons {[d.pid for d in daemons]} did not die")
         time.sleep(0.01)
     return len(daemons)
+
+
+def mig_instances(sim_dir: Path, model: str, index: int) -> tuple[MigInstance, ...]:
+    """The MIG devices of GPU ``index`` now, as NVML reports them."""
+    nvml = Nvml(FakeNvml(load_model(model), sim_dir))
+    nvml.init()
+    try:
+        return nvml.mig_instances(index)
+    finally:
+        nvml.shutdown()

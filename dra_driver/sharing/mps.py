@@ -229,13 +229,15 @@ class MpsControl:
         """Stop the daemon (``quit``, then signals) and remove its directories. Idempotent."""
         if self.alive(d):
             try:
-                self.command(d, "quit", timeout_s=self.stop_timeout_s)
-            except ToolError as exc:
+                self.command(d, "quit", timeout_s=self.stop_timeout_s / 2)
+                quit_taken = True
+            except ToolError as exc:  # a daemon that does not answer: no use waiting for it
+                quit_taken = False
                 self.log.warning(
                     "MPS control daemon did not take quit; signalling it",
                     extra=fields_(claim_uid=d.key, pid=d.pid, error=str(exc)),
                 )
-            if not self._gone(d, self.stop_timeout_s):
+            if not (quit_taken and self._gone(d, self.stop_timeout_s)):
                 for sig in (signal.SIGTERM, signal.SIGKILL):
                     try:
                         psutil.Process(d.pid).send_signal(sig)
