@@ -169,7 +169,7 @@ def test_time_sliced_claims_share_at_the_same_interval(h100):
         allocation("gpu-0", config=gpu_config("TimeSlicing", interval="Long")), h100, policy
     )
     conflicts(held(default, "uid-b"), CLAIM, POOL, default.devices, policy)  # no error
-    with pytest.raises(ClaimError, match="at interval Default; claim ns/a .* asks Long"):
+    with pytest.raises(ClaimError, match=r"at interval Default; claim ns/a .* asks Long"):
         conflicts(held(default, "uid-b"), CLAIM, POOL, long.devices, policy)
     exclusive = plan_claim(allocation("gpu-0"), h100, policy)
     with pytest.raises(ClaimError, match="interval none \\(exclusive\\)"):
