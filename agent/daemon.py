@@ -575,7 +575,7 @@ def sharing_effects(
         mig=mig,
         settings=GpuSettings(tools),
         mps=mps,
-        gpus=lambda: {d.parent_uuid: d.gpu_index for d in devices.get().devices},
+        devices=devices.get,
         log=log,
         crash_hook=crash,
     )

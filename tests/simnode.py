@@ -5,6 +5,7 @@ and the MPS daemons a test must not leave running."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import time
@@ -12,14 +13,20 @@ from pathlib import Path
 
 from agent.nvml.facade import Nvml
 from agent.nvml.types import MigInstance
-from agent.sim.model import load_model
+from agent.sim.model import NodeModel, load_model
 from agent.sim.nvml import FakeNvml
 from agent.sim.sharing import MpsDaemon, SharingState, SharingStore, live_daemons, start_ticks
 
 
+@functools.cache
+def node_model(name: str) -> NodeModel:
+    """A simulated node model, parsed once per test process."""
+    return load_model(name)
+
+
 def sharing(sim_dir: Path, model: str) -> SharingState:
     """The simulated node's sharing state (compute modes, time-slices, MPS daemons)."""
-    return SharingStore(sim_dir, load_model(model)).read()
+    return SharingStore(sim_dir, node_model(model)).read()
 
 
 def mps_daemons(sim_dir: Path, model: str) -> list[MpsDaemon]:
@@ -46,7 +53,7 @@ def reap_mps_daemons(sim_dir: Path, model: str) -> int:
 
 def mig_instances(sim_dir: Path, model: str, index: int) -> tuple[MigInstance, ...]:
     """The MIG devices of GPU ``index`` now, as NVML reports them."""
-    nvml = Nvml(FakeNvml(load_model(model), sim_dir))
+    nvml = Nvml(FakeNvml(node_model(model), sim_dir))
     nvml.init()
     try:
         return nvml.mig_instances(index)

@@ -341,6 +341,25 @@ def test_a_placement_half_made_by_a_crash_is_finished_or_swept(h100, point):
     assert retry.mig().gpu_instances(1) == ()
 
 
+def test_restore_makes_a_lost_placement_again_and_its_mps_daemon_serves_the_new_one(h100):
+    """An unprepare that crashed after undoing and before releasing the record: at the next
+    start the claim is still prepared, so its MIG device and daemon are made again."""
+    name = placement_device(h100, 2, "3g.40gb", 4)
+    key, p = plan(h100, "a", name, cfg=config("MigDeviceConfig", "MPS", pinnedMemoryLimit="1Gi"))
+    entry = apply(h100, key, p)
+    assert entry.mps is not None
+    h100.effects.undo(entry, checkpoint(entry))
+    assert h100.mig().gpu_instances(2) == () and h100.daemons() == []
+    restored = h100.restart().effects.restore(entry)
+    (inst,) = h100.source.nvml.mig_instances(2)
+    (dev,) = restored.devices
+    assert (dev.mig_uuid, dev.gpu_instance_id) == (inst.uuid, inst.gpu_instance_id)
+    assert restored.mps is not None and restored.mps.devices == (inst.uuid,)
+    (daemon,) = h100.daemons()
+    assert daemon.pid == restored.mps.pid and daemon.devices == (inst.uuid,)
+    assert dict(daemon.pinned_mem_limits) == {inst.uuid: 1024}
+
+
 def test_a_whole_gpu_is_refused_while_mig_instances_live_on_it(h100):
     mig = h100.mig()  # someone else made a MIG device on a GPU the agent hands out whole
     assert mig.set_mode(6, True)
