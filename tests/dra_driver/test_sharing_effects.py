@@ -71,13 +71,18 @@ class Node:
 
 
 def make_node(
-    state: Path, model: str, policy: SharingPolicy, source: NodeSource | None = None
+    state: Path,
+    model: str,
+    policy: SharingPolicy,
+    source: NodeSource | None = None,
+    mps_root: Path | None = None,
 ) -> Node:
     config = Config(
         simulate=model,
         mig_mode="dynamic" if policy.dynamic_mig else "static",
         sharing=policy.mode,
         mps_ready_timeout=20.0,
+        mps_root=mps_root,
     )
     if source is None:
         source = open_node(config, state)
@@ -251,6 +256,24 @@ def test_an_mps_claim_gets_its_daemon_with_its_limits_and_gives_it_back(h100):
     assert h100.daemons() == []
     assert not Path(entry.mps.pipe_dir).exists()
     assert [h100.gpu(i).compute_mode for i in (0, 1)] == [COMPUTE_MODE_DEFAULT] * 2
+
+
+def test_an_mps_root_too_long_for_a_socket_fails_the_claim_saying_so(tmp_path, caplog):
+    root = tmp_path / ("m" * 60)
+    with caplog.at_level(logging.WARNING):
+        node = make_node(tmp_path, "dgx-h100", SharingPolicy(mode="time-slicing"), mps_root=root)
+    try:
+        # the agent warns at start, before any claim
+        assert any("MPS claims will fail" in r.getMessage() for r in caplog.records)
+        key, p = plan(
+            node, "3f0e6a52-9d1c-4b7e-8a65-0c2d9e4f1a7b", "gpu-0", cfg=config("GpuConfig", "MPS")
+        )
+        with pytest.raises(SharingError, match=r"--mps-root .* at most \d+ bytes long"):
+            apply(node, key, p)
+        assert node.daemons() == [] and not root.exists()
+    finally:
+        reap_mps_daemons(node.sim_dir, "dgx-h100")
+        node.source.nvml.shutdown()
 
 
 def test_an_mps_daemon_that_still_runs_is_adopted_and_a_dead_one_started_again(h100):

@@ -339,10 +339,12 @@ class SharingMachine(RuleBasedStateMachine):
         reap_mps_daemons(self.node.state / "sim", MODEL)
 
 
-def play(node: Node, tmp_path: Path, examples: int) -> None:
+def play(node: Node, short_tmp: Path, examples: int) -> None:
+    """Each game runs in a directory of its own under ``short_tmp``: the MPS control sockets
+    live there and a unix socket path is at most 107 bytes."""
     counter = iter(range(1_000_000))
     SharingMachine.node = node
-    SharingMachine.runs = (tmp_path / f"run-{i}" for i in counter)
+    SharingMachine.runs = (short_tmp / f"run-{i}" for i in counter)
     run_state_machine_as_test(
         SharingMachine,
         settings=settings(
@@ -354,13 +356,13 @@ def play(node: Node, tmp_path: Path, examples: int) -> None:
     )
 
 
-def test_sharing_state_machine(node: Node, tmp_path: Path) -> None:
+def test_sharing_state_machine(node: Node, short_tmp: Path) -> None:
     """A few games in `make test` (each starts MPS daemons and simulated tools)."""
-    play(node, tmp_path, examples=8)
+    play(node, short_tmp, examples=8)
 
 
 @pytest.mark.reliability
 @pytest.mark.timeout(3600)
-def test_sharing_state_machine_long(node: Node, tmp_path: Path) -> None:
+def test_sharing_state_machine_long(node: Node, short_tmp: Path) -> None:
     """`make reliability`: many more games."""
-    play(node, tmp_path, examples=200)
+    play(node, short_tmp, examples=200)

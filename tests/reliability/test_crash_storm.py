@@ -175,9 +175,9 @@ def test_crash_storm_with_partitions_and_sharing(short_tmp):
             for r, (dev, cfg) in zip(refs, plan, strict=True)
         ],
     )
-    crashes = 0
+    crashes, rounds = 0, 40
     try:
-        for _ in range(ROUNDS):
+        for _ in range(rounds):
             point = rng.choice(SHARING_POINTS)
             d.extra[4:] = ["--sim-crash-at", point]
             d.start()
@@ -216,4 +216,6 @@ def test_crash_storm_with_partitions_and_sharing(short_tmp):
     finally:
         d.kill()
         reap_mps_daemons(d.state / "sim", d.model)
-    assert crashes >= ROUNDS // 3, f"only {crashes} crashes: the storm did not storm"
+    # most points are reached only by some claims (a MIG step, an MPS start), and a claim
+    # already prepared reaches none
+    assert crashes >= rounds // 5, f"only {crashes} crashes: the storm did not storm"
