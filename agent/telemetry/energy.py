@@ -45,13 +45,14 @@ that changed would start a new Prometheus series for the same counter.
   ``MemoryShare``). The holdings of its unit (the whole GPU, or one MIG device as above) split
   the unit by the SM utilization of each claim's processes when NVML reports any
   (``ProcessSample.sm_utilization``), else evenly. A process is a claim's when it runs in one of
-  the claim's pods: the injected ``process_pod(pid) -> pod uid`` matched against the claim's
-  ``pods`` (its ``status.reservedFor``); a process of a pod that several holders of the unit are
-  reserved for counts evenly for each; processes of other MIG devices do not count. A claim that
-  ran nothing gets 0; a claim with several devices on the unit splits its part evenly. When no
-  holder's processes report utilization (their pods are unknown, ``process_pod`` is not given,
-  or NVML has no per-process samples), the holdings split the unit evenly. A shared device held
-  alone gets the whole unit.
+  the claim's pods: the injected ``process_pod(pid) -> pod uid`` (in the agent
+  :class:`agent.telemetry.owners.ProcessPods`, from the process's cgroup) matched against the
+  claim's ``pods`` (its ``status.reservedFor``); a process of a pod that several holders of the
+  unit are reserved for counts evenly for each; processes of other MIG devices do not count. A
+  claim that ran nothing gets 0; a claim with several devices on the unit splits its part
+  evenly. When no holder's processes report utilization (their pods are unknown, ``process_pod``
+  is not given, or NVML has no per-process samples), the holdings split the unit evenly. A shared
+  device held alone gets the whole unit.
 
 Several claims holding a unit prepared exclusive (only a malformed checkpoint does that) are split
 the same way; each keeps its own rule. Shares on one GPU never sum to more than 1 (they are
