@@ -64,9 +64,10 @@ held device got in the latest interval (None once the claim is released, and unt
 interval after a restart): how a shared unit was split, without a label that changes.
 
 **Earlier rules.** Builds before the stable rules named the latest interval's split instead
-(``process-utilization`` or ``even``); a state file with them is read as ``shared``. The counters
-continue from their stored values, under the new label: a series that had one of the old labels
-ends once, at the upgrade.
+(``process-utilization`` or ``even``), and called a shared device that held its GPU alone
+``exclusive``; a state file with the old names is read as ``shared``, and the holding's rule is
+its own again from the first interval. The counters continue from their stored values, under the
+new label: a series that had an old label ends once, at the upgrade.
 
 **Persistence and retention.** GPU totals (by UUID) and claim counters are written to
 ``state_file`` (JSON, atomically) at most every ``persist_interval`` seconds (15 by default) and
