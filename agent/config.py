@@ -350,6 +350,15 @@ class Config:
         groups=("daemon",),
         metavar="DIR",
     )
+    proc_root: Path | None = setting(
+        None,
+        "The proc tree to find which pod runs each GPU process in (<dir>/<pid>/cgroup), to split"
+        " a shared GPU between its claims. NVML reports the host's PIDs: outside the host's PID"
+        " namespace (a pod without hostPID) mount the host's /proc and point this at it."
+        " Unset: /proc, or the simulator's tree under --state-dir with --simulate.",
+        groups=("daemon",),
+        metavar="DIR",
+    )
     nvidia_smi: Path | None = setting(
         None,
         "The nvidia-smi to set compute modes and time-slices with. Unset: the first of"

@@ -39,6 +39,7 @@ from agent.telemetry.metrics import (
     Exposition,
     SnapshotCollector,
 )
+from agent.telemetry.owners import ProcessPods
 from agent.telemetry.sampler import Sampler
 from agent.telemetry.stream import TelemetryLimits, TelemetryServer
 from dra_driver.cdi import CdiWriter
@@ -320,9 +321,13 @@ def open_node(config: Config, state_dir: Path) -> NodeSource:
             node_name=config.node_name,
             sysfs_root=config.sysfs_root,
             driver_root=config.driver_root,
+            proc_root=config.proc_root,
         )
     return real_node(
-        node_name=config.node_name, sysfs_root=config.sysfs_root, driver_root=config.driver_root
+        node_name=config.node_name,
+        sysfs_root=config.sysfs_root,
+        driver_root=config.driver_root,
+        proc_root=config.proc_root,
     )
 
 
@@ -452,7 +457,11 @@ def _build(config: Config, log: logging.Logger, state_dir: Path, lock: StateLock
     nvml = source.nvml
     events = EventWatcher(nvml)
     reader = TelemetryReader(nvml)
-    accounting = EnergyAccounting(state_dir / "energy.json", log=log.getChild("energy"))
+    accounting = EnergyAccounting(
+        state_dir / "energy.json",
+        log=log.getChild("energy"),
+        process_pod=ProcessPods(source.proc_root, log=log.getChild("owners")),
+    )
     sampler = Sampler(
         node=source.hostname,
         read=reader.read,

@@ -33,12 +33,19 @@ class NodeSource:
     """When this boot started (unix seconds): files written before it are from an earlier boot."""
     sim: Any = None
     """The simulator object (FakeNvml) when simulating, for simulator controls."""
+    proc_root: Path = Path("/proc")
+    """Where the processes NVML reports (by host PID) are: ``<proc_root>/<pid>/cgroup``."""
 
 
 def real_node(
-    *, node_name: str | None, sysfs_root: Path | None, driver_root: Path | None
+    *,
+    node_name: str | None,
+    sysfs_root: Path | None,
+    driver_root: Path | None,
+    proc_root: Path | None = None,
 ) -> NodeSource:
-    """This machine: pynvml (not yet initialized), ``/sys`` unless told otherwise."""
+    """This machine: pynvml (not yet initialized), ``/sys`` and ``/proc`` unless told
+    otherwise."""
     import pynvml
 
     return NodeSource(
@@ -49,6 +56,7 @@ def real_node(
         driver_root=driver_root or Path("/"),
         boot_id=read_boot_id(),
         boot_time=read_boot_time(),
+        proc_root=proc_root or Path("/proc"),
     )
 
 

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from agent.decode import load_json, load_yaml_documents
 from agent.errors import DecodeError
 from agent.telemetry.energy import decode_state
+from agent.telemetry.owners import pod_uid, start_time
 from dra_driver import params
 from dra_driver.checkpoint import (
     Checkpoint,
@@ -348,6 +349,36 @@ def test_checkpoints_decode_or_raise_a_checkpoint_error(data):
 def test_energy_state_decodes_or_raises_what_its_loader_handles(data):
     with contextlib.suppress(DecodeError, ValueError, TypeError, KeyError):
         decode_state(data)
+
+
+POD = "5f1c9b7e-3a2d-4e8f-9c0b-1d2e3f4a5b6c"
+cgroup_parts = st.sampled_from(
+    ["kubepods", "kubepods.slice", "burstable", "besteffort", f"pod{POD}", f"pod{POD[:-3]}",
+     f"kubepods-burstable-pod{POD.replace('-', '_')}.slice", "kubepods-pod_.slice", "..", ".",
+     "", "cri-containerd-ab.scope", "system.slice", ":", "0::", "\n", "\x00", "pod"]
+) | st.text(max_size=12)  # fmt: skip
+cgroup_texts = st.one_of(
+    st.text(max_size=300),
+    st.lists(
+        st.tuples(st.sampled_from(["0", "12", "x", ""]), st.sampled_from(["", "memory", "::"]),
+                  st.lists(cgroup_parts, max_size=8).map("/".join)),
+        max_size=6,
+    ).map(lambda lines: "\n".join(":".join(t) for t in lines)),
+)  # fmt: skip
+
+
+@FUZZ
+@given(cgroup_texts)
+def test_cgroup_files_name_one_pod_or_none(text):
+    uid = pod_uid(text)
+    assert uid is None or uid in text.replace("_", "-")
+
+
+@FUZZ
+@given(st.text(max_size=300) | st.lists(st.text(max_size=8), max_size=60).map(" ".join))
+def test_stat_lines_parse_or_raise_value_error(text):
+    with contextlib.suppress(ValueError):
+        assert start_time(text) >= 0
 
 
 @FUZZ

@@ -11,11 +11,17 @@
     tessera sim fault --state-dir DIR driver-reload
     tessera sim fault --state-dir DIR load --gpu N --utilization U [--memory-mib M]
     tessera sim fault --state-dir DIR fail-call --call NAME [--gpu N] [--code C] [--times T]
+    tessera sim process --state-dir DIR start --gpu N [--pid P] [--pod-uid UID]
+                        [--sm-utilization U] [--memory-mib M] [--gi G [--ci C]]
+    tessera sim process --state-dir DIR stop --gpu N --pid P
 
-``fault``: ``DIR`` is the agent's ``--state-dir`` (the simulator keeps its state in ``DIR/sim``)
-or the simulator's directory itself. The node model is the one recorded there (``--simulate
-MODEL`` overrides it, e.g. for a model file). Every change goes through the simulator's state
-files under their lock, so a running agent sees it at its next NVML call.
+``fault`` and ``process``: ``DIR`` is the agent's ``--state-dir`` (the simulator keeps its state
+in ``DIR/sim``) or the simulator's directory itself. The node model is the one recorded there
+(``--simulate MODEL`` overrides it, e.g. for a model file). Every change goes through the
+simulator's state files under their lock, so a running agent sees it at its next NVML call.
+``process start`` runs a compute process on a GPU (NVML lists it, with its memory and SM
+utilization); with ``--pod-uid`` it runs in that pod: the simulated ``/proc`` (``DIR/sim/proc``)
+gets its cgroup, which the agent reads to attribute the process to the claims of that pod.
 """
 
 from __future__ import annotations
@@ -121,6 +127,42 @@ class FailCallOptions:
     times: int = setting(
         1, "How many calls fail (0: every call).", metavar="N", parse=non_negative_int
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProcessStartOptions:
+    gpu: int = setting(REQUIRED, _GPU_HELP, metavar="N", parse=non_negative_int)
+    pid: int | None = setting(
+        None, "Its PID. Unset: one no simulated process has.", metavar="PID", parse=positive_int
+    )
+    pod_uid: str | None = setting(
+        None,
+        "UID of the pod it runs in (metadata.uid; a claim reserved for that pod owns it)."
+        " Unset: not in a pod.",
+        metavar="UID",
+        parse=text,
+    )
+    sm_utilization: float | None = setting(
+        None,
+        "Its share of the GPU's SMs, 0 to 1, as NVML reports it. Unset: NVML has no sample.",
+        metavar="U",
+        parse=fraction,
+    )
+    memory_mib: int = setting(512, "Memory it uses, MiB.", metavar="MIB", parse=non_negative_int)
+    gi: int | None = setting(
+        None, "GPU instance id: on a MIG GPU it runs in that MIG device.", metavar="ID",
+        parse=non_negative_int,
+    )  # fmt: skip
+    ci: int | None = setting(
+        None, "Compute instance id (with --gi; unset: the first).", metavar="ID",
+        parse=non_negative_int,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProcessStopOptions:
+    gpu: int = setting(REQUIRED, _GPU_HELP, metavar="N", parse=non_negative_int)
+    pid: int = setting(REQUIRED, "Its PID.", metavar="PID", parse=positive_int)
 
 
 # -- handlers ---------------------------------------------------------------------------------
@@ -271,6 +313,29 @@ def fault_fail_call(inv: Invocation) -> int:
     return 0
 
 
+def process_start(inv: Invocation) -> int:
+    opts = inv.get(ProcessStartOptions)
+    fake = _simulator(inv)
+    pid = opts.pid if opts.pid is not None else fake.free_pid()
+    fake.add_process(
+        opts.gpu, pid, opts.memory_mib * MIB, opts.gi, opts.ci, opts.sm_utilization, opts.pod_uid
+    )
+    pod = "" if opts.pod_uid is None else f" in pod {opts.pod_uid}"
+    sm = "none" if opts.sm_utilization is None else f"{opts.sm_utilization:g}"
+    inv.out.write(
+        f"process {pid} started on GPU {opts.gpu}{pod}: {opts.memory_mib} MiB, SM utilization"
+        f" {sm}\n"
+    )
+    return 0
+
+
+def process_stop(inv: Invocation) -> int:
+    opts = inv.get(ProcessStopOptions)
+    _simulator(inv).remove_process(opts.gpu, opts.pid)
+    inv.out.write(f"process {opts.pid} on GPU {opts.gpu} ended\n")
+    return 0
+
+
 # -- the tree ---------------------------------------------------------------------------------
 
 FAULT = Command(
@@ -307,6 +372,26 @@ FAULT = Command(
     ),
 )
 
+PROCESS = Command(
+    "process",
+    "start and stop compute processes on GPUs (optionally in a pod)",
+    uses=(Uses(FaultOptions),),
+    description="Run simulated compute processes on a running simulated node from another"
+    " process: NVML lists them at the agent's next call. A process started with --pod-uid runs"
+    " in that pod: the simulated /proc gets its cgroup, so the agent attributes its GPU use to"
+    " the claims reserved for the pod.",
+    metavar="ACTION",
+    subcommands=(
+        Command(
+            "start",
+            "run a process on a GPU (its PID is printed)",
+            process_start,
+            (Uses(ProcessStartOptions),),
+        ),
+        Command("stop", "end a process", process_stop, (Uses(ProcessStopOptions),)),
+    ),
+)
+
 COMMAND = Command(
     "sim",
     "simulator controls",
@@ -330,5 +415,6 @@ COMMAND = Command(
             " --simulate, --state-dir and driver options as the agent. `make run` writes one.",
         ),
         FAULT,
+        PROCESS,
     ),
 )

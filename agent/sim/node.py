@@ -1,5 +1,6 @@
-"""A simulated node as a ``NodeSource``: the fake NVML, a written sysfs tree and driver root, and
-a boot id that lives in the simulator's state directory."""
+"""A simulated node as a ``NodeSource``: the fake NVML, a written sysfs tree and driver root, the
+simulated ``/proc`` of its GPU processes, and a boot id that lives in the simulator's state
+directory."""
 
 from __future__ import annotations
 
@@ -24,9 +25,11 @@ def simulated_node(
     node_name: str | None = None,
     sysfs_root: Path | None = None,
     driver_root: Path | None = None,
+    proc_root: Path | None = None,
 ) -> NodeSource:
     """Open the simulated ``model_name`` whose state lives in ``<state_dir>/sim`` (NVML is not
-    yet initialized). The sysfs tree and driver root are written there unless given."""
+    yet initialized). The sysfs tree and driver root are written there unless given; the
+    processes' ``/proc`` is the simulator's (``<state_dir>/sim/proc``) unless given."""
     model = load_model(model_name)
     sim_dir = state_dir / "sim"
     if sysfs_root is None:
@@ -46,6 +49,7 @@ def simulated_node(
         boot_id=simulated_boot_id(sim_dir),
         boot_time=(sim_dir / "boot_id").stat().st_mtime,
         sim=fake,
+        proc_root=proc_root or fake.proc_root,
     )
 
 

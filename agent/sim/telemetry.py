@@ -16,6 +16,10 @@
   :meth:`~TelemetryBase.lose_gpu`, :meth:`~TelemetryBase.recover_gpu`,
   :meth:`~TelemetryBase.reload_driver`, :meth:`~TelemetryBase.fail_call`,
   :meth:`~TelemetryBase.clear_failures`;
+* a ``/proc`` for the processes that run in a pod (``add_process(pod_uid=...)``):
+  ``<state_dir>/proc/<pid>/{cgroup,stat}`` as a Kubernetes node has them
+  (:mod:`agent.sim.procfs`), kept in step with the processes (a process that ends, or a driver
+  reload, removes its directory);
 * GpuIsLost: once a GPU is lost, every call that takes one of its handles (GPU, MIG device, GPU
   or compute instance) raises ``NVMLError_GpuIsLost``; handles can still be obtained by index.
 
@@ -27,6 +31,7 @@ processes) and :mod:`agent.sim.telemetry_events` (events, GPM); the load model's
 from __future__ import annotations
 
 import ctypes
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +47,7 @@ from agent.sim.handles import Ref
 from agent.sim.mig import nvml_error
 from agent.sim.model import GpuSlot, NodeModel
 from agent.sim.nvml_core import NvmlCore
+from agent.sim.procfs import CLK_TCK, sync_proc
 from agent.sim.state import ComputeInstance, GpuInstance
 from agent.sim.telemetry_state import (
     CallFailure,
@@ -53,6 +59,8 @@ from agent.sim.telemetry_state import (
 )
 
 XID_GPU_FELL_OFF_THE_BUS = 79
+POD_UID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+"""A pod's UID as the API server makes it (a lower-case UUID)."""
 NOT_MIG = 0xFFFFFFFF
 """NVML's GPU/compute instance id for "not in a MIG device"."""
 
@@ -159,6 +167,11 @@ class TelemetryBase(NvmlCore):
 
         self._change_gpu(index, change)
 
+    @property
+    def proc_root(self) -> Path:
+        """The simulated ``/proc`` of the processes that run in a pod."""
+        return self.state_dir / "proc"
+
     def add_process(
         self,
         index: int,
@@ -167,25 +180,45 @@ class TelemetryBase(NvmlCore):
         gpu_instance_id: int | None = None,
         compute_instance_id: int | None = None,
         sm_utilization: float | None = None,
+        pod_uid: str | None = None,
     ) -> None:
         """Run process ``pid`` on GPU ``index`` (replacing one with the same pid there).
 
         On a MIG-enabled GPU it must run in a MIG device: ``gpu_instance_id`` (the compute
         instance defaults to the GPU instance's first). ``sm_utilization`` is its share of the
-        whole GPU's SMs (0-1); None: NVML has no utilization sample for it.
+        whole GPU's SMs (0-1); None: NVML has no utilization sample for it. ``pod_uid``: it runs
+        in that pod (its cgroup in :attr:`proc_root` says so). The same pid in the same pod (on
+        this or another GPU) is the same process: its start time is kept; otherwise the pid is a
+        new process, started now and later than any process before it.
         """
         self._slot(index)
         _check_fraction("sm_utilization", sm_utilization)
         if used_memory_bytes < 0:
             raise ConfigError(f"used_memory_bytes must not be negative, got {used_memory_bytes}")
+        if pid <= 0:
+            raise ConfigError(f"a pid is a positive number, got {pid}")
+        if pod_uid is not None and not POD_UID.fullmatch(pod_uid):
+            raise ConfigError(f"{pod_uid!r} is not a pod UID (a lower-case UUID)")
         gi, ci = self._process_instance(index, gpu_instance_id, compute_instance_id)
-        process = SimProcess(pid, used_memory_bytes, gi, ci, sm_utilization)
+        now = int(self._clock() * CLK_TCK)
 
-        def change(g: SimGpu) -> SimGpu:
+        def change(s: TelemetryState) -> tuple[TelemetryState, None]:
+            same = next(
+                (p for g in s.gpus for p in g.processes if (p.pid, p.pod_uid) == (pid, pod_uid)),
+                None,
+            )
+            if same is not None:
+                started = same.start_time
+            else:
+                started = max(now, s.last_start_time + 1)
+                s = replace(s, last_start_time=started)
+            process = SimProcess(pid, used_memory_bytes, gi, ci, sm_utilization, pod_uid, started)
+            g = s.gpus[index]
             others = tuple(p for p in g.processes if p.pid != pid)
-            return replace(g, processes=(*others, process))
+            return s.with_gpu(replace(g, processes=(*others, process))), None
 
-        self._change_gpu(index, change)
+        self._change_state(index, change)
+        self._sync_proc()
 
     def remove_process(self, index: int, pid: int) -> None:
         """End process ``pid`` on GPU ``index``."""
@@ -195,6 +228,12 @@ class TelemetryBase(NvmlCore):
         self._change_gpu(
             index, lambda g: replace(g, processes=tuple(p for p in g.processes if p.pid != pid))
         )
+        self._sync_proc()
+
+    def free_pid(self) -> int:
+        """A pid no simulated process has (from 10000 up: above a fresh node's own)."""
+        used = {p.pid for g in self.telemetry_state.gpus for p in g.processes}
+        return next(pid for pid in range(10_000, 10_000 + len(used) + 1) if pid not in used)
 
     def inject_xid(
         self,
@@ -291,6 +330,7 @@ class TelemetryBase(NvmlCore):
             return replace(s, gpus=gpus, driver_generation=s.driver_generation + 1), None
 
         self._telemetry.update(change)
+        self._sync_proc()
 
     def fail_call(
         self,
@@ -358,15 +398,26 @@ class TelemetryBase(NvmlCore):
 
     def _change_gpu(self, index: int, change: Callable[[SimGpu], SimGpu]) -> None:
         """Accumulate GPU ``index``'s counters to now at the old load, then apply ``change``."""
+        self._change_state(index, lambda s: (s.with_gpu(change(s.gpus[index])), None))
+
+    def _change_state(
+        self, index: int, change: Callable[[TelemetryState], tuple[TelemetryState, None]]
+    ) -> None:
+        """As :meth:`_change_gpu`, with ``change`` seeing the whole state (GPU ``index``'s
+        counters accumulated to now)."""
         spec = self._slots[index].spec
         now = self._clock()
         gi_sms = self._gi_sms(index)
 
         def whole(s: TelemetryState) -> tuple[TelemetryState, None]:
             g = telemetry_model.advance(spec, s.gpus[index], now, gi_sms, spec.multiprocessors)
-            return s.with_gpu(change(g)), None
+            return change(s.with_gpu(g))
 
         self._telemetry.update(whole)
+
+    def _sync_proc(self) -> None:
+        """The simulated ``/proc`` follows the processes (:func:`agent.sim.procfs.sync_proc`)."""
+        sync_proc(self.proc_root, (p for g in self.telemetry_state.gpus for p in g.processes))
 
     def _ref(self, handle: object, pointer_type: Any, kinds: tuple[int, ...]) -> Ref:
         """As NvmlCore's, but every handle of a lost GPU raises GpuIsLost."""

@@ -51,6 +51,10 @@ class SimProcess:
     compute_instance_id: int | None = None
     sm_utilization: float | None = None
     """Share of the whole GPU's SMs (0-1); None: NVML has no utilization sample for it."""
+    pod_uid: str | None = None
+    """The pod it runs in (its cgroup in the simulated ``/proc``); None: not in a pod."""
+    start_time: int = 0
+    """When it started, in clock ticks since boot (``/proc/<pid>/stat`` field 22)."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,9 @@ class TelemetryState:
     next_seq: int = 1
     events: tuple[SimEvent, ...] = ()
     failures: tuple[CallFailure, ...] = ()
+    last_start_time: int = 0
+    """The latest start time given to a process (clock ticks): a new process starts later, so a
+    PID used again is never taken for the process that had it before."""
 
     def with_gpu(self, gpu: SimGpu) -> TelemetryState:
         return replace(self, gpus=tuple(gpu if g.index == gpu.index else g for g in self.gpus))
@@ -168,6 +175,7 @@ def telemetry_to_json(state: TelemetryState) -> dict[str, Any]:
         "model": state.model,
         "driverGeneration": state.driver_generation,
         "nextSeq": state.next_seq,
+        "lastStartTime": state.last_start_time,
         "gpus": [
             {
                 "index": g.index,
@@ -181,6 +189,8 @@ def telemetry_to_json(state: TelemetryState) -> dict[str, Any]:
                         "gpuInstanceId": p.gpu_instance_id,
                         "computeInstanceId": p.compute_instance_id,
                         "smUtilization": p.sm_utilization,
+                        "podUID": p.pod_uid,
+                        "startTime": p.start_time,
                     }
                     for p in g.processes
                 ],
@@ -213,6 +223,14 @@ def _opt_int(value: object) -> int | None:
     return value
 
 
+def _opt_str(value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TelemetryFormatError(f"expected a string or null, got {value!r}")
+    return value
+
+
 def _gpu_from_json(g: dict[str, Any]) -> SimGpu:
     values: dict[str, Any] = {attr: g[key] for key, attr in _GPU_FIELDS.items()}
     for name in ("utilization", "since", "energy_mj", "nvlink_tx_kib", "nvlink_rx_kib"):
@@ -231,6 +249,8 @@ def _gpu_from_json(g: dict[str, Any]) -> SimGpu:
                 gpu_instance_id=_opt_int(p["gpuInstanceId"]),
                 compute_instance_id=_opt_int(p["computeInstanceId"]),
                 sm_utilization=None if p["smUtilization"] is None else float(p["smUtilization"]),
+                pod_uid=_opt_str(p.get("podUID")),  # absent in files of earlier builds
+                start_time=int(p.get("startTime", 0)),
             )
             for p in g["processes"]
         ),
@@ -251,6 +271,7 @@ def telemetry_from_json(raw: object) -> TelemetryState:
             model=str(raw["model"]),
             driver_generation=int(raw["driverGeneration"]),
             next_seq=int(raw["nextSeq"]),
+            last_start_time=int(raw.get("lastStartTime", 0)),  # absent in earlier builds' files
             gpus=tuple(_gpu_from_json(g) for g in raw["gpus"]),
             events=tuple(
                 SimEvent(

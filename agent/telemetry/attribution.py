@@ -15,9 +15,14 @@ from agent.telemetry.gpuinfo import GpuInfo
 
 EXCLUSIVE = "exclusive"
 MIG_SM_SHARE = "mig-sm-share"
-PROCESS_UTILIZATION = "process-utilization"
-EVEN = "even"
-RULES = (EXCLUSIVE, MIG_SM_SHARE, PROCESS_UTILIZATION, EVEN)
+SHARED = "shared"
+RULES = (EXCLUSIVE, MIG_SM_SHARE, SHARED)
+LEGACY_RULES = {"process-utilization": SHARED, "even": SHARED}
+"""Rules of earlier builds, which named how the latest interval was split (and so changed from
+tick to tick); their state files are read with the stable rule that replaced them."""
+UNSHARED = (None, "MPS")
+"""``HeldDevice.sharing`` values of a device no other claim holds with it: exclusive, or MPS
+(the claim's own MPS daemon: its processes share the device, other claims' do not)."""
 
 HoldingKey = tuple[str, str, str]
 """(claim uid, pool, device)."""
@@ -42,6 +47,11 @@ class HeldDevice(Protocol):
     def gpu_minor(self) -> int: ...
     @property
     def gpu_instance_id(self) -> int | None: ...
+    @property
+    def sharing(self) -> str | None:
+        """How prepare set the device up: None (exclusive), ``TimeSlicing``, ``MPS`` or
+        ``MemoryShare``; decides its rule (:func:`rule_for`)."""
+        ...
 
 
 class ClaimHolder(Protocol):
@@ -55,10 +65,27 @@ class ClaimHolder(Protocol):
     def name(self) -> str: ...
     @property
     def devices(self) -> Sequence[HeldDevice]: ...
+    @property
+    def pods(self) -> Sequence[str]:
+        """UIDs of the pods the claim is reserved for: their processes are the claim's."""
+        ...
 
 
 Holders = Callable[[], Sequence[ClaimHolder] | None]
 """The claims holding devices now (prepare completed); None when that cannot be known."""
+
+ProcessPod = Callable[[int], str | None]
+"""The UID of the pod running a process (by PID); None when unknown."""
+
+
+def rule_for(kind: str, sharing: str | None) -> str:
+    """A holding's rule, from how its device was prepared (pure). It never depends on who else
+    holds the unit now, so it stays the same for the holding's whole life: ``shared`` for a
+    device prepared to be shared with other claims (time-slicing, memory shares), else
+    ``mig-sm-share`` for a MIG device and ``exclusive`` for a whole GPU."""
+    if sharing not in UNSHARED:
+        return SHARED
+    return MIG_SM_SHARE if kind == "mig" else EXCLUSIVE
 
 
 @dataclass(frozen=True)
@@ -75,10 +102,17 @@ class Holding:
     gpu_index: int
     gpu_uuid: str
     gpu_instance_id: int | None
+    sharing: str | None = None
+    pods: tuple[str, ...] = ()
+    """The claim's pods (``ClaimHolder.pods``)."""
 
     @property
     def key(self) -> HoldingKey:
         return (self.uid, self.pool, self.device)
+
+    @property
+    def rule(self) -> str:
+        return rule_for(self.kind, self.sharing)
 
 
 @dataclass(frozen=True)
@@ -87,6 +121,7 @@ class Share:
     share: float
     """Fraction (0-1) of the GPU's energy and elapsed time that goes to this holding."""
     rule: str
+    """The holding's rule (:func:`rule_for`): the same every interval."""
 
 
 def holdings(
@@ -103,6 +138,7 @@ def holdings(
     unknown: list[HoldingKey] = []
     for entry in sorted(claims, key=lambda c: c.uid):
         uid = entry.uid
+        pods = tuple(entry.pods)
         for d in entry.devices:
             gpu = by_uuid.get(d.gpu_uuid) or by_minor.get(d.gpu_minor)
             if gpu is None:
@@ -119,54 +155,75 @@ def holdings(
                     gpu_index=gpu.index,
                     gpu_uuid=gpu.uuid,
                     gpu_instance_id=d.gpu_instance_id,
+                    sharing=d.sharing,
+                    pods=pods,
                 )
             )
     return found, unknown
 
 
+def _utilization_by_claim(
+    members: Sequence[Holding],
+    sample: GpuSample | None,
+    gpu_instance_id: int | None,
+    process_pod: ProcessPod | None,
+) -> dict[str, float]:
+    """The SM utilization of each member claim's processes on one unit: a process counts for the
+    claims reserved for its pod (split evenly when the pod has several on the unit)."""
+    per_claim: dict[str, float] = defaultdict(float)
+    claims_of_pod: dict[str, set[str]] = defaultdict(set)
+    for h in members:
+        for pod in h.pods:
+            claims_of_pod[pod].add(h.uid)
+    if sample is None or process_pod is None or not claims_of_pod:
+        return per_claim  # no pod known: no process can be matched (and none is looked up)
+    for p in sample.processes:
+        if p.sm_utilization is None or p.sm_utilization <= 0:
+            continue
+        if gpu_instance_id is not None and p.gpu_instance_id != gpu_instance_id:
+            continue
+        runs_in = process_pod(p.pid)
+        owners = claims_of_pod.get(runs_in, set()) if runs_in is not None else set()
+        for uid in owners:
+            per_claim[uid] += p.sm_utilization / len(owners)
+    return per_claim
+
+
 def _split_unit(
     unit_share: float,
     members: Sequence[Holding],
-    single_rule: str,
     sample: GpuSample | None,
     gpu_instance_id: int | None,
-    process_claim: Callable[[int], str | None] | None,
+    process_pod: ProcessPod | None,
 ) -> list[Share]:
-    """Split one physical unit (a whole GPU or one MIG device) between the holdings on it."""
+    """Split one physical unit (a whole GPU or one MIG device) between the holdings on it: by
+    the SM utilization of each claim's processes when any is known, else evenly."""
     if len(members) == 1:
-        return [Share(members[0].key, unit_share, single_rule)]
-    per_claim: dict[str, float] = defaultdict(float)
-    claims = {h.uid for h in members}
-    if sample is not None and process_claim is not None:
-        for p in sample.processes:
-            if p.sm_utilization is None or p.sm_utilization <= 0:
-                continue
-            if gpu_instance_id is not None and p.gpu_instance_id != gpu_instance_id:
-                continue
-            owner = process_claim(p.pid)
-            if owner in claims:
-                per_claim[owner] += p.sm_utilization
+        return [Share(members[0].key, unit_share, members[0].rule)]
+    per_claim = _utilization_by_claim(members, sample, gpu_instance_id, process_pod)
     total = sum(per_claim.values())
     if total > 0:
         count = Counter(h.uid for h in members)
         return [
-            Share(h.key, unit_share * per_claim[h.uid] / total / count[h.uid], PROCESS_UTILIZATION)
+            Share(h.key, unit_share * per_claim[h.uid] / total / count[h.uid], h.rule)
             for h in members
         ]
-    return [Share(h.key, unit_share / len(members), EVEN) for h in members]
+    return [Share(h.key, unit_share / len(members), h.rule) for h in members]
 
 
 def shares(
     gpu: GpuInfo,
     members: Sequence[Holding],
     sample: GpuSample | None,
-    process_claim: Callable[[int], str | None] | None = None,
+    process_pod: ProcessPod | None = None,
 ) -> list[Share]:
-    """Each holding's share of ``gpu`` for one interval (pure; see the energy module's rules).
+    """Each holding's share of ``gpu`` for one interval (pure given ``process_pod``; see the
+    energy module's rules).
 
     ``sample`` is the GPU's sample at the end of the interval (its processes drive the
-    process-utilization split); ``process_claim`` maps a pid to the claim UID running it.
-    The shares never sum to more than 1.
+    utilization split of a unit several claims hold); ``process_pod`` maps a pid to the UID of
+    the pod running it, which the holders' ``pods`` map to claims. It is only called for the
+    processes of a unit several claims hold. The shares never sum to more than 1.
     """
     whole = [h for h in members if h.kind != "mig"]
     migs: dict[str, list[Holding]] = defaultdict(list)
@@ -175,14 +232,14 @@ def shares(
             migs[h.device].append(h)
     out: list[Share] = []
     if whole:
-        out += _split_unit(1.0, whole, EXCLUSIVE, sample, None, process_claim)
+        out += _split_unit(1.0, whole, sample, None, process_pod)
     for device in sorted(migs):
         group = migs[device]
         gi = group[0].gpu_instance_id
         sms = gpu.mig_device_multiprocessors(device, gi)
         parent = gpu.multiprocessors
         unit = sms / parent if sms is not None and parent else 0.0
-        out += _split_unit(min(unit, 1.0), group, MIG_SM_SHARE, sample, gi, process_claim)
+        out += _split_unit(min(unit, 1.0), group, sample, gi, process_pod)
     total = sum(s.share for s in out)
     if total > 1.0:
         out = [Share(s.key, s.share / total, s.rule) for s in out]

@@ -27,27 +27,47 @@ interval own the whole interval.
 
 **Attribution.** Each holder of a GPU gets a share of the GPU's energy delta and of the interval's
 elapsed seconds (its GPU-seconds, which accrue while a claim holds the device, even when the GPU
-is lost or idle); the ``rule`` label of its ``ClaimUsage`` says which rule gave
-its latest share:
+is lost or idle). Every holding has one ``rule``, fixed by how its device was prepared (the
+checkpoint's ``sharing``), never by who else holds the unit at the moment, so the ``rule`` of its
+``ClaimUsage`` (and the ``rule`` label of its counters) stays the same while it is held: a label
+that changed would start a new Prometheus series for the same counter.
 
-- ``exclusive``: the only holder of the whole GPU gets 100 %. A whole GPU held for 10 s is 10
-  GPU-seconds.
-- ``mig-sm-share``: a MIG device gets its profile's SMs / the SMs of the whole GPU as MIG divides
-  it (the largest profile, ``7g``): on an A100 a ``1g.5gb`` gets 14/98 of the GPU's energy, and
-  10 s of it are 10 x 14/98 = 1.43 GPU-seconds. The profile comes from the device name's profile
-  id (``gpu-0-mig-1g5gb-19-0``), else the GPU instance's SMs. The share of idle slices (MIG
-  devices no claim holds, and SMs no profile combination covers: seven H100 ``1g`` devices are
-  7 x 16 of 132 SMs) is attributed to no one; so is a MIG device whose SMs are unknown.
-- ``process-utilization``: several holders of one GPU (time-slicing, MPS, memory shares) or of one
-  MIG device split it by the SM utilization of each claim's processes, where NVML reports it
-  (``ProcessSample.sm_utilization``; a process is matched to its claim by the injected
-  ``process_claim(pid) -> claim uid``; processes of other MIG devices do not count). A claim
-  that ran nothing gets 0; a claim with several devices on the unit splits its part evenly.
-- ``even``: the same holders split evenly when no holder's processes report utilization (or
-  ``process_claim`` is not given).
+- ``exclusive``: a whole GPU prepared for one claim (no sharing, or the claim's own MPS daemon)
+  gets 100 %. A whole GPU held for 10 s is 10 GPU-seconds.
+- ``mig-sm-share``: a MIG device prepared for one claim gets its profile's SMs / the SMs of the
+  whole GPU as MIG divides it (the largest profile, ``7g``): on an A100 a ``1g.5gb`` gets 14/98
+  of the GPU's energy, and 10 s of it are 10 x 14/98 = 1.43 GPU-seconds. The profile comes from
+  the device name's profile id (``gpu-0-mig-1g5gb-19-0``), else the GPU instance's SMs. The share
+  of idle slices (MIG devices no claim holds, and SMs no profile combination covers: seven H100
+  ``1g`` devices are 7 x 16 of 132 SMs) is attributed to no one; so is a MIG device whose SMs are
+  unknown.
+- ``shared``: a device prepared to be shared with other claims (``TimeSlicing``,
+  ``MemoryShare``). The holdings of its unit (the whole GPU, or one MIG device as above) split
+  the unit by the SM utilization of each claim's processes when NVML reports any
+  (``ProcessSample.sm_utilization``), else evenly. A process is a claim's when it runs in one of
+  the claim's pods: the injected ``process_pod(pid) -> pod uid`` (in the agent
+  :class:`agent.telemetry.owners.ProcessPods`, from the process's cgroup) matched against the
+  claim's ``pods`` (its ``status.reservedFor``); a process of a pod that several holders of the
+  unit are reserved for counts evenly for each; processes of other MIG devices do not count. A
+  claim that ran nothing gets 0; a claim with several devices on the unit splits its part
+  evenly. When no holder's processes report utilization (their pods are unknown, ``process_pod``
+  is not given, or NVML has no per-process samples), the holdings split the unit evenly. A shared
+  device held alone gets the whole unit.
 
-Shares on one GPU never sum to more than 1 (they are scaled down if a malformed checkpoint made
-them). With the GPU fully held, the claims' energy sums to the GPU's energy for the same window.
+Several claims holding a unit prepared exclusive (only a malformed checkpoint does that) are split
+the same way; each keeps its own rule. Shares on one GPU never sum to more than 1 (they are
+scaled down if a malformed checkpoint made them). With the GPU fully held, the claims' energy sums
+to the GPU's energy for the same window.
+
+**The latest share.** ``ClaimUsage.share`` is the fraction (0-1) of its GPU's energy and time a
+held device got in the latest interval (None once the claim is released, and until its first
+interval after a restart): how a shared unit was split, without a label that changes.
+
+**Earlier rules.** Builds before the stable rules named the latest interval's split instead
+(``process-utilization`` or ``even``), and called a shared device that held its GPU alone
+``exclusive``; a state file with the old names is read as ``shared``, and the holding's rule is
+its own again from the first interval. The counters continue from their stored values, under the
+new label: a series that had an old label ends once, at the upgrade.
 
 **Persistence and retention.** GPU totals (by UUID) and claim counters are written to
 ``state_file`` (JSON, atomically) at most every ``persist_interval`` seconds (15 by default) and
@@ -81,7 +101,15 @@ from agent.errors import DecodeError
 from agent.fsutil import atomic_write, move_aside
 from agent.logs import fields_
 from agent.nvml.samples import GpuSample
-from agent.telemetry.attribution import ClaimHolder, Holding, HoldingKey, holdings, shares
+from agent.telemetry.attribution import (
+    LEGACY_RULES,
+    ClaimHolder,
+    Holding,
+    HoldingKey,
+    ProcessPod,
+    holdings,
+    shares,
+)
 from agent.telemetry.gpuinfo import GpuInfo
 from agent.telemetry.snapshot import ClaimUsage, PreparedDevice
 
@@ -152,6 +180,9 @@ class _Usage:
     gpu_seconds: float = 0.0
     released_at: float | None = None
     """Unix seconds when the claim was first seen gone; None while it is prepared."""
+    share: float | None = None
+    """The latest interval's share (0-1); None while released or not yet accounted (not
+    persisted)."""
 
 
 @dataclass(frozen=True)
@@ -177,7 +208,7 @@ class EnergyAccounting:
         persist_interval: float = 15.0,
         retention: float = 3600.0,
         max_watts: float = MAX_WATTS,
-        process_claim: Callable[[int], str | None] | None = None,
+        process_pod: ProcessPod | None = None,
     ) -> None:
         self.state_file = Path(state_file)
         self._clock = clock
@@ -185,7 +216,7 @@ class EnergyAccounting:
         self.persist_interval = persist_interval
         self.retention = retention
         self.max_watts = max_watts
-        self._process_claim = process_claim
+        self._process_pod = process_pod
         self._lock = threading.Lock()
         self._gpus: dict[str, _Gpu] = {}
         self._usage: dict[HoldingKey, _Usage] = {}
@@ -261,12 +292,13 @@ class EnergyAccounting:
         if gpu is None or held is None:
             return
         members = [h for h in held if h.gpu_uuid == gpu.uuid]
-        for s in shares(gpu, members, sample, self._process_claim):
+        for s in shares(gpu, members, sample, self._process_pod):
             h = next(m for m in members if m.key == s.key)
             u = self._usage.get(s.key)
             if u is None:
                 u = self._usage[s.key] = _Usage(h.namespace, h.claim, gpu.index, gpu.uuid, s.rule)
             u.namespace, u.claim, u.rule, u.released_at = h.namespace, h.claim, s.rule, None
+            u.share = s.share
             u.gpu_index, u.gpu_uuid = gpu.index, gpu.uuid
             u.energy_joules += delta * s.share
             if elapsed is not None:
@@ -277,6 +309,7 @@ class EnergyAccounting:
             u = self._usage[key]
             if key in current:
                 continue
+            u.share = None
             if u.released_at is None:
                 u.released_at = now
             elif now - u.released_at > self.retention:
@@ -303,6 +336,7 @@ class EnergyAccounting:
                 rule=u.rule,
                 energy_joules_total=u.energy_joules,
                 gpu_seconds_total=u.gpu_seconds,
+                share=u.share,
             )
             for key, u in self._usage.items()
         ]
@@ -461,7 +495,7 @@ def decode_state(raw: bytes) -> tuple[dict[str, _Gpu], dict[HoldingKey, _Usage]]
             claim=_text(c, "claim"),
             gpu_index=-1 if index is None else index,
             gpu_uuid=_text(c, "gpuUUID"),
-            rule=_text(c, "rule"),
+            rule=LEGACY_RULES.get(_text(c, "rule"), _text(c, "rule")),
             energy_joules=_num(c, "energyJoules"),
             gpu_seconds=_num(c, "gpuSeconds"),
             released_at=None if released is None else _num(c, "releasedAt"),

@@ -146,13 +146,21 @@ SPECS: tuple[Spec, ...] = (
     Spec(
         "tessera_claim_energy_joules",
         "counter",
-        "Energy attributed to a claim's device (rule label: how it was split).",
+        "Energy attributed to a claim's device (rule label: how its share is found; fixed while"
+        " the claim holds the device).",
         CLAIM,
     ),
     Spec(
         "tessera_claim_gpu_seconds",
         "counter",
         "GPU-seconds attributed to a claim's device (a whole GPU for 1 s = 1).",
+        CLAIM,
+    ),
+    Spec(
+        "tessera_claim_share_ratio",
+        "gauge",
+        "Fraction of its GPU's energy and time a claim's device got over the latest interval"
+        " (0-1; absent once released).",
         CLAIM,
     ),
     Spec(
@@ -273,6 +281,7 @@ def _fill(families: dict[str, Metric], snap: Snapshot) -> None:
         labels = (node, c.namespace, c.claim, c.pool, c.device, c.rule)
         _add(families, "tessera_claim_energy_joules", labels, c.energy_joules_total)
         _add(families, "tessera_claim_gpu_seconds", labels, c.gpu_seconds_total)
+        _add(families, "tessera_claim_share_ratio", labels, c.share)
     for p in snap.prepared:
         _add(families, "tessera_device_prepared", (node, p.pool, p.device, p.namespace, p.claim), 1)
     _add(families, "tessera_sampler_tick_duration_seconds", (node,), snap.tick_duration_seconds)

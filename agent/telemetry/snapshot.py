@@ -34,10 +34,13 @@ class ClaimUsage:
     device: str
     gpu_index: int
     rule: str
-    """How the GPU's energy was split: ``exclusive``, ``mig-sm-share``, ``process-utilization``
-    or ``even`` (see docs/metrics.md)."""
+    """How the device's share is found: ``exclusive``, ``mig-sm-share`` or ``shared`` (see
+    docs/metrics.md); the same for as long as the claim holds the device."""
     energy_joules_total: float
     gpu_seconds_total: float
+    share: float | None = None
+    """Fraction (0-1) of its GPU's energy and time the device got in the latest interval; None
+    once released (or before its first interval)."""
 
 
 @dataclass(frozen=True)

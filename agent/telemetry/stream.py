@@ -135,6 +135,7 @@ def to_proto(snap: Snapshot, devices: Any = ()) -> Any:
                 rule=c.rule,
                 energy_joules_total=c.energy_joules_total,
                 gpu_seconds_total=c.gpu_seconds_total,
+                share=c.share,
             )
             for c in snap.claims
             if c.gpu_index in indexes

@@ -154,8 +154,10 @@ def claim_manifest(
     namespace: str = "default",
     config: list[dict[str, Any]] | None = None,
     allocated: bool = True,
+    reserved_for: list[tuple[str, str]] | None = None,
 ) -> dict[str, Any]:
-    """A ResourceClaim with status.allocation: ``devices`` = [(request, device name)]."""
+    """A ResourceClaim with status.allocation: ``devices`` = [(request, device name)];
+    ``reserved_for`` = [(pod name, pod uid)] adds ``status.reservedFor`` (the pods that use it)."""
     requests = sorted({r.split("/")[0] for r, _ in devices}) or ["gpu"]
     obj: dict[str, Any] = {
         "apiVersion": "resource.k8s.io/v1",
@@ -181,6 +183,10 @@ def claim_manifest(
                 }
             }
         }
+    if reserved_for:
+        obj.setdefault("status", {})["reservedFor"] = [
+            {"resource": "pods", "name": pod, "uid": uid} for pod, uid in reserved_for
+        ]
     return obj
 
 

@@ -14,6 +14,7 @@ class Held:
     gpu_uuid: str
     gpu_minor: int
     gpu_instance_id: int | None = None
+    sharing: str | None = None
 
 
 @dataclass(frozen=True)
@@ -22,3 +23,4 @@ class Claim:
     namespace: str
     name: str
     devices: tuple[Held, ...]
+    pods: tuple[str, ...] = ()

@@ -57,7 +57,7 @@ def make_snapshot(
         ClaimUsage("team-a", f"job-{i}", f"uid-{i}", "node-a",
                    "gpu-0" if i == 0 else f"gpu-1-mig-1g10gb-19-{i}",
                    0 if i == 0 else 1, "exclusive" if i == 0 else "mig-sm-share",
-                   float(tick * (i + 1)), float(tick))
+                   float(tick * (i + 1)), float(tick), 1.0 if i == 0 else None)
         for i in range(claims)
     )  # fmt: skip
     prepared = tuple(

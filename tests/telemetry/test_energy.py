@@ -45,17 +45,22 @@ def gpu(index: int, *, sms: int | None = None, profiles=()) -> GpuInfo:
     )
 
 
-def whole(gpu_index: int, device: str | None = None) -> Held:
-    return Held("node-a", device or f"gpu-{gpu_index}", "gpu", f"GPU-{gpu_index}", gpu_index)
+def whole(gpu_index: int, device: str | None = None, sharing: str | None = None) -> Held:
+    name = device or f"gpu-{gpu_index}"
+    return Held("node-a", name, "gpu", f"GPU-{gpu_index}", gpu_index, sharing=sharing)
 
 
-def mig(gpu_index: int, profile: str, profile_id: int, start: int, gi: int) -> Held:
+def mig(
+    gpu_index: int, profile: str, profile_id: int, start: int, gi: int, sharing: str | None = None
+) -> Held:
     name = f"gpu-{gpu_index}-mig-{profile}-{profile_id}-{start}"
-    return Held("node-a", name, "mig", f"GPU-{gpu_index}", gpu_index, gpu_instance_id=gi)
+    return Held(
+        "node-a", name, "mig", f"GPU-{gpu_index}", gpu_index, gpu_instance_id=gi, sharing=sharing
+    )
 
 
-def claim(uid: str, *devices: Held) -> Claim:
-    return Claim(uid, "team-a", f"job-{uid}", devices)
+def claim(uid: str, *devices: Held, pods: tuple[str, ...] = ()) -> Claim:
+    return Claim(uid, "team-a", f"job-{uid}", devices, pods)
 
 
 def checkpoint(*claims: Claim) -> tuple[Claim, ...]:
@@ -264,14 +269,15 @@ def procs(*pairs: tuple[int, float | None], gi: int | None = None) -> tuple[Proc
     return tuple(ProcessSample(pid, None, gi, None if gi is None else 0, u) for pid, u in pairs)
 
 
-def test_shared_gpu_is_split_by_process_utilization(tmp_path):
-    owners = {100: "a", 101: "a", 200: "b", 300: "c", 999: "not-here"}
-    acc = EnergyAccounting(tmp_path / "e.json", Clock(), process_claim=owners.get)
+def test_shared_gpu_is_split_by_the_utilization_of_each_claims_pods(tmp_path):
+    pods = {100: "pod-a1", 101: "pod-a2", 200: "pod-b", 300: "pod-c", 999: "pod-elsewhere"}
+    acc = EnergyAccounting(tmp_path / "e.json", Clock(), process_pod=pods.get)
     gpus = [gpu(0)]
+    shared = whole(0, "gpu-0", sharing="TimeSlicing")
     holders = checkpoint(
-        claim("a", whole(0, "gpu-0-shared")),
-        claim("b", whole(0, "gpu-0-shared")),
-        claim("c", whole(0, "gpu-0-shared")),
+        claim("a", shared, pods=("pod-a1", "pod-a2")),
+        claim("b", shared, pods=("pod-b",)),
+        claim("c", shared, pods=("pod-c",)),
     )
     processes = procs((100, 0.2), (101, 0.1), (200, 0.6), (300, None), (999, 0.5), (400, 0.3))
     window = run_window(
@@ -279,20 +285,21 @@ def test_shared_gpu_is_split_by_process_utilization(tmp_path):
     )
     got = by_claim(acc)
     assert sum(e for e, _, _ in got.values()) == pytest.approx(window[0], rel=0.01)
-    assert got[("a", "gpu-0-shared")][0] == pytest.approx(window[0] / 3)
-    assert got[("b", "gpu-0-shared")][0] == pytest.approx(window[0] * 2 / 3)
-    assert got[("c", "gpu-0-shared")][:2] == (0.0, 0.0)
+    assert got[("a", "gpu-0")][0] == pytest.approx(window[0] / 3)
+    assert got[("b", "gpu-0")][0] == pytest.approx(window[0] * 2 / 3)
+    assert got[("c", "gpu-0")][:2] == (0.0, 0.0)
     assert sum(s for _, s, _ in got.values()) == pytest.approx(30.0)
-    assert {r for _, _, r in got.values()} == {"process-utilization"}
+    assert {r for _, _, r in got.values()} == {"shared"}
+    assert {c.uid: c.share for c in acc.usage()} == pytest.approx({"a": 1 / 3, "b": 2 / 3, "c": 0})
 
 
 def test_shared_gpu_without_utilization_is_split_evenly(tmp_path):
-    acc = EnergyAccounting(tmp_path / "e.json", Clock(), process_claim={1: "a"}.get)
+    acc = EnergyAccounting(tmp_path / "e.json", Clock(), process_pod={1: "pod-a"}.get)
     gpus = [gpu(0)]
     holders = checkpoint(
-        claim("a", whole(0, "gpu-0-ts-0")),
-        claim("b", whole(0, "gpu-0-ts-1")),
-        claim("c", whole(0, "gpu-0-ts-2")),
+        claim("a", whole(0, "gpu-0", sharing="MemoryShare"), pods=("pod-a",)),
+        claim("b", whole(0, "gpu-0", sharing="MemoryShare")),
+        claim("c", whole(0, "gpu-0", sharing="MemoryShare")),
     )
     processes = procs((1, None))
     window = run_window(
@@ -301,19 +308,86 @@ def test_shared_gpu_without_utilization_is_split_evenly(tmp_path):
     got = by_claim(acc)
     assert sum(e for e, _, _ in got.values()) == pytest.approx(window[0], rel=0.01)
     for e, secs, rule in got.values():
-        assert (e, secs, rule) == (pytest.approx(window[0] / 3), pytest.approx(10.0), "even")
+        assert (e, secs, rule) == (pytest.approx(window[0] / 3), pytest.approx(10.0), "shared")
+
+
+def test_the_rule_of_a_holding_never_changes_whatever_the_split(tmp_path):
+    """Utilization known, then not, then known again; a second claim joins, then leaves: each
+    holding keeps its one rule (a changing label would start a new Prometheus series)."""
+    pods = {1: "pod-a", 2: "pod-b"}
+    acc = EnergyAccounting(tmp_path / "e.json", Clock(), process_pod=pods.get)
+    gpus = [gpu(0)]
+    a = claim("a", whole(0, sharing="TimeSlicing"), pods=("pod-a",))
+    b = claim("b", whole(0, sharing="TimeSlicing"), pods=("pod-b",))
+    busy = procs((1, 0.6), (2, 0.2))
+    script = [((a,), busy), ((a, b), busy), ((a, b), ()), ((a, b), procs((1, None))),
+              ((a, b), busy), ((a,), ())]  # fmt: skip
+    rules: set[tuple[str, str]] = set()
+    shares_seen = []
+    for t, (holders, processes) in enumerate(script):
+        out = acc.update(
+            [sample(0, float(t), 100.0 * t, 100.0, processes=processes)], gpus, holders
+        )
+        rules |= {(c.uid, c.rule) for c in out.claims}
+        shares_seen.append({c.uid: c.share for c in out.claims})
+    assert rules == {("a", "shared"), ("b", "shared")}
+    assert shares_seen[0] == {"a": 1.0}
+    assert shares_seen[1] == pytest.approx({"a": 0.75, "b": 0.25})
+    assert shares_seen[2] == shares_seen[3] == {"a": 0.5, "b": 0.5}
+    assert shares_seen[5] == {"a": 1.0, "b": None}  # b released: its counters stay, no share
+
+
+def test_exclusive_and_mps_devices_keep_their_rule_and_never_look_up_processes(tmp_path):
+    def no_lookups(pid: int) -> str | None:
+        raise AssertionError(f"looked up {pid} for a unit one claim holds")
+
+    info = gpu(0, sms=98, profiles=A100_PROFILES)
+    held, _ = holdings(
+        checkpoint(
+            claim("a", whole(1), pods=("pod-a",)),
+            claim("b", whole(2, sharing="MPS"), pods=("pod-b",)),
+            claim("c", mig(0, "3g20gb", 9, 0, gi=1, sharing="MPS"), pods=("pod-c",)),
+        ),
+        [info, gpu(1), gpu(2)],
+    )
+    assert {h.uid: h.rule for h in held} == {
+        "a": "exclusive",
+        "b": "exclusive",
+        "c": "mig-sm-share",
+    }
+    busy = sample(0, 0.0, processes=procs((1, 0.5), gi=1))
+    (c,) = shares(info, [h for h in held if h.gpu_index == 0], busy, no_lookups)
+    assert (c.rule, c.share) == ("mig-sm-share", pytest.approx(42 / 98))
+
+
+def test_a_pod_reserved_by_several_holders_counts_for_each_evenly():
+    info = gpu(0)
+    shared = whole(0, sharing="TimeSlicing")
+    held, _ = holdings(
+        checkpoint(
+            claim("a", shared, pods=("pod-both",)),
+            claim("b", shared, pods=("pod-both", "pod-b")),
+        ),
+        [info],
+    )
+    busy = sample(0, 0.0, processes=procs((1, 0.4), (2, 0.2)))
+    got = {s.key[0]: s for s in shares(info, held, busy, {1: "pod-both", 2: "pod-b"}.get)}
+    assert got["a"].share == pytest.approx(0.2 / 0.6)
+    assert got["b"].share == pytest.approx(0.4 / 0.6)
 
 
 def test_shared_mig_device_counts_only_its_own_processes():
     info = gpu(0, sms=98, profiles=A100_PROFILES)
-    device = mig(0, "3g20gb", 9, 0, gi=1)
-    held, _ = holdings(checkpoint(claim("a", device), claim("b", device)), [info])
+    device = mig(0, "3g20gb", 9, 0, gi=1, sharing="TimeSlicing")
+    held, _ = holdings(
+        checkpoint(claim("a", device, pods=("pa",)), claim("b", device, pods=("pb",))), [info]
+    )
     processes = procs((1, 0.3), gi=1) + procs((2, 0.1), gi=1) + procs((3, 0.9), gi=2)
-    owners = {1: "a", 2: "b", 3: "b"}
-    got = {s.key[0]: s for s in shares(info, held, sample(0, 0.0, processes=processes), owners.get)}
+    pods = {1: "pa", 2: "pb", 3: "pb"}
+    got = {s.key[0]: s for s in shares(info, held, sample(0, 0.0, processes=processes), pods.get)}
     assert got["a"].share == pytest.approx(42 / 98 * 0.75)
     assert got["b"].share == pytest.approx(42 / 98 * 0.25)
-    assert got["a"].rule == "process-utilization"
+    assert got["a"].rule == "shared"
 
 
 def test_shares_never_sum_above_one():
@@ -441,6 +515,27 @@ def test_released_claims_keep_their_release_time_across_restart(tmp_path):
     clock.t += 41
     out = acc2.update([sample(0, 4.0, 40.0)], [gpu(0)], checkpoint())
     assert out.claims == ()
+
+
+@pytest.mark.parametrize("old", ["process-utilization", "even"])
+def test_a_state_file_with_an_earlier_rule_is_read_as_shared_and_keeps_counting(tmp_path, old):
+    path = tmp_path / "energy.json"
+    state = {
+        "kind": "TesseraEnergyState", "version": 1, "savedAt": 0.0,
+        "gpus": {"GPU-0": {"index": 0, "energyJoules": 5000.0}},
+        "claims": [{"uid": "a", "pool": "node-a", "device": "gpu-0", "namespace": "team-a",
+                    "claim": "job-a", "gpuIndex": 0, "gpuUUID": "GPU-0", "rule": old,
+                    "energyJoules": 1000.0, "gpuSeconds": 40.0, "releasedAt": None}],
+    }  # fmt: skip
+    path.write_text(json.dumps(state))
+    acc = EnergyAccounting(path, Clock())
+    assert by_claim(acc) == {("a", "gpu-0"): (1000.0, 40.0, "shared")}
+    holders = checkpoint(claim("a", whole(0, sharing="TimeSlicing")))
+    acc.update([sample(0, 0.0, 10.0)], [gpu(0)], holders)
+    acc.update([sample(0, 1.0, 110.0)], [gpu(0)], holders)
+    assert by_claim(acc) == {("a", "gpu-0"): (1100.0, 41.0, "shared")}
+    acc.close()
+    assert json.loads(path.read_text())["claims"][0]["rule"] == "shared"
 
 
 @pytest.mark.parametrize(

@@ -109,6 +109,16 @@ def test_absent_fields_are_absent_not_zero():
     assert len(migutil) == 1  # one MIG device has GPM data, the other none
 
 
+def test_the_latest_share_is_a_gauge_with_the_claims_labels_absent_when_unknown():
+    fams = {f.name: f for f in text_string_to_metric_families(exposition(registry(make_snapshot)))}
+    (share,) = fams["tessera_claim_share_ratio"].samples
+    (energy,) = [
+        s for s in fams["tessera_claim_energy_joules"].samples if s.labels["claim"] == "job-0"
+    ]
+    assert share.labels == energy.labels and share.labels["rule"] == "exclusive"
+    assert share.value == 1.0  # job-1 has no share (released): no series, not 0
+
+
 def test_no_snapshot_yet_still_describes_and_serves_empty_families():
     reg = registry(lambda: None)
     text = exposition(reg)

@@ -89,6 +89,11 @@ def test_snapshot_and_device_filter(served):
         assert full.gpus[2].lost and not full.gpus[2].healthy
         assert not full.gpus[2].HasField("utilization_gpu")  # absent, not zero
         assert [h.claim for h in full.gpus[0].holders] == ["job-0"]
+        assert [(c.rule, c.HasField("share")) for c in full.claims] == [
+            ("exclusive", True),
+            ("mig-sm-share", False),  # job-1's share is unknown: absent
+        ]
+        assert full.claims[0].share == 1.0
         one = api.Snapshot(pb.SnapshotRequest(devices=["GPU-0"]), timeout=5)
         assert [g.uuid for g in one.gpus] == ["GPU-0"]
         assert [c.device for c in one.claims] == ["gpu-0"]

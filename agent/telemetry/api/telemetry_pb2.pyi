@@ -119,7 +119,7 @@ class Holder(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., claim: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
 
 class ClaimUsage(_message.Message):
-    __slots__ = ("namespace", "claim", "uid", "pool", "device", "gpu_index", "rule", "energy_joules_total", "gpu_seconds_total")
+    __slots__ = ("namespace", "claim", "uid", "pool", "device", "gpu_index", "rule", "energy_joules_total", "gpu_seconds_total", "share")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     CLAIM_FIELD_NUMBER: _ClassVar[int]
     UID_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class ClaimUsage(_message.Message):
     RULE_FIELD_NUMBER: _ClassVar[int]
     ENERGY_JOULES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     GPU_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     claim: str
     uid: str
@@ -138,4 +139,5 @@ class ClaimUsage(_message.Message):
     rule: str
     energy_joules_total: float
     gpu_seconds_total: float
-    def __init__(self, namespace: _Optional[str] = ..., claim: _Optional[str] = ..., uid: _Optional[str] = ..., pool: _Optional[str] = ..., device: _Optional[str] = ..., gpu_index: _Optional[int] = ..., rule: _Optional[str] = ..., energy_joules_total: _Optional[float] = ..., gpu_seconds_total: _Optional[float] = ...) -> None: ...
+    share: float
+    def __init__(self, namespace: _Optional[str] = ..., claim: _Optional[str] = ..., uid: _Optional[str] = ..., pool: _Optional[str] = ..., device: _Optional[str] = ..., gpu_index: _Optional[int] = ..., rule: _Optional[str] = ..., energy_joules_total: _Optional[float] = ..., gpu_seconds_total: _Optional[float] = ..., share: _Optional[float] = ...) -> None: ...

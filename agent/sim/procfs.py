@@ -1,0 +1,75 @@
+"""The simulated node's ``/proc`` for its GPU processes that run in pods.
+
+A simulated process with a pod (``SimProcess.pod_uid``) gets, under ``<sim dir>/proc/<pid>/``, what
+Linux shows for a container's process on a Kubernetes node with the systemd cgroup driver,
+cgroup v2 and containerd (proc(5); the kubelet's and containerd's naming, with its upstream
+sources, is in the docstring of ``agent/telemetry/owners.py``, which reads it)::
+
+    cgroup  0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod<uid, - as _>.slice/
+            cri-containerd-<64 hex>.scope
+    stat    <pid> (<comm>) S <ppid> ... field 22: start time in clock ticks since boot ...
+
+so the agent (``--proc-root`` pointed here, the default with ``--simulate``) finds the pod as it
+would on a real node. A process without a pod has no directory (the agent then knows no pod for
+it, as for a PID it cannot see). The tree follows the telemetry state: :func:`sync_proc` writes
+the directories of the processes that have a pod and removes every other PID's, so a process
+that ends (``remove_process``, a driver reload) disappears from it.
+
+``cgroup_line``, ``stat_line`` and ``container_id`` are pure; ``sync_proc`` does the I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from pathlib import Path
+
+from agent.sim.telemetry_state import SimProcess
+from agent.sim.tree import remove, write_text, write_tree
+
+CLK_TCK = 100
+"""Clock ticks per second of ``stat``'s start time (``getconf CLK_TCK`` on Linux)."""
+COMM = "python3"
+STAT_FIELDS = 52
+"""Fields of a ``/proc/<pid>/stat`` line on Linux 5.x and later."""
+
+
+def container_id(pod_uid: str, pid: int) -> str:
+    """A containerd container id (64 hex digits) for the process's container (pure)."""
+    return hashlib.sha256(f"{pod_uid}/{pid}".encode()).hexdigest()
+
+
+def cgroup_line(pod_uid: str, pid: int) -> str:
+    """``/proc/<pid>/cgroup`` of a Burstable pod's container: cgroup v2, systemd driver,
+    containerd (pure)."""
+    pod_slice = f"kubepods-burstable-pod{pod_uid.replace('-', '_')}.slice"
+    scope = f"cri-containerd-{container_id(pod_uid, pid)}.scope"
+    return f"0::/kubepods.slice/kubepods-burstable.slice/{pod_slice}/{scope}\n"
+
+
+def stat_line(pid: int, start_time: int, comm: str = COMM) -> str:
+    """``/proc/<pid>/stat``: pid, (comm), state, ppid, pgrp, session, ..., starttime (field 22),
+    the rest 0 (pure)."""
+    fields = [str(pid), f"({comm})", "S", "1", str(pid), str(pid)]
+    fields += ["0"] * (21 - len(fields))
+    fields.append(str(start_time))
+    fields += ["0"] * (STAT_FIELDS - len(fields))
+    return " ".join(fields) + "\n"
+
+
+def sync_proc(root: Path, processes: Iterable[SimProcess]) -> None:
+    """Make ``root`` hold exactly the directories of ``processes`` that run in a pod."""
+    want = {p.pid: p for p in processes if p.pod_uid is not None}
+
+    def write(root: Path) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        for entry in root.iterdir():
+            if entry.name.isdigit() and int(entry.name) not in want:
+                remove(entry)
+        for pid, p in sorted(want.items()):
+            assert p.pod_uid is not None
+            # the cgroup first: a reader that sees the new start time sees the new cgroup too
+            write_text(root / str(pid) / "cgroup", cgroup_line(p.pod_uid, pid))
+            write_text(root / str(pid) / "stat", stat_line(pid, p.start_time))
+
+    write_tree(root, "/proc", "proc tree", write)
