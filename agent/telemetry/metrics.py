@@ -27,8 +27,10 @@ from agent.telemetry.snapshot import GpuTelemetry, Snapshot
 
 GPU = ("node", "gpu", "uuid", "pci_bus_id", "model")
 MIG = (*GPU, "mig_profile", "gpu_instance")
-CLAIM = ("node", "namespace", "claim", "pool", "device", "rule")
-PREPARED = ("node", "pool", "device", "namespace", "claim")
+CLAIM = ("node", "namespace", "claim", "claim_uid", "pool", "device", "rule")
+"""A claim's series carry its UID: a claim deleted and made again under the same name is another
+series, never a second sample with the first one's labels."""
+PREPARED = ("node", "pool", "device", "namespace", "claim", "claim_uid")
 NODE = ("node",)
 
 THROTTLE_REASONS = {
@@ -278,12 +280,17 @@ def _fill(families: dict[str, Metric], snap: Snapshot) -> None:
     for g in snap.gpus:
         _gpu(families, node, g)
     for c in snap.claims:
-        labels = (node, c.namespace, c.claim, c.pool, c.device, c.rule)
+        labels = (node, c.namespace, c.claim, c.uid, c.pool, c.device, c.rule)
         _add(families, "tessera_claim_energy_joules", labels, c.energy_joules_total)
         _add(families, "tessera_claim_gpu_seconds", labels, c.gpu_seconds_total)
         _add(families, "tessera_claim_share_ratio", labels, c.share)
     for p in snap.prepared:
-        _add(families, "tessera_device_prepared", (node, p.pool, p.device, p.namespace, p.claim), 1)
+        _add(
+            families,
+            "tessera_device_prepared",
+            (node, p.pool, p.device, p.namespace, p.claim, p.uid),
+            1,
+        )
     _add(families, "tessera_sampler_tick_duration_seconds", (node,), snap.tick_duration_seconds)
     _add(families, "tessera_sampler_lag_seconds", (node,), snap.lag_seconds)
     _add(families, "tessera_sampler_last_tick_timestamp_seconds", (node,), snap.wall_time)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -92,6 +93,23 @@ def test_labels_identify_gpu_mig_and_claim():
     assert fams["tessera_prepare_errors"].samples[0].labels == {
         "operation": "prepare", "reason": "device_busy",
     }  # fmt: skip
+
+
+def test_a_claim_made_again_under_its_name_is_another_series():
+    """Deleted and created again (same namespace, name and device, a new UID) within the
+    retention: two series, not two samples with one label set (Prometheus keeps one of those)."""
+    first = make_snapshot(claims=1)
+    again = replace(first.claims[0], uid="uid-again", energy_joules_total=5.0)
+    snap = replace(
+        first,
+        claims=(*first.claims, again),
+        prepared=(*first.prepared, replace(first.prepared[0], uid="uid-again")),
+    )
+    fams = {f.name: f for f in text_string_to_metric_families(exposition(registry(lambda: snap)))}
+    for family in ("tessera_claim_energy_joules", "tessera_device_prepared"):
+        uids = sorted(s.labels["claim_uid"] for s in fams[family].samples if s.name == family
+                      or s.name == f"{family}_total")  # fmt: skip
+        assert uids == ["uid-0", "uid-again"], family
 
 
 def test_absent_fields_are_absent_not_zero():
