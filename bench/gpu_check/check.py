@@ -45,7 +45,7 @@ from agent.node import NodeSource, discover
 from agent.nvml.errors import DriverNotFoundError
 from agent.sim.specs import GpuSpec, gpu_specs, load_gpu_specs
 from bench.gpu_check import steps as step_runner
-from bench.gpu_check.compare import Difference, advertised_facts, differences
+from bench.gpu_check.compare import Difference, advertised_facts, differences, group_gpus
 from bench.gpu_check.probe import Fact, Facts, GpuState, probe, read_state
 from bench.gpu_check.reference import (
     Match,
@@ -239,7 +239,7 @@ def run_check(
             report.raw["discover-real.json"] = json.dumps(inventory_to_dict(inv), indent=2)
             extra = ["--simulate", simulate, "--state-dir", str(real_dir)] if simulate else []
             budget = BUDGET_S - (time.monotonic() - started)
-            timeout = max(5.0, min(step_timeout, budget / 4))
+            timeout = max(1.0, min(step_timeout, budget / 4))
             report.steps = step_runner.run_steps(
                 step_runner.tessera_command(tessera), extra, timeout
             )
@@ -256,13 +256,16 @@ def run_check(
             )
             real_facts = _without_unmatched(real_facts, report.matches, inv)
             found, unsimulated = differences(real_facts, sim_facts)
-            for m in report.matches:
-                if m.product is None:
-                    name = f"{m.name} (PCI device id 0x{m.pci_device_id:08X})"
-                    found.insert(
-                        0, Difference(f"gpu[{m.index}].product", name, f"<none in {source}>")
-                    )
-            report.differences, report.unsimulated = found, unsimulated
+            unmatched = [
+                Difference(
+                    f"gpu[{m.index}].product",
+                    f"{m.name} (PCI device id 0x{m.pci_device_id:08X})",
+                    f"<none in {source}>",
+                )
+                for m in report.matches
+                if m.product is None
+            ]
+            report.differences, report.unsimulated = group_gpus(unmatched) + found, unsimulated
             report.real = {p: f.value for p, f in real_facts.items()}
             report.simulated = {p: f.value for p, f in sim_facts.items()}
         except BaseException as exc:

@@ -95,8 +95,8 @@ def _below_existence(found: list[Difference]) -> list[Difference]:
 
 
 def _leaf_difference(d: Difference) -> bool:
-    presence = {ABSENT, "present"}
-    if d.real in presence or d.simulated in presence:
+    presence = (ABSENT, "present")
+    if any(isinstance(v, str) and v in presence for v in (d.real, d.simulated)):
         return False
     return is_marker(d.real) == is_marker(d.simulated)
 
