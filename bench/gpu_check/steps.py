@@ -149,8 +149,11 @@ def run_steps(
             True,
         )
         return (missing,)
+    # a simulated node has no API server: the doctor checks it standalone (on a real node the
+    # admin's own flags or TESSERA_* variables say where the API server is)
+    standalone = ["--no-kube"] if "--simulate" in extra else []
     return (
         discover(tessera, extra, timeout),
         slices(tessera, extra, timeout),
-        doctor(tessera, extra, timeout),
+        doctor(tessera, [*extra, *standalone], timeout),
     )
