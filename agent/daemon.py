@@ -566,6 +566,10 @@ def sharing_effects(
         private_shm=config.simulate is None,
         ready_timeout_s=config.mps_ready_timeout,
     )
+    # claim UIDs are 36 characters: warn now rather than at the first MPS claim
+    problem = mps.socket_path_problem("0" * 36)
+    if problem is not None:
+        log.warning("MPS claims will fail to prepare", extra=fields_(reason=problem))
     mig = (
         DynamicMig(MigControl(source.nvml), log.getChild("mig"), crash)
         if config.mig_mode == "dynamic"
@@ -575,7 +579,7 @@ def sharing_effects(
         mig=mig,
         settings=GpuSettings(tools),
         mps=mps,
-        gpus=lambda: {d.parent_uuid: d.gpu_index for d in devices.get().devices},
+        devices=devices.get,
         log=log,
         crash_hook=crash,
     )

@@ -225,8 +225,9 @@ def conflicts(
       every holder time-slices it at the same interval as this claim, and under
       ``--sharing memory-shares`` when every holder has a memory share of it and the shares,
       this one included, fit the GPU's memory;
-    - a whole GPU and a MIG device of the same GPU are never held by two claims at once (dynamic
-      MIG: the scheduler's counters keep them apart; this keeps prepare safe regardless).
+    - a whole GPU and a MIG device of the same GPU are never held by two claims at once, nor two
+      dynamic MIG placements whose slices overlap (the scheduler's counters keep them apart;
+      this keeps prepare safe regardless).
     """
     others = _holders(cp, claim)
     for p in planned:
@@ -265,6 +266,7 @@ def conflicts(
                     f" claim {claim} asks {p.memory_bytes}",
                     "device_busy",
                 )
+        _overlap(others, claim, pool, p)
         mixed = [
             (e, d)
             for e, d in others
@@ -279,6 +281,30 @@ def conflicts(
                 f"{p.device.name} and {held.device} are on the same GPU, and {held.device} is"
                 f" prepared for claim {entry.namespace}/{entry.name} ({entry.uid}): a whole GPU"
                 " and its MIG devices are never held at once",
+                "device_busy",
+            )
+
+
+def _overlap(
+    others: Sequence[tuple[ClaimEntry, PreparedDevice]],
+    claim: ClaimKey,
+    pool: str,
+    p: PlannedDevice,
+) -> None:
+    """A dynamic MIG placement whose memory slices overlap one another claim holds on the same
+    GPU is refused (the scheduler's counters keep them apart; NVML would refuse to create it)."""
+    start, size = p.device.mig_placement_start, p.device.mig_placement_size
+    if not p.dynamic or start is None or size is None:
+        return
+    for entry, held in others:
+        if held.pool != pool or held.gpu_uuid != p.device.parent_uuid or held.placement is None:
+            continue
+        _, held_start, held_size = held.placement
+        if start < held_start + held_size and held_start < start + size:
+            raise ClaimError(
+                f"{p.device.name} (slices {start}-{start + size - 1}) overlaps {held.device}"
+                f" (slices {held_start}-{held_start + held_size - 1}), prepared for claim"
+                f" {entry.namespace}/{entry.name} ({entry.uid}); claim {claim} cannot have it",
                 "device_busy",
             )
 

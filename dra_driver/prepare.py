@@ -168,7 +168,9 @@ class Preparer:
         self.cdi = cdi
         self.devices = devices
         self.log = log
-        self.effects = effects or Effects(mig=None, settings=None, mps=None, gpus=dict, log=log)
+        self.effects = effects or Effects(
+            mig=None, settings=None, mps=None, devices=devices, log=log
+        )
         """Side effects of sharing and dynamic MIG; without tools, claims that need them fail."""
         self.sharing = sharing or SharingPolicy()
         self.crash = crash_hook
@@ -255,14 +257,19 @@ class Preparer:
                 )
             for entry in list(cp.claims.values()):
                 restored = self._start_step("restore", entry, partial(self.effects.restore, entry))
-                if restored is not None and restored[0] is not entry:
+                changed = restored is not None and restored[0] != entry
+                if restored is not None and changed:
                     cp = cp.with_claim(restored[0])
                 current = cp.claims[entry.uid]
-                if current.devices and current.uid not in self.cdi.claim_uids():
+                if current.devices and (changed or current.uid not in self.cdi.claim_uids()):
                     self._write_spec(current)
                     self.log.warning(
-                        "restored the missing CDI spec of a prepared claim",
-                        extra=fields_(claim=f"{entry.namespace}/{entry.name}", uid=entry.uid),
+                        "restored the CDI spec of a prepared claim",
+                        extra=fields_(
+                            claim=f"{entry.namespace}/{entry.name}",
+                            uid=entry.uid,
+                            reason="its devices were made again" if changed else "it was missing",
+                        ),
                     )
             self._commit(cp)
 
@@ -480,27 +487,34 @@ class Preparer:
     def _roll_back(self, entry: ClaimEntry, quiet: bool = False) -> None:
         """Undo whatever ``entry`` got to and forget it (a failed, interrupted or recovered
         prepare). When undoing fails, the entry stays (its devices stay held) and the error
-        is raised: the claim's next prepare or unprepare tries again."""
-        try:
-            self._undo(entry, self.checkpoint)
-        except TesseraError as exc:
-            self.log.error(
-                "cannot undo a claim's partial prepare; its devices stay held until a retry"
-                " succeeds",
-                extra=fields_(
-                    claim=f"{entry.namespace}/{entry.name}", uid=entry.uid, error=str(exc)
-                ),
-            )
-            if not quiet:
-                raise
-            return
-        with self._cp_lock:
-            self._commit(self.checkpoint.without_claim(entry.uid))
+        is raised: the claim's next prepare or unprepare tries again.
+
+        The GPUs' locks are held until the entry is gone: another claim's undo on the same GPU
+        then sees this one either holding the GPU or gone, never gone in the settings and
+        still there in the checkpoint (two time-sliced claims unprepared at once must not
+        each leave the interval to the other)."""
+        with self.gpu_locks.hold_all(_gpus(entry.devices)):
+            try:
+                self.effects.undo(entry, self.checkpoint)
+                self.cdi.remove(entry.uid)
+            except TesseraError as exc:
+                self.log.error(
+                    "cannot undo a claim's partial prepare; its devices stay held until a retry"
+                    " succeeds",
+                    extra=fields_(
+                        claim=f"{entry.namespace}/{entry.name}", uid=entry.uid, error=str(exc)
+                    ),
+                )
+                if not quiet:
+                    raise
+                return
+            with self._cp_lock:
+                self._commit(self.checkpoint.without_claim(entry.uid))
 
     def _undo(self, entry: ClaimEntry, cp: Checkpoint) -> None:
-        """Undo the claim's side effects (under its GPUs' locks) and remove its CDI spec."""
-        with self.gpu_locks.hold_all(_gpus(entry.devices)):
-            self.effects.undo(entry, cp)
+        """At start (nothing runs concurrently): undo the claim's side effects given the claims
+        ``cp`` keeps, and remove its CDI spec."""
+        self.effects.undo(entry, cp)
         self.cdi.remove(entry.uid)
 
     def _write_spec(self, entry: ClaimEntry) -> None:
@@ -572,11 +586,12 @@ class Preparer:
         with self.claim_locks.hold(claim.uid):
             entry = self.checkpoint.claims.get(claim.uid)
             if entry is not None:
+                # the GPUs' locks until the record is gone (see _roll_back)
                 with self.gpu_locks.hold_all(_gpus(entry.devices)):
                     self.effects.undo(entry, self.checkpoint)
-                self.crash("after-unprepare-undo")
-                with self._cp_lock:
-                    self._commit(self.checkpoint.without_claim(claim.uid))
+                    self.crash("after-unprepare-undo")
+                    with self._cp_lock:
+                        self._commit(self.checkpoint.without_claim(claim.uid))
                 self.crash("after-unprepare-commit")
                 self.log.info("unprepared claim", extra=fields_(claim=str(claim)))
             self.cdi.remove(claim.uid)

@@ -18,16 +18,17 @@ Undo (unprepare, rollback): the MPS daemon is stopped (its record, else found by
 compute mode back to DEFAULT on a whole GPU no other MPS claim holds, the interval back to
 Default on a GPU no other claim time-slices, dynamic MIG devices destroyed by placement.
 
-Start: dynamic MIG instances no completed claim owns are destroyed (dynamic mode only: a static
-node is never touched), MPS directories no claim owns are stopped and removed, time-slice
-intervals of completed claims are set again, and their MPS daemons adopted (same PID and start
-time) or, when gone, started again.
+Start: dynamic MIG instances no claim owns are destroyed (dynamic mode only: a static node is
+never touched), MPS directories no claim owns are stopped and removed; completed claims get their
+dynamic MIG devices made again where they are gone (an unprepare that crashed after undoing and
+before releasing the record: the kubelet's retry undoes them again), their time-slice intervals
+set again, and their MPS daemons adopted (same PID and start time) or, when gone, started again.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -41,6 +42,7 @@ from dra_driver.checkpoint import (
     PreparedDevice,
 )
 from dra_driver.claims import ClaimKey
+from dra_driver.devices import DeviceModel
 from dra_driver.errors import SharingError
 from dra_driver.plan import MEMORY_SHARE, MPS, TIME_SLICING, ClaimPlan, PlannedDevice, limits
 from dra_driver.sharing.mig import DynamicMig
@@ -77,19 +79,24 @@ class Effects:
         mig: DynamicMig | None,
         settings: GpuSettings | None,
         mps: MpsControl | None,
-        gpus: Callable[[], Mapping[str, int]],
+        devices: Callable[[], DeviceModel],
         log: logging.Logger,
         crash_hook: CrashHook = lambda point: None,
     ) -> None:
         """``mig`` is None in static MIG mode (nothing is created or destroyed); ``settings``
         and ``mps`` are None where sharing is not available (their claims are refused);
-        ``gpus`` maps the UUID of every GPU on the node to its NVML index, as it is now."""
+        ``devices`` is what the node advertises now (where each GPU is, by UUID, and the
+        placements of dynamic MIG)."""
         self.mig = mig
         self.settings = settings
         self.mps = mps
-        self.gpus = gpus
+        self.devices = devices
         self.log = log
         self.crash = crash_hook
+
+    def gpus(self) -> dict[str, int]:
+        """Every GPU's UUID and NVML index, as the node advertises them now."""
+        return {d.parent_uuid: d.gpu_index for d in self.devices().devices}
 
     # -- prepare -----------------------------------------------------------------------------
     def apply(
@@ -250,32 +257,81 @@ class Effects:
                 )
 
     def restore(self, entry: ClaimEntry) -> ClaimEntry:
-        """Make a completed claim's settings and daemon what its record says (after a crash or
-        a restart); the entry with its daemon's new identity if it had to be started again."""
+        """Make a completed claim's partitions, settings and daemon what its record says (after
+        a crash, a restart, or a change behind the agent's back); the entry as it is now (a MIG
+        device made again has new ids, a daemon started again a new PID)."""
         if entry.state != PREPARE_COMPLETED:
             return entry
+        devices = tuple(self._restore_mig(d) for d in entry.devices)
+        moved = devices != entry.devices
+        entry = replace(entry, devices=devices)
         for d in entry.devices:
             if d.sharing == TIME_SLICING and d.interval is not None and self.settings is not None:
                 self.settings.compute_mode(d.gpu_uuid, "DEFAULT")
                 self.settings.timeslice(d.gpu_uuid, d.interval)
         if entry.mps is None or self.mps is None:
             return entry
-        if self.mps.alive(_daemon(entry.uid, entry.mps)):
+        daemon = _daemon(entry.uid, entry.mps)
+        if self.mps.alive(daemon) and not moved:
             self.log.info(
                 "adopted a running MPS daemon",
                 extra=fields_(claim_uid=entry.uid, pid=entry.mps.pid),
             )
             return entry
-        daemon = self.mps.start(
+        self.mps.stop(daemon)  # gone, or serving MIG devices that were made again
+        uuids = tuple(
+            (d.mig_uuid or d.gpu_uuid) for d in entry.devices if d.sharing in (MPS, MEMORY_SHARE)
+        )
+        renamed = dict(zip(entry.mps.devices, uuids, strict=False))
+        pinned = {renamed.get(u, u): b for u, b in entry.mps.pinned}
+        started = self.mps.start(
             entry.uid,
             MpsSettings(
-                devices=entry.mps.devices,
+                devices=uuids or entry.mps.devices,
                 active_thread_percentage=entry.mps.thread_percentage,
-                pinned_memory_limits=dict(entry.mps.pinned),
+                pinned_memory_limits=pinned,
             ),
         )
         self.log.warning(
             "started the MPS daemon of a prepared claim again (it was gone)",
-            extra=fields_(claim_uid=entry.uid, pid=daemon.pid),
+            extra=fields_(claim_uid=entry.uid, pid=started.pid),
         )
-        return replace(entry, mps=replace(entry.mps, pid=daemon.pid, started_at=daemon.started_at))
+        return replace(
+            entry,
+            mps=replace(
+                entry.mps,
+                pid=started.pid,
+                started_at=started.started_at,
+                devices=started.devices,
+                pinned=tuple(sorted(pinned.items())),
+            ),
+        )
+
+    def _restore_mig(self, d: PreparedDevice) -> PreparedDevice:
+        """A completed claim's dynamic MIG device, made again if it is gone."""
+        if d.placement is None or self.mig is None:
+            return d
+        try:
+            advertised = self.devices().device(d.device)
+        except KeyError:
+            raise SharingError(
+                f"{d.device}: the node no longer advertises this placement; cannot make its MIG"
+                " device again"
+            ) from None
+        inst = self.mig.ensure(advertised)
+        if (inst.uuid, inst.gpu_instance_id, inst.compute_instance_id) == (
+            d.mig_uuid,
+            d.gpu_instance_id,
+            d.compute_instance_id,
+        ):
+            return d
+        self.log.warning(
+            "made the MIG device of a prepared claim again (it was gone)",
+            extra=fields_(device=d.device, uuid=inst.uuid),
+        )
+        return replace(
+            d,
+            mig_uuid=inst.uuid,
+            gpu_instance_id=inst.gpu_instance_id,
+            compute_instance_id=inst.compute_instance_id,
+        )

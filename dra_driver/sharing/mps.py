@@ -27,6 +27,7 @@ tools".
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 import signal
@@ -43,6 +44,9 @@ from dra_driver.errors import SharingError, ToolError
 from dra_driver.sharing.tools import Tools, check_uuid
 
 PID_FILE = "nvidia-cuda-mps-control.pid"
+CONTROL_SOCKET = "control"
+"""The UNIX socket the control daemon listens on in its pipe directory."""
+MAX_SOCKET_PATH = 107  # sockaddr_un.sun_path holds 108 bytes with the terminating NUL
 MIB = 1024 * 1024
 KEY_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
@@ -105,6 +109,23 @@ class MpsControl:
             raise SharingError(f"MPS daemon key {key[:80]!r} is not a claim UID")
         return self.root / key
 
+    def socket_path_problem(self, key: str) -> str | None:
+        """Why the daemon of claim ``key`` could not listen under this root, or None.
+
+        The daemon's control socket is ``<root>/<key>/pipe/control``; a UNIX socket path may
+        hold at most 107 bytes, and the daemon fails to start with "AF_UNIX path too long"
+        beyond that. Checked before anything is started so the error names the fix."""
+        path = self.directory(key) / "pipe" / CONTROL_SOCKET
+        size = len(os.fsencode(path))
+        if size <= MAX_SOCKET_PATH:
+            return None
+        fits = len(os.fsencode(self.root)) - (size - MAX_SOCKET_PATH)
+        return (
+            f"the MPS control socket {path} would be {size} bytes long; a unix socket path may"
+            f" be at most {MAX_SOCKET_PATH} bytes: set --mps-root (TESSERA_MPS_ROOT) to a"
+            f" directory at most {fits} bytes long"
+        )
+
     def _env(
         self, pipe: Path, log_dir: Path, devices: tuple[str, ...] | None = None
     ) -> dict[str, str]:
@@ -134,6 +155,9 @@ class MpsControl:
         """Start the claim's daemon, wait until it answers, apply the settings. Raises
         SharingError (the daemon is stopped again) or ToolError."""
         base = self.directory(key)
+        problem = self.socket_path_problem(key)
+        if problem is not None:
+            raise SharingError(problem)
         pipe, log_dir, shm = base / "pipe", base / "log", base / "shm"
         for d, mode in ((base, 0o755), (pipe, 0o755), (log_dir, 0o750), (shm, 0o1777)):
             ensure_dir(d, mode)
@@ -229,13 +253,15 @@ class MpsControl:
         """Stop the daemon (``quit``, then signals) and remove its directories. Idempotent."""
         if self.alive(d):
             try:
-                self.command(d, "quit", timeout_s=self.stop_timeout_s)
-            except ToolError as exc:
+                self.command(d, "quit", timeout_s=self.stop_timeout_s / 2)
+                quit_taken = True
+            except ToolError as exc:  # a daemon that does not answer: no use waiting for it
+                quit_taken = False
                 self.log.warning(
                     "MPS control daemon did not take quit; signalling it",
                     extra=fields_(claim_uid=d.key, pid=d.pid, error=str(exc)),
                 )
-            if not self._gone(d, self.stop_timeout_s):
+            if not (quit_taken and self._gone(d, self.stop_timeout_s)):
                 for sig in (signal.SIGTERM, signal.SIGKILL):
                     try:
                         psutil.Process(d.pid).send_signal(sig)
@@ -290,7 +316,12 @@ def _is_mps_control(pid: int) -> bool:
 
 
 def _start_time(pid: int) -> float | None:
+    """The process's start time; None when there is no such process or it has exited (a
+    zombie, which a daemon reparented to an init that does not reap stays)."""
     try:
-        return float(psutil.Process(pid).create_time())
+        proc = psutil.Process(pid)
+        if proc.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            return None
+        return float(proc.create_time())
     except psutil.Error:
         return None

@@ -21,6 +21,7 @@ from dra_driver.claims import ClaimKey
 from dra_driver.devices import DeviceModel
 from dra_driver.errors import ClaimError
 from dra_driver.prepare import ClaimLocks, Preparer
+from dra_driver.sharing.effects import Effects
 
 
 class BlockingClaims:
@@ -173,4 +174,49 @@ def test_a_bug_becomes_an_error_of_that_claim_logged_with_its_traceback(tmp_path
     assert "internal error in the driver (RuntimeError: a bug in a claim source)" in result.error
     (record,) = [r for r in caplog.records if "internal error" in r.getMessage()]
     assert record.exc_info is not None
+    preparer.close(0)
+
+
+class RecordingEffects(Effects):
+    """Effects that only record what each undo saw of the other claims."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            mig=None, settings=None, mps=None, devices=lambda: DeviceModel((), ()),
+            log=logging.getLogger("test.prepare"),
+        )  # fmt: skip
+        self.undone: dict[str, set[str]] = {}
+        self.second_undo = threading.Event()
+
+    def undo(self, entry: ClaimEntry, remaining: Checkpoint) -> None:
+        self.undone[entry.uid] = set(remaining.claims) - {entry.uid}
+        if len(self.undone) == 2:
+            self.second_undo.set()
+
+
+def test_claims_on_one_gpu_are_undone_one_after_the_other_with_their_records(tmp_path):
+    """Two claims time-slicing one GPU, unprepared at once: the second's undo must see the first
+    either holding the GPU or gone from the checkpoint, never gone from the GPU's settings while
+    still recorded (each would then leave the time-slice to the other, and nobody resets it)."""
+    effects, paused, resume = RecordingEffects(), threading.Event(), threading.Event()
+
+    def hook(point: str) -> None:
+        if point == "after-unprepare-undo" and not paused.is_set():
+            paused.set()  # the first claim is undone and not yet released
+            resume.wait(10)
+
+    preparer = make_preparer(tmp_path, BlockingClaims(), effects=effects, crash_hook=hook)
+    shared = [ClaimEntry(u, "ns", u, PREPARE_COMPLETED, (device("gpu-0"),), 0.0) for u in "ab"]
+    preparer.store.save(Checkpoint("boot", {e.uid: e for e in shared}))
+    preparer.reconcile_on_start()
+    first = threading.Thread(target=preparer.unprepare, args=([ClaimKey("ns", "a", "a")],))
+    first.start()
+    assert paused.wait(10)
+    second = threading.Thread(target=preparer.unprepare, args=([ClaimKey("ns", "b", "b")],))
+    second.start()
+    effects.second_undo.wait(1)  # it must not get there while the first is half done
+    resume.set()
+    first.join(10)
+    second.join(10)
+    assert effects.undone == {"a": {"b"}, "b": set()}
     preparer.close(0)

@@ -340,7 +340,7 @@ def test_a_deleted_cdi_spec_of_a_prepared_claim_is_restored_at_start(short_tmp):
         assert d.stop() == 0
         (d.cdi_dir / spec).unlink()  # someone cleaned the CDI directory
         d.start()
-        d.wait_log("restored the missing CDI spec of a prepared claim")
+        assert d.wait_log("restored the CDI spec of a prepared claim")["reason"] == "it was missing"
         assert (d.cdi_dir / spec).read_text() == before
     finally:
         d.kill()

@@ -1,0 +1,233 @@
+"""The plan of a claim (how each device is shared) and the one rule for who may hold what."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dra_driver.checkpoint import PREPARE_COMPLETED, Checkpoint, ClaimEntry, PreparedDevice
+from dra_driver.claims import AllocatedDevice, Allocation, ClaimKey, OpaqueConfig
+from dra_driver.devices import GIB, DeviceModel, DevicePolicy, advertised_devices
+from dra_driver.errors import ClaimError, ParamsError
+from dra_driver.plan import (
+    MEMORY_SHARE,
+    MPS,
+    TIME_SLICING,
+    ClaimPlan,
+    SharingPolicy,
+    conflicts,
+    limits,
+    plan_claim,
+)
+
+POOL = "node-a"
+CLAIM = ClaimKey("ns", "a", "uid-a")
+
+
+def gpu_config(strategy: str, **fields: Any) -> dict[str, Any]:
+    sharing: dict[str, Any] = {"strategy": strategy}
+    if fields:
+        sharing["timeSlicing" if strategy == "TimeSlicing" else "mps"] = fields
+    return {"apiVersion": "gpu.tessera.dev/v1alpha1", "kind": "GpuConfig", "sharing": sharing}
+
+
+def mig_config(**mps: Any) -> dict[str, Any]:
+    sharing: dict[str, Any] = {"strategy": "MPS"}
+    if mps:
+        sharing["mps"] = mps
+    return {"apiVersion": "gpu.tessera.dev/v1alpha1", "kind": "MigDeviceConfig", "sharing": sharing}
+
+
+def allocation(
+    *devices: str,
+    config: dict[str, Any] | None = None,
+    consumed: int | None = None,
+    claim: ClaimKey = CLAIM,
+) -> Allocation:
+    return Allocation(
+        claim=claim,
+        devices=tuple(
+            AllocatedDevice("gpu", "gpu.tessera.dev", POOL, d, consumed_memory=consumed)
+            for d in devices
+        ),
+        configs=(OpaqueConfig("FromClaim", (), config),) if config is not None else (),
+        pods=("pod-1",),
+    )
+
+
+@pytest.fixture
+def h100(inventory) -> DeviceModel:
+    return advertised_devices(inventory("dgx-h100"), DevicePolicy(mig_mode="dynamic"))
+
+
+def held(plan: ClaimPlan, uid: str, name: str = "b") -> Checkpoint:
+    """A checkpoint where claim ``uid`` completed with the plan's devices."""
+    devices = tuple(
+        PreparedDevice(
+            request_names=("gpu",),
+            pool=POOL,
+            device=p.device.name,
+            cdi_device_ids=(),
+            kind=p.device.kind,
+            gpu_uuid=p.device.parent_uuid,
+            gpu_minor=p.device.gpu_minor,
+            placement=(p.device.mig_profile_id or 0, p.device.mig_placement_start or 0,
+                       p.device.mig_placement_size or 0) if p.dynamic else None,
+            sharing=p.sharing,
+            interval=p.interval,
+            memory_bytes=p.memory_bytes,
+        )
+        for p in plan.devices
+    )  # fmt: skip
+    entry = ClaimEntry(uid, "ns", name, PREPARE_COMPLETED, devices, 0.0)
+    return Checkpoint("boot", {uid: entry})
+
+
+def test_a_device_without_config_is_exclusive_and_the_pods_are_kept(h100):
+    plan = plan_claim(allocation("gpu-0"), h100)
+    (p,) = plan.devices
+    assert (p.sharing, p.interval, p.request_names) == (None, None, ("gpu",))
+    assert plan.pods == ("pod-1",) and not plan.uses_mps
+
+
+def test_time_slicing_and_mps_come_from_the_config(h100):
+    ts = plan_claim(allocation("gpu-0", config=gpu_config("TimeSlicing", interval="Long")), h100)
+    assert (ts.devices[0].sharing, ts.devices[0].interval) == (TIME_SLICING, "Long")
+    mps = plan_claim(
+        allocation(
+            "gpu-0",
+            "gpu-1",
+            config=gpu_config(
+                "MPS",
+                activeThreadPercentage=40,
+                pinnedMemoryLimit="8Gi",
+                perDevicePinnedMemoryLimit={"gpu-1": "16Gi"},
+            ),
+        ),
+        h100,
+    )
+    assert [(p.sharing, p.pinned_memory_bytes) for p in mps.devices] == [
+        (MPS, 8 * GIB),
+        (MPS, 16 * GIB),
+    ]
+    assert mps.uses_mps and mps.mps_thread_percentage == 40
+
+
+def test_mps_on_a_dynamic_mig_device(h100):
+    name = next(d.name for d in h100.devices if d.kind == "mig")
+    plan = plan_claim(allocation(name, config=mig_config(activeThreadPercentage=25)), h100)
+    (p,) = plan.devices
+    assert p.dynamic and p.sharing == MPS and p.thread_percentage == 25
+
+
+def test_a_per_device_limit_for_a_device_the_claim_does_not_have_is_refused(h100):
+    config = gpu_config("MPS", perDevicePinnedMemoryLimit={"gpu-7": "1Gi"})
+    with pytest.raises(ParamsError, match=r"'gpu-7' is not a device of this claim; its devices"):
+        plan_claim(allocation("gpu-0", config=config), h100)
+
+
+def test_memory_shares_take_the_consumed_memory_as_limit_and_thread_share(h100):
+    policy = SharingPolicy(mode="memory-shares", memory_share_min=GIB)
+    total = int(dict(h100.device("gpu-0").capacity)["memory"])
+    plan = plan_claim(allocation("gpu-0", consumed=total // 4), h100, policy)
+    (p,) = plan.devices
+    assert p.sharing == MEMORY_SHARE and p.memory_bytes == total // 4
+    assert p.pinned_memory_bytes == total // 4 and p.thread_percentage == 25
+    default = plan_claim(allocation("gpu-0"), h100, policy).devices[0]
+    assert default.memory_bytes == GIB  # no consumedCapacity: the request policy's default
+    too_big = allocation("gpu-0", consumed=total + 1)
+    with pytest.raises(ClaimError, match="does not fit its"):
+        plan_claim(too_big, h100, policy)
+
+
+def test_memory_shares_refuse_time_slicing(h100):
+    policy = SharingPolicy(mode="memory-shares")
+    with pytest.raises(ParamsError, match="TimeSlicing does not apply under --sharing memory"):
+        plan_claim(allocation("gpu-0", config=gpu_config("TimeSlicing")), h100, policy)
+
+
+def test_an_exclusive_device_is_never_held_twice(h100):
+    first = plan_claim(allocation("gpu-0"), h100)
+    cp = held(first, "uid-b")
+    with pytest.raises(ClaimError, match=r"already prepared for claim ns/b \(uid-b\)") as e:
+        conflicts(cp, CLAIM, POOL, first.devices, SharingPolicy())
+    assert e.value.reason == "device_busy"
+
+
+@pytest.mark.parametrize("policy", ["none", "memory-shares"])
+def test_time_sliced_claims_share_only_under_time_slicing(h100, policy):
+    ts = plan_claim(allocation("gpu-0", config=gpu_config("TimeSlicing")), h100)
+    with pytest.raises(ClaimError, match="already prepared"):
+        conflicts(held(ts, "uid-b"), CLAIM, POOL, ts.devices, SharingPolicy(mode=policy))
+
+
+def test_time_sliced_claims_share_at_the_same_interval(h100):
+    policy = SharingPolicy(mode="time-slicing")
+    default = plan_claim(allocation("gpu-0", config=gpu_config("TimeSlicing")), h100, policy)
+    long = plan_claim(
+        allocation("gpu-0", config=gpu_config("TimeSlicing", interval="Long")), h100, policy
+    )
+    conflicts(held(default, "uid-b"), CLAIM, POOL, default.devices, policy)  # no error
+    with pytest.raises(ClaimError, match=r"at interval Default; claim ns/a .* asks Long"):
+        conflicts(held(default, "uid-b"), CLAIM, POOL, long.devices, policy)
+    exclusive = plan_claim(allocation("gpu-0"), h100, policy)
+    with pytest.raises(ClaimError, match="interval none \\(exclusive\\)"):
+        conflicts(held(exclusive, "uid-b"), CLAIM, POOL, default.devices, policy)
+
+
+def test_memory_shares_fit_the_gpu_memory(h100):
+    policy = SharingPolicy(mode="memory-shares")
+    total = int(dict(h100.device("gpu-0").capacity)["memory"])
+    half = plan_claim(allocation("gpu-0", consumed=total // 2), h100, policy)
+    cp = held(half, "uid-b")
+    conflicts(cp, CLAIM, POOL, half.devices, policy)  # the other half fits
+    more = plan_claim(allocation("gpu-0", consumed=total // 2 + 1), h100, policy)
+    with pytest.raises(ClaimError, match="memory shares would total"):
+        conflicts(cp, CLAIM, POOL, more.devices, policy)
+
+
+def test_a_whole_gpu_and_its_mig_devices_are_never_held_at_once(h100):
+    mig = next(d.name for d in h100.devices if d.kind == "mig" and d.gpu_minor == 0)
+    mig_plan = plan_claim(allocation(mig), h100)
+    whole = plan_claim(allocation("gpu-0"), h100)
+    with pytest.raises(ClaimError, match="a whole GPU and its MIG devices are never held"):
+        conflicts(held(mig_plan, "uid-b"), CLAIM, POOL, whole.devices, SharingPolicy())
+    with pytest.raises(ClaimError, match="a whole GPU and its MIG devices are never held"):
+        conflicts(held(whole, "uid-b"), CLAIM, POOL, mig_plan.devices, SharingPolicy())
+    other_gpu = plan_claim(allocation("gpu-1"), h100)
+    conflicts(held(mig_plan, "uid-b"), CLAIM, POOL, other_gpu.devices, SharingPolicy())
+
+
+def test_overlapping_placements_are_refused_and_disjoint_ones_are_not(h100):
+    def placement(profile: str, start: int) -> str:
+        return next(
+            d.name
+            for d in h100.devices
+            if d.kind == "mig"
+            and d.gpu_minor == 0
+            and dict(d.attributes)["profile"]["string"] == profile
+            and d.mig_placement_start == start
+        )
+
+    small = plan_claim(allocation(placement("1g.10gb", 0)), h100)
+    cp = held(small, "uid-b")
+    overlapping = plan_claim(allocation(placement("2g.20gb", 0)), h100)
+    with pytest.raises(ClaimError, match=r"\(slices 0-1\) overlaps .* \(slices 0-0\)"):
+        conflicts(cp, CLAIM, POOL, overlapping.devices, SharingPolicy())
+    disjoint = plan_claim(allocation(placement("2g.20gb", 2)), h100)
+    conflicts(cp, CLAIM, POOL, disjoint.devices, SharingPolicy())
+
+
+def test_a_claim_does_not_conflict_with_itself(h100):
+    plan = plan_claim(allocation("gpu-0"), h100)
+    conflicts(held(plan, CLAIM.uid), CLAIM, POOL, plan.devices, SharingPolicy())
+
+
+def test_limits_name_devices_by_uuid_once_known(h100):
+    plan = plan_claim(
+        allocation("gpu-0", "gpu-1", config=gpu_config("MPS", pinnedMemoryLimit="2Gi")), h100
+    )
+    uuids = {"gpu-0": "GPU-aaaa0000", "gpu-1": "GPU-bbbb1111"}
+    assert limits(plan.devices, uuids) == {"GPU-aaaa0000": 2 * GIB, "GPU-bbbb1111": 2 * GIB}
+    assert limits(plan.devices, {"gpu-0": "GPU-aaaa0000"}) == {"GPU-aaaa0000": 2 * GIB}
