@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import sys
 
-from bench import prepare, rss, slices, telemetry
+from bench import prepare, rss, sharing, slices, telemetry
 
 BENCHMARKS = {
     "slices": slices.run,
     "prepare": prepare.run,
+    "sharing": sharing.run,
     "telemetry": telemetry.run,
     "rss": rss.run,
 }
