@@ -107,6 +107,12 @@ def _sharing(
                 f"{device.name}: TimeSlicing does not apply under --sharing memory-shares (whole"
                 " GPUs are shared by memory, through MPS); use MPS or leave sharing unset"
             )
+        if config is not None and isinstance(sharing, params.Exclusive):
+            raise ParamsError(
+                f"{device.name}: strategy Exclusive does not apply under --sharing memory-shares"
+                " (whole GPUs are shared by memory, through MPS); request the GPU's whole memory"
+                " as capacity for a GPU of one's own, use MPS or leave sharing unset"
+            )
         total = _memory(device)
         memory = consumed if consumed is not None else policy.memory_share_min
         if not 0 < memory <= total:
@@ -237,10 +243,16 @@ def conflicts(
             if policy.mode == "time-slicing" and p.sharing == TIME_SLICING:
                 if held.sharing == TIME_SLICING and held.interval == p.interval:
                     continue
+                if held.sharing != TIME_SLICING:
+                    how = "with MPS" if held.sharing == MPS else "exclusively"
+                    raise ClaimError(
+                        f"device {p.device.name} is held {how} by {who}; claim {claim} asks to"
+                        " time-slice it: only time-sliced claims share a GPU",
+                        "device_busy",
+                    )
                 raise ClaimError(
                     f"device {p.device.name} is time-sliced by {who} at interval"
-                    f" {held.interval or 'none (exclusive)'}; claim {claim} asks"
-                    f" {p.interval}: sharers must agree",
+                    f" {held.interval}; claim {claim} asks {p.interval}: sharers must agree",
                     "device_busy",
                 )
             if policy.mode == "memory-shares" and p.sharing == MEMORY_SHARE:

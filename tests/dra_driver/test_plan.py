@@ -147,6 +147,16 @@ def test_memory_shares_refuse_time_slicing(h100):
         plan_claim(allocation("gpu-0", config=gpu_config("TimeSlicing")), h100, policy)
 
 
+def test_memory_shares_refuse_an_explicit_exclusive_config(h100):
+    """A shared GPU cannot be had exclusively by saying so: the config is refused, not ignored
+    (the scheduler may place other shares on the GPU)."""
+    policy = SharingPolicy(mode="memory-shares")
+    with pytest.raises(ParamsError, match="Exclusive does not apply under --sharing memory"):
+        plan_claim(allocation("gpu-0", config=gpu_config("Exclusive")), h100, policy)
+    plain = plan_claim(allocation("gpu-0"), h100, policy)  # no config: a share
+    assert [p.sharing for p in plain.devices] == [MEMORY_SHARE]
+
+
 def test_an_exclusive_device_is_never_held_twice(h100):
     first = plan_claim(allocation("gpu-0"), h100)
     cp = held(first, "uid-b")
@@ -172,8 +182,11 @@ def test_time_sliced_claims_share_at_the_same_interval(h100):
     with pytest.raises(ClaimError, match=r"at interval Default; claim ns/a .* asks Long"):
         conflicts(held(default, "uid-b"), CLAIM, POOL, long.devices, policy)
     exclusive = plan_claim(allocation("gpu-0"), h100, policy)
-    with pytest.raises(ClaimError, match="interval none \\(exclusive\\)"):
+    with pytest.raises(ClaimError, match=r"held exclusively by claim ns/b .* asks to time-slice"):
         conflicts(held(exclusive, "uid-b"), CLAIM, POOL, default.devices, policy)
+    mps = plan_claim(allocation("gpu-0", config=gpu_config("MPS")), h100, policy)
+    with pytest.raises(ClaimError, match=r"held with MPS by claim ns/b"):
+        conflicts(held(mps, "uid-b"), CLAIM, POOL, default.devices, policy)
 
 
 def test_memory_shares_fit_the_gpu_memory(h100):
