@@ -109,7 +109,9 @@ def test_prepare_and_unprepare_a_whole_gpu(h100, api):
     base = h100.base_spec()  # the driver's files, written at start
     validate_spec(base)
     assert base["devices"][0]["name"] == "common"
-    assert any(m["containerPath"].endswith("/libcuda.so.1") for m in base["containerEdits"]["mounts"])
+    assert any(
+        m["containerPath"].endswith("/libcuda.so.1") for m in base["containerEdits"]["mounts"]
+    )
     assert h100.checkpoint()["claims"]["uid-train"]["state"] == "PrepareCompleted"
     assert unprepare(h100, ref, api=api) == {"uid-train": {"error": ""}}
     assert h100.cdi_files() == [] and h100.checkpoint()["claims"] == {}
