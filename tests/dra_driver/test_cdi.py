@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from agent.sim.driverroot import caps_minor, write_driver_root
+from agent.sim.driverroot import caps_minor, make_device_node, write_driver_root
 from agent.sim.model import load_model
 from dra_driver.cdi import CDI_VERSION, CdiRequest, CdiWriter, validate_spec
 from dra_driver.errors import CdiError
@@ -46,7 +46,14 @@ def cdi_root(tmp_path: Path) -> Path:
 @pytest.fixture
 def writer(cdi_root: Path, driver_root: Path, version: str) -> CdiWriter:
     """The agent sees the host's / at ``driver_root`` (as the DaemonSet mounts it)."""
-    return CdiWriter(cdi_root, DRIVER, driver_root, version, host_driver_root=Path("/"))
+    return CdiWriter(
+        cdi_root,
+        DRIVER,
+        driver_root,
+        version,
+        host_driver_root=Path("/"),
+        make_node=make_device_node,
+    )
 
 
 def nodes(edits: dict[str, Any]) -> list[str]:
@@ -116,7 +123,7 @@ def test_caps_minor_comes_from_the_file_not_a_formula(tmp_path: Path, version: s
     write_driver_root(load_model("dgx-h100"), root)
     access = root / "proc/driver/nvidia/capabilities/gpu0/mig/gi3/ci1/access"
     access.write_text("DeviceFileMinor: 4242\nDeviceFileMode: 292\nDeviceFileModify: 1\n")
-    w = CdiWriter(tmp_path / "cdi", DRIVER, root, version)
+    w = CdiWriter(tmp_path / "cdi", DRIVER, root, version, make_node=make_device_node)
     spec = w.build_spec(UID, [CdiRequest("gpu-0-mig-1g10gb-19-3", 0, 3, 1)])
     assert nodes(spec["devices"][0]["containerEdits"])[2] == "/dev/nvidia-caps/nvidia-cap4242"
 
@@ -140,7 +147,7 @@ def test_missing_caps_file_is_an_error(tmp_path: Path, version: str, rel: str, w
     root = tmp_path / "root"
     write_driver_root(load_model("dgx-h100"), root)
     (root / "proc/driver/nvidia/capabilities" / rel).unlink()
-    w = CdiWriter(tmp_path / "cdi", DRIVER, root, version)
+    w = CdiWriter(tmp_path / "cdi", DRIVER, root, version, make_node=make_device_node)
     with pytest.raises(CdiError, match=f"{which} does not exist"):
         w.build_spec(UID, [CdiRequest(MIG_NAME, 2, 9, 0)])
 
@@ -149,7 +156,7 @@ def test_no_caps_for_non_mig_node(tmp_path: Path) -> None:
     root = tmp_path / "root"
     model = load_model("l40s-pcie")
     write_driver_root(model, root)
-    w = CdiWriter(tmp_path / "cdi", DRIVER, root, model.driver_version)
+    w = CdiWriter(tmp_path / "cdi", DRIVER, root, model.driver_version, make_node=make_device_node)
     validate_spec(w.build_spec(UID, [CdiRequest("gpu-0", 0)]))
     with pytest.raises(CdiError, match="capabilities/gpu0/mig/gi1/access does not exist"):
         w.build_spec(UID, [CdiRequest("gpu-0-mig-x", 0, 1, 0)])
@@ -159,7 +166,7 @@ def test_caps_file_without_minor(tmp_path: Path, version: str) -> None:
     root = tmp_path / "root"
     write_driver_root(load_model("dgx-h100"), root)
     (root / "proc/driver/nvidia/capabilities/gpu0/mig/gi1/access").write_text("garbage\n")
-    w = CdiWriter(tmp_path / "cdi", DRIVER, root, version)
+    w = CdiWriter(tmp_path / "cdi", DRIVER, root, version, make_node=make_device_node)
     with pytest.raises(CdiError, match="no 'DeviceFileMinor"):
         w.build_spec(UID, [CdiRequest("gpu-0-mig-a", 0, 1, 0)])
 
