@@ -240,43 +240,51 @@ def find_library(
     return None
 
 
-def _links_to(root: Path, directory: str, target: str) -> list[str]:
-    """Names of the symlinks in ``directory`` (root-relative) that resolve to ``target``."""
-    try:
-        names = sorted(os.listdir(under(root, directory)))
-    except OSError:
-        return []
-    out = []
-    for name in names:
-        p = under(root, f"{directory}/{name}")
-        if p.is_symlink() and resolve_in_root(root, f"{directory}/{name}") == target:
-            out.append(name)
-    return out
+class _Index:
+    """What one discovery reads more than once, read once: the ld cache's entries with their
+    paths resolved, and each library directory's symlinks by what they resolve to."""
+
+    def __init__(self, root: Path, cache: Sequence[ldcache.CacheEntry]) -> None:
+        self.root = root
+        self.cache = [(e.soname, resolve_in_root(root, e.path)) for e in cache]
+        self._links: dict[str, dict[str, list[str]]] = {}
+
+    def links_to(self, directory: str, target: str) -> list[str]:
+        """Names of the symlinks in ``directory`` (root-relative) that resolve to ``target``."""
+        by_target = self._links.get(directory)
+        if by_target is None:
+            by_target = self._links[directory] = {}
+            try:
+                names = sorted(os.listdir(under(self.root, directory)))
+            except OSError:
+                names = []
+            for name in names:
+                if under(self.root, f"{directory}/{name}").is_symlink():
+                    real = resolve_in_root(self.root, f"{directory}/{name}")
+                    if real is not None:
+                        by_target.setdefault(real, []).append(name)
+        return by_target.get(target, [])
 
 
-def _find_versioned(
-    root: Path, name: str, version: str, cache: Sequence[ldcache.CacheEntry]
-) -> Library | None:
+def _find_versioned(index: _Index, name: str, version: str) -> Library | None:
+    root = index.root
     filename = f"{name}.{version}"
-    candidates: list[str] = []
-    for e in cache:
-        if e.soname.startswith(name + ".") or e.soname == name:
-            real = resolve_in_root(root, e.path)
-            if real is not None and PurePosixPath(real).name == filename:
-                candidates.append(real)
+    candidates = [
+        real
+        for soname, real in index.cache
+        if (soname.startswith(name + ".") or soname == name)
+        and real is not None
+        and PurePosixPath(real).name == filename
+    ]
     candidates += [f"{d}/{filename}" for d in LIBRARY_DIRS]
     for candidate in candidates:
         real = resolve_in_root(root, candidate)
         if real is None or not _is_file(root, real) or _elf_is_32bit(under(root, real)):
             continue
         directory = str(PurePosixPath(real).parent)
-        links = _links_to(root, directory, real)
-        from_cache = [
-            e.soname
-            for e in cache
-            if e.soname != filename and resolve_in_root(root, e.path) == real
-        ]
-        sonames = [s for s in from_cache if s != name] or [n for n in links if n != name]
+        links = index.links_to(directory, real)
+        from_cache = [s for s, r in index.cache if s not in (filename, name) and r == real]
+        sonames = from_cache or [n for n in links if n != name]
         return Library(
             name=name,
             path=real,
@@ -335,10 +343,8 @@ def discover_driver_files(root: Path | str, version: str) -> DriverFiles:
     """The files of driver ``version`` under ``root`` (see the module for what and where).
     Missing files are left out: a driver without ``libnvidia-opencl`` simply has none."""
     root = Path(root)
-    cache = read_ld_cache(root)
-    libraries = tuple(
-        lib for name in LIBRARIES if (lib := _find_versioned(root, name, version, cache))
-    )
+    index = _Index(root, read_ld_cache(root))
+    libraries = tuple(lib for name in LIBRARIES if (lib := _find_versioned(index, name, version)))
     binaries = tuple(b for name in BINARIES if (b := find_binary(root, name)))
     return DriverFiles(
         version=version,

@@ -315,7 +315,7 @@ class SharingMachine(RuleBasedStateMachine):
         claims = self.preparer.checkpoint.claims
         assert {e.name for e in claims.values()} == self.prepared
         assert all(e.state == PREPARE_COMPLETED for e in claims.values())
-        specs_on_disk = {p.name for p in (self.run / "cdi").glob("*.json")}
+        specs_on_disk = {p.name for p in (self.run / "cdi").glob("*-claim_*.json")}
         assert specs_on_disk == {f"k8s.{DRIVER}-claim_uid-{n}.json" for n in self.prepared}
 
     @invariant()
