@@ -8,7 +8,7 @@ RUN_DIR := .run
 MODEL ?= dgx-h100
 METRICS ?= 127.0.0.1:9400
 
-.PHONY: run test lint typecheck unit reliability bench clean docs proto
+.PHONY: run test lint typecheck unit reliability bench gpu-check clean docs proto
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -64,6 +64,12 @@ reliability: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench
+
+# On a GPU node: the real GPUs against the simulator's model of them, reading only (exit 0 same,
+# 1 different, 2 cannot run; docs/troubleshooting.md). Without a GPU: ARGS='--simulate dgx-h100'.
+# More: ARGS='-o json --save .run/gpu-check'.
+gpu-check: $(STAMP)
+	$(PY) -m bench.gpu_check $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(RUN_DIR) .mypy_cache .pytest_cache .ruff_cache

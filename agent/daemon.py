@@ -335,6 +335,63 @@ def open_node(config: Config, state_dir: Path) -> NodeSource:
     )
 
 
+@dataclass(frozen=True)
+class AgentPaths:
+    """The directories the agent writes outside its state directory, as the agent sees them."""
+
+    registry_dir: Path
+    """The kubelet's plugin registry (the registration socket goes here)."""
+    plugins_dir: Path
+    """The kubelet's plugins directory (the DRA socket is ``<dir>/<driver>/dra.sock``)."""
+    cdi_root: Path
+    """Where the CDI specs of prepared claims are written."""
+
+
+REAL_PATHS = AgentPaths(KUBELET_REGISTRY_DIR, KUBELET_PLUGINS_DIR, CDI_ROOT)
+
+
+def simulated_paths(state_dir: Path) -> AgentPaths:
+    """Where the simulated node's kubelet and container runtime have these directories."""
+    return AgentPaths(
+        state_dir / "kubelet" / "plugins_registry", state_dir / "kubelet" / "plugins",
+        state_dir / "cdi",
+    )  # fmt: skip
+
+
+def agent_paths(config: Config, state_dir: Path) -> AgentPaths:
+    """The kubelet and CDI directories ``tessera run`` with this Config uses (``tessera doctor``
+    checks the same ones): the flags, else the real node's, or the simulated node's with
+    ``--simulate``."""
+    default = REAL_PATHS if config.simulate is None else simulated_paths(state_dir)
+    return AgentPaths(
+        registry_dir=config.kubelet_registry_dir or default.registry_dir,
+        plugins_dir=config.kubelet_plugins_dir or default.plugins_dir,
+        cdi_root=config.cdi_root or default.cdi_root,
+    )
+
+
+def host_root(config: Config, state_dir: Path, given: Path | None) -> Path:
+    """Where the host's / is seen: ``given`` (``tessera doctor --host-root``), else /, or with
+    ``--simulate`` the simulated node's host tree, written under ``<state_dir>/sim/host`` (a
+    given one is read as it is, never written)."""
+    if given is not None:
+        return given
+    if config.simulate is None:
+        return Path("/")
+    from agent.sim.hostroot import write_host_root
+    from agent.sim.model import load_model
+
+    root = state_dir / "sim" / "host"
+    sim = simulated_paths(state_dir)
+    write_host_root(
+        load_model(config.simulate),
+        root,
+        cdi_dirs=[sim.cdi_root],
+        kubelet_dirs=[sim.registry_dir, sim.plugins_dir],
+    )
+    return root
+
+
 def node_uid(kube: KubeClient, name: str, log: logging.Logger) -> str | None:
     """The Node's uid for slice ownerReferences; None (logged) when it cannot be read."""
     try:
@@ -493,14 +550,7 @@ def _build(
         if kube is None
         else KubeClaimSource(kube, timeout=(5.0, config.claim_read_timeout))
     )
-    sim = config.simulate is not None
-    registry_dir = config.kubelet_registry_dir or (
-        state_dir / "kubelet" / "plugins_registry" if sim else KUBELET_REGISTRY_DIR
-    )
-    plugins_dir = config.kubelet_plugins_dir or (
-        state_dir / "kubelet" / "plugins" if sim else KUBELET_PLUGINS_DIR
-    )
-    cdi_root = config.cdi_root or (state_dir / "cdi" if sim else CDI_ROOT)
+    paths = agent_paths(config, state_dir)
     health = HealthBoard(pool=source.hostname)
     publisher = Publisher(
         store,
@@ -521,7 +571,9 @@ def _build(
         store=CheckpointStore(
             state_dir / "checkpoint.json", source.boot_id, log=log.getChild("checkpoint")
         ),
-        cdi=cdi_writer(config, source, cdi_root, driver_version, log.getChild("cdi"), environ),
+        cdi=cdi_writer(
+            config, source, paths.cdi_root, driver_version, log.getChild("cdi"), environ
+        ),
         devices=devices.get,
         log=prepare_log,
         effects=sharing_effects(config, source, state_dir, devices, prepare_log, crash),
@@ -532,8 +584,8 @@ def _build(
     )
     plugin = PluginServer(
         driver_name=config.driver_name,
-        registry_dir=registry_dir,
-        plugins_dir=plugins_dir,
+        registry_dir=paths.registry_dir,
+        plugins_dir=paths.plugins_dir,
         preparer=preparer,
         health=health,
         log=log.getChild("plugin"),

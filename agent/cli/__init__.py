@@ -23,7 +23,7 @@ from typing import IO, Any
 
 import yaml
 
-from agent.cli import kubelet, sim
+from agent.cli import doctor, kubelet, sim
 from agent.cli.framework import (
     EXIT_ERROR,
     NO_DRIVER_HINT,
@@ -294,6 +294,7 @@ TREE = Command(
             description="A live view of a running agent's telemetry API: utilization, memory,"
             " power, energy, temperatures and the claims holding each device.",
         ),
+        doctor.COMMAND,
         kubelet.COMMAND,
         sim.COMMAND,
     ),

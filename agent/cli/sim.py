@@ -3,7 +3,7 @@
 ::
 
     tessera sim models
-    tessera sim apiserver --port 8080 --kubeconfig-out FILE
+    tessera sim apiserver --port 8080 --kubeconfig-out FILE [--deny VERB:RESOURCE[.GROUP]]
     tessera sim sample-claim --simulate MODEL [--state-dir DIR]    # an allocated ResourceClaim
     tessera sim fault --state-dir DIR xid --gpu N --xid X [--gi G [--ci C]]
     tessera sim fault --state-dir DIR gpu-lost --gpu N
@@ -49,6 +49,7 @@ from agent.config import (
     text,
 )
 from agent.errors import ConfigError
+from agent.sim.apiserver_access import Rule
 from agent.sim.specs import MIB
 from agent.sim.state import STATE_FILE
 
@@ -59,6 +60,17 @@ SAMPLE_CLAIM = ("default", "sample-gpu", "0b9e7a3c-5d0e-4c7a-9b1e-2f6d8c4a1e01")
 # -- options ----------------------------------------------------------------------------------
 
 
+def access_rule(raw: str) -> Rule:
+    """``VERB:RESOURCE[.GROUP]`` -> a Rule of the emulator's access table."""
+    verb, sep, what = raw.partition(":")
+    resource, _, group = what.partition(".")
+    if not sep or not verb or not resource:
+        raise ValueError(
+            "is not VERB:RESOURCE[.GROUP] (e.g. delete:resourceslices.resource.k8s.io, get:nodes)"
+        )
+    return Rule(verb, resource, group)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ApiServerOptions:
     port: int = setting(
@@ -66,6 +78,15 @@ class ApiServerOptions:
     )
     kubeconfig_out: Path = setting(
         REQUIRED, "Write a kubeconfig for the emulator to this file.", metavar="FILE"
+    )
+    deny: tuple[Rule, ...] = setting(
+        (),
+        "Refuse this request with 403 Forbidden, as RBAC would (SelfSubjectAccessReviews say"
+        " so too): VERB:RESOURCE for the core group, VERB:RESOURCE.GROUP otherwise, * for any,"
+        " e.g. delete:resourceslices.resource.k8s.io. Repeat for several. Unset: everything"
+        " is allowed.",
+        metavar="VERB:RESOURCE[.GROUP]",
+        parse=access_rule,
     )
 
 
@@ -184,7 +205,10 @@ def cmd_apiserver(inv: Invocation) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with ApiServer(port=opts.port) as server:
+    server = ApiServer(port=opts.port)
+    for rule in opts.deny:
+        server.access.deny(rule.verb, rule.resource, rule.group)
+    with server:
         written = server.kubeconfig(opts.kubeconfig_out)
         inv.out.write(f"API server emulator on {server.url}; kubeconfig: {written}\n")
         inv.out.flush()

@@ -11,7 +11,9 @@
 It serves ``resource.k8s.io/v1`` ResourceSlices, ResourceClaims (with ``/status``),
 ResourceClaimTemplates and DeviceClasses, and core ``v1`` Nodes, Namespaces, Pods and Events
 (the table is :data:`agent.sim.apiserver_types.RESOURCES`), plus the discovery documents
-(``/api``, ``/apis``, ``/apis/<group>/<version>``, ``/version``). The semantics a client can tell
+(``/api``, ``/apis``, ``/apis/<group>/<version>``, ``/version``) and the self reviews
+(SelfSubjectAccessReview, SelfSubjectReview). Access follows :attr:`ApiServer.access` (everything
+allowed unless a test denies it: then 403, as RBAC answers). The semantics a client can tell
 apart follow the real server: status codes and ``Status`` bodies, ``resourceVersion`` conflicts,
 ``generateName``, field selectors (400 for a field the real server does not support), label
 selectors, watches replayed from a bounded history (410 ``Expired`` once compacted), no-op updates
@@ -37,6 +39,7 @@ from typing import Any
 
 import yaml
 
+from agent.sim.apiserver_access import AccessRules
 from agent.sim.apiserver_checks import Rejection
 from agent.sim.apiserver_faults import Fault, FaultInjector, RequestLog, RequestRecord
 from agent.sim.apiserver_http import Context, HttpServer
@@ -46,6 +49,7 @@ from agent.sim.apiserver_types import RESOURCES, ResourceType
 
 __all__ = [
     "RESOURCES",
+    "AccessRules",
     "ApiServer",
     "Fault",
     "FaultInjector",
@@ -92,6 +96,9 @@ class ApiServer:
         self._host, self._port = host, port
         self.faults = FaultInjector()
         self.requests = RequestLog()
+        self.access = AccessRules()
+        """Who may do what: everything unless denied (``access.deny(verb, resource, group)``);
+        SelfSubjectAccessReviews answer from it."""
         self._store = Store(
             resources,
             validate_versions=validate_versions,
@@ -128,6 +135,7 @@ class ApiServer:
             self._bookmark_interval,
             self._watch_timeout,
             monotonic=self._monotonic,
+            access=self.access,
         )
         self._httpd = HttpServer((self._host, self._port), self._ctx)
         self._port = int(self._httpd.server_address[1])

@@ -23,6 +23,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from agent.sim import apiserver_errors as err
 from agent.sim import apiserver_types as types
+from agent.sim.apiserver_access import REVIEW_PATHS, AccessRules, review, verb_of
 from agent.sim.apiserver_errors import ApiError
 from agent.sim.apiserver_faults import (
     MALFORMED_KINDS,
@@ -58,6 +59,8 @@ class Context:
     watch_timeout: float
     monotonic: Callable[[], float] = time.monotonic
     """Times watches; the real waits between checks are at most ``_POLL``."""
+    access: AccessRules = field(default_factory=AccessRules)
+    """Who may do what (everything, unless denied)."""
     stopping: threading.Event = field(default_factory=threading.Event)
     watch_count: int = 0
     watch_done: threading.Condition = field(default_factory=threading.Condition)
@@ -105,6 +108,16 @@ class HttpServer(ThreadingHTTPServer):
         deadline = time.monotonic() + timeout
         for thread in conns:
             thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _json_body(raw: bytes) -> Any:
+    """The JSON request body (None when empty); 400 when it is not JSON."""
+    if not raw.strip():
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise err.bad_request(f"the request body is not valid JSON: {exc}") from None
 
 
 def _params(query: str) -> dict[str, str]:
@@ -292,6 +305,10 @@ class Handler(BaseHTTPRequestHandler):
             self._send(200, b"ok", "text/plain; charset=utf-8")
             return
         store = self.server.ctx.store
+        access = self.server.ctx.access
+        if path in REVIEW_PATHS:
+            self._send_json(201, review(access, method, path, _json_body(raw)))
+            return
         try:
             route = types.resolve(list(store.types.values()), path)
         except types.RouteError:
@@ -302,13 +319,13 @@ class Handler(BaseHTTPRequestHandler):
                 raise err.path_not_found()
             self._send_json(200, doc)
             return
-        body: Any = None
-        if raw.strip():
-            try:
-                body = json.loads(raw)
-            except ValueError as exc:
-                raise err.bad_request(f"the request body is not valid JSON: {exc}") from None
+        body = _json_body(raw)
         rt, ns, name, sub = route.rt, route.namespace, route.name, route.subresource
+        watch = method == "GET" and (route.watch_path or params.get("watch") in _TRUE)
+        verb = verb_of(method, name is not None and not route.watch_path, watch, name is None)
+        resource = rt.plural + (f"/{sub}" if sub else "")
+        if not access.allowed(verb, rt.group, resource):
+            raise access.forbidden(verb, rt.group, resource, ns, name)
         dry_run = params.get("dryRun") == "All"
         if name is None or route.watch_path:
             selection = selection_for(rt, ns, params, name)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import uuid as uuidlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -122,11 +123,14 @@ def _stable_uuid(*parts: str) -> str:
     return str(uuidlib.uuid5(uuidlib.NAMESPACE_URL, "tessera-sim/" + "/".join(parts)))
 
 
-def parse_model(raw: dict[str, Any], source: str = "<model>") -> NodeModel:
-    """Validate one model document and build the typed model. GPUs get NVML indices in bus order."""
+def parse_model(
+    raw: dict[str, Any], source: str = "<model>", specs: Mapping[str, GpuSpec] | None = None
+) -> NodeModel:
+    """Validate one model document and build the typed model. GPUs get NVML indices in bus order.
+    Products are looked up in ``specs`` (default: the bundled ``gpus.yaml``)."""
     try:
         name = str(raw["name"])
-        specs = gpu_specs()
+        specs = gpu_specs() if specs is None else specs
         gpu_rows = sorted(raw.get("gpus", []), key=lambda r: str(r["bus"]))
         gpus: list[GpuSlot] = []
         for i, r in enumerate(gpu_rows):

@@ -64,8 +64,9 @@ def simulated_node(
         proc_root=proc_root or fake.proc_root,
         host_driver_root=host_driver_root or Path(layout.host_root),
         nvml_library=NvmlLibrary(
-            nvml_file,
-            "simulated node: the driver root's file, not loaded (the simulator answers NVML)"
+            None,  # nothing is loaded: the simulator answers NVML
+            f"simulated node: NVML is the simulator; the driver root's file, {nvml_file}, is"
+            " not loaded"
             if nvml_file
             else f"simulated node: no {NVML_SONAME} under the driver root {driver_root}",
         ),

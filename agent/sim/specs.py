@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -120,21 +121,46 @@ def _profile(row: list[Any]) -> MigProfileSpec:
 def gpu_specs() -> Mapping[str, GpuSpec]:
     """All known products, keyed by the name node models use (``H100-SXM5-80GB``)."""
     text = resources.files("agent.sim").joinpath("gpus.yaml").read_text()
-    raw = yaml.safe_load(text)["products"]
-    specs: dict[str, GpuSpec] = {}
-    for key, d in raw.items():
-        specs[key] = GpuSpec(
-            key=key,
-            name=d["name"],
-            pci_device_id=int(d["pciDeviceId"]),
-            architecture=int(d["architecture"]),
-            compute_capability=(int(d["computeCapability"][0]), int(d["computeCapability"][1])),
-            brand=int(d["brand"]),
-            memory_mib=int(d["memoryMiB"]),
-            multiprocessors=int(d["multiprocessors"]),
-            nvlinks=int(d["nvlinks"]),
-            power_limit_w=int(d["powerLimitW"]),
-            mig_hopper_style=bool(d.get("migHopperStyle", False)),
-            mig_profiles=tuple(_profile(r) for r in d.get("migProfiles", [])),
-        )
+    return parse_gpu_specs(text, "gpus.yaml")
+
+
+def load_gpu_specs(path: Path) -> Mapping[str, GpuSpec]:
+    """A product file laid out like the bundled ``gpus.yaml`` (a copy with a change, to compare
+    the simulator against itself: ``make gpu-check``)."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ModelError(f"cannot read GPU spec file {str(path)!r}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ModelError(f"GPU spec file {str(path)!r} is not UTF-8 text: {exc.reason}") from exc
+    return parse_gpu_specs(text, str(path))
+
+
+def parse_gpu_specs(text: str, source: str) -> Mapping[str, GpuSpec]:
+    """The products of one ``gpus.yaml`` document; ModelError naming ``source`` when malformed."""
+    try:
+        raw = yaml.safe_load(text)["products"]
+        specs: dict[str, GpuSpec] = {}
+        for key, d in raw.items():
+            specs[key] = GpuSpec(
+                key=key,
+                name=d["name"],
+                pci_device_id=int(d["pciDeviceId"]),
+                architecture=int(d["architecture"]),
+                compute_capability=(
+                    int(d["computeCapability"][0]),
+                    int(d["computeCapability"][1]),
+                ),
+                brand=int(d["brand"]),
+                memory_mib=int(d["memoryMiB"]),
+                multiprocessors=int(d["multiprocessors"]),
+                nvlinks=int(d["nvlinks"]),
+                power_limit_w=int(d["powerLimitW"]),
+                mig_hopper_style=bool(d.get("migHopperStyle", False)),
+                mig_profiles=tuple(_profile(r) for r in d.get("migProfiles", [])),
+            )
+    except yaml.YAMLError as exc:
+        raise ModelError(f"{source} is not valid YAML: {' '.join(str(exc).split())}") from exc
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ModelError(f"{source}: malformed GPU spec file: {exc!r}") from exc
     return types.MappingProxyType(specs)  # cached and shared: read-only

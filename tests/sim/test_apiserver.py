@@ -462,13 +462,16 @@ def _watch_in_thread(
 ) -> tuple[queue.Queue, threading.Thread]:
     """Watch slices in a thread; every event's object name goes to the queue, then None."""
     events: queue.Queue = queue.Queue()
+    # read now, not in the thread: what the caller writes next is then replayed to the watch
+    # however late the thread opens it
+    since = str(server.resource_version)
 
     def run() -> None:
         with server.api_client(retries=False) as api_client:
             rapi = client.ResourceV1Api(api_client)
             for e in watch.Watch().stream(
                 rapi.list_resource_slice,
-                resource_version=str(server.resource_version),
+                resource_version=since,
                 timeout_seconds=timeout_seconds,
             ):
                 events.put(e["object"].metadata.name)
