@@ -345,10 +345,40 @@ class Config:
     )
     driver_root: Path | None = setting(
         None,
-        "Root of the NVIDIA driver installation (libraries, /proc/driver/nvidia). Unset: /, or"
+        "Where the NVIDIA driver's files are visible to the agent: the driver's libraries"
+        " (libnvidia-ml.so.1 is loaded from here), binaries, firmware and /proc/driver/nvidia,"
+        " found as under / of that root. In the DaemonSet the host's / (or the GPU operator's"
+        " containerized driver root, /run/nvidia/driver) mounted at a fixed path. Unset: /, or"
         " the simulator's driver root under --state-dir with --simulate.",
-        groups=("daemon",),
         metavar="DIR",
+    )
+    host_driver_root: Path | None = setting(
+        None,
+        "Where the same driver files are on the host: every path a CDI spec names is under it,"
+        " since the container runtime reads them on the host (/ for a driver installed on the"
+        " host, /run/nvidia/driver for the GPU operator's containerized driver). Unset: the"
+        " same as --driver-root; with --simulate, the simulated layout's (/ or"
+        " /run/nvidia/driver).",
+        metavar="DIR",
+    )
+    sim_driver_layout: str | None = setting(
+        None,
+        "With --simulate: the layout of the simulated driver root: ubuntu (a host driver in"
+        " /usr/lib/x86_64-linux-gnu), rhel (a host driver in /usr/lib64) or container (the GPU"
+        " operator's containerized driver, seen by the host at /run/nvidia/driver). Unset:"
+        " ubuntu.",
+        choices=("ubuntu", "rhel", "container"),
+    )
+    cdi_hook_path: Path | None = setting(
+        None,
+        "The host path of NVIDIA Container Toolkit's nvidia-cdi-hook (or nvidia-ctk): CDI specs"
+        " then run its create-symlinks and update-ldcache hooks, as the toolkit's own specs do."
+        " Unset: nvidia-cdi-hook, else nvidia-ctk, in usr/bin, usr/local/bin or"
+        " usr/local/nvidia/toolkit under --driver-root (or on PATH when the agent sees the"
+        " host's paths as they are); none found: specs that need no hook (every library name"
+        " mounted, also under /usr/local/nvidia/lib64).",
+        groups=("daemon",),
+        metavar="FILE",
     )
     proc_root: Path | None = setting(
         None,
@@ -550,6 +580,17 @@ class Config:
     def __post_init__(self) -> None:
         if self.sim_crash_at is not None and self.simulate is None:
             raise ConfigError("--sim-crash-at: fault injection is only allowed with --simulate")
+        if self.sim_driver_layout is not None and self.simulate is None:
+            raise ConfigError(
+                f"--sim-driver-layout {self.sim_driver_layout}: only with --simulate (a real"
+                " node's layout is what its driver root holds)"
+            )
+        for name, p in (
+            ("--host-driver-root", self.host_driver_root),
+            ("--cdi-hook-path", self.cdi_hook_path),
+        ):
+            if p is not None and not p.is_absolute():
+                raise ConfigError(f"{name} {str(p)!r} is not absolute: it names a host path")
         try:
             dns_subdomain(self.driver_name)
         except ValueError as exc:

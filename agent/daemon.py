@@ -12,7 +12,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from agent.config import Config
 from agent.discovery.inventory import NodeInventory
+from agent.driverfiles.discover import find_cdi_hook, make_char_device, under
 from agent.errors import ConfigError
 from agent.fsutil import ensure_dir, remove_temp_files
 from agent.http import HttpEndpoint, HttpLimits, Readiness
@@ -322,12 +323,15 @@ def open_node(config: Config, state_dir: Path) -> NodeSource:
             sysfs_root=config.sysfs_root,
             driver_root=config.driver_root,
             proc_root=config.proc_root,
+            driver_layout=config.sim_driver_layout,
+            host_driver_root=config.host_driver_root,
         )
     return real_node(
         node_name=config.node_name,
         sysfs_root=config.sysfs_root,
         driver_root=config.driver_root,
         proc_root=config.proc_root,
+        host_driver_root=config.host_driver_root,
     )
 
 
@@ -417,20 +421,101 @@ def take_state_dir(state_dir: Path) -> StateLock:
     return lock
 
 
-def build_agent(config: Config, log: logging.Logger) -> Agent:
+def build_agent(
+    config: Config, log: logging.Logger, environ: Mapping[str, str] | None = None
+) -> Agent:
     """Compose the agent from its configuration: takes the state directory's lock, then
-    initializes NVML (no driver is the most basic failure); starts no loop."""
+    initializes NVML (no driver is the most basic failure); starts no loop. ``environ`` is the
+    agent's environment (its ``PATH`` is searched for the toolkit's hook binary)."""
     state_dir = config.state_dir or DEFAULT_STATE_DIR
     lock = take_state_dir(state_dir)
     try:
-        return _build(config, log, state_dir, lock)
+        return _build(config, log, state_dir, lock, environ or {})
     except BaseException:
         lock.release()
         raise
 
 
-def _build(config: Config, log: logging.Logger, state_dir: Path, lock: StateLock) -> Agent:
+def log_nvml_library(source: NodeSource, log: logging.Logger) -> None:
+    """The one line that says which libnvidia-ml.so.1 NVML uses, and why."""
+    lib = source.nvml_library
+    log.info(
+        "NVML library",
+        extra=fields_(
+            path=lib.path if lib else None,
+            reason=lib.reason if lib else "not decided",
+            driver_root=str(source.driver_root),
+        ),
+    )
+
+
+def cdi_writer(
+    config: Config,
+    source: NodeSource,
+    cdi_root: Path,
+    driver_version: str,
+    log: logging.Logger,
+    environ: Mapping[str, str],
+) -> CdiWriter:
+    """The CDI writer of this node: the driver's files under the driver root, named in specs
+    under the host's driver root, with the toolkit's hooks when its binary is on the host
+    (--cdi-hook-path, else found under the driver root); writes the base spec."""
+    hook: str | None = None
+    if config.cdi_hook_path is not None:
+        hook = str(config.cdi_hook_path)
+    else:
+        same_view = source.host_root.resolve() == source.driver_root.resolve()
+        rel = find_cdi_hook(source.driver_root, host_view_is_ours=same_view, env=environ)
+        hook = None if rel is None else str(under(source.host_root, rel))
+    make_node = make_char_device
+    if config.simulate:
+        from agent.sim.driverroot import make_device_node
+
+        make_node = make_device_node
+    cdi = CdiWriter(
+        cdi_root,
+        config.driver_name,
+        source.driver_root,
+        driver_version,
+        host_driver_root=source.host_root,
+        hook=hook,
+        make_node=make_node,
+    )
+    f = cdi.files
+    log.info(
+        "driver files for containers",
+        extra=fields_(
+            driver_root=str(source.driver_root),
+            host_driver_root=str(source.host_root),
+            driver_version=driver_version,
+            libraries=len(f.libraries),
+            library_dirs=",".join(f.library_dirs),
+            binaries=len(f.binaries),
+            firmware=len(f.firmware),
+            sockets=",".join(f.sockets),
+            cdi_hook=hook or "none (every library name mounted)",
+            base_spec=str(cdi.base_path),
+        ),
+    )
+    if not f.library("libcuda.so") or not f.library("libnvidia-ml.so"):
+        log.warning(
+            "the driver's libcuda or libnvidia-ml was not found under the driver root: CUDA"
+            " containers will not find the driver (check --driver-root)",
+            extra=fields_(driver_root=str(source.driver_root), driver_version=driver_version),
+        )
+    cdi.write_base()
+    return cdi
+
+
+def _build(
+    config: Config,
+    log: logging.Logger,
+    state_dir: Path,
+    lock: StateLock,
+    environ: Mapping[str, str],
+) -> Agent:
     source = open_node(config, state_dir)
+    log_nvml_library(source, log)
     source.nvml.init()
     readiness, liveness = Readiness(), Readiness()
     registry = CollectorRegistry(auto_describe=True)
@@ -486,7 +571,9 @@ def _build(config: Config, log: logging.Logger, state_dir: Path, lock: StateLock
         store=CheckpointStore(
             state_dir / "checkpoint.json", source.boot_id, log=log.getChild("checkpoint")
         ),
-        cdi=CdiWriter(paths.cdi_root, config.driver_name, source.driver_root, driver_version),
+        cdi=cdi_writer(
+            config, source, paths.cdi_root, driver_version, log.getChild("cdi"), environ
+        ),
         devices=devices.get,
         log=prepare_log,
         effects=sharing_effects(config, source, state_dir, devices, prepare_log, crash),

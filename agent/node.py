@@ -16,6 +16,7 @@ from agent.discovery.build import build_inventory
 from agent.discovery.inventory import NodeInventory
 from agent.discovery.sysfs import read_sysfs
 from agent.nvml.facade import Nvml
+from agent.nvml.loader import NvmlLibrary, load_nvml
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,8 @@ class NodeSource:
     model: str | None
     """Simulated model name, None on real hardware."""
     driver_root: Path
-    """Where the NVIDIA driver's files are (libraries, /proc/driver/nvidia)."""
+    """Where the NVIDIA driver's files are visible to the agent (libraries, binaries,
+    /proc/driver/nvidia): every path the agent opens is under it."""
     boot_id: str
     """Changes when the node reboots (prepared state does not survive a reboot)."""
     boot_time: float
@@ -35,6 +37,16 @@ class NodeSource:
     """The simulator object (FakeNvml) when simulating, for simulator controls."""
     proc_root: Path = Path("/proc")
     """Where the processes NVML reports (by host PID) are: ``<proc_root>/<pid>/cgroup``."""
+    host_driver_root: Path | None = None
+    """Where the same driver files are on the host, which CDI specs name (the container
+    runtime reads them there). None: the same as ``driver_root``."""
+    nvml_library: NvmlLibrary | None = None
+    """Which ``libnvidia-ml.so.1`` NVML uses and why (None: not decided yet)."""
+
+    @property
+    def host_root(self) -> Path:
+        """The host's view of the driver root (``host_driver_root``, else ``driver_root``)."""
+        return self.driver_root if self.host_driver_root is None else self.host_driver_root
 
 
 def real_node(
@@ -43,20 +55,24 @@ def real_node(
     sysfs_root: Path | None,
     driver_root: Path | None,
     proc_root: Path | None = None,
+    host_driver_root: Path | None = None,
 ) -> NodeSource:
-    """This machine: pynvml (not yet initialized), ``/sys`` and ``/proc`` unless told
-    otherwise."""
+    """This machine: pynvml (not yet initialized, its library loaded from the driver root when
+    found there), ``/sys`` and ``/proc`` unless told otherwise."""
     import pynvml
 
+    root = driver_root or Path("/")
     return NodeSource(
         nvml=Nvml(pynvml),
         sysfs_root=sysfs_root or Path("/sys"),
         hostname=node_name or socket.gethostname(),
         model=None,
-        driver_root=driver_root or Path("/"),
+        driver_root=root,
         boot_id=read_boot_id(),
         boot_time=read_boot_time(),
         proc_root=proc_root or Path("/proc"),
+        host_driver_root=host_driver_root,
+        nvml_library=load_nvml(pynvml, root),
     )
 
 

@@ -1,15 +1,50 @@
-"""CDI specs for prepared claims: one spec file per claim, one CDI device per allocated device.
+"""CDI specs: one base spec with the driver's files, and one small spec per prepared claim.
 
-A spec (``cdiVersion`` 0.5.0, the lowest that allows device nodes with ``hostPath``) of kind
-``k8s.<driver>/claim``, in ``<cdi_root>/k8s.<driver>-claim_<claimUID>.json``::
+**The base spec** (``k8s.<driver>/driver``, ``<cdi_root>/k8s.<driver>-driver.json``, written at
+start and again whenever it is missing) holds what every GPU container needs, as NVIDIA
+Container Toolkit's generated specs do (``nvidia-ctk cdi generate``, ``pkg/nvcdi``)::
+
+    devices:        common: env TESSERA_DRIVER_VERSION=<version>
+    containerEdits: /dev/nvidiactl, /dev/nvidia-uvm, /dev/nvidia-uvm-tools,
+                    read-only bind mounts of the driver's compute and utility libraries,
+                    binaries, GSP firmware, and the persistenced / fabric-manager sockets;
+                    the SONAMEs made resolvable (below)
+
+**A claim's spec** (``k8s.<driver>/claim``, ``<cdi_root>/k8s.<driver>-claim_<claimUID>.json``)::
 
     devices:        <claimUID>-<deviceName>: /dev/nvidia<minor>
                                              + for MIG /dev/nvidia-caps/nvidia-cap<GI>, ...<CI>
-    containerEdits: /dev/nvidiactl, /dev/nvidia-uvm, /dev/nvidia-uvm-tools,
-                    env TESSERA_CLAIM_UID, TESSERA_DEVICES (device names, comma-separated),
-                    read-only bind mounts of the driver's user-space libraries;
+    containerEdits: env TESSERA_CLAIM_UID, TESSERA_DEVICES (device names, comma-separated);
                     with MPS: env CUDA_MPS_PIPE_DIRECTORY=/run/tessera/mps and bind mounts of
                     the claim's daemon's pipe directory there and its shm directory at /dev/shm
+
+Every prepared device is answered with two CDI device ids, its claim device and
+``k8s.<driver>/driver=common``. A runtime applies a spec's top-level ``containerEdits`` once per
+container however many of its devices are requested (``pkg/cdi/cache.go`` ``InjectDevices`` of
+cncf-tags/container-device-interface, which containerd and CRI-O use), so a container with two
+claims gets the driver's files once; the base device's own edit (an env variable) is idempotent.
+CDI has no include mechanism and a device may not have empty edits (``pkg/cdi/device.go``).
+
+**Paths.** The driver's files are found under ``driver_root`` (where the agent sees them,
+:mod:`agent.driverfiles`); every ``hostPath`` names them under ``host_driver_root`` (where the
+host, and so the container runtime, sees the same files); every ``containerPath`` is the path
+the driver root itself has (``/usr/lib/x86_64-linux-gnu/libcuda.so.<version>``). Device nodes
+are under the driver root too when it has a ``dev`` directory (else under ``/``), as NVIDIA's DRA
+driver decides (``getDevRoot``).
+
+**SONAMEs.** A program asks the loader for ``libcuda.so.1``, not for the versioned file:
+
+- with the toolkit's hook binary on the host (``nvidia-cdi-hook``, else ``nvidia-ctk``): the
+  versioned files are mounted, and the same ``createContainer`` hooks the toolkit emits make the
+  links and the cache in the container: ``create-symlinks --link <target>::<link>`` (each
+  SONAME link the host has, and ``libcuda.so -> libcuda.so.1``; ``internal/discover/symlinks.go``)
+  and ``update-ldcache --folder <dir>`` for each library directory
+  (``internal/discover/ldconfig.go``), with ``NVIDIA_CTK_DEBUG=false`` in the hooks'
+  environment (``internal/discover/hooks.go``);
+- without it: no hook, so every name is mounted as a file: the versioned file, its SONAME and
+  (libcuda and where the host has one) its development link, each both at the driver's own
+  directory and in ``/usr/local/nvidia/lib64``, which NVIDIA's CUDA images (Ubuntu and UBI)
+  put on ``LD_LIBRARY_PATH`` and in ``/etc/ld.so.conf.d/nvidia.conf`` (docs/install.md).
 
 Device names carry the claim UID because runtimes cache specs: a name is never reused by another
 claim. File and device names are built only from validated values (a claim UID, DNS-label device
@@ -17,11 +52,14 @@ names), never from paths in input, so no name can leave ``cdi_root``.
 
 MIG capability minors are read from the driver's ``proc/driver/nvidia/capabilities`` tree under
 the driver root; a missing file is an error, since a MIG container without its capability nodes
-cannot use the GPU. Libraries not found under the driver root are left out.
+cannot use the GPU. A capability's device node missing under the dev root is made (``mknod``,
+the ``nvidia-caps`` major from the driver root's ``proc/devices``, the file's minor and mode), as
+``nvidia-modprobe`` does: the runtime reads a ``hostPath`` node to fill in its type and numbers.
 
-``build_spec`` is pure apart from reading the driver root; ``write``/``remove``/``claim_uids`` do
-the I/O on ``cdi_root``. Every spec is checked against the CDI JSON schema packaged in
-``dra_driver/cdi_schema`` before it is returned or written.
+``build_spec``/``build_base_spec`` read the driver root (and make missing MIG capability nodes);
+``write``/``write_base``/``remove``/``claim_uids`` do the I/O on ``cdi_root``. Every spec is
+checked against the CDI JSON schema packaged in ``dra_driver/cdi_schema`` before it is returned
+or written.
 """
 
 from __future__ import annotations
@@ -29,10 +67,10 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import jsonschema
@@ -40,6 +78,16 @@ from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT7
 
 from agent.decode import load_json
+from agent.driverfiles.discover import (
+    FIRMWARE_DIR,
+    DriverFiles,
+    Library,
+    discover_driver_files,
+    has_dev_dir,
+    make_char_device,
+    read_char_major,
+    under,
+)
 from agent.errors import DecodeError
 from agent.fsutil import atomic_write, fsync_dir, remove_temp_files
 from dra_driver.errors import CdiError
@@ -63,19 +111,21 @@ CDI_KIND_RE = re.compile(rf"^{_KIND_PART}/{_KIND_PART}$")
 """``<vendor>/<class>``."""
 
 CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
-LIBRARY_DIRS = ("usr/lib/x86_64-linux-gnu", "usr/lib64", "usr/lib")
-"""Where driver libraries are looked for under the driver root, in order."""
-LIBRARIES = (
-    "libcuda.so",
-    "libnvidia-ml.so",
-    "libnvidia-ptxjitcompiler.so",
-    "libnvidia-nvvm.so",
-    "libcudadebugger.so",
-)
-"""Mounted as ``<name>.<driver version>`` when present."""
-MOUNT_OPTIONS = ("ro", "nosuid", "nodev", "bind")
+MOUNT_OPTIONS = ("ro", "nosuid", "nodev", "rbind", "rprivate")
+"""The driver's files: NVIDIA Container Toolkit's options (``internal/discover/mounts.go``)."""
+SOCKET_OPTIONS = ("nosuid", "nodev", "rbind", "rprivate", "noexec")
+"""The driver's sockets: the toolkit's ``ipcMountOptions`` (``internal/discover/ipc.go``)."""
+HOOK_LIFECYCLE = "createContainer"
+"""The toolkit's hooks run in the container's mount namespace before pivot_root."""
+HOOK_ENV = ("NVIDIA_CTK_DEBUG=false",)
+NVIDIA_LIB64 = "/usr/local/nvidia/lib64"
+"""On ``LD_LIBRARY_PATH`` (and in ``ld.so.conf.d/nvidia.conf``) of NVIDIA's CUDA images: where
+the hook-free layout mounts every library name too."""
+BASE_DEVICE = "common"
+NVIDIA_CAPS = "nvidia-caps"
 CAPS_DIR = "proc/driver/nvidia/capabilities"
 _MINOR_RE = re.compile(r"^\s*DeviceFileMinor:\s*([0-9]+)\s*$", re.MULTILINE)
+_MODE_RE = re.compile(r"^\s*DeviceFileMode:\s*([0-9]+)\s*$", re.MULTILINE)
 
 
 MPS_CONTAINER_PIPE_DIR = "/run/tessera/mps"
@@ -124,12 +174,14 @@ def _check_device_name(name: str) -> str:
     return name
 
 
-def _node(path: str) -> dict[str, Any]:
-    return {"path": path, "hostPath": path}
-
-
 def read_caps_minor(path: Path) -> int:
     """The ``DeviceFileMinor`` of a driver capability ``access`` file. Raises CdiError."""
+    return read_caps(path)[0]
+
+
+def read_caps(path: Path) -> tuple[int, int]:
+    """The ``DeviceFileMinor`` and ``DeviceFileMode`` (0444 when absent) of a driver capability
+    ``access`` file. Raises CdiError."""
     try:
         text = path.read_text()
     except FileNotFoundError as exc:
@@ -142,7 +194,8 @@ def read_caps_minor(path: Path) -> int:
     m = _MINOR_RE.search(text)
     if not m:
         raise CdiError(f"MIG capability file {path} has no 'DeviceFileMinor: <N>' line")
-    return int(m.group(1))
+    mode = _MODE_RE.search(text)
+    return int(m.group(1)), int(mode.group(1)) if mode else 0o444
 
 
 @functools.cache
@@ -189,24 +242,74 @@ def validate_spec(spec: dict[str, Any]) -> None:
                 raise CdiError(f"CDI spec {where}/env: {env!r} is not KEY=VALUE")
 
 
+MakeNode = Callable[[Path, int, int, int], None]
+"""``(path, major, minor, mode)``: make a character device node (``make_char_device``)."""
+
+
+def _mount(host: str, container: str, options: Sequence[str] = MOUNT_OPTIONS) -> dict[str, Any]:
+    return {"hostPath": host, "containerPath": container, "options": list(options)}
+
+
+def hook_argv0(hook: str) -> list[str]:
+    """The hook's fixed arguments: ``nvidia-cdi-hook <name>`` or ``nvidia-ctk hook <name>``
+    (the toolkit's ``getFixedArgsForCDIHookCLI``)."""
+    base = PurePosixPath(hook).name
+    return [base, "hook"] if base == "nvidia-ctk" else [base]
+
+
 class CdiWriter:
-    """Builds, writes and removes the per-claim CDI specs of one driver."""
+    """Builds, writes and removes the CDI specs of one driver: the base spec and the claims'."""
 
     def __init__(
-        self, cdi_root: Path, driver_name: str, driver_root: Path, driver_version: str
+        self,
+        cdi_root: Path,
+        driver_name: str,
+        driver_root: Path,
+        driver_version: str,
+        *,
+        host_driver_root: Path | None = None,
+        hook: str | None = None,
+        make_node: MakeNode = make_char_device,
     ) -> None:
+        """``driver_root``: where the agent sees the driver's files; ``host_driver_root``: where
+        the host sees them (None: the same); ``hook``: the host path of ``nvidia-cdi-hook`` or
+        ``nvidia-ctk`` (None: the hook-free layout); ``make_node``: how a missing MIG capability
+        node is made."""
         if not DNS_SUBDOMAIN_RE.fullmatch(driver_name) or len(driver_name) > 253:
             raise CdiError(f"driver name {driver_name!r} is not a lower-case DNS subdomain")
         if not DRIVER_VERSION_RE.fullmatch(driver_version):
             raise CdiError(f"driver version {driver_version!r} is not like 550.90.07")
+        for what, p in (("host driver root", host_driver_root), ("CDI hook", hook)):
+            if p is not None and not str(p).startswith("/"):
+                raise CdiError(f"{what} {str(p)!r} is not an absolute path on the host")
         self.cdi_root = Path(cdi_root)
         self.driver_name = driver_name
         self.driver_root = Path(driver_root).absolute()
+        self.host_driver_root = Path(host_driver_root or self.driver_root)
         self.driver_version = driver_version
+        self.hook = hook
+        self.make_node = make_node
         self.kind = f"k8s.{driver_name}/claim"
+        self.base_kind = f"k8s.{driver_name}/driver"
+        self.base_device_id = f"{self.base_kind}={BASE_DEVICE}"
+        """The CDI device id every prepared device is answered with besides its own."""
+        self.base_path = self.cdi_root / f"k8s.{driver_name}-driver.json"
+        self.files: DriverFiles = discover_driver_files(self.driver_root, driver_version)
+        on_root = has_dev_dir(self.driver_root)
+        self.dev_root = self.driver_root if on_root else Path("/")
+        self.host_dev_root = self.host_driver_root if on_root else Path("/")
         self._file_re = re.compile(
             rf"^k8s\.{re.escape(driver_name)}-claim_({CLAIM_UID_RE.pattern[1:-1]})\.json$"
         )
+
+    # -- paths -----------------------------------------------------------------------------
+    def host(self, rel: str) -> str:
+        """The host's path of the driver root's ``rel`` (root-relative, absolute)."""
+        return str(under(self.host_driver_root, rel))
+
+    def node(self, path: str) -> dict[str, Any]:
+        """A device node ``path`` (``/dev/...``) at the host's dev root."""
+        return {"path": path, "hostPath": str(under(self.host_dev_root, path))}
 
     def device_id(self, claim_uid: str, device_name: str) -> str:
         """The fully qualified CDI device id: ``k8s.<driver>/claim=<claimUID>-<deviceName>``."""
@@ -220,6 +323,7 @@ class CdiWriter:
     def _device_name(claim_uid: str, device_name: str) -> str:
         return f"{_check_claim_uid(claim_uid)}-{_check_device_name(device_name)}"
 
+    # -- MIG capability nodes --------------------------------------------------------------
     def _mig_nodes(self, req: CdiRequest) -> list[dict[str, Any]]:
         gi, ci = req.gpu_instance_id, req.compute_instance_id
         if gi is None or ci is None:
@@ -230,36 +334,145 @@ class CdiWriter:
         if gi < 0 or ci < 0:
             raise CdiError(f"device {req.device_name!r}: negative MIG instance id ({gi}, {ci})")
         gi_dir = self.driver_root / CAPS_DIR / f"gpu{req.gpu_minor}" / "mig" / f"gi{gi}"
-        return [
-            _node(f"/dev/nvidia-caps/nvidia-cap{read_caps_minor(p)}")
-            for p in (gi_dir / "access", gi_dir / f"ci{ci}" / "access")
-        ]
+        nodes = []
+        for access in (gi_dir / "access", gi_dir / f"ci{ci}" / "access"):
+            minor, mode = read_caps(access)
+            path = f"/dev/nvidia-caps/nvidia-cap{minor}"
+            self._ensure_caps_node(path, minor, mode)
+            nodes.append(self.node(path))
+        return nodes
+
+    def _ensure_caps_node(self, path: str, minor: int, mode: int) -> None:
+        """Make the capability node ``path`` under the dev root when it is missing."""
+        node = under(self.dev_root, path)
+        if node.exists():
+            return
+        major = read_char_major(self.driver_root, NVIDIA_CAPS)
+        if major is None:
+            raise CdiError(
+                f"MIG capability node {node} is missing and cannot be made: no"
+                f" '{NVIDIA_CAPS}' character device in {under(self.driver_root, '/proc/devices')}"
+                " (is the nvidia-caps part of the driver loaded?)"
+            )
+        try:
+            self.make_node(node, major, minor, mode)
+        except FileExistsError:
+            return  # made meanwhile (another claim on the same instance)
+        except OSError as exc:
+            raise CdiError(
+                f"cannot make MIG capability node {node} (char {major}:{minor}):"
+                f" {exc.strerror or exc}; the agent needs CAP_MKNOD and the host's /dev writable"
+            ) from exc
+
+    # -- the driver's files ----------------------------------------------------------------
+    def _library_names(self, lib: Library) -> list[str]:
+        """The names a container's programs may ask for: the versioned file, its SONAME, and
+        its development link where the host has one (libcuda's always, as the toolkit)."""
+        names = [lib.filename]
+        if lib.soname is not None:
+            names.append(lib.soname)
+        if lib.dev_link or lib.name == "libcuda.so":
+            names.append(lib.name)
+        return list(dict.fromkeys(names))
 
     def library_mounts(self) -> list[dict[str, Any]]:
-        """Read-only bind mounts of the driver libraries found under the driver root."""
+        """Read-only bind mounts of the driver libraries found under the driver root: the
+        versioned files, plus (without a hook) every other name of each, also under
+        :data:`NVIDIA_LIB64`."""
         mounts: list[dict[str, Any]] = []
-        for lib in LIBRARIES:
-            for d in LIBRARY_DIRS:
-                rel = f"{d}/{lib}.{self.driver_version}"
-                if (self.driver_root / rel).is_file():
-                    mounts.append(
-                        {
-                            "hostPath": str(self.driver_root / rel),
-                            "containerPath": f"/{rel}",
-                            "options": list(MOUNT_OPTIONS),
-                        }
-                    )
-                    break
+        for lib in self.files.libraries:
+            if self.hook is not None:
+                mounts.append(_mount(self.host(lib.path), lib.path))
+                continue
+            for name in self._library_names(lib):
+                mounts.append(_mount(self.host(lib.path), f"{lib.directory}/{name}"))
+        if self.hook is None:
+            for lib in self.files.libraries:
+                for name in self._library_names(lib):
+                    mounts.append(_mount(self.host(lib.path), f"{NVIDIA_LIB64}/{name}"))
         return mounts
+
+    def file_mounts(self) -> list[dict[str, Any]]:
+        """Read-only bind mounts of the binaries, firmware and sockets."""
+        f = self.files
+        mounts = [_mount(self.host(b), b) for b in f.binaries]
+        for fw in f.firmware:
+            name = PurePosixPath(fw).name
+            mounts.append(_mount(self.host(fw), f"{FIRMWARE_DIR}/{f.version}/{name}"))
+        for sock in f.sockets:
+            inside = sock.removeprefix("/var") if sock.startswith("/var/run/") else sock
+            mounts.append(_mount(self.host(sock), inside, SOCKET_OPTIONS))
+        return mounts
+
+    def hooks(self) -> list[dict[str, Any]]:
+        """The toolkit's ``create-symlinks`` and ``update-ldcache`` hooks (none without the
+        hook binary or libraries)."""
+        if self.hook is None or not self.files.libraries:
+            return []
+        links: list[str] = []
+        for lib in self.files.libraries:
+            d = lib.directory
+            if lib.name == "libcuda.so":  # many programs dlopen libcuda.so: always linked
+                links.append(f"{lib.soname or lib.filename}::{d}/{lib.name}")
+            if lib.soname is not None and lib.soname != lib.filename:
+                links.append(f"{lib.filename}::{d}/{lib.soname}")
+            if lib.dev_link and lib.name != "libcuda.so" and lib.soname is not None:
+                links.append(f"{lib.soname}::{d}/{lib.name}")
+        argv0 = hook_argv0(self.hook)
+        out = []
+        if links:
+            args = [*argv0, "create-symlinks"]
+            for link in dict.fromkeys(links):
+                args += ["--link", link]
+            out.append(self._hook(args))
+        folders = [*argv0, "update-ldcache"]
+        for d in self.files.library_dirs:
+            folders += ["--folder", d]
+        out.append(self._hook(folders))
+        return out
+
+    def _hook(self, args: list[str]) -> dict[str, Any]:
+        return {"hookName": HOOK_LIFECYCLE, "path": self.hook, "args": args, "env": list(HOOK_ENV)}
+
+    def build_base_spec(self) -> dict[str, Any]:
+        """The base spec: the driver's files and the control device nodes. Pure apart from
+        reading the driver root (at construction)."""
+        edits: dict[str, Any] = {"deviceNodes": [self.node(p) for p in CONTROL_NODES]}
+        mounts = self.library_mounts() + self.file_mounts()
+        if mounts:
+            edits["mounts"] = mounts
+        hooks = self.hooks()
+        if hooks:
+            edits["hooks"] = hooks
+        spec: dict[str, Any] = {
+            "cdiVersion": CDI_VERSION,
+            "kind": self.base_kind,
+            "devices": [
+                {
+                    "name": BASE_DEVICE,
+                    "containerEdits": {"env": [f"TESSERA_DRIVER_VERSION={self.driver_version}"]},
+                }
+            ],
+            "containerEdits": edits,
+        }
+        validate_spec(spec)
+        return spec
+
+    def write_base(self) -> Path:
+        """Write the base spec (atomically, mode 0644); returns its path."""
+        spec = self.build_base_spec()
+        self._atomic(self.base_path, spec)
+        return self.base_path
 
     def build_spec(
         self, claim_uid: str, devices: Sequence[CdiRequest], mps: MpsEdits | None = None
     ) -> dict[str, Any]:
-        """The CDI spec of a claim with ``devices`` (and its MPS daemon's directories). Pure
-        apart from reading the driver root.
+        """The CDI spec of a claim with ``devices`` (and its MPS daemon's directories): their
+        device nodes and the claim's env; the driver's files are in the base spec. Reads the
+        driver root and makes missing MIG capability nodes.
 
         Raises CdiError for a bad claim UID or device name, a duplicate device, no devices, or a
-        MIG device whose capability files are missing.
+        MIG device whose capability files are missing (or whose node cannot be made).
         """
         _check_claim_uid(claim_uid)
         if not devices:
@@ -272,26 +485,22 @@ class CdiWriter:
                 raise CdiError(f"claim {claim_uid}: device {req.device_name!r} listed twice")
             if req.gpu_minor < 0:
                 raise CdiError(f"device {req.device_name!r}: negative GPU minor {req.gpu_minor}")
-            nodes = [_node(f"/dev/nvidia{req.gpu_minor}")]
+            nodes = [self.node(f"/dev/nvidia{req.gpu_minor}")]
             if req.gpu_instance_id is not None or req.compute_instance_id is not None:
                 nodes += self._mig_nodes(req)
             cdi_devices.append({"name": name, "containerEdits": {"deviceNodes": nodes}})
             names.append(req.device_name)
         edits: dict[str, Any] = {
             "env": [f"TESSERA_CLAIM_UID={claim_uid}", f"TESSERA_DEVICES={','.join(names)}"],
-            "deviceNodes": [_node(p) for p in CONTROL_NODES],
         }
-        mounts = self.library_mounts()
         if mps is not None:
             edits["env"].append(f"CUDA_MPS_PIPE_DIRECTORY={MPS_CONTAINER_PIPE_DIR}")
-            mounts += [
+            edits["mounts"] = [
                 {"hostPath": mps.pipe_dir, "containerPath": MPS_CONTAINER_PIPE_DIR,
                  "options": ["rw", "nosuid", "nodev", "bind"]},
                 {"hostPath": mps.shm_dir, "containerPath": "/dev/shm",
                  "options": ["rw", "nosuid", "nodev", "bind"]},
             ]  # fmt: skip
-        if mounts:
-            edits["mounts"] = mounts
         spec: dict[str, Any] = {
             "cdiVersion": CDI_VERSION,
             "kind": self.kind,
@@ -301,17 +510,23 @@ class CdiWriter:
         validate_spec(spec)
         return spec
 
-    def write(self, claim_uid: str, spec: dict[str, Any]) -> Path:
-        """Validate ``spec`` and write it atomically as the claim's spec file (mode 0644)."""
-        path = self.path(claim_uid)
-        validate_spec(spec)
-        if spec["kind"] != self.kind:
-            raise CdiError(f"CDI spec kind {spec['kind']!r} is not this driver's {self.kind!r}")
+    def _atomic(self, path: Path, spec: dict[str, Any]) -> None:
         data = (json.dumps(spec, indent=2, sort_keys=True) + "\n").encode()
         try:
             atomic_write(path, data, mode=SPEC_FILE_MODE, dir_mode=CDI_DIR_MODE)
         except OSError as exc:
             raise CdiError(f"cannot write CDI spec {path}: {exc.strerror or exc}") from exc
+
+    def write(self, claim_uid: str, spec: dict[str, Any]) -> Path:
+        """Validate ``spec`` and write it atomically as the claim's spec file (mode 0644); the
+        base spec its devices also name is written first when it is missing."""
+        path = self.path(claim_uid)
+        validate_spec(spec)
+        if spec["kind"] != self.kind:
+            raise CdiError(f"CDI spec kind {spec['kind']!r} is not this driver's {self.kind!r}")
+        if not self.base_path.exists():
+            self.write_base()
+        self._atomic(path, spec)
         return path
 
     def remove(self, claim_uid: str) -> bool:
@@ -355,7 +570,9 @@ class CdiWriter:
     def remove_temp_files(self) -> list[Path]:
         """Temporary files of our specs that a crash left behind in the CDI root (only ours:
         the directory is shared with other vendors)."""
-        return remove_temp_files(self.cdi_root, f"k8s.{self.driver_name}-claim_*.json")
+        return remove_temp_files(
+            self.cdi_root, f"k8s.{self.driver_name}-claim_*.json"
+        ) + remove_temp_files(self.cdi_root, self.base_path.name)
 
     def claim_uids(self) -> set[str]:
         """UIDs of the claims that have a spec file here (only file names this driver writes)."""

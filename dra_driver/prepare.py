@@ -544,7 +544,7 @@ class Preparer:
             request_names=p.request_names,
             pool=self.pool,
             device=d.name,
-            cdi_device_ids=(self.cdi.device_id(uid, d.name),),
+            cdi_device_ids=(self.cdi.device_id(uid, d.name), self.cdi.base_device_id),
             kind=d.kind,
             gpu_uuid=d.parent_uuid,
             gpu_minor=d.gpu_minor,

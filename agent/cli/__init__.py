@@ -234,7 +234,7 @@ def cmd_run(inv: Invocation) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        agent = build_agent(config, log)
+        agent = build_agent(config, log, dict(os.environ))
         code = agent.run(stop)
     except Exception as exc:  # logs are JSON from here on: the reason is a log record too
         reason = inv.describe(exc)  # worded like every command's failures; None: a bug

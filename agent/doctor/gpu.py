@@ -74,9 +74,9 @@ def mapped_file(maps: str, name: str) -> str | None:
 def loaded_nvml(source: NodeSource, maps_file: Path = Path("/proc/self/maps")) -> str | None:
     """The NVML library file this process loaded: what the node source says it loaded, else
     the ``libnvidia-ml`` the dynamic loader mapped (``/proc/self/maps``, after NVML's init)."""
-    told = getattr(source, "nvml_library", None)  # set by a source that loads a chosen file
-    if told:
-        return str(told)
+    told = source.nvml_library  # set by a source that loads a chosen file
+    if told is not None and told.path:
+        return told.path
     try:
         return mapped_file(maps_file.read_text(), NVML_FILE)
     except OSError:
@@ -108,7 +108,7 @@ def check_nvml_library(source: NodeSource, library: str | None) -> Verdict:
 def driver_libraries(driver_root: Path, version: str) -> list[str]:
     """The driver libraries a claim's CDI spec mounts from ``driver_root`` (their file names)."""
     writer = CdiWriter(Path("/nonexistent"), "doctor.tessera.dev", driver_root, version)
-    return [Path(m["hostPath"]).name for m in writer.library_mounts()]
+    return [lib.filename for lib in writer.files.libraries]
 
 
 def check_versions(source: NodeSource, system: SystemInfo) -> Verdict:

@@ -7,11 +7,13 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
+from agent.driverfiles.discover import NVML_SONAME
 from agent.fsutil import atomic_write
 from agent.node import NodeSource
 from agent.nvml.api import NvmlApi
 from agent.nvml.facade import Nvml
-from agent.sim.driverroot import write_driver_root
+from agent.nvml.loader import NvmlLibrary, find_nvml
+from agent.sim.driverroot import layout_of, write_driver_root
 from agent.sim.model import load_model
 from agent.sim.nvml import FakeNvml
 from agent.sim.sysfs import write_sysfs
@@ -26,10 +28,16 @@ def simulated_node(
     sysfs_root: Path | None = None,
     driver_root: Path | None = None,
     proc_root: Path | None = None,
+    driver_layout: str | None = None,
+    host_driver_root: Path | None = None,
 ) -> NodeSource:
     """Open the simulated ``model_name`` whose state lives in ``<state_dir>/sim`` (NVML is not
-    yet initialized). The sysfs tree and driver root are written there unless given; the
-    processes' ``/proc`` is the simulator's (``<state_dir>/sim/proc``) unless given."""
+    yet initialized). The sysfs tree and driver root (in ``driver_layout``, see
+    :mod:`agent.sim.driverroot`) are written there unless given; the processes' ``/proc`` is the
+    simulator's (``<state_dir>/sim/proc``) unless given. The host sees the driver root at
+    ``host_driver_root``, by default where the layout's host has it (``/``, or
+    ``/run/nvidia/driver`` for the containerized driver): never where the simulator wrote it,
+    so every CDI path is translated as on a real node."""
     model = load_model(model_name)
     sim_dir = state_dir / "sim"
     if sysfs_root is None:
@@ -37,9 +45,13 @@ def simulated_node(
         write_sysfs(model, sysfs_root)
     fake = FakeNvml(model, sim_dir, mig_layout=mig_layout)
     api: NvmlApi = fake  # mypy proves that the simulator has the NVML surface the agent uses
+    layout = layout_of(driver_layout)
     if driver_root is None:
         driver_root = sim_dir / "driver-root"
-        write_driver_root(model, driver_root, state_dir=sim_dir, model_ref=model_name)
+        write_driver_root(
+            model, driver_root, state_dir=sim_dir, model_ref=model_name, layout=layout.name
+        )
+    nvml_file = find_nvml(driver_root)
     return NodeSource(
         nvml=Nvml(api),
         sysfs_root=sysfs_root,
@@ -50,6 +62,14 @@ def simulated_node(
         boot_time=(sim_dir / "boot_id").stat().st_mtime,
         sim=fake,
         proc_root=proc_root or fake.proc_root,
+        host_driver_root=host_driver_root or Path(layout.host_root),
+        nvml_library=NvmlLibrary(
+            None,  # nothing is loaded: the simulator answers NVML
+            f"simulated node: NVML is the simulator; the driver root's file, {nvml_file}, is"
+            " not loaded"
+            if nvml_file
+            else f"simulated node: no {NVML_SONAME} under the driver root {driver_root}",
+        ),
     )
 
 

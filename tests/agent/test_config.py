@@ -141,3 +141,29 @@ def test_tls_files_name_their_options():
         Path("a"),
     )
     assert tls.label("ca") == "--metrics-tls-client-ca" and tls.label("key") == "--metrics-tls-key"
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"sim_driver_layout": "rhel"}, "--sim-driver-layout rhel: only with --simulate"),
+        (
+            {"host_driver_root": "run/nvidia/driver"},
+            "--host-driver-root 'run/nvidia/driver' is not",
+        ),
+        ({"cdi_hook_path": "nvidia-ctk"}, "--cdi-hook-path 'nvidia-ctk' is not absolute"),
+    ],
+)
+def test_driver_root_settings_are_checked(given, message):
+    with pytest.raises(ConfigError, match=f"^{message}"):
+        load_config(given, {})
+
+
+def test_driver_roots_from_the_environment():
+    c = load_config(
+        {},
+        {"TESSERA_DRIVER_ROOT": "/driver-root", "TESSERA_HOST_DRIVER_ROOT": "/run/nvidia/driver"},
+    )
+    assert (c.driver_root, c.host_driver_root) == (Path("/driver-root"), Path("/run/nvidia/driver"))
+    with pytest.raises(ConfigError, match="one of ubuntu, rhel, container"):
+        load_config({"simulate": "dgx-h100"}, {"TESSERA_SIM_DRIVER_LAYOUT": "debian"})

@@ -22,6 +22,7 @@ from agent.doctor.gpu import (
 )
 from agent.node import NodeSource
 from agent.nvml.facade import Nvml
+from agent.nvml.loader import NvmlLibrary
 from agent.nvml.types import GpuDevice, MigMode
 from agent.sim.hostroot import write_host_root
 from agent.sim.model import load_model
@@ -79,23 +80,27 @@ def test_the_loaded_nvml_file_is_read_from_the_process_maps():
 
 @dataclasses.dataclass(frozen=True)
 class ChosenNvml:
-    """A node source that says which NVML file it loaded (as the driver-root loader will)."""
+    """A node source that says which NVML file it loaded (as the driver-root loader does)."""
 
-    nvml_library: str
+    nvml_library: NvmlLibrary
     driver_root: Path
     model: str | None = None
 
 
+def chosen(path: str, root: Path) -> ChosenNvml:
+    return ChosenNvml(NvmlLibrary(path, f"found under the driver root {root}"), root)
+
+
 def test_a_source_that_names_its_nvml_file_is_believed(tmp_path):
-    source = ChosenNvml("/driver-root/usr/lib64/libnvidia-ml.so.550.90.07", Path("/driver-root"))
-    assert loaded_nvml(source) == source.nvml_library
-    v = check_nvml_library(source, source.nvml_library)
-    assert v.status == "ok" and source.nvml_library in v.detail
+    source = chosen("/driver-root/usr/lib64/libnvidia-ml.so.550.90.07", Path("/driver-root"))
+    assert loaded_nvml(source) == source.nvml_library.path
+    v = check_nvml_library(source, source.nvml_library.path)
+    assert v.status == "ok" and source.nvml_library.path in v.detail
 
 
 def test_an_nvml_file_outside_the_driver_root_warns(tmp_path):
-    source = ChosenNvml("/usr/lib/libnvidia-ml.so.1", tmp_path)
-    v = check_nvml_library(source, source.nvml_library)
+    source = chosen("/usr/lib/libnvidia-ml.so.1", tmp_path)
+    v = check_nvml_library(source, source.nvml_library.path)
     assert v.status == "warn" and "--driver-root" in v.fix
 
 

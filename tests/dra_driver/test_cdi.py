@@ -1,4 +1,7 @@
-"""CDI specs: contents, schema validation, MIG capability nodes, names, files on disk."""
+"""CDI specs: contents, schema validation, MIG capability nodes, names, files on disk.
+
+The driver's files in the base spec, host/container paths and the loader's view of them are in
+test_cdi_driver_files.py."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from agent.sim.driverroot import caps_minor, write_driver_root
+from agent.sim.driverroot import caps_minor, make_device_node, write_driver_root
 from agent.sim.model import load_model
 from dra_driver.cdi import CDI_VERSION, CdiRequest, CdiWriter, validate_spec
 from dra_driver.errors import CdiError
@@ -20,7 +23,7 @@ DRIVER = "gpu.tessera.dev"
 UID = "7f3c2a1e-9b8d-4c6f-a5e4-3d2c1b0a9f8e"
 UID2 = "0a1b2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c4d"
 MIG_NAME = "gpu-2-mig-1g10gb-19-0"
-LIB_OPTS = ["ro", "nosuid", "nodev", "bind"]
+LIB_OPTS = ["ro", "nosuid", "nodev", "rbind", "rprivate"]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +45,15 @@ def cdi_root(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def writer(cdi_root: Path, driver_root: Path, version: str) -> CdiWriter:
-    return CdiWriter(cdi_root, DRIVER, driver_root, version)
+    """The agent sees the host's / at ``driver_root`` (as the DaemonSet mounts it)."""
+    return CdiWriter(
+        cdi_root,
+        DRIVER,
+        driver_root,
+        version,
+        host_driver_root=Path("/"),
+        make_node=make_device_node,
+    )
 
 
 def nodes(edits: dict[str, Any]) -> list[str]:
@@ -52,7 +63,7 @@ def nodes(edits: dict[str, Any]) -> list[str]:
 # --- building specs ---------------------------------------------------------------------------
 
 
-def test_whole_gpu_spec(writer: CdiWriter, driver_root: Path, version: str) -> None:
+def test_whole_gpu_spec(writer: CdiWriter) -> None:
     spec = writer.build_spec(UID, [CdiRequest("gpu-0", 0), CdiRequest("gpu-5", 5)])
     validate_spec(spec)
     assert spec["cdiVersion"] == CDI_VERSION == "0.5.0"
@@ -61,20 +72,33 @@ def test_whole_gpu_spec(writer: CdiWriter, driver_root: Path, version: str) -> N
     assert spec["devices"][1]["containerEdits"] == {
         "deviceNodes": [{"path": "/dev/nvidia5", "hostPath": "/dev/nvidia5"}]
     }
+    # the driver's files and control nodes are in the base spec, named by every device
+    assert spec["containerEdits"] == {
+        "env": [f"TESSERA_CLAIM_UID={UID}", "TESSERA_DEVICES=gpu-0,gpu-5"]
+    }
+
+
+def test_base_spec_holds_the_control_nodes_and_libraries(
+    writer: CdiWriter, driver_root: Path, version: str
+) -> None:
+    spec = writer.build_base_spec()
+    validate_spec(spec)
+    assert spec["kind"] == f"k8s.{DRIVER}/driver"
+    assert spec["devices"] == [
+        {"name": "common", "containerEdits": {"env": [f"TESSERA_DRIVER_VERSION={version}"]}}
+    ]
+    assert writer.base_device_id == f"k8s.{DRIVER}/driver=common"
     edits = spec["containerEdits"]
     assert nodes(edits) == ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
     assert all(n["hostPath"] == n["path"] for n in edits["deviceNodes"])
-    assert edits["env"] == [f"TESSERA_CLAIM_UID={UID}", "TESSERA_DEVICES=gpu-0,gpu-5"]
-    assert not any(e.startswith("NVIDIA_VISIBLE_DEVICES") for e in edits["env"])
-    libs = "usr/lib/x86_64-linux-gnu"
-    assert edits["mounts"] == [
-        {
-            "hostPath": f"{driver_root}/{libs}/{lib}.so.{version}",
-            "containerPath": f"/{libs}/{lib}.so.{version}",
-            "options": LIB_OPTS,
-        }
-        for lib in ("libcuda", "libnvidia-ml", "libnvidia-ptxjitcompiler")
-    ]
+    assert not any(e.startswith("NVIDIA_VISIBLE_DEVICES") for e in edits.get("env", []))
+    libs = "/usr/lib/x86_64-linux-gnu"
+    assert {
+        "hostPath": f"{libs}/libcuda.so.{version}",
+        "containerPath": f"{libs}/libcuda.so.1",
+        "options": LIB_OPTS,
+    } in edits["mounts"]
+    assert not [m for m in edits["mounts"] if str(driver_root) in m["hostPath"]]
 
 
 def test_mig_spec_reads_caps_minors(writer: CdiWriter) -> None:
@@ -99,7 +123,7 @@ def test_caps_minor_comes_from_the_file_not_a_formula(tmp_path: Path, version: s
     write_driver_root(load_model("dgx-h100"), root)
     access = root / "proc/driver/nvidia/capabilities/gpu0/mig/gi3/ci1/access"
     access.write_text("DeviceFileMinor: 4242\nDeviceFileMode: 292\nDeviceFileModify: 1\n")
-    w = CdiWriter(tmp_path / "cdi", DRIVER, root, version)
+    w = CdiWriter(tmp_path / "cdi", DRIVER, root, version, make_node=make_device_node)
     spec = w.build_spec(UID, [CdiRequest("gpu-0-mig-1g10gb-19-3", 0, 3, 1)])
     assert nodes(spec["devices"][0]["containerEdits"])[2] == "/dev/nvidia-caps/nvidia-cap4242"
 
@@ -123,7 +147,7 @@ def test_missing_caps_file_is_an_error(tmp_path: Path, version: str, rel: str, w
     root = tmp_path / "root"
     write_driver_root(load_model("dgx-h100"), root)
     (root / "proc/driver/nvidia/capabilities" / rel).unlink()
-    w = CdiWriter(tmp_path / "cdi", DRIVER, root, version)
+    w = CdiWriter(tmp_path / "cdi", DRIVER, root, version, make_node=make_device_node)
     with pytest.raises(CdiError, match=f"{which} does not exist"):
         w.build_spec(UID, [CdiRequest(MIG_NAME, 2, 9, 0)])
 
@@ -132,7 +156,7 @@ def test_no_caps_for_non_mig_node(tmp_path: Path) -> None:
     root = tmp_path / "root"
     model = load_model("l40s-pcie")
     write_driver_root(model, root)
-    w = CdiWriter(tmp_path / "cdi", DRIVER, root, model.driver_version)
+    w = CdiWriter(tmp_path / "cdi", DRIVER, root, model.driver_version, make_node=make_device_node)
     validate_spec(w.build_spec(UID, [CdiRequest("gpu-0", 0)]))
     with pytest.raises(CdiError, match="capabilities/gpu0/mig/gi1/access does not exist"):
         w.build_spec(UID, [CdiRequest("gpu-0-mig-x", 0, 1, 0)])
@@ -142,7 +166,7 @@ def test_caps_file_without_minor(tmp_path: Path, version: str) -> None:
     root = tmp_path / "root"
     write_driver_root(load_model("dgx-h100"), root)
     (root / "proc/driver/nvidia/capabilities/gpu0/mig/gi1/access").write_text("garbage\n")
-    w = CdiWriter(tmp_path / "cdi", DRIVER, root, version)
+    w = CdiWriter(tmp_path / "cdi", DRIVER, root, version, make_node=make_device_node)
     with pytest.raises(CdiError, match="no 'DeviceFileMinor"):
         w.build_spec(UID, [CdiRequest("gpu-0-mig-a", 0, 1, 0)])
 
@@ -160,13 +184,13 @@ def test_libraries_found_in_other_dirs(tmp_path: Path) -> None:
     (root / "usr/lib/libcuda.so.535.1").write_bytes(b"")
     (root / "usr/lib/libcudadebugger.so.535.1").write_bytes(b"")
     (root / "usr/lib/libnvidia-nvvm.so.999.9").write_bytes(b"")  # other driver version: ignored
-    w = CdiWriter(tmp_path / "cdi", DRIVER, root, "535.1")
+    w = CdiWriter(tmp_path / "cdi", DRIVER, root, "535.1", hook="/usr/bin/nvidia-cdi-hook")
     assert [m["containerPath"] for m in w.library_mounts()] == [
-        "/usr/lib/libcuda.so.535.1",
         "/usr/lib64/libnvidia-ml.so.535.1",
+        "/usr/lib/libcuda.so.535.1",
         "/usr/lib/libcudadebugger.so.535.1",
     ]
-    assert w.library_mounts()[1]["hostPath"] == str(root / "usr/lib64/libnvidia-ml.so.535.1")
+    assert w.library_mounts()[0]["hostPath"] == str(root / "usr/lib64/libnvidia-ml.so.535.1")
 
 
 def test_no_libraries_no_mounts(tmp_path: Path) -> None:
@@ -174,6 +198,9 @@ def test_no_libraries_no_mounts(tmp_path: Path) -> None:
     spec = w.build_spec(UID, [CdiRequest("gpu-0", 0)])
     validate_spec(spec)
     assert "mounts" not in spec["containerEdits"]
+    base = w.build_base_spec()
+    validate_spec(base)
+    assert "mounts" not in base["containerEdits"] and "hooks" not in base["containerEdits"]
 
 
 # --- names ------------------------------------------------------------------------------------
@@ -336,7 +363,10 @@ def test_write_file(writer: CdiWriter, cdi_root: Path) -> None:
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
     writer.write(UID, writer.build_spec(UID, [CdiRequest("gpu-1", 1)]))  # replace
     assert json.loads(path.read_text())["devices"][0]["name"] == f"{UID}-gpu-1"
-    assert sorted(os.listdir(cdi_root)) == [path.name]  # no temp files left
+    # the base spec the devices also name came with the first claim; no temp files left
+    assert sorted(os.listdir(cdi_root)) == sorted([path.name, writer.base_path.name])
+    assert json.loads(writer.base_path.read_text()) == writer.build_base_spec()
+    assert stat.S_IMODE(writer.base_path.stat().st_mode) == 0o644
 
 
 def test_write_refuses_invalid_or_foreign_specs(writer: CdiWriter, cdi_root: Path) -> None:
@@ -362,7 +392,7 @@ def test_failed_write_leaves_no_temp_file(
         writer.write(UID, writer.build_spec(UID, [CdiRequest("gpu-1", 1)]))
     monkeypatch.undo()
     assert writer.path(UID).read_bytes() == before
-    assert sorted(os.listdir(cdi_root)) == [writer.path(UID).name]
+    assert sorted(os.listdir(cdi_root)) == sorted([writer.path(UID).name, writer.base_path.name])
 
 
 def test_remove(writer: CdiWriter) -> None:

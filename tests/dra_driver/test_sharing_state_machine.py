@@ -30,6 +30,7 @@ from hypothesis.stateful import (
 from agent.config import Config
 from agent.daemon import CurrentDevices, open_node, sharing_effects
 from agent.node import NodeSource, discover
+from agent.sim.driverroot import make_device_node
 from agent.sim.nvml import FakeNvml
 from agent.sim.sharing import SharingStore, initial_sharing
 from dra_driver.cdi import CdiWriter
@@ -220,7 +221,13 @@ class SharingMachine(RuleBasedStateMachine):
             pool=MODEL,
             claims=DirClaimSource(self.node.state / "resourceclaims"),
             store=CheckpointStore(self.run / "checkpoint.json", "boot"),
-            cdi=CdiWriter(self.run / "cdi", DRIVER, self.node.source.driver_root, "550.90.07"),
+            cdi=CdiWriter(
+                self.run / "cdi",
+                DRIVER,
+                self.node.source.driver_root,
+                "550.90.07",
+                make_node=make_device_node,  # the simulated dev tree's, never a real mknod
+            ),
             devices=devices.get,
             log=log,
             effects=sharing_effects(
@@ -308,7 +315,7 @@ class SharingMachine(RuleBasedStateMachine):
         claims = self.preparer.checkpoint.claims
         assert {e.name for e in claims.values()} == self.prepared
         assert all(e.state == PREPARE_COMPLETED for e in claims.values())
-        specs_on_disk = {p.name for p in (self.run / "cdi").glob("*.json")}
+        specs_on_disk = {p.name for p in (self.run / "cdi").glob("*-claim_*.json")}
         assert specs_on_disk == {f"k8s.{DRIVER}-claim_uid-{n}.json" for n in self.prepared}
 
     @invariant()

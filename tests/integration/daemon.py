@@ -143,7 +143,15 @@ class Daemon:
         return data
 
     def cdi_files(self) -> list[str]:
-        return sorted(p.name for p in self.cdi_dir.glob("*.json")) if self.cdi_dir.exists() else []
+        """The claims' CDI spec files (the base spec with the driver's files is not one)."""
+        if not self.cdi_dir.exists():
+            return []
+        return sorted(p.name for p in self.cdi_dir.glob("*-claim_*.json"))
+
+    def base_spec(self) -> dict[str, Any]:
+        """The base CDI spec: the driver's files every prepared device names."""
+        spec: dict[str, Any] = json.loads((self.cdi_dir / f"k8s.{DRIVER}-driver.json").read_text())
+        return spec
 
 
 def claim_manifest(

@@ -95,7 +95,7 @@ def test_prepare_and_unprepare_a_whole_gpu(h100, api):
             "requestNames": ["gpu"],
             "poolName": "dgx-h100",
             "deviceName": "gpu-3",
-            "cdiDeviceIds": [f"{CDI_KIND}=uid-train-gpu-3"],
+            "cdiDeviceIds": [f"{CDI_KIND}=uid-train-gpu-3", f"k8s.{DRIVER}/driver=common"],
         }
     ]
     (spec_file,) = h100.cdi_files()
@@ -106,6 +106,12 @@ def test_prepare_and_unprepare_a_whole_gpu(h100, api):
     assert [n["path"] for n in dev["containerEdits"]["deviceNodes"]] == ["/dev/nvidia3"]
     env = spec["containerEdits"]["env"]
     assert "TESSERA_CLAIM_UID=uid-train" in env and "TESSERA_DEVICES=gpu-3" in env
+    base = h100.base_spec()  # the driver's files, written at start
+    validate_spec(base)
+    assert base["devices"][0]["name"] == "common"
+    assert any(
+        m["containerPath"].endswith("/libcuda.so.1") for m in base["containerEdits"]["mounts"]
+    )
     assert h100.checkpoint()["claims"]["uid-train"]["state"] == "PrepareCompleted"
     assert unprepare(h100, ref, api=api) == {"uid-train": {"error": ""}}
     assert h100.cdi_files() == [] and h100.checkpoint()["claims"] == {}

@@ -89,7 +89,7 @@ def test_a_deleted_spec_of_a_prepared_claim_is_written_again_on_the_next_prepare
     try:
         a = gpu_claim(d, "a", "uid-a", "gpu-3")
         assert call(d, "prepare", a) == ""
-        (spec,) = (short_tmp / "cdi").glob("*.json")
+        (spec,) = (short_tmp / "cdi").glob("*-claim_*.json")
         before = spec.read_text()
         spec.unlink()  # someone cleaned the CDI directory while the agent runs
         assert call(d, "prepare", a) == ""  # the kubelet asks again: the spec is back

@@ -1,8 +1,10 @@
-"""The simulated driver root: version file, MIG capability files, libraries, idempotence."""
+"""The simulated driver root: version file, MIG capability files, libraries in each layout,
+idempotence."""
 
 from __future__ import annotations
 
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -16,17 +18,20 @@ CAPS = "proc/driver/nvidia/capabilities"
 LIBS = "usr/lib/x86_64-linux-gnu"
 
 
-def snapshot(root: Path) -> dict[str, tuple[str, int]]:
-    """Every file (content, inode mtime) and link (target) under root, by relative path."""
-    out: dict[str, tuple[str, int]] = {}
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
+def snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file (content, inode mtime), socket and link (target) under root, by relative
+    path (links to directories are not followed)."""
+    out: dict[str, tuple[bytes, int]] = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in files + [d for d in dirs if (Path(dirpath) / d).is_symlink()]:
             p = Path(dirpath) / name
             rel = str(p.relative_to(root))
             if p.is_symlink():
-                out[rel] = ("-> " + os.readlink(p), 0)
+                out[rel] = (b"-> " + os.readlink(p).encode(), 0)
+            elif stat.S_ISSOCK(p.lstat().st_mode):
+                out[rel] = (b"socket", p.lstat().st_mtime_ns)
             else:
-                out[rel] = (p.read_text(), p.stat().st_mtime_ns)
+                out[rel] = (p.read_bytes(), p.stat().st_mtime_ns)
     return out
 
 
@@ -83,12 +88,60 @@ def test_caps_minors_unique_per_node(h100: Path) -> None:
 def test_libraries_and_links(h100: Path) -> None:
     version = load_model("dgx-h100").driver_version
     libs = h100 / LIBS
-    for lib in ("libcuda.so", "libnvidia-ml.so", "libnvidia-ptxjitcompiler.so"):
+    for lib, soname in (
+        ("libcuda.so", "libcuda.so.1"),
+        ("libnvidia-ml.so", "libnvidia-ml.so.1"),
+        ("libnvidia-ptxjitcompiler.so", "libnvidia-ptxjitcompiler.so.1"),
+        ("libnvidia-nvvm.so", "libnvidia-nvvm.so.4"),
+    ):
         real = libs / f"{lib}.{version}"
         assert real.is_file() and not real.is_symlink()
         assert real.read_bytes() == b""
-        assert os.readlink(libs / f"{lib}.1") == f"{lib}.{version}"
-    assert len(list(libs.iterdir())) == 6
+        assert os.readlink(libs / soname) == f"{lib}.{version}"
+    assert os.readlink(libs / "libcuda.so") == "libcuda.so.1"
+    assert (libs / f"libnvidia-gpucomp.so.{version}").is_file()  # its own SONAME: no link
+    assert not (libs / "libnvidia-gpucomp.so.1").exists()
+    assert os.readlink(h100 / "lib") == "usr/lib"
+
+
+@pytest.mark.parametrize(
+    ("layout", "lib_dir", "cache_dir", "absolute"),
+    [
+        ("ubuntu", "usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", False),
+        ("rhel", "usr/lib64", "/lib64", False),
+        ("container", "usr/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", True),
+    ],
+)
+def test_layouts(tmp_path: Path, layout: str, lib_dir: str, cache_dir: str, absolute: bool):
+    from agent.driverfiles.ldcache import parse
+
+    model = load_model("dgx-h100")
+    v = model.driver_version
+    write_driver_root(model, tmp_path, layout=layout)
+    link = os.readlink(tmp_path / lib_dir / "libcuda.so.1")
+    assert link == (f"/{lib_dir}/libcuda.so.{v}" if absolute else f"libcuda.so.{v}")
+    cache = {(e.soname, e.arch): e.path for e in parse((tmp_path / "etc/ld.so.cache").read_bytes())}
+    assert cache[("libcuda.so.1", "x86_64")] == f"{cache_dir}/libcuda.so.1"
+    assert cache[("libnvidia-ml.so.1", "x86_64")] == f"{cache_dir}/libnvidia-ml.so.1"
+    fw = tmp_path / "usr/lib/firmware/nvidia" / v
+    assert sorted(p.name for p in fw.iterdir()) == ["gsp_ga10x.bin", "gsp_tu10x.bin"]
+    assert stat.S_ISSOCK((tmp_path / "run/nvidia-persistenced/socket").lstat().st_mode)
+    assert stat.S_ISSOCK((tmp_path / "run/nvidia-fabricmanager/socket").lstat().st_mode)  # NVSwitch
+    assert "236 nvidia-caps\n" in (tmp_path / "proc/devices").read_text()
+    assert sorted(p.name for p in (tmp_path / "dev/nvidia-caps").iterdir()) == [
+        "nvidia-cap1",
+        "nvidia-cap2",
+    ]
+    assert (tmp_path / "dev/nvidia7").is_file() and (tmp_path / "dev/nvidiactl").is_file()
+    if layout == "rhel":  # the 32-bit compat copy, and its i386 cache entry
+        assert (tmp_path / f"usr/lib/libcuda.so.{v}").read_bytes()[:5] == b"\x7fELF\x01"
+        assert cache[("libcuda.so.1", None)] == "/usr/lib/libcuda.so.1"
+
+
+def test_no_fabric_manager_without_nvswitches(tmp_path: Path) -> None:
+    write_driver_root(load_model("l40s-pcie"), tmp_path)
+    assert not (tmp_path / "run/nvidia-fabricmanager").exists()
+    assert (tmp_path / "run/nvidia-persistenced/socket").exists()
 
 
 def test_no_mig_files_for_non_mig_gpus(tmp_path: Path) -> None:
@@ -114,14 +167,22 @@ def test_idempotent(tmp_path: Path) -> None:
     assert not [p for p in tmp_path.rglob(".*")]
 
 
-def test_rewrite_with_another_model_removes_what_it_lacks(tmp_path: Path) -> None:
-    write_driver_root(load_model("hgx-h200"), tmp_path)  # MIG GPUs, another driver version
-    assert (tmp_path / LIBS / "libcuda.so.560.35.03").exists()
-    write_driver_root(load_model("l40s-pcie"), tmp_path)
-    fresh = tmp_path / "fresh"
-    write_driver_root(load_model("l40s-pcie"), fresh)
-    rewritten = {k: v[0] for k, v in snapshot(tmp_path).items() if not k.startswith("fresh/")}
+@pytest.mark.parametrize(
+    ("first", "second"), [("ubuntu", "ubuntu"), ("ubuntu", "rhel"), ("rhel", "container")]
+)
+def test_rewrite_with_another_model_removes_what_it_lacks(
+    tmp_path: Path, first: str, second: str
+) -> None:
+    root, fresh = tmp_path / "root", tmp_path / "fresh"
+    write_driver_root(load_model("hgx-h200"), root, layout=first)  # another driver version
+    assert (root / "usr/lib/firmware/nvidia/560.35.03").is_dir()
+    made = root / "dev/nvidia-caps/nvidia-cap12"  # a MIG capability node made since
+    made.write_text("")
+    write_driver_root(load_model("l40s-pcie"), root, layout=second)
+    write_driver_root(load_model("l40s-pcie"), fresh, layout=second)
+    rewritten = {k: v[0] for k, v in snapshot(root).items() if k != "dev/nvidia-caps/nvidia-cap12"}
     assert rewritten == {k: v[0] for k, v in snapshot(fresh).items()}
+    assert made.exists()  # as on a real node, an agent restart does not remove nodes
 
 
 def test_refuses_real_root() -> None:
@@ -165,7 +226,11 @@ def test_tools_are_installed_idempotently_and_removed_without_a_state(tmp_path: 
     write_driver_root(model, tmp_path, state_dir=tmp_path / "other")
     assert repr(str(tmp_path / "other")) in (tmp_path / TOOLS[0]).read_text()
     write_driver_root(model, tmp_path)
-    assert not (tmp_path / "usr/bin").exists()
+    assert sorted(p.name for p in (tmp_path / "usr/bin").iterdir()) == [
+        "nvidia-cuda-mps-server",  # placeholders only
+        "nvidia-debugdump",
+        "nvidia-persistenced",
+    ]
     assert not [p for p in tmp_path.rglob(".*")]
 
 
