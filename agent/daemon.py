@@ -449,6 +449,17 @@ def log_nvml_library(source: NodeSource, log: logging.Logger) -> None:
     )
 
 
+def cdi_hook(config: Config, source: NodeSource, environ: Mapping[str, str]) -> str | None:
+    """The host path of the NVIDIA Container Toolkit hook the CDI specs run, or None for the
+    hook-free layout: --cdi-hook-path, else the hook found under the driver root (the one
+    decision ``tessera run`` and ``tessera doctor`` share)."""
+    if config.cdi_hook_path is not None:
+        return str(config.cdi_hook_path)
+    same_view = source.host_root.resolve() == source.driver_root.resolve()
+    rel = find_cdi_hook(source.driver_root, host_view_is_ours=same_view, env=environ)
+    return None if rel is None else str(under(source.host_root, rel))
+
+
 def cdi_writer(
     config: Config,
     source: NodeSource,
@@ -459,14 +470,8 @@ def cdi_writer(
 ) -> CdiWriter:
     """The CDI writer of this node: the driver's files under the driver root, named in specs
     under the host's driver root, with the toolkit's hooks when its binary is on the host
-    (--cdi-hook-path, else found under the driver root); writes the base spec."""
-    hook: str | None = None
-    if config.cdi_hook_path is not None:
-        hook = str(config.cdi_hook_path)
-    else:
-        same_view = source.host_root.resolve() == source.driver_root.resolve()
-        rel = find_cdi_hook(source.driver_root, host_view_is_ours=same_view, env=environ)
-        hook = None if rel is None else str(under(source.host_root, rel))
+    (:func:`cdi_hook`); writes the base spec."""
+    hook = cdi_hook(config, source, environ)
     make_node = make_char_device
     if config.simulate:
         from agent.sim.driverroot import make_device_node

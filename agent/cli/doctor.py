@@ -14,6 +14,7 @@ itself cannot run (a bad flag, an unknown model).
 
 from __future__ import annotations
 
+import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +43,7 @@ class DoctorOptions:
 
 
 def cmd_doctor(inv: Invocation) -> int:
-    from agent.daemon import DEFAULT_STATE_DIR, agent_paths, host_root, open_node
+    from agent.daemon import DEFAULT_STATE_DIR, agent_paths, cdi_hook, host_root, open_node
     from agent.doctor import Facts, diagnose
     from agent.doctor.verdict import exit_code, to_json, to_table
     from dra_driver.kube import KubeClient
@@ -52,8 +53,9 @@ def cmd_doctor(inv: Invocation) -> int:
     with tempfile.TemporaryDirectory(prefix="tessera-doctor-") as tmp:
         state_dir = config.state_dir or (Path(tmp) if config.simulate else DEFAULT_STATE_DIR)
         paths = agent_paths(config, state_dir)
+        source = open_node(config, state_dir)
         facts = Facts(
-            source=open_node(config, state_dir),
+            source=source,
             host_root=host_root(config, state_dir, opts.host_root),
             state_dir=state_dir,
             registry_dir=paths.registry_dir,
@@ -62,6 +64,7 @@ def cmd_doctor(inv: Invocation) -> int:
             mig_mode=config.mig_mode,
             connect=None if config.no_kube else lambda: KubeClient.from_config(config.kubeconfig),
             stand_in_nodes=config.simulate is not None,
+            cdi_hook=cdi_hook(config, source, os.environ),
         )
         verdicts = diagnose(facts)
     node = facts.source.hostname

@@ -36,14 +36,12 @@ from pathlib import Path
 from agent.doctor.api import api_checks
 from agent.doctor.gpu import check_driver, gpu_checks, loaded_nvml, skipped_gpu_checks
 from agent.doctor.host import (
-    HookFinder,
     check_cdi_dir,
     check_cdi_hook,
     check_kubelet_dirs,
     check_runtimes,
     check_state_dir,
     check_state_lock,
-    find_cdi_hook,
 )
 from agent.doctor.verdict import Verdict
 from agent.node import NodeSource
@@ -67,7 +65,8 @@ class Facts:
     """Opens the API server the agent would use; None in standalone mode (``--no-kube``)."""
     stand_in_nodes: bool = False
     """Regular files stand in for device nodes (the simulator's /dev)."""
-    find_hook: HookFinder = find_cdi_hook
+    cdi_hook: str | None = None
+    """The hook binary the agent's CDI specs run (host path); None: the hook-free layout."""
     nvml_library: Callable[[NodeSource], str | None] = loaded_nvml
     """Which NVML file the source loaded (after its init)."""
 
@@ -93,7 +92,7 @@ def diagnose(facts: Facts) -> list[Verdict]:
     out.append(check_cdi_dir(facts.cdi_root))
     out += check_runtimes(facts.host_root, facts.cdi_root)
     out += check_kubelet_dirs(facts.registry_dir, facts.plugins_dir)
-    out.append(check_cdi_hook(facts.host_root, facts.find_hook))
+    out.append(check_cdi_hook(facts.cdi_hook))
     out.append(check_state_dir(facts.state_dir))
     out.append(check_state_lock(facts.state_dir))
     out += api_checks(facts.connect)

@@ -16,15 +16,13 @@ ran the same hooks as ``nvidia-ctk hook``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from pathlib import Path, PurePosixPath
+from collections.abc import Sequence
+from pathlib import Path
 
 from agent.doctor.hostfs import (
     command_line,
-    is_executable,
     lock_holder,
     nearest_existing,
-    on_host,
     probe_write,
     resolve,
 )
@@ -32,17 +30,6 @@ from agent.doctor.runtime import RuntimeCdi, read_containerd, read_crio
 from agent.doctor.verdict import Verdict, fail, ok, warn
 from agent.statelock import LOCK_FILE
 
-HOOK_CANDIDATES = (
-    "/usr/bin/nvidia-cdi-hook",
-    "/usr/local/bin/nvidia-cdi-hook",
-    "/usr/local/nvidia/toolkit/nvidia-cdi-hook",
-    "/usr/bin/nvidia-ctk",
-    "/usr/local/bin/nvidia-ctk",
-    "/usr/local/nvidia/toolkit/nvidia-ctk",
-)
-"""Where the toolkit's hook binary is looked for on the host, in order."""
-
-HookFinder = Callable[[Path], PurePosixPath | None]
 """Finds the toolkit's hook binary on the host (its host path) given the host root."""
 
 
@@ -175,28 +162,20 @@ def check_runtimes(host_root: Path, cdi_root: Path) -> list[Verdict]:
     return [_runtime_verdict(r, host_root, cdi_root) for r in found]
 
 
-def find_cdi_hook(
-    host_root: Path, candidates: Sequence[str] = HOOK_CANDIDATES
-) -> PurePosixPath | None:
-    """The first toolkit hook binary on the host (its host path)."""
-    for c in candidates:
-        if is_executable(on_host(host_root, c)):
-            return PurePosixPath(c)
-    return None
-
-
-def check_cdi_hook(host_root: Path, find: HookFinder = find_cdi_hook) -> Verdict:
-    found = find(host_root)
-    if found is None:
+def check_cdi_hook(hook: str | None) -> Verdict:
+    """The hook the agent's CDI specs run (``agent.daemon.cdi_hook``: --cdi-hook-path, else
+    the toolkit's binary found under the driver root), or a warning for the hook-free layout."""
+    if hook is None:
         return warn(
             "cdi-hook",
-            "the NVIDIA Container Toolkit's nvidia-cdi-hook (or nvidia-ctk) is not on the host:"
-            " claims' specs use the hook-free layout",
+            "no NVIDIA Container Toolkit hook (nvidia-cdi-hook or nvidia-ctk) under the driver"
+            " root: the CDI specs use the hook-free layout (the SONAME links mounted as files,"
+            " and the libraries under /usr/local/nvidia/lib64)",
             "optional: install the NVIDIA Container Toolkit (nvidia-container-toolkit-base) on"
-            " the host for the toolkit's create-symlinks and update-ldcache hooks; looked for "
-            + ", ".join(HOOK_CANDIDATES),
+            " the host for the toolkit's create-symlinks and update-ldcache hooks, or name its"
+            " binary with --cdi-hook-path",
         )
-    return ok("cdi-hook", f"{found} (the toolkit's hook binary, on the host)")
+    return ok("cdi-hook", f"{hook} (the toolkit's hook, run by the CDI specs)")
 
 
 def check_state_dir(state_dir: Path) -> Verdict:

@@ -1,6 +1,7 @@
 """Write the host a simulated node would have, as ``tessera doctor`` reads it through
-``--host-root``: device nodes, a containerd configured for CDI, the NVIDIA Container Toolkit's
-hook, and the kubelet's plugin directories.
+``--host-root``: device nodes, a containerd configured for CDI and the kubelet's plugin
+directories. (The toolkit's hook is looked for under the driver root, as the agent does; the
+simulated driver root has none, so a simulated node uses the hook-free layout.)
 
 Layout under ``root`` (as the host has it under ``/``)::
 
@@ -11,7 +12,6 @@ Layout under ``root`` (as the host has it under ``/``)::
                                                capability minor of the driver root's tables
     etc/containerd/config.toml                 version 2, enable_cdi = true, cdi_spec_dirs with
                                                the defaults and the agent's CDI directories
-    usr/bin/nvidia-cdi-hook                    a stand-in that does nothing
 
 Device nodes are empty regular files, not character devices: making those takes CAP_MKNOD, and
 the simulator runs unprivileged. The doctor accepts them only when it is told it looks at the
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,10 +43,6 @@ from agent.sim.model import NodeModel
 from agent.sim.tree import write_text, write_tree
 
 CONTROL_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
-HOOK = "usr/bin/nvidia-cdi-hook"
-HOOK_TEXT = (
-    "#!/bin/sh\n# the simulator's stand-in for the NVIDIA Container Toolkit's hook\nexit 0\n"
-)
 DEFAULT_CDI_DIRS = ("/etc/cdi", "/var/run/cdi")
 _GPU_NODE = re.compile(r"^nvidia[0-9]+$")
 
@@ -91,9 +86,6 @@ def _write_tree(model: NodeModel, root: Path, cdi_dirs: Sequence[str]) -> None:
         if entry.name not in wanted:
             entry.unlink()
     write_text(root / "etc" / "containerd" / "config.toml", containerd_config(cdi_dirs))
-    hook = root / HOOK
-    write_text(hook, HOOK_TEXT)
-    os.chmod(hook, 0o755)
 
 
 def write_host_root(

@@ -57,10 +57,14 @@ def the(report: dict[str, Any], check: str, subject: str = "") -> dict[str, Any]
     return found[0]
 
 
+HOOK_FREE = ("cdi-hook", "", "warn")
+"""The simulated node's one warning: its driver root has no toolkit hook (hook-free specs)."""
+
+
 def not_ok(report: dict[str, Any]) -> list[tuple[str, str, str]]:
-    return [
-        (c["check"], c["subject"], c["status"]) for c in report["checks"] if c["status"] != "ok"
-    ]
+    """The checks that are not ok, but for the simulated node's hook-free warning."""
+    found = [(c["check"], c["subject"], c["status"]) for c in report["checks"]]
+    return [v for v in found if v[2] != "ok" and v != HOOK_FREE]
 
 
 def host(node: list[str]) -> Path:
@@ -80,6 +84,8 @@ def test_the_simulated_node_passes_every_check_in_a_real_process(node):
     assert report["ok"] is True and report["node"] == "dgx-a100"
     assert {c["check"] for c in report["checks"]} == EVERY_CHECK
     assert not_ok(report) == []
+    # the simulated driver root has no toolkit hook: hook-free specs, a warning
+    assert the(report, "cdi-hook")["status"] == "warn"
     assert len(verdicts(report, "mig-mode")) == 8  # one per GPU
     assert {c["subject"] for c in verdicts(report, "cdi-runtime")} == {"containerd"}
 
@@ -132,13 +138,14 @@ def test_containerd_with_cdi_off_fails_cdi_runtime(node):
     assert "set enable_cdi = true" in v["fix"] and "restart containerd" in v["fix"]
 
 
-def test_no_toolkit_hook_only_warns(node):
-    doctor(*node)
-    (host(node) / "usr" / "bin" / "nvidia-cdi-hook").unlink()
-    code, report, _ = doctor(*node, "--host-root", str(host(node)))
-    assert code == 0
-    assert not_ok(report) == [("cdi-hook", "", "warn")]
-    assert "NVIDIA Container Toolkit" in the(report, "cdi-hook")["fix"]
+def test_the_hook_check_reports_the_hook_the_agent_would_run(node, tmp_path):
+    """No hook under the driver root only warns (hook-free specs); --cdi-hook-path, as the
+    agent takes it, is what the check names."""
+    code, report, _ = doctor(*node)
+    assert code == 0 and "NVIDIA Container Toolkit" in the(report, "cdi-hook")["fix"]
+    code, report, _ = doctor(*node, "--cdi-hook-path", "/opt/toolkit/nvidia-cdi-hook")
+    assert code == 0 and the(report, "cdi-hook")["status"] == "ok"
+    assert "/opt/toolkit/nvidia-cdi-hook" in the(report, "cdi-hook")["detail"]
 
 
 def test_a_kubelet_registry_that_is_not_there_fails(node, tmp_path):
