@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 DRIVER = "gpu.tessera.dev"
+
+
+LIMIT_NOFILE = (
+    "import os, resource, sys; n = int(sys.argv[1]);"
+    " resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); os.execv(sys.argv[2], sys.argv[2:])"
+)
+"""Run argv[2:] with an open-file limit of argv[1] (soft and hard)."""
 
 
 class Daemon:
@@ -30,8 +35,8 @@ class Daemon:
         self.logs: list[dict[str, Any]] = []
         self.raw: list[str] = []
         """Every stderr line as written (the daemon's logs must all be JSON)."""
-        self.preexec: Callable[[], object] | None = None
-        """Run in the child before exec (a test's umask or resource limits)."""
+        self.umask: int | None = None
+        """The daemon's umask (a test's); None: the test process's."""
         self._reader: threading.Thread | None = None
 
     @property
@@ -56,6 +61,8 @@ class Daemon:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")} | (env or {})
         args = [tessera, "run", "--simulate", self.model, "--state-dir", str(self.state),
                 "--metrics-address", "127.0.0.1:0", *self.extra, *extra]  # fmt: skip
+        if self.nofile is not None:  # set in the child by a small exec wrapper
+            args = [sys.executable, "-c", LIMIT_NOFILE, str(self.nofile), *args]
         if "--kubeconfig" not in args:
             args.append("--no-kube")
         self.logs = []
@@ -66,20 +73,16 @@ class Daemon:
             stderr=subprocess.PIPE,
             text=True,
             env=env,
-            preexec_fn=self._in_child,
+            # no preexec_fn: that makes Python fork() instead of vfork(), and gRPC's fork
+            # handlers in this process then wait forever for a test's gRPC thread that needs the
+            # GIL the forking thread holds (seen as a hung worker in a full run)
+            umask=-1 if self.umask is None else self.umask,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         if wait:
             self.wait_log("agent started")
         return self
-
-    def _in_child(self) -> None:
-        """Before exec, in the daemon's process: the test's file limit, then its own hook."""
-        if self.nofile is not None:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
-        if self.preexec is not None:
-            self.preexec()
 
     def status(self, field: str) -> int:
         """A number from the daemon's /proc/<pid>/status (``Threads``)."""

@@ -162,7 +162,7 @@ def test_an_agent_never_takes_over_sockets_another_agent_serves(short_tmp):
 
 def test_nothing_the_agent_creates_is_world_writable_under_umask_000(short_tmp):
     d = Daemon(short_tmp / "state", "l40s-pcie", "--cdi-root", str(short_tmp / "cdi"))
-    d.preexec = lambda: os.umask(0)
+    d.umask = 0
     d.start()
     try:
         write_claims(d.state, claim_manifest("a", "uid-a", [("gpu", "gpu-1")], d.node))
