@@ -365,7 +365,7 @@ def play(node: Node, short_tmp: Path, examples: int) -> None:
 
 def test_sharing_state_machine(node: Node, short_tmp: Path) -> None:
     """A few games in `make test` (each starts MPS daemons and simulated tools)."""
-    play(node, short_tmp, examples=8)
+    play(node, short_tmp, examples=5)
 
 
 @pytest.mark.reliability
