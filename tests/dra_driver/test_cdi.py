@@ -338,8 +338,8 @@ def test_validate_spec_accepts_minimal() -> None:
 
 
 def test_packaged_schema_is_the_reference_copy() -> None:
-    """The package carries its own copy (tests never read ../shared); it must stay a verbatim
-    copy of the CDI project's schema."""
+    """The package carries its own copy (tests read nothing outside the repository); it must
+    stay a verbatim copy of the CDI project's schema."""
     from importlib import resources
 
     base = resources.files("dra_driver").joinpath("cdi_schema")
