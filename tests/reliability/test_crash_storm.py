@@ -14,8 +14,9 @@ import pytest
 from dra_driver.errors import KubeletApiError
 from dra_driver.kubelet_calls import ClaimRef
 from dra_driver.kubelet_client import KubeletClient
+from dra_driver.prepare import CRASH_POINTS
 from tests.integration.daemon import DRIVER, Daemon, claim_manifest, write_claims
-from tests.integration.test_sharing import advertised
+from tests.integration.test_sharing import advertised, sharing_config
 from tests.simnode import mig_instances, mps_daemons, reap_mps_daemons, sharing
 
 pytestmark = pytest.mark.reliability
@@ -95,29 +96,8 @@ def test_crash_storm(short_tmp):
     assert crashes >= ROUNDS // 3, f"only {crashes} crashes: the storm did not storm"
 
 
-SHARING_POINTS = [
-    "after-started",
-    "after-gi-create",
-    "after-ci-create",
-    "after-compute-policy",
-    "after-mps-start",
-    "after-cdi",
-    "after-completed",
-    "after-unprepare-undo",
-    "after-unprepare-commit",
-]
-
-
-def opaque(kind: str, strategy: str, **fields: object) -> dict[str, object]:
-    block: dict[str, object] = {"strategy": strategy}
-    if fields:
-        block["timeSlicing" if strategy == "TimeSlicing" else "mps"] = fields
-    parameters = {"apiVersion": f"{DRIVER}/v1alpha1", "kind": kind, "sharing": block}
-    return {
-        "source": "FromClaim",
-        "requests": [],
-        "opaque": {"driver": DRIVER, "parameters": parameters},
-    }
+SHARING_POINTS = CRASH_POINTS
+"""Every point prepare and unprepare can crash at, the sharing ones included."""
 
 
 def consistent_node(d: Daemon) -> dict[str, str]:
@@ -156,14 +136,15 @@ def test_crash_storm_with_partitions_and_sharing(short_tmp):
         if dev["attributes"]["type"]["string"] == "mig"
     }  # fmt: skip
     d.stop()
-    long = opaque("GpuConfig", "TimeSlicing", interval="Long")
+    long = sharing_config("GpuConfig", "TimeSlicing", interval="Long")
+    mig_mps = sharing_config("MigDeviceConfig", "MPS", activeThreadPercentage=50)
     plan = [
         (names[(0, "1g.10gb", 0)], None),
         (names[(0, "2g.20gb", 2)], None),
-        (names[(1, "3g.40gb", 0)], opaque("MigDeviceConfig", "MPS", activeThreadPercentage=50)),
+        (names[(1, "3g.40gb", 0)], mig_mps),
         ("gpu-2", long),
         ("gpu-2", long),
-        ("gpu-3", opaque("GpuConfig", "MPS")),
+        ("gpu-3", sharing_config("GpuConfig", "MPS")),
         ("gpu-4", None),
         (names[(5, "7g.80gb", 0)], None),
     ]
