@@ -294,6 +294,8 @@ class Agent:
         # the sockets go only once every call is answered: the kubelet closes its connection to
         # a plugin whose registration socket is removed, cancelling calls still in flight
         self.plugin.stop(grace=deadline.remaining(1.0))
+        # its socket is in the state directory: gone before a successor binds its own there
+        self.telemetry_server.stop(grace=deadline.remaining(1.0))
         self.publisher.stop()
         if self.supervisor is not None:
             stuck = self.supervisor.join(deadline)
@@ -304,7 +306,6 @@ class Agent:
             self.accounting.close()
         if self.config.rolling_update:
             self._release_state_dir()  # hand over now
-        self.telemetry_server.stop(grace=deadline.remaining(1.0))
         self.reader.close()
         self.events.close()
         if self.config.cleanup_on_exit:
