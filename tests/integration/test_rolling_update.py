@@ -227,7 +227,7 @@ def test_sigterm_during_a_storm_of_prepares_leaves_a_consistent_checkpoint(short
         assert stopped["unfinished"] == []
         cp = prepared_on_disk(d)
         assert told <= set(cp), "a claim the kubelet was told is prepared is not in the checkpoint"
-        assert len(cp) > 0, "SIGTERM came before any prepare"
+        assert 0 < len(cp) < len(refs), "SIGTERM came before the storm or after it"
         d.start()  # the next start's reconcile agrees: nothing to roll back, remove or restore
         repairs = [r for r in d.logs if r.get("msg") in REPAIRS]
         assert repairs == []
