@@ -128,3 +128,6 @@ def test_a_rolling_update_successor_serves_at_once_and_takes_the_state_dir_when_
         starting.join(30)
         new.stop()
         old.stop()
+        new_log.removeHandler(waiting)
+        new_log.removeHandler(took_over)
+        new_log.setLevel(logging.NOTSET)

@@ -91,17 +91,16 @@ def test_the_record_without_a_pod_and_of_nobody():
 
 def test_writes_under_the_guard_only_while_the_lock_is_ours(tmp_path):
     lock = StateLock(tmp_path)
-    with pytest.raises(StateDirNotHeld) as refused:  # never taken (a rolling update's successor)
-        with lock.guard():
-            pytest.fail("the guard let a write through without the lock")
+    # never taken (a rolling update's successor)
+    with pytest.raises(StateDirNotHeld) as refused, lock.guard():
+        pytest.fail("the guard let a write through without the lock")
     assert refused.value.temporary and str(tmp_path / "agent.lock") in str(refused.value)
     lock.acquire()
     with lock.guard():
         pass
     lock.release()
-    with pytest.raises(StateDirNotHeld):  # handed over already
-        with lock.guard():
-            pytest.fail("the guard let a write through after the release")
+    with pytest.raises(StateDirNotHeld), lock.guard():  # handed over already
+        pytest.fail("the guard let a write through after the release")
 
 
 def test_release_waits_for_a_write_in_progress(tmp_path):
