@@ -690,7 +690,7 @@ def health_to_board(
                 uuid = d.parent_uuid
         log.warning("GPU health changed", extra=fields_(gpu=index, healthy=healthy))
         if node_events is not None:
-            cause = "it answers again" if healthy else "lost or a fatal XID"
+            cause = "its reads succeed again" if healthy else "lost or a fatal XID"
             node_events.record(*gpu_health(index, uuid, healthy, cause))
 
     return on_health
