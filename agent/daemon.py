@@ -50,6 +50,7 @@ from dra_driver.devices import DeviceModel, advertised_devices
 from dra_driver.errors import ClaimError, KubeError
 from dra_driver.health import HealthBoard
 from dra_driver.kube import KubeClient
+from dra_driver.node_events import KubeEventSink, LogEventSink, NodeEventRecorder, gpu_health
 from dra_driver.plugin import PluginServer
 from dra_driver.prepare import Preparer
 from dra_driver.publisher import DirSliceStore, KubeSliceStore, Publisher, SliceStore
@@ -106,6 +107,7 @@ class Agent:
     events: EventWatcher
     telemetry_server: TelemetryServer
     lock: StateLock
+    node_events: NodeEventRecorder | None = None
     stop_event: threading.Event = field(default_factory=threading.Event)
     devices: CurrentDevices = field(default_factory=lambda: CurrentDevices())
     inventory: NodeInventory | None = None
@@ -122,6 +124,8 @@ class Agent:
         if self.kube is not None:
             uid = node_uid(self.kube, self.publisher.policy.node_name, self.log)
             self.publisher.policy = dataclasses.replace(self.publisher.policy, node_uid=uid)
+            if self.node_events is not None:
+                self.node_events.set_node_uid(uid)
         policy = self.config.device_policy()
         model = advertised_devices(self.inventory, policy)
         self.devices.set(model)
@@ -157,6 +161,9 @@ class Agent:
         )
         self._start_telemetry(self.inventory)
         self.supervisor = Supervisor(self.log, self.stop_event.set)
+        if self.node_events is not None:
+            recorder = self.node_events
+            self.supervisor.spawn("node-events", lambda: recorder.run(self.stop_event))
         self.supervisor.spawn("sampler", lambda: self.sampler.run(self.stop_event))
         self.supervisor.spawn("telemetry-notify", self._notify_watchers)
         self.supervisor.spawn("publisher", lambda: self.publisher.run(self.stop_event))
@@ -229,6 +236,8 @@ class Agent:
             if stuck:
                 self.log.warning("tasks did not stop in time", extra=fields_(tasks=stuck))
                 self.unfinished += stuck
+        if self.node_events is not None:
+            self.node_events.close()  # the loop flushed what it could; logs what is left
         self.accounting.close()
         self.reader.close()
         self.events.close()
@@ -557,6 +566,13 @@ def _build(
     )
     paths = agent_paths(config, state_dir)
     health = HealthBoard(pool=source.hostname)
+    events_log = log.getChild("node-events")
+    node_events = NodeEventRecorder(
+        LogEventSink(events_log) if kube is None else KubeEventSink(kube),
+        node=source.hostname,
+        component=config.driver_name,
+        log=events_log,
+    )
     publisher = Publisher(
         store,
         SlicePolicy(
@@ -613,9 +629,9 @@ def _build(
         log=log.getChild("sampler"),
         interval=config.telemetry_interval,
         xids=lambda: events.wait(0),
-        on_health_change=health_to_board(devices, health, log),
+        on_health_change=health_to_board(devices, health, log, node_events),
     )
-    status = agent_status(source.hostname, kube, plugin, publisher, preparer)
+    status = agent_status(source.hostname, kube, plugin, publisher, preparer, node_events)
     registry.register(SnapshotCollector(lambda: sampler.latest))
     registry.register(AgentCollector(status))
     exposition.key = lambda: (
@@ -653,19 +669,29 @@ def _build(
             tls=config.telemetry_tls(),
         ),
         lock=lock,
+        node_events=node_events,
     )
 
 
 def health_to_board(
-    devices: CurrentDevices, health: HealthBoard, log: logging.Logger
+    devices: CurrentDevices,
+    health: HealthBoard,
+    log: logging.Logger,
+    node_events: NodeEventRecorder | None = None,
 ) -> Callable[[int, bool], None]:
-    """The sampler's GPU health changes, told to the kubelet (every device on that GPU)."""
+    """The sampler's GPU health changes, told to the kubelet (every device on that GPU) and
+    recorded as an Event on the Node."""
 
     def on_health(index: int, healthy: bool) -> None:
+        uuid = "unknown UUID"
         for d in devices.get().devices:
             if d.gpu_index == index:
                 health.mark(d.name, "HEALTHY" if healthy else "UNHEALTHY")
+                uuid = d.parent_uuid
         log.warning("GPU health changed", extra=fields_(gpu=index, healthy=healthy))
+        if node_events is not None:
+            cause = "its reads succeed again" if healthy else "lost or a fatal XID"
+            node_events.record(*gpu_health(index, uuid, healthy, cause))
 
     return on_health
 
@@ -676,6 +702,7 @@ def agent_status(
     plugin: PluginServer,
     publisher: Publisher,
     preparer: Preparer,
+    node_events: NodeEventRecorder | None = None,
 ) -> Callable[[], AgentStatus]:
     """The agent's own state for /metrics (in-memory reads only)."""
 
@@ -687,6 +714,7 @@ def agent_status(
             slice_writes=publisher.stats.writes,
             slice_errors=publisher.stats.errors,
             claims_stuck=len(preparer.stuck()),
+            node_events=() if node_events is None else node_events.stats.outcomes(),
         )
 
     return status

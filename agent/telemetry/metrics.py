@@ -336,6 +336,8 @@ class AgentStatus:
     slice_errors: int
     claims_stuck: int = 0
     """Prepares and unprepares running longer than the kubelet's call deadline."""
+    node_events: tuple[tuple[str, int], ...] = ()
+    """Node events by outcome (recorded, filtered, dropped, failed)."""
 
 
 AGENT_SPECS: tuple[Spec, ...] = (
@@ -367,6 +369,13 @@ AGENT_SPECS: tuple[Spec, ...] = (
         " worker: a claim read or side effect that does not return).",
         NODE,
     ),
+    Spec(
+        "tessera_node_events",
+        "counter",
+        "Events about the Node (GPU health changes) by outcome: recorded (written, or logged in"
+        " standalone mode), filtered (spam filter), dropped (queue full), failed (API server).",
+        (*NODE, "outcome"),
+    ),
 )
 
 
@@ -388,6 +397,8 @@ class AgentCollector(Collector):
         _add(fams, "tessera_resourceslice_writes", node, st.slice_writes)
         _add(fams, "tessera_resourceslice_errors", node, st.slice_errors)
         _add(fams, "tessera_claims_stuck", node, st.claims_stuck)
+        for outcome, count in st.node_events:
+            _add(fams, "tessera_node_events", (*node, outcome), count)
         yield from fams.values()
 
 
