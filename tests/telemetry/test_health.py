@@ -163,7 +163,7 @@ def test_a_reset_before_the_fatal_xid_does_not_count(tmp_path):
         assert run.tick() == [False]
 
 
-@pytest.mark.parametrize("xid", sorted(APPLICATION_XIDS) + [1, 999])
+@pytest.mark.parametrize("xid", [*sorted(APPLICATION_XIDS), 1, 999])
 def test_application_and_unknown_xids_change_nothing(tmp_path, xid):
     run = Run(tmp_path)
     run.xid(0, xid)
