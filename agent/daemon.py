@@ -196,7 +196,7 @@ class Agent:
                 with_health(
                     model,
                     unhealthy,
-                    taints=self.config.device_taints,
+                    taints=self.config.device_taints and not self.publisher.taints_dropped,
                     driver_name=self.config.driver_name,
                 )
             )
@@ -224,7 +224,7 @@ class Agent:
                 slices="advertised"
                 if change.healthy
                 else "tainted"
-                if self.config.device_taints
+                if self.config.device_taints and not self.publisher.taints_dropped
                 else "withdrawn",
             ),
         )
@@ -710,6 +710,7 @@ def _build(
         lock=lock,
     )
     sampler.on_health_change = agent.gpu_health_changed
+    publisher.on_taints_dropped = agent.publish_devices
     return agent
 
 

@@ -171,10 +171,6 @@ class Sampler:
         self._health.observe_reset(uuid)
         self._log.info("GPU reset observed; probing it", extra=fields_(uuid=uuid))
 
-    def health(self, gpu: GpuInfo) -> GpuHealth:
-        """The GPU's health as of the latest tick."""
-        return self._health.current(gpu.uuid, gpu.index)
-
     def subscribe(self, maxsize: int = 1) -> Subscription:
         """A queue that receives every snapshot published from now on (latest-wins)."""
         sub = Subscription(maxsize, self._unsubscribe)

@@ -3,14 +3,16 @@ device whose parent is the GPU, in every MIG and sharing mode; the slices stay v
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import logging
 
 import kubernetes_validate
 import pytest
 
 from dra_driver.devices import DeviceModel, DevicePolicy, advertised_devices
 from dra_driver.limits import MAX_DEVICES_WITH_TAINTS_OR_COUNTERS, check_pool, check_slice
-from dra_driver.publisher import plan_changes
+from dra_driver.publisher import DirSliceStore, Publisher, plan_changes
 from dra_driver.slices import SlicePolicy, build_slices
 from dra_driver.taints import UnhealthyGpu, UnhealthyGpus, rfc3339, taint_key, with_health
 from tests.dra_driver.conftest import Inventory
@@ -170,3 +172,50 @@ def test_the_unhealthy_set_is_a_snapshot() -> None:
     assert list(seen) == ["GPU-1"] and dict(gpus.snapshot()) == {}
     with pytest.raises(TypeError):
         seen["GPU-2"] = UnhealthyGpu("GPU-2", "gpu-lost", 1.0)  # type: ignore[index]
+
+
+class GateOff(DirSliceStore):
+    """An API server without the DRADeviceTaints gate: it stores devices without taints."""
+
+    def _write(self, obj, previous):
+        obj = copy.deepcopy(obj)
+        for dev in obj["spec"].get("devices") or []:
+            dev.pop("taints", None)
+        return super()._write(obj, previous)
+
+
+def test_a_server_that_drops_taints_is_noticed_once_and_the_hook_called(
+    inventory: Inventory, tmp_path, caplog
+) -> None:
+    inv, model = model_of(inventory, "dgx-h100", None, "static", "none")
+    publisher = Publisher(
+        GateOff(tmp_path), SlicePolicy(DRIVER, inv.hostname), logging.getLogger("test.taints")
+    )
+    calls: list[bool] = []
+    publisher.on_taints_dropped = lambda: calls.append(publisher.taints_dropped)
+    publisher.set_devices(model)
+    publisher.reconcile()
+    assert not publisher.taints_dropped  # nothing tainted yet: nothing to notice
+    tainted = with_health(model, sick(*first_gpus(model, 1)), taints=True, driver_name=DRIVER)
+    publisher.set_devices(tainted)
+    with caplog.at_level(logging.ERROR):
+        publisher.reconcile()
+        publisher.reconcile()  # written again (the stored copy differs): noticed only once
+    assert publisher.taints_dropped and calls == [True]
+    assert sum("DRADeviceTaints" in r.message for r in caplog.records) == 1
+    withdrawn = with_health(model, sick(*first_gpus(model, 1)), taints=False, driver_name=DRIVER)
+    publisher.set_devices(withdrawn)
+    publisher.reconcile()
+    assert publisher.reconcile().writes == 0  # what the agent falls back to converges
+
+
+def test_a_server_that_keeps_taints_is_not_mistaken(inventory: Inventory, tmp_path) -> None:
+    inv, model = model_of(inventory, "dgx-h100", None, "static", "none")
+    publisher = Publisher(
+        DirSliceStore(tmp_path), SlicePolicy(DRIVER, inv.hostname), logging.getLogger("t")
+    )
+    publisher.set_devices(
+        with_health(model, sick(*first_gpus(model, 1)), taints=True, driver_name=DRIVER)
+    )
+    publisher.reconcile()
+    assert not publisher.taints_dropped and publisher.reconcile().writes == 0
