@@ -117,7 +117,7 @@ class Agent:
     unhealthy: UnhealthyGpus = field(default_factory=UnhealthyGpus)
     on_health_event: Callable[[GpuHealth], None] | None = None
     """Hook for every GPU health change after it is published (Kubernetes Node events)."""
-    _publish_lock: threading.Lock = field(default_factory=threading.Lock)
+    _publish_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def start(self) -> None:
         """Discover the node, start publishing, open the HTTP endpoint (NVML is initialized)."""
@@ -196,10 +196,15 @@ class Agent:
                 with_health(
                     model,
                     unhealthy,
-                    taints=self.config.device_taints and not self.publisher.taints_dropped,
+                    taints=self._tainting(),
                     driver_name=self.config.driver_name,
                 )
             )
+
+    def _tainting(self) -> bool:
+        """Unhealthy devices are tainted (else withdrawn): --device-taints, and the API server
+        keeps taints (publisher.taints_dropped)."""
+        return self.config.device_taints and not self.publisher.taints_dropped
 
     def gpu_health_changed(self, change: GpuHealth) -> None:
         """The sampler's callback: a GPU's health or cause changed."""
@@ -213,6 +218,9 @@ class Agent:
             affected = []
         else:
             self.publish_devices()
+        published = (
+            "advertised" if change.healthy else "tainted" if self._tainting() else "withdrawn"
+        )
         self.log.warning(
             "GPU health published",
             extra=fields_(
@@ -221,11 +229,7 @@ class Agent:
                 healthy=change.healthy,
                 cause=change.cause,
                 devices=len(affected),
-                slices="advertised"
-                if change.healthy
-                else "tainted"
-                if self.config.device_taints and not self.publisher.taints_dropped
-                else "withdrawn",
+                slices=published,
             ),
         )
         if self.on_health_event is not None:

@@ -12,7 +12,8 @@
   consumed (a counter set nothing consumes would be noise in the pool, and in the 1.34 layout a
   slice of its own).
 
-Pure: nothing here reads the clock, NVML or the API server.
+``with_health`` is pure (nothing here reads the clock, NVML or the API server);
+``UnhealthyGpus`` is the agent's thread-safe record of which GPUs are unhealthy right now.
 """
 
 from __future__ import annotations
