@@ -618,6 +618,16 @@ def test_sim_fault_xid_reaches_the_running_simulator(agent_dir):
     assert (rc, err) == (0, "")
     assert out == "injected XID 48 on GPU 3\n"
     assert fake.nvmlEventSetWait(es, 1000).eventData == 48
+    fake.nvmlDeviceGetPowerUsage(fake.nvmlDeviceGetHandleByIndex(3))  # 48: still answers
+    rc, out, err = run_cli("sim", "fault", *args[:-1], "79")
+    assert (rc, err) == (0, "")
+    assert out == (
+        "injected XID 79 on GPU 3\n"
+        "GPU 3 fell off the bus; its NVML calls now fail until `recover`\n"
+    )
+    assert fake.nvmlEventSetWait(es, 1000).eventData == 79
+    with pytest.raises(pynvml.NVMLError_GpuIsLost):
+        fake.nvmlDeviceGetPowerUsage(fake.nvmlDeviceGetHandleByIndex(3))
 
 
 def test_sim_fault_gpu_lost_recover_load_and_driver_reload(agent_dir, clock):
