@@ -135,7 +135,12 @@ SPECS: tuple[Spec, ...] = (
         "XID errors seen since the agent started, by XID.",
         (*GPU, "xid"),
     ),
-    Spec("tessera_gpu_healthy", "gauge", "1 when the GPU is usable (not lost, no fatal XID).", GPU),
+    Spec(
+        "tessera_gpu_healthy",
+        "gauge",
+        "1 when the GPU is healthy: not lost, no fatal XID since a recovery.",
+        GPU,
+    ),
     Spec("tessera_gpu_processes", "gauge", "Compute processes running on the GPU.", GPU),
     Spec("tessera_mig_memory_used_bytes", "gauge", "Memory in use on a MIG device.", MIG),
     Spec("tessera_mig_memory_total_bytes", "gauge", "Memory of a MIG device.", MIG),
