@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,8 @@ DEFAULT_STATE_DIR = Path("/var/lib/tessera")
 KUBELET_REGISTRY_DIR = Path("/var/lib/kubelet/plugins_registry")
 KUBELET_PLUGINS_DIR = Path("/var/lib/kubelet/plugins")
 CDI_ROOT = Path("/var/run/cdi")
+HANDOVER_LOG_S = 30.0
+"""While waiting for the state directory, one log line this often."""
 STOP_RESERVE_S = 2.0
 """Of the shutdown timeout, what is kept for stopping the servers and loops after the claims
 (at most half of it)."""
@@ -121,9 +124,15 @@ class Agent:
     """Hook for every GPU health change after it is published (Kubernetes Node events)."""
     _publish_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
-    def start(self) -> None:
-        """Discover the node, start publishing, open the HTTP endpoint (NVML is initialized)."""
+    def start(self, stop: threading.Event | None = None) -> None:
+        """Discover the node, start publishing, open the HTTP endpoint (NVML is initialized).
+        With --rolling-update, first serve the kubelet and wait for the state directory
+        (:meth:`_take_over`; ``stop`` ends the wait, and then nothing else starts)."""
+        if not self.lock.held and not self._take_over(stop or self.stop_event):
+            return
         self._sweep_temp_files()
+        self.accounting.load()
+        self.preparer.cdi.write_base()
         self.inventory = discover(self.source)
         self._log_inventory(self.inventory)
         self.readiness.add("inventory", lambda: (True, "node discovered"))
@@ -144,18 +153,7 @@ class Agent:
         self.http.liveness.add("sockets", self._sockets_intact)
         self.http.liveness.add("state-dir", self._state_dir_intact)
         self.readiness.add("claims", self._claims_moving)
-        standalone = self.kube is None
-        self.readiness.add(
-            "kubelet",
-            lambda: (
-                standalone or self.plugin.registered,
-                "standalone mode"
-                if standalone
-                else "registered"
-                if self.plugin.registered
-                else f"not registered ({self.plugin.registration_error or 'waiting for kubelet'})",
-            ),
-        )
+        self.readiness.add("kubelet", self._registered)
         self.readiness.add(
             "resourceslices",
             lambda: (
@@ -242,6 +240,75 @@ class Agent:
         if self.on_health_event is not None:
             self.on_health_event(change)
 
+    def _registered(self) -> tuple[bool, str]:
+        """Ready only once the kubelet has registered us (kube mode)."""
+        if self.kube is None:
+            return True, "standalone mode"
+        if self.plugin.registered:
+            return True, "registered"
+        return False, f"not registered ({self.plugin.registration_error or 'waiting for kubelet'})"
+
+    def _take_over(self, stop: threading.Event) -> bool:
+        """--rolling-update: serve the kubelet at once (it sends new calls to the newest plugin
+        of a driver; they wait at the plugin's gate), then wait for the state directory until
+        the agent before us hands it over. Ready while waiting: the DaemonSet deletes the old
+        pod only once this one is ready, and only then does the old agent let go (a deadlock
+        otherwise). False when ``stop`` was set first."""
+        self.plugin.gate.waiting_for = f"the state directory {self.state_dir}"
+        self.plugin.serve()
+        self.readiness.add("kubelet", self._registered)
+        self.readiness.add("sockets", self.plugin.sockets_intact)
+        self.readiness.add("state-dir", lambda: (True, self._handover_detail()))
+        self.http.start()
+        host, port = self.http.address
+        started, previous, timeout = time.monotonic(), None, 0.0
+        while not self.lock.acquire(wait=True, stop=stop, timeout=timeout):
+            if stop.is_set():
+                self.log.info("stopped before the state directory was handed over")
+                return False
+            previous, timeout = self.lock.holder(), HANDOVER_LOG_S
+            self.plugin.gate.waiting_for = f"the state directory {self.state_dir} ({previous})"
+            self.log.info(
+                "waiting for the state directory",
+                extra=fields_(
+                    state_dir=str(self.state_dir),
+                    holder=str(previous),
+                    waited_s=round(time.monotonic() - started, 1),
+                    healthz=f"{self.http.scheme}://{host}:{port}/healthz",
+                ),
+            )
+        self.log.info(
+            "took over the state directory",
+            extra=fields_(
+                state_dir=str(self.state_dir),
+                previous=str(previous) if previous else None,
+                waited_s=round(time.monotonic() - started, 3),
+            ),
+        )
+        return True
+
+    def _handover_detail(self) -> str:
+        if self.lock.held:
+            return "held"
+        return (
+            f"waiting for {self.lock.holder()} to hand {self.state_dir} over; the kubelet's calls"
+            " wait meanwhile"
+        )
+
+    def _release_state_dir(self) -> None:
+        """Give the state directory up unless something of ours may still write it: then the
+        kernel releases it when the process exits (the CLI ends it at once)."""
+        if not self.lock.held:
+            return
+        if self.unfinished:
+            self.log.warning(
+                "keeping the state directory locked until the process exits: work is still running",
+                extra=fields_(state_dir=str(self.state_dir), unfinished=self.unfinished),
+            )
+            return
+        self.lock.release()
+        self.log.info("released the state directory", extra=fields_(state_dir=str(self.state_dir)))
+
     def _sockets_intact(self) -> tuple[bool, str]:
         """Ready only while the kubelet and telemetry clients can still reach our sockets."""
         results = (self.plugin.sockets_intact(), self.telemetry_server.socket_intact())
@@ -275,7 +342,10 @@ class Agent:
         Claims being prepared get most of that time to finish (new kubelet calls are refused
         meanwhile); claims still running at the deadline are left to the next start's
         reconcile, and what had not stopped is listed in ``unfinished``. The state directory's
-        lock is released last."""
+        lock is released last, or with --rolling-update as soon as nothing of ours writes the
+        directory or the API any more (the claims answered, the loops stopped, the energy state
+        saved), so the agent taking over waits no longer than that; never while something of
+        ours is still running (the process then exits with it)."""
         deadline = Deadline(self.config.shutdown_timeout)
         self.stop_event.set()
         self.http.stop()
@@ -287,7 +357,10 @@ class Agent:
                 extra=fields_(claims=running),
             )
             self.unfinished += [f"claim {c}" for c in running]
+        # the sockets go only once every call is answered: the kubelet closes its connection to
+        # a plugin whose registration socket is removed, cancelling calls still in flight
         self.plugin.stop(grace=deadline.remaining(1.0))
+        # its socket is in the state directory: gone before a successor binds its own there
         self.telemetry_server.stop(grace=deadline.remaining(1.0))
         self.publisher.stop()
         if self.supervisor is not None:
@@ -297,7 +370,10 @@ class Agent:
                 self.unfinished += stuck
         if self.node_events is not None:
             self.node_events.close()  # the loop flushed what it could; logs what is left
-        self.accounting.close()
+        if self.lock.held:  # an agent that never got its state directory has nothing to save
+            self.accounting.close()
+        if self.config.rolling_update:
+            self._release_state_dir()  # hand over now
         self.reader.close()
         self.events.close()
         if self.config.cleanup_on_exit:
@@ -308,14 +384,14 @@ class Agent:
         if self.kube is not None:
             self.kube.close()
         self.source.nvml.shutdown()
-        self.lock.release()
+        self._release_state_dir()
         self.log.info("agent stopped", extra=fields_(unfinished=self.unfinished))
 
     def run(self, stop: threading.Event) -> int:
         """Run until ``stop`` is set or a task fails; the exit code (1 when a task failed).
         A start that fails half way still stops what it had started."""
         try:
-            self.start()
+            self.start(stop)
             while not stop.wait(0.2) and not self.stop_event.is_set():
                 pass
         finally:
@@ -470,9 +546,10 @@ def node_uid(kube: KubeClient, name: str, log: logging.Logger) -> str | None:
     return str(uid) if uid else None
 
 
-def take_state_dir(state_dir: Path) -> StateLock:
+def take_state_dir(state_dir: Path, *, pod_uid: str | None = None, now: bool = True) -> StateLock:
     """Create the state directory if needed and take its lock before anything else touches it
-    (one agent per state directory). Raises ConfigError or StateDirInUse, each one line."""
+    (one agent per state directory). Raises ConfigError or StateDirInUse, each one line.
+    ``now=False`` (a rolling update): the lock is taken later (``Agent.start``)."""
     if state_dir.exists() and not state_dir.is_dir():
         raise ConfigError(f"--state-dir: {state_dir} is not a directory")
     try:
@@ -484,19 +561,25 @@ def take_state_dir(state_dir: Path) -> StateLock:
         ) from exc
     if not state_dir.is_dir():
         raise ConfigError(f"--state-dir: {state_dir} is not a directory")
-    lock = StateLock(state_dir)
-    lock.acquire()
+    lock = StateLock(state_dir, pod_uid)
+    if now:
+        lock.acquire()
     return lock
 
 
 def build_agent(
     config: Config, log: logging.Logger, environ: Mapping[str, str] | None = None
 ) -> Agent:
-    """Compose the agent from its configuration: takes the state directory's lock, then
-    initializes NVML (no driver is the most basic failure); starts no loop. ``environ`` is the
+    """Compose the agent from its configuration: takes the state directory's lock (with
+    --rolling-update: ``Agent.start`` waits for it), then initializes NVML (no driver is the most
+    basic failure); starts no loop and writes nothing in the state directory. ``environ`` is the
     agent's environment (its ``PATH`` is searched for the toolkit's hook binary)."""
     state_dir = config.state_dir or DEFAULT_STATE_DIR
-    lock = take_state_dir(state_dir)
+    lock = take_state_dir(
+        state_dir,
+        pod_uid=config.pod_uid if config.rolling_update else None,
+        now=not config.rolling_update,
+    )
     try:
         return _build(config, log, state_dir, lock, environ or {})
     except BaseException:
@@ -538,7 +621,8 @@ def cdi_writer(
 ) -> CdiWriter:
     """The CDI writer of this node: the driver's files under the driver root, named in specs
     under the host's driver root, with the toolkit's hooks when its binary is on the host
-    (:func:`cdi_hook`); writes the base spec."""
+    (:func:`cdi_hook`). Writes nothing: ``Agent.start`` writes the base spec once the state
+    directory is ours."""
     hook = cdi_hook(config, source, environ)
     make_node = make_char_device
     if config.simulate:
@@ -576,7 +660,6 @@ def cdi_writer(
             " containers will not find the driver (check --driver-root)",
             extra=fields_(driver_root=str(source.driver_root), driver_version=driver_version),
         )
-    cdi.write_base()
     return cdi
 
 
@@ -649,7 +732,10 @@ def _build(
         pool=source.hostname,
         claims=claims,
         store=CheckpointStore(
-            state_dir / "checkpoint.json", source.boot_id, log=log.getChild("checkpoint")
+            state_dir / "checkpoint.json",
+            source.boot_id,
+            log=log.getChild("checkpoint"),
+            guard=lock.guard,  # only the agent holding the state directory writes it
         ),
         cdi=cdi_writer(
             config, source, paths.cdi_root, driver_version, log.getChild("cdi"), environ
@@ -670,6 +756,7 @@ def _build(
         health=health,
         log=log.getChild("plugin"),
         health_streams=config.kubelet_health_streams,
+        instance=config.pod_uid if config.rolling_update else None,
     )
     nvml = source.nvml
     events = EventWatcher(nvml)
@@ -678,6 +765,7 @@ def _build(
         state_dir / "energy.json",
         log=log.getChild("energy"),
         process_pod=ProcessPods(source.proc_root, log=log.getChild("owners")),
+        load=False,  # Agent.start, once the state directory is ours
     )
     sampler = Sampler(
         node=source.hostname,
