@@ -336,6 +336,8 @@ class AgentStatus:
     slice_errors: int
     claims_stuck: int = 0
     """Prepares and unprepares running longer than the kubelet's call deadline."""
+    claims_unrecovered: int = 0
+    """Claims held from a lost or corrupt checkpoint that could not be rebuilt."""
 
 
 AGENT_SPECS: tuple[Spec, ...] = (
@@ -367,6 +369,14 @@ AGENT_SPECS: tuple[Spec, ...] = (
         " worker: a claim read or side effect that does not return).",
         NODE,
     ),
+    Spec(
+        "tessera_claims_unrecovered",
+        "gauge",
+        "Claims whose CDI spec survived a lost or corrupt checkpoint but whose prepared state"
+        " could not be rebuilt: their devices stay held until the kubelet unprepares or"
+        " prepares them (/readyz check unrecovered-claims names them).",
+        NODE,
+    ),
 )
 
 
@@ -388,6 +398,7 @@ class AgentCollector(Collector):
         _add(fams, "tessera_resourceslice_writes", node, st.slice_writes)
         _add(fams, "tessera_resourceslice_errors", node, st.slice_errors)
         _add(fams, "tessera_claims_stuck", node, st.claims_stuck)
+        _add(fams, "tessera_claims_unrecovered", node, st.claims_unrecovered)
         yield from fams.values()
 
 
