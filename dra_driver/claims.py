@@ -322,9 +322,15 @@ MAX_LIST_PAGES = 1000
 class KubeClaimSource:
     origin = "api"
 
-    def __init__(self, kube: KubeClient, timeout: tuple[float, float] = CLAIM_READ_TIMEOUT) -> None:
+    def __init__(
+        self,
+        kube: KubeClient,
+        timeout: tuple[float, float] = CLAIM_READ_TIMEOUT,
+        page: int = LIST_PAGE,
+    ) -> None:
         self._kube = kube
         self._timeout = timeout
+        self._page = page
 
     def by_uid(self, uids: Collection[str]) -> dict[str, dict[str, Any]]:
         """List ResourceClaims across namespaces, page by page, keeping those of ``uids``
@@ -337,7 +343,7 @@ class KubeClaimSource:
         for _ in range(MAX_LIST_PAGES):
             if not wanted - set(found):
                 break
-            query = {"limit": str(LIST_PAGE)} | ({"continue": token} if token else {})
+            query = {"limit": str(self._page)} | ({"continue": token} if token else {})
             page = self._kube.request("GET", CLAIMS_PATH, query=query, timeout=self._timeout)
             items = page.get("items")
             for doc in items if isinstance(items, list) else []:
