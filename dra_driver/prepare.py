@@ -374,8 +374,9 @@ class Preparer:
                 found = dict(self.index.by_uid(uids))
             except (KubeError, ClaimError) as exc:
                 source_error = str(exc)
-        origin = f"cdi-spec+{getattr(self.index, 'origin', 'claims')}"
+        origin = f"cdi-spec+{self.index.origin if self.index is not None else 'nothing'}"
         leftovers = _NodeLeftovers(self.effects, self.cdi)
+        model = self.devices()
         for uid in uids:
             outcome: Rebuilt | Unrecovered
             try:
@@ -386,7 +387,7 @@ class Preparer:
                 if source_error is not None:
                     outcome = Unrecovered(uid, "claim_source_unavailable", source_error)
                 else:
-                    outcome = self._decide(cp, spec, found.get(uid), origin, leftovers)
+                    outcome = self._decide(cp, spec, found.get(uid), origin, leftovers, model)
             if isinstance(outcome, Rebuilt):
                 cp = cp.with_claim(outcome.entry)
                 self._unrecovered.pop(uid, None)
@@ -421,22 +422,27 @@ class Preparer:
         obj: dict[str, object] | None,
         origin: str,
         leftovers: _NodeLeftovers,
+        model: DeviceModel,
     ) -> Rebuilt | Unrecovered:
+        """One claim's rebuild, checked against the claims accounted for so far (those rebuilt,
+        and those the checkpoint listed): not against entries still recovered, whose sharing is
+        unknown (two time-sliced claims of one GPU are rebuilt one after the other)."""
+        accounted = Checkpoint(cp.boot_id, {u: e for u, e in cp.claims.items() if not e.recovered})
         try:
             outcome = decide(
                 spec,
                 obj,
                 driver=self.driver_name,
                 pool=self.pool,
-                model=self.devices(),
+                model=model,
                 sharing=self.sharing,
                 record=self._record,
                 leftovers=leftovers,
                 rebuilt_from=origin,
             )
             if isinstance(outcome, Rebuilt):
-                conflicts(cp, outcome.key, self.pool, outcome.plan.devices, self.sharing)
-        except ClaimError as exc:  # conflicts, or the node not discovered
+                conflicts(accounted, outcome.key, self.pool, outcome.plan.devices, self.sharing)
+        except ClaimError as exc:
             return Unrecovered(spec.uid, "conflict", str(exc))
         except TesseraError as exc:  # reading a MIG device or MPS daemon failed
             return Unrecovered(spec.uid, "leftovers_inconsistent", str(exc))

@@ -355,3 +355,37 @@ def test_a_prepare_of_an_unrecovered_claim_adopts_it_and_clears_the_report(node)
     ok(again, "prepare", key)
     assert again.unrecovered() == [] and again.checkpoint.claims[key.uid].name == "a"
     assert len(mps_daemons(node.sim, MODEL)) == 1  # the old daemon stopped, its own started
+
+
+def test_claims_time_slicing_one_gpu_are_both_rebuilt_and_the_interval_stays_until_the_last(node):
+    first = node.agent()
+    long = opaque("TimeSlicing", interval="Long")
+    a, b = node.claim("a", "gpu-2", config=long), node.claim("b", "gpu-2", config=long)
+    ok(first, "prepare", a, b)
+    first.close(0)
+    node.corrupt_checkpoint()
+    again = node.agent()
+    assert again.unrecovered() == []
+    assert {again.checkpoint.claims[k.uid].devices[0].interval for k in (a, b)} == {"Long"}
+    short = node.claim("c", "gpu-2", config=opaque("TimeSlicing", interval="Short"))
+    assert "asks Short: sharers must agree" in error(again, short)
+    ok(again, "unprepare", a)
+    assert sharing(node.sim, MODEL).gpus[2].timeslice == 3  # b still time-slices it
+    ok(again, "unprepare", b)
+    assert sharing(node.sim, MODEL).gpus[2].timeslice == 0
+
+
+def test_two_specs_exposing_one_gpu_rebuild_one_and_report_the_other_as_a_conflict(node):
+    first = node.agent()
+    a = node.claim("a", "gpu-5")
+    ok(first, "prepare", a)
+    first.close(0)
+    node.corrupt_checkpoint()
+    b = node.claim("b", "gpu-5")  # someone copied the spec under another claim's UID
+    text = node.spec_path(a).read_text().replace(a.uid, b.uid)
+    node.spec_path(b).write_text(text)
+    again = node.agent()
+    assert again.checkpoint.claims[a.uid].name == "a"
+    (lost,) = again.unrecovered()
+    assert (lost.uid, lost.reason) == (b.uid, "conflict") and "jobs/a (uid-a)" in lost.detail
+    assert [d.device for d in again.checkpoint.claims[b.uid].devices] == ["gpu-5"]  # held too
