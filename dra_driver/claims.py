@@ -334,9 +334,13 @@ class KubeClaimSource:
 
     def by_uid(self, uids: Collection[str]) -> dict[str, dict[str, Any]]:
         """List ResourceClaims across namespaces, page by page, keeping those of ``uids``
-        (ResourceClaims have no field selector but ``metadata.name``/``metadata.namespace``, so
-        the UID is matched here; RBAC: ``list`` on ``resourceclaims``). Stops early once all
-        are found."""
+        (RBAC: ``list`` on ``resourceclaims``). Stops early once all are found.
+
+        The UID is matched here: ResourceClaims select only on the fields every object has,
+        ``metadata.name`` and ``metadata.namespace`` (kubernetes.io/docs/concepts/overview/
+        working-with-objects/field-selectors/; the resourceclaim registry's selectable fields
+        are the object meta's), and an unsupported field selector is an error, so none is
+        sent. Pages use ``limit``/``continue`` (API chunking), so the answer stays bounded."""
         wanted = set(uids)
         found: dict[str, dict[str, Any]] = {}
         token = ""
