@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from agent.errors import ConfigError
+from agent.telemetry.health import parse_xids
 from agent.tls import TlsFiles
 from dra_driver.devices import SHARING_MODES, DevicePolicy
 from dra_driver.errors import QuantityError
@@ -423,6 +424,23 @@ class Config:
         " latest sample.",
         groups=("daemon",),
         metavar="SECONDS",
+    )
+    device_taints: bool = setting(
+        False,
+        "Taint the devices of an unhealthy GPU in the ResourceSlices (key <driver>/unhealthy,"
+        " effect NoSchedule, the cause as value, e.g. xid-79) instead of withdrawing them. Needs"
+        " the DRADeviceTaints feature gate (alpha in Kubernetes 1.33-1.35) on the API server"
+        " and the scheduler.",
+        groups=("daemon",),
+    )
+    application_xids: frozenset[int] | None = setting(
+        None,
+        "XIDs that are the workload's fault, not the GPU's, in addition to the built-in 13, 31,"
+        " 43, 45, 68, 109: counted and logged, the GPU stays healthy. Comma-separated; fatal"
+        " XIDs (48, 63, 64, 74, 79, 92, 94, 95) are refused.",
+        groups=("daemon",),
+        metavar="XID,...",
+        parse=parse_xids,
     )
     telemetry_address: str | None = setting(
         None,

@@ -33,6 +33,7 @@ from agent.statelock import StateLock
 from agent.supervisor import Deadline, Supervisor
 from agent.telemetry.energy import EnergyAccounting
 from agent.telemetry.gpuinfo import gpu_info
+from agent.telemetry.health import GpuHealth, application_xids
 from agent.telemetry.metrics import (
     AgentCollector,
     AgentStatus,
@@ -48,8 +49,9 @@ from dra_driver.checkpoint import CheckpointStore
 from dra_driver.claims import DirClaimSource, KubeClaimSource
 from dra_driver.devices import DeviceModel, advertised_devices
 from dra_driver.errors import ClaimError, KubeError
-from dra_driver.health import HealthBoard
+from dra_driver.health import HEALTHY, UNHEALTHY, HealthBoard
 from dra_driver.kube import KubeClient
+from dra_driver.node_events import KubeEventSink, LogEventSink, NodeEventRecorder, gpu_health
 from dra_driver.plugin import PluginServer
 from dra_driver.prepare import Preparer
 from dra_driver.publisher import DirSliceStore, KubeSliceStore, Publisher, SliceStore
@@ -59,6 +61,7 @@ from dra_driver.sharing.mps import MpsControl
 from dra_driver.sharing.timeslice import GpuSettings
 from dra_driver.sharing.tools import Tools, find_tool, tool_env
 from dra_driver.slices import SlicePolicy
+from dra_driver.taints import UnhealthyGpu, UnhealthyGpus, with_health
 
 DEFAULT_STATE_DIR = Path("/var/lib/tessera")
 KUBELET_REGISTRY_DIR = Path("/var/lib/kubelet/plugins_registry")
@@ -106,12 +109,17 @@ class Agent:
     events: EventWatcher
     telemetry_server: TelemetryServer
     lock: StateLock
+    node_events: NodeEventRecorder | None = None
     stop_event: threading.Event = field(default_factory=threading.Event)
     devices: CurrentDevices = field(default_factory=lambda: CurrentDevices())
     inventory: NodeInventory | None = None
     supervisor: Supervisor | None = None
     unfinished: list[str] = field(default_factory=list)
     """What had not stopped when the shutdown deadline passed (threads still running)."""
+    unhealthy: UnhealthyGpus = field(default_factory=UnhealthyGpus)
+    on_health_event: Callable[[GpuHealth], None] | None = None
+    """Hook for every GPU health change after it is published (Kubernetes Node events)."""
+    _publish_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def start(self) -> None:
         """Discover the node, start publishing, open the HTTP endpoint (NVML is initialized)."""
@@ -122,11 +130,13 @@ class Agent:
         if self.kube is not None:
             uid = node_uid(self.kube, self.publisher.policy.node_name, self.log)
             self.publisher.policy = dataclasses.replace(self.publisher.policy, node_uid=uid)
+            if self.node_events is not None:
+                self.node_events.set_node_uid(uid)
         policy = self.config.device_policy()
         model = advertised_devices(self.inventory, policy)
         self.devices.set(model)
-        self.publisher.set_devices(model)
         self.health.set_devices(d.name for d in model.devices)
+        self.publish_devices()
         self.preparer.reconcile_on_start()
         self.plugin.start()
         self.readiness.add("sockets", self._sockets_intact)
@@ -158,6 +168,9 @@ class Agent:
         )
         self._start_telemetry(self.inventory)
         self.supervisor = Supervisor(self.log, self.stop_event.set)
+        if self.node_events is not None:
+            recorder = self.node_events
+            self.supervisor.spawn("node-events", lambda: recorder.run(self.stop_event))
         self.supervisor.spawn("sampler", lambda: self.sampler.run(self.stop_event))
         self.supervisor.spawn("telemetry-notify", self._notify_watchers)
         self.supervisor.spawn("publisher", lambda: self.publisher.run(self.stop_event))
@@ -176,6 +189,59 @@ class Agent:
                 state_dir=str(self.state_dir),
             ),
         )
+
+    def publish_devices(self) -> None:
+        """Publish the current devices as health has them: the kubelet's health stream marks
+        every device of an unhealthy GPU, and the slices taint or withdraw them
+        (``--device-taints``; dra_driver/taints.py). Prepare keeps reading the full model. Call
+        after the devices or the health changed; writes nothing when nothing did."""
+        with self._publish_lock:
+            model = self.devices.get()
+            unhealthy = self.unhealthy.snapshot()
+            for d in model.devices:
+                self.health.mark(d.name, UNHEALTHY if d.parent_uuid in unhealthy else HEALTHY)
+            self.publisher.set_devices(
+                with_health(
+                    model,
+                    unhealthy,
+                    taints=self._tainting(),
+                    driver_name=self.config.driver_name,
+                )
+            )
+
+    def _tainting(self) -> bool:
+        """Unhealthy devices are tainted (else withdrawn): --device-taints, and the API server
+        keeps taints (publisher.taints_dropped)."""
+        return self.config.device_taints and not self.publisher.taints_dropped
+
+    def gpu_health_changed(self, change: GpuHealth) -> None:
+        """The sampler's callback: a GPU's health or cause changed."""
+        gone = (
+            None if change.healthy else UnhealthyGpu(change.uuid, change.cause or "", change.since)
+        )
+        self.unhealthy.update(change.uuid, gone)
+        try:
+            affected = [d.name for d in self.devices.get().devices if d.parent_uuid == change.uuid]
+        except ClaimError:  # not discovered yet: publish_devices at start picks it up
+            affected = []
+        else:
+            self.publish_devices()
+        published = (
+            "advertised" if change.healthy else "tainted" if self._tainting() else "withdrawn"
+        )
+        self.log.warning(
+            "GPU health published",
+            extra=fields_(
+                gpu=change.index,
+                uuid=change.uuid,
+                healthy=change.healthy,
+                cause=change.cause,
+                devices=len(affected),
+                slices=published,
+            ),
+        )
+        if self.on_health_event is not None:
+            self.on_health_event(change)
 
     def _sockets_intact(self) -> tuple[bool, str]:
         """Ready only while the kubelet and telemetry clients can still reach our sockets."""
@@ -239,6 +305,8 @@ class Agent:
             if stuck:
                 self.log.warning("tasks did not stop in time", extra=fields_(tasks=stuck))
                 self.unfinished += stuck
+        if self.node_events is not None:
+            self.node_events.close()  # the loop flushed what it could; logs what is left
         self.accounting.close()
         self.reader.close()
         self.events.close()
@@ -567,6 +635,13 @@ def _build(
     )
     paths = agent_paths(config, state_dir)
     health = HealthBoard(pool=source.hostname)
+    events_log = log.getChild("node-events")
+    node_events = NodeEventRecorder(
+        LogEventSink(events_log) if kube is None else KubeEventSink(kube),
+        node=source.hostname,
+        component=config.driver_name,
+        log=events_log,
+    )
     publisher = Publisher(
         store,
         SlicePolicy(
@@ -624,9 +699,9 @@ def _build(
         log=log.getChild("sampler"),
         interval=config.telemetry_interval,
         xids=lambda: events.wait(0),
-        on_health_change=health_to_board(devices, health, log),
+        application_xids=application_xids(config.application_xids),
     )
-    status = agent_status(source.hostname, kube, plugin, publisher, preparer)
+    status = agent_status(source.hostname, kube, plugin, publisher, preparer, node_events)
     registry.register(SnapshotCollector(lambda: sampler.latest))
     registry.register(AgentCollector(status))
     exposition.key = lambda: (
@@ -634,7 +709,7 @@ def _build(
         driver_metrics.version,
         status(),
     )
-    return Agent(
+    agent = Agent(
         config=config,
         source=source,
         state_dir=state_dir,
@@ -664,21 +739,23 @@ def _build(
             tls=config.telemetry_tls(),
         ),
         lock=lock,
+        node_events=node_events,
     )
+    sampler.on_health_change = agent.gpu_health_changed
+    agent.on_health_event = health_event(node_events)
+    publisher.on_taints_dropped = agent.publish_devices
+    return agent
 
 
-def health_to_board(
-    devices: CurrentDevices, health: HealthBoard, log: logging.Logger
-) -> Callable[[int, bool], None]:
-    """The sampler's GPU health changes, told to the kubelet (every device on that GPU)."""
+def health_event(node_events: NodeEventRecorder) -> Callable[[GpuHealth], None]:
+    """A published GPU health change, recorded as an Event on the Node (reason GpuUnhealthy
+    or GpuHealthy, the message naming the GPU, its UUID and the cause)."""
 
-    def on_health(index: int, healthy: bool) -> None:
-        for d in devices.get().devices:
-            if d.gpu_index == index:
-                health.mark(d.name, "HEALTHY" if healthy else "UNHEALTHY")
-        log.warning("GPU health changed", extra=fields_(gpu=index, healthy=healthy))
+    def record(change: GpuHealth) -> None:
+        cause = change.cause or "it answers again and passed the health probe"
+        node_events.record(*gpu_health(change.index, change.uuid, change.healthy, cause))
 
-    return on_health
+    return record
 
 
 def agent_status(
@@ -687,6 +764,7 @@ def agent_status(
     plugin: PluginServer,
     publisher: Publisher,
     preparer: Preparer,
+    node_events: NodeEventRecorder | None = None,
 ) -> Callable[[], AgentStatus]:
     """The agent's own state for /metrics (in-memory reads only)."""
 
@@ -699,6 +777,7 @@ def agent_status(
             slice_errors=publisher.stats.errors,
             claims_stuck=len(preparer.stuck()),
             claims_unrecovered=len(preparer.unrecovered()),
+            node_events=() if node_events is None else node_events.stats.outcomes(),
         )
 
     return status
