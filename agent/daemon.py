@@ -47,7 +47,7 @@ from agent.telemetry.sampler import Sampler
 from agent.telemetry.stream import TelemetryLimits, TelemetryServer
 from dra_driver.cdi import CdiWriter
 from dra_driver.checkpoint import CheckpointStore
-from dra_driver.claims import ClaimSource, DirClaimSource, KubeClaimSource
+from dra_driver.claims import DirClaimSource, KubeClaimSource
 from dra_driver.devices import DeviceModel, advertised_devices
 from dra_driver.errors import ClaimError, KubeError
 from dra_driver.health import HEALTHY, UNHEALTHY, HealthBoard
@@ -153,6 +153,7 @@ class Agent:
         self.http.liveness.add("sockets", self._sockets_intact)
         self.http.liveness.add("state-dir", self._state_dir_intact)
         self.readiness.add("claims", self._claims_moving)
+        self.readiness.add("unrecovered-claims", self._claims_accounted_for)
         self.readiness.add("kubelet", self._registered)
         self.readiness.add(
             "resourceslices",
@@ -335,6 +336,15 @@ class Agent:
         """Not ready while a prepare or unprepare is stuck past the kubelet's deadline."""
         stuck = self.preparer.stuck()
         return (not stuck, f"stuck past the deadline: {'; '.join(stuck)}" if stuck else "moving")
+
+    def _claims_accounted_for(self) -> tuple[bool, str]:
+        """Passes, naming the claims a lost checkpoint could not be rebuilt for (their devices
+        stay held; the kubelet can still unprepare them): an operator's problem, not one a
+        restart or taking the agent out of service would repair (docs/reliability.md)."""
+        lost = self.preparer.unrecovered()
+        if not lost:
+            return True, "every prepared claim is accounted for"
+        return True, f"{len(lost)} held but not rebuilt: {'; '.join(str(u) for u in lost)}"
 
     def stop(self) -> None:
         """Stop in reverse order of start, all of it within ``--shutdown-timeout``.
@@ -701,7 +711,7 @@ def _build(
         if kube is None
         else KubeSliceStore(kube, config.driver_name, source.hostname)
     )
-    claims: ClaimSource = (
+    claims: DirClaimSource | KubeClaimSource = (
         DirClaimSource(state_dir / "resourceclaims")
         if kube is None
         else KubeClaimSource(kube, timeout=(5.0, config.claim_read_timeout))
@@ -747,6 +757,7 @@ def _build(
         crash_hook=crash,
         observe=driver_metrics.observe,
         boot_time=source.boot_time,
+        index=claims,
     )
     plugin = PluginServer(
         driver_name=config.driver_name,
@@ -853,6 +864,7 @@ def agent_status(
             slice_writes=publisher.stats.writes,
             slice_errors=publisher.stats.errors,
             claims_stuck=len(preparer.stuck()),
+            claims_unrecovered=len(preparer.unrecovered()),
             node_events=() if node_events is None else node_events.stats.outcomes(),
         )
 

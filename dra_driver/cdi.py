@@ -148,6 +148,39 @@ class MpsEdits:
 
 
 @dataclass(frozen=True)
+class SpecEvidence:
+    """What a claim's spec file on disk says was prepared (``CdiWriter.read_evidence``)."""
+
+    uid: str
+    devices: tuple[str, ...]
+    """The pool device names it exposes (from its CDI device names ``<claimUID>-<device>``)."""
+    written_at: float
+    """The file's modification time (unix seconds)."""
+    device_nodes: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """(pool device name, its device nodes' container paths): ``/dev/nvidia<minor>`` and, for a
+    MIG device, its GPU and compute instances' ``/dev/nvidia-caps/nvidia-cap<N>``."""
+    env: tuple[tuple[str, str], ...] = ()
+    """The claim-wide env: ``TESSERA_CLAIM_UID``, ``TESSERA_DEVICES``, with MPS
+    ``CUDA_MPS_PIPE_DIRECTORY``."""
+    mounts: tuple[tuple[str, str], ...] = ()
+    """(container path, host path) of the claim-wide mounts (an MPS daemon's directories)."""
+
+    @property
+    def mps_pipe_dir(self) -> str | None:
+        """The host directory of the claim's MPS daemon's pipe, when the spec mounts one."""
+        if ("CUDA_MPS_PIPE_DIRECTORY", MPS_CONTAINER_PIPE_DIR) not in self.env:
+            return None
+        return dict(self.mounts).get(MPS_CONTAINER_PIPE_DIR)
+
+
+def _node_paths(edits: Any) -> tuple[str, ...]:
+    nodes = edits.get("deviceNodes") if isinstance(edits, dict) else None
+    if not isinstance(nodes, list):
+        return ()
+    return tuple(str(n["path"]) for n in nodes if isinstance(n, dict) and "path" in n)
+
+
+@dataclass(frozen=True)
 class CdiRequest:
     """One allocated device to expose: its pool device name and where it lives."""
 
@@ -510,6 +543,21 @@ class CdiWriter:
         validate_spec(spec)
         return spec
 
+    def device_nodes(
+        self, claim_uid: str, devices: Sequence[CdiRequest]
+    ) -> dict[str, tuple[str, ...]]:
+        """The device nodes (container paths) the claim's spec gives each device now: what
+        ``build_spec`` would write (reads the driver root's MIG capability files; raises
+        CdiError as ``build_spec``)."""
+        if not devices:
+            return {}
+        spec = self.build_spec(claim_uid, devices)
+        prefix = f"{claim_uid}-"
+        return {
+            d["name"].removeprefix(prefix): _node_paths(d["containerEdits"])
+            for d in spec["devices"]
+        }
+
     def _atomic(self, path: Path, spec: dict[str, Any]) -> None:
         data = (json.dumps(spec, indent=2, sort_keys=True) + "\n").encode()
         try:
@@ -548,6 +596,12 @@ class CdiWriter:
         """What the claim's spec file says was prepared: the pool device names it exposes (from
         its CDI device names ``<claimUID>-<device>``) and when it was written (unix seconds).
         Raises CdiError when it cannot be read or is not a spec of ours."""
+        found = self.read_evidence(claim_uid)
+        return found.devices, found.written_at
+
+    def read_evidence(self, claim_uid: str) -> SpecEvidence:
+        """Everything the claim's spec file says (see ``SpecEvidence``). Raises CdiError when it
+        cannot be read or is not a spec of ours; fields of the wrong shape read as absent."""
         path = self.path(claim_uid)
         try:
             written_at = path.stat().st_mtime
@@ -561,11 +615,32 @@ class CdiWriter:
             raise CdiError(f"CDI spec {path} is not a {self.kind} spec with devices")
         prefix = f"{claim_uid}-"
         names = []
+        nodes: list[tuple[str, tuple[str, ...]]] = []
         for d in devices:
             name = d.get("name") if isinstance(d, dict) else None
             if isinstance(name, str) and name.startswith(prefix):
                 names.append(name.removeprefix(prefix))
-        return tuple(names), written_at
+                nodes.append((names[-1], _node_paths(d.get("containerEdits"))))
+        edits = spec.get("containerEdits")
+        edits = edits if isinstance(edits, dict) else {}
+        env = tuple(
+            tuple(e.split("=", 1))
+            for e in edits.get("env") or []
+            if isinstance(e, str) and "=" in e
+        )
+        mounts = tuple(
+            (str(m.get("containerPath")), str(m.get("hostPath")))
+            for m in edits.get("mounts") or []
+            if isinstance(m, dict)
+        )
+        return SpecEvidence(
+            uid=claim_uid,
+            devices=tuple(names),
+            written_at=written_at,
+            device_nodes=tuple(nodes),
+            env=tuple((k, v) for k, v in env),
+            mounts=mounts,
+        )
 
     def remove_temp_files(self) -> list[Path]:
         """Temporary files of our specs that a crash left behind in the CDI root (only ours:

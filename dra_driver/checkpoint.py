@@ -4,6 +4,7 @@ File format (version 1), written with sorted keys::
 
     {"apiVersion": "tessera.dev/v1", "kind": "Checkpoint", "version": 1, "bootID": "<boot id>",
      "claims": {"<claim uid>": {"uid", "namespace", "name", "state", "updatedAt", "recovered"?,
+                                "rebuiltFrom"?,
                                 "devices": [{"requestNames", "pool", "device", "cdiDeviceIDs",
                                              "kind", "gpuUUID", "gpuMinor", "migUUID",
                                              "gpuInstanceID", "computeInstanceID"}]}},
@@ -159,6 +160,9 @@ class ClaimEntry:
     pods: tuple[str, ...] = ()
     """UIDs of the pods the claim is reserved for (``status.reservedFor``), to attribute their
     processes' GPU use to the claim (version 2)."""
+    rebuilt_from: str | None = None
+    """Set when the entry was rebuilt after a lost or corrupt checkpoint: what it was rebuilt
+    from (``cdi-spec+api`` or ``cdi-spec+claim-files``); written only when set."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
@@ -291,6 +295,8 @@ def _claim_json(c: ClaimEntry) -> dict[str, Any]:
         out["mps"] = _mps_json(c.mps)
     if c.pods:
         out["pods"] = list(c.pods)
+    if c.rebuilt_from is not None:  # written only when set, like recovered
+        out["rebuiltFrom"] = c.rebuilt_from
     return out
 
 
@@ -460,6 +466,7 @@ def _claim(uid: str, obj: Any, where: str) -> ClaimEntry:
         recovered=_flag(obj, "recovered", where),
         mps=_mps(obj.get("mps"), f"{where}.mps"),
         pods=_strs(obj, "pods", where) if "pods" in obj else (),
+        rebuilt_from=_opt_str(obj, "rebuiltFrom", where),
     )
 
 

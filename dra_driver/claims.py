@@ -22,7 +22,7 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -295,10 +295,70 @@ class ClaimSource(Protocol):
         ...
 
 
+class ClaimIndex(Protocol):
+    origin: str
+    """Where the claims come from, for the record of a rebuilt entry (``api``, ``claim-files``)."""
+
+    def by_uid(self, uids: Collection[str]) -> dict[str, dict[str, Any]]:
+        """The claim objects whose ``metadata.uid`` is one of ``uids`` (those found), for
+        rebuilding prepared state that names claims only by UID. ClaimError or KubeError when
+        the source cannot be read."""
+        ...
+
+
+def _uid_of(doc: Mapping[str, Any]) -> str | None:
+    meta = doc.get("metadata")
+    uid = meta.get("uid") if isinstance(meta, dict) else None
+    return uid if isinstance(uid, str) else None
+
+
+CLAIMS_PATH = "/apis/resource.k8s.io/v1/resourceclaims"
+LIST_PAGE = 500
+"""Claims per page when listing across namespaces (the API server's chunking: ``limit`` and
+``continue``, so a cluster with many claims is read in bounded pieces)."""
+MAX_LIST_PAGES = 1000
+
+
 class KubeClaimSource:
-    def __init__(self, kube: KubeClient, timeout: tuple[float, float] = CLAIM_READ_TIMEOUT) -> None:
+    origin = "api"
+
+    def __init__(
+        self,
+        kube: KubeClient,
+        timeout: tuple[float, float] = CLAIM_READ_TIMEOUT,
+        page: int = LIST_PAGE,
+    ) -> None:
         self._kube = kube
         self._timeout = timeout
+        self._page = page
+
+    def by_uid(self, uids: Collection[str]) -> dict[str, dict[str, Any]]:
+        """List ResourceClaims across namespaces, page by page, keeping those of ``uids``
+        (RBAC: ``list`` on ``resourceclaims``). Stops early once all are found.
+
+        The UID is matched here: ResourceClaims select only on the fields every object has,
+        ``metadata.name`` and ``metadata.namespace`` (kubernetes.io/docs/concepts/overview/
+        working-with-objects/field-selectors/; the resourceclaim registry's selectable fields
+        are the object meta's), and an unsupported field selector is an error, so none is
+        sent. Pages use ``limit``/``continue`` (API chunking), so the answer stays bounded."""
+        wanted = set(uids)
+        found: dict[str, dict[str, Any]] = {}
+        token = ""
+        for _ in range(MAX_LIST_PAGES):
+            if not wanted - set(found):
+                break
+            query = {"limit": str(self._page)} | ({"continue": token} if token else {})
+            page = self._kube.request("GET", CLAIMS_PATH, query=query, timeout=self._timeout)
+            items = page.get("items")
+            for doc in items if isinstance(items, list) else []:
+                uid = _uid_of(doc) if isinstance(doc, dict) else None
+                if uid is not None and uid in wanted:
+                    found[uid] = doc
+            meta = page.get("metadata")
+            token = str(meta.get("continue") or "") if isinstance(meta, dict) else ""
+            if not token:
+                break
+        return found
 
     def get(self, namespace: str, name: str) -> dict[str, Any]:
         check_claim_names(namespace, name)
@@ -321,6 +381,8 @@ class DirClaimSource:
     Only regular files are read (opened without blocking, checked before reading), at most
     ``MAX_CLAIM_FILE_BYTES`` each. A file that cannot be read or decoded is remembered with why;
     it hides only the claims it holds, and a claim not found names such files."""
+
+    origin = "claim-files"
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -387,6 +449,17 @@ class DirClaimSource:
             else:
                 docs += result
         return docs, broken
+
+    def by_uid(self, uids: Collection[str]) -> dict[str, dict[str, Any]]:
+        """The claim documents whose ``metadata.uid`` is one of ``uids``."""
+        wanted = set(uids)
+        docs, _ = self._documents()
+        found: dict[str, dict[str, Any]] = {}
+        for doc in docs:
+            uid = _uid_of(doc)
+            if doc.get("kind") == "ResourceClaim" and uid is not None and uid in wanted:
+                found[uid] = doc
+        return found
 
     def get(self, namespace: str, name: str) -> dict[str, Any]:
         docs, broken = self._documents()

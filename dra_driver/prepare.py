@@ -35,7 +35,9 @@ from typing import TypeVar
 
 from agent.errors import TesseraError
 from agent.logs import fields_
+from agent.nvml.types import MigInstance
 from dra_driver.cdi import CdiRequest, CdiWriter
+from dra_driver.cdi import SpecEvidence as CdiEvidence
 from dra_driver.checkpoint import (
     PREPARE_COMPLETED,
     PREPARE_STARTED,
@@ -45,11 +47,13 @@ from dra_driver.checkpoint import (
     MpsRecord,
     PreparedDevice,
 )
-from dra_driver.claims import ClaimKey, ClaimSource, parse_allocation
-from dra_driver.devices import DeviceModel
+from dra_driver.claims import ClaimIndex, ClaimKey, ClaimSource, parse_allocation
+from dra_driver.devices import AdvertisedDevice, DeviceModel
 from dra_driver.errors import CdiError, ClaimError, KubeError, ParamsError
 from dra_driver.plan import ClaimPlan, PlannedDevice, SharingPolicy, conflicts, plan_claim
+from dra_driver.rebuild import Rebuilt, Unrecovered, decide
 from dra_driver.sharing.effects import Effects, mps_edits
+from dra_driver.sharing.mps import MpsDaemon
 
 T = TypeVar("T")
 CrashHook = Callable[[str], None]
@@ -89,6 +93,28 @@ def _cdi_requests(devices: Sequence[PreparedDevice]) -> list[CdiRequest]:
 
 def _gpus(devices: Iterable[PreparedDevice]) -> set[str]:
     return {d.gpu_uuid for d in devices if d.gpu_uuid}
+
+
+class _NodeLeftovers:
+    """What survives of claims' side effects on this node (``rebuild.Leftovers``)."""
+
+    def __init__(self, effects: Effects, cdi: CdiWriter) -> None:
+        self._effects = effects
+        self._cdi = cdi
+
+    def mig_instance(self, device: AdvertisedDevice) -> MigInstance | None:
+        return self._effects.mig_instance(device)
+
+    def mps_daemon(self, uid: str) -> MpsDaemon | None:
+        return self._effects.mps_daemon(uid)
+
+    def mps_pipe_dir(self, uid: str) -> str | None:
+        return self._effects.mps_pipe_dir(uid)
+
+    def device_nodes(
+        self, uid: str, devices: tuple[PreparedDevice, ...]
+    ) -> dict[str, tuple[str, ...]]:
+        return self._cdi.device_nodes(uid, _cdi_requests(devices))
 
 
 def _shutting_down(claim: ClaimKey) -> ClaimResult:
@@ -160,7 +186,10 @@ class Preparer:
         deadline_s: float = 40.0,
         boot_time: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        index: ClaimIndex | None = None,
     ) -> None:
+        """``index`` finds claims by UID (``claims`` itself when it can; the API server or the
+        claim files), to rebuild a lost checkpoint from the CDI specs that survived."""
         self.driver_name = driver_name
         self.pool = pool
         self.claims = claims
@@ -191,6 +220,8 @@ class Preparer:
         self._running_lock = threading.Lock()
         self._closed = False
         self._cp: Checkpoint | None = None
+        self.index = index
+        self._unrecovered: dict[str, Unrecovered] = {}
 
     # -- checkpoint access -------------------------------------------------------------------
     @property
@@ -207,6 +238,17 @@ class Preparer:
             for e in self.checkpoint.claims.values()
             if e.state == PREPARE_COMPLETED and not e.recovered
         )
+
+    def unrecovered(self) -> list[Unrecovered]:
+        """The claims whose prepared state could not be rebuilt at start and that are still
+        held (their devices stay reserved until the kubelet unprepares or prepares them): for
+        /readyz, the metrics and the operator."""
+        claims = self.checkpoint.claims
+        return [
+            u
+            for uid, u in sorted(self._unrecovered.items())
+            if uid in claims and claims[uid].recovered
+        ]
 
     def _commit(self, cp: Checkpoint) -> None:
         """Save, then adopt: memory never runs ahead of the file. Caller holds _cp_lock."""
@@ -247,6 +289,7 @@ class Preparer:
                         )
             for uid in sorted(self.cdi.claim_uids() - set(cp.claims)):
                 cp = self._unlisted_spec(cp, uid, result.authoritative)
+            cp = self._rebuild(cp)
             try:
                 self.effects.sweep(cp)
             except TesseraError as exc:
@@ -310,12 +353,100 @@ class Preparer:
             updated_at=time.time(),
             recovered=True,
         )
-        self.log.warning(
-            "kept the CDI spec of a claim the checkpoint cannot vouch for: its devices stay held"
-            " until the claim is unprepared or prepared again",
-            extra=fields_(uid=uid, devices=",".join(names)),
-        )
-        return cp.with_claim(entry)
+        return cp.with_claim(entry)  # _rebuild tries to account for it next
+
+    def _rebuild(self, cp: Checkpoint) -> Checkpoint:
+        """Rebuild every recovered entry (kept from a spec the checkpoint cannot vouch for, now
+        or at an earlier start) from its spec, its claim and the node's leftovers
+        (``rebuild.decide``); one that cannot be is kept as it is (its devices stay held), logged
+        with the reason and listed by ``unrecovered``. Runs before the sweep, so the MPS daemons
+        and MIG instances of rebuilt claims are theirs, and before restore, which sets their
+        time-slices again and starts daemons or makes MIG devices that are gone."""
+        uids = sorted(uid for uid, e in cp.claims.items() if e.recovered)
+        if not uids:
+            return cp
+        found: dict[str, dict[str, object]] = {}
+        source_error = None
+        if self.index is None:
+            source_error = "no claim source to look claims up by UID"
+        else:
+            try:
+                found = dict(self.index.by_uid(uids))
+            except (KubeError, ClaimError) as exc:
+                source_error = str(exc)
+        origin = f"cdi-spec+{self.index.origin if self.index is not None else 'nothing'}"
+        leftovers = _NodeLeftovers(self.effects, self.cdi)
+        model = self.devices()
+        for uid in uids:
+            outcome: Rebuilt | Unrecovered
+            try:
+                spec = self.cdi.read_evidence(uid)
+            except CdiError as exc:
+                outcome = Unrecovered(uid, "spec_unreadable", str(exc))
+            else:
+                if source_error is not None:
+                    outcome = Unrecovered(uid, "claim_source_unavailable", source_error)
+                else:
+                    outcome = self._decide(cp, spec, found.get(uid), origin, leftovers, model)
+            if isinstance(outcome, Rebuilt):
+                cp = cp.with_claim(outcome.entry)
+                self._unrecovered.pop(uid, None)
+                self.log.warning(
+                    "rebuilt a prepared claim from what survived",
+                    extra=fields_(
+                        claim=str(outcome.key),
+                        uid=uid,
+                        devices=",".join(d.device for d in outcome.entry.devices),
+                        rebuilt_from=origin,
+                        adopted=list(outcome.adopted),
+                    ),
+                )
+            else:
+                self._unrecovered[uid] = outcome
+                self.log.error(
+                    "cannot rebuild a prepared claim: its devices stay held until the kubelet"
+                    " unprepares or prepares it",
+                    extra=fields_(
+                        uid=uid,
+                        reason=outcome.reason,
+                        detail=outcome.detail,
+                        devices=",".join(d.device for d in cp.claims[uid].devices),
+                    ),
+                )
+        return cp
+
+    def _decide(
+        self,
+        cp: Checkpoint,
+        spec: CdiEvidence,
+        obj: dict[str, object] | None,
+        origin: str,
+        leftovers: _NodeLeftovers,
+        model: DeviceModel,
+    ) -> Rebuilt | Unrecovered:
+        """One claim's rebuild, checked against the claims accounted for so far (those rebuilt,
+        and those the checkpoint listed): not against entries still recovered, whose sharing is
+        unknown (two time-sliced claims of one GPU are rebuilt one after the other)."""
+        accounted = Checkpoint(cp.boot_id, {u: e for u, e in cp.claims.items() if not e.recovered})
+        try:
+            outcome = decide(
+                spec,
+                obj,
+                driver=self.driver_name,
+                pool=self.pool,
+                model=model,
+                sharing=self.sharing,
+                record=self._record,
+                leftovers=leftovers,
+                rebuilt_from=origin,
+            )
+            if isinstance(outcome, Rebuilt):
+                conflicts(accounted, outcome.key, self.pool, outcome.plan.devices, self.sharing)
+        except ClaimError as exc:
+            return Unrecovered(spec.uid, "conflict", str(exc))
+        except TesseraError as exc:  # reading a MIG device or MPS daemon failed
+            return Unrecovered(spec.uid, "leftovers_inconsistent", str(exc))
+        return outcome
 
     def _recovered_device(self, uid: str, name: str) -> PreparedDevice:
         """A device named in a recovered CDI spec, described as the node advertises it now."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -457,3 +458,81 @@ def test_claim_files_of_any_content_raise_only_claim_errors(claim_dir, text):
         return
     with contextlib.suppress(ClaimError):
         parse_allocation(obj, KEY, DRIVER, NODE)
+
+
+class _NoLeftovers:
+    """A node with no MIG instances or MPS daemons; every device has its /dev/nvidia node."""
+
+    def mig_instance(self, device: Any) -> None:
+        return None
+
+    def mps_daemon(self, uid: str) -> None:
+        return None
+
+    def mps_pipe_dir(self, uid: str) -> str:
+        return f"/var/lib/tessera/mps/{uid}/pipe"
+
+    def device_nodes(self, uid: str, devices: Any) -> dict[str, tuple[str, ...]]:
+        return {d.device: (f"/dev/nvidia{d.gpu_minor}",) for d in devices}
+
+
+@functools.cache
+def _l40s_model() -> Any:
+    import tempfile
+
+    from agent.config import Config
+    from agent.daemon import open_node
+    from agent.node import discover
+    from dra_driver.devices import DevicePolicy, advertised_devices
+
+    source = open_node(Config(simulate="l40s-pcie", node_name=NODE), Path(tempfile.mkdtemp()))
+    source.nvml.init()
+    try:
+        return advertised_devices(discover(source), DevicePolicy())
+    finally:
+        source.nvml.shutdown()
+
+
+def _rebuild(obj: Any) -> Any:
+    from dra_driver.cdi import SpecEvidence
+    from dra_driver.plan import SharingPolicy
+    from dra_driver.rebuild import decide
+
+    spec = SpecEvidence("uid-1", ("gpu-0",), 0.0, (("gpu-0", ("/dev/nvidia0",)),))
+    return decide(
+        spec,
+        obj if isinstance(obj, dict) else None,
+        driver=DRIVER,
+        pool=NODE,
+        model=_l40s_model(),
+        sharing=SharingPolicy(),
+        record=lambda uid, p: PreparedDevice(
+            p.request_names,
+            NODE,
+            p.device.name,
+            (),
+            p.device.kind,
+            p.device.parent_uuid,
+            p.device.gpu_minor,
+        ),
+        leftovers=_NoLeftovers(),
+        rebuilt_from="cdi-spec+claim-files",
+    )
+
+
+def test_the_fuzzed_claim_starts_rebuildable():
+    from dra_driver.rebuild import Rebuilt
+
+    assert isinstance(_rebuild(VALID_CLAIM), Rebuilt)
+
+
+@FUZZ
+@given(st.one_of(json_values, mutated(VALID_CLAIM)))
+def test_a_rebuild_from_any_claim_object_is_rebuilt_or_unrecovered_never_an_exception(obj):
+    from dra_driver.rebuild import REASONS, Rebuilt
+
+    outcome = _rebuild(obj)
+    if isinstance(outcome, Rebuilt):
+        assert [d.device for d in outcome.entry.devices] == ["gpu-0"]
+    else:
+        assert outcome.reason in REASONS and outcome.uid == "uid-1"

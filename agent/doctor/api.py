@@ -47,8 +47,16 @@ AGENT_ACCESS: tuple[Access, ...] = (
         Access("resource.k8s.io", "resourceslices", verb, "publishing this node's ResourceSlices")
         for verb in ("list", "watch", "create", "update", "delete")
     ),
-    # dra_driver/claims.py KubeClaimSource: GET of one claim at NodePrepareResources
+    # dra_driver/claims.py KubeClaimSource: GET of one claim at NodePrepareResources; a list
+    # across namespaces (by_uid) at a start after a lost or corrupt checkpoint
     Access("resource.k8s.io", "resourceclaims", "get", "reading claims to prepare them"),
+    Access(
+        "resource.k8s.io",
+        "resourceclaims",
+        "list",
+        "finding, by UID, the claims of CDI specs a lost checkpoint no longer lists",
+        required=False,
+    ),
     # agent/daemon.py node_uid: without it the slices get no owner reference (logged)
     Access("", "nodes", "get", "the slices' owner reference (the Node's uid)", required=False),
     # dra_driver/node_events.py KubeEventSink: Events about the Node live in "default"; without

@@ -343,6 +343,8 @@ class AgentStatus:
     """Prepares and unprepares running longer than the kubelet's call deadline."""
     node_events: tuple[tuple[str, int], ...] = ()
     """Node events by outcome (recorded, filtered, dropped, failed)."""
+    claims_unrecovered: int = 0
+    """Claims held from a lost or corrupt checkpoint that could not be rebuilt."""
 
 
 AGENT_SPECS: tuple[Spec, ...] = (
@@ -375,6 +377,14 @@ AGENT_SPECS: tuple[Spec, ...] = (
         NODE,
     ),
     Spec(
+        "tessera_claims_unrecovered",
+        "gauge",
+        "Claims whose CDI spec survived a lost or corrupt checkpoint but whose prepared state"
+        " could not be rebuilt: their devices stay held until the kubelet unprepares or"
+        " prepares them (/readyz check unrecovered-claims names them).",
+        NODE,
+    ),
+    Spec(
         "tessera_node_events",
         "counter",
         "Events about the Node (GPU health changes) by outcome: recorded (written, or logged in"
@@ -402,6 +412,7 @@ class AgentCollector(Collector):
         _add(fams, "tessera_resourceslice_writes", node, st.slice_writes)
         _add(fams, "tessera_resourceslice_errors", node, st.slice_errors)
         _add(fams, "tessera_claims_stuck", node, st.claims_stuck)
+        _add(fams, "tessera_claims_unrecovered", node, st.claims_unrecovered)
         for outcome, count in st.node_events:
             _add(fams, "tessera_node_events", (*node, outcome), count)
         yield from fams.values()

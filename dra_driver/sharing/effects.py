@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from agent.logs import fields_
+from agent.nvml.types import MigInstance
 from dra_driver.cdi import MpsEdits
 from dra_driver.checkpoint import (
     PREPARE_COMPLETED,
@@ -42,7 +43,7 @@ from dra_driver.checkpoint import (
     PreparedDevice,
 )
 from dra_driver.claims import ClaimKey
-from dra_driver.devices import DeviceModel
+from dra_driver.devices import AdvertisedDevice, DeviceModel
 from dra_driver.errors import SharingError
 from dra_driver.plan import MEMORY_SHARE, MPS, TIME_SLICING, ClaimPlan, PlannedDevice, limits
 from dra_driver.sharing.mig import DynamicMig
@@ -218,6 +219,20 @@ class Effects:
                 if index is not None:
                     profile, start, _ = d.placement
                     self.mig.release(d.device, index, profile, start)
+
+    # -- what survives (rebuilding a lost checkpoint: dra_driver/rebuild.py) ------------------
+    def mig_instance(self, device: AdvertisedDevice) -> MigInstance | None:
+        """The MIG device at a dynamic placement, if it exists (None in static mode)."""
+        return None if self.mig is None else self.mig.found(device)
+
+    def mps_daemon(self, uid: str) -> MpsDaemon | None:
+        """Claim ``uid``'s MPS control daemon, if it still runs (its PID file, a live
+        ``nvidia-cuda-mps-control`` process with that PID, and its start time)."""
+        return None if self.mps is None else self.mps.found(uid)
+
+    def mps_pipe_dir(self, uid: str) -> str | None:
+        """Where claim ``uid``'s MPS daemon has its pipe directory (None: no MPS here)."""
+        return None if self.mps is None else str(self.mps.directory(uid) / "pipe")
 
     # -- start -------------------------------------------------------------------------------
     def sweep(self, cp: Checkpoint) -> None:

@@ -100,6 +100,19 @@ class DynamicMig:
             )
         self.log.info("turned MIG mode on", extra=fields_(gpu=device.gpu_index))
 
+    def found(self, device: AdvertisedDevice) -> MigInstance | None:
+        """The MIG device at placement ``device`` if one exists (its GPU instance and that
+        instance's first compute instance), else None; creates nothing. Raises SharingError."""
+        profile, start, _ = _placement(device)
+        try:
+            gi = self.control.find(device.gpu_index, profile, start)
+            if gi is None:
+                return None
+            existing = self.control.compute_instances(device.gpu_index, gi.gpu_instance_id)
+        except NvmlError as exc:
+            raise SharingError(f"{device.name}: cannot read its MIG device: {exc}") from exc
+        return existing[0] if existing else None
+
     def release(self, name: str, gpu_index: int, profile: int, start: int) -> bool:
         """Destroy the MIG device of profile ``profile`` at placement ``start`` on GPU
         ``gpu_index`` (compute instances first); True if there was one. Idempotent. ``name``

@@ -54,6 +54,15 @@ def test_a_denied_verb_fails_naming_it_and_what_the_agent_needs_it_for(server, t
     assert got["resourceclaims.resource.k8s.io"].status == "ok"
 
 
+def test_listing_claims_is_asked_and_optional_so_a_denial_only_warns(server, tmp_path):
+    got = by_subject(api_checks(connect(server, tmp_path)))
+    assert got["resourceclaims.resource.k8s.io"].detail.startswith("get, list allowed")
+    server.access.deny("list", "resourceclaims", "resource.k8s.io")
+    v = by_subject(api_checks(connect(server, tmp_path)))["resourceclaims.resource.k8s.io"]
+    assert v.status == "warn" and "denied" in v.detail and ": list" in v.detail
+    assert "lost checkpoint" in v.detail  # what the agent cannot do without it
+
+
 def test_reading_the_node_is_optional_so_a_denial_only_warns(server, tmp_path):
     server.access.deny("get", "nodes")
     v = by_subject(api_checks(connect(server, tmp_path)))["nodes"]

@@ -121,3 +121,38 @@ def test_claim_names_are_checked_before_they_reach_a_url(namespace, name):
 
     with pytest.raises(ClaimError, match="is not a DNS"):
         KubeClaimSource(NoCalls()).get(namespace, name)  # type: ignore[arg-type]
+
+
+def test_claims_are_found_by_uid_across_namespaces_in_pages_of_the_api(tmp_path):
+    from agent.sim.apiserver import ApiServer
+    from dra_driver.claims import KubeClaimSource
+    from dra_driver.kube import KubeClient
+
+    with ApiServer() as server:
+        for i, ns in enumerate(("a", "b", "c", "d", "e")):
+            obj = claim([result()], uid=f"uid-{ns}")
+            obj["metadata"].update(namespace=ns, name=f"c{i}")
+            server.put_object("resourceclaims", obj)
+        kube = KubeClient.from_config(server.kubeconfig(tmp_path / "kubeconfig"))
+        try:
+            found = KubeClaimSource(kube, page=2).by_uid(["uid-b", "uid-e", "uid-zzz"])
+        finally:
+            kube.close()
+        pages = [
+            r.params
+            for r in server.requests.snapshot()
+            if r.path == "/apis/resource.k8s.io/v1/resourceclaims"
+        ]
+    namespaces = {uid: o["metadata"]["namespace"] for uid, o in found.items()}
+    assert namespaces == {"uid-b": "b", "uid-e": "e"}
+    assert len(pages) == 3 and all(p["limit"] == "2" for p in pages)  # every page, then stop
+    assert "continue" not in pages[0] and all("continue" in p for p in pages[1:])
+
+
+def test_claim_files_are_found_by_uid(tmp_path):
+    (tmp_path / "claims.yaml").write_text(
+        yaml.safe_dump_all([claim([result()]), claim([result()], uid="uid-2")])
+    )
+    (tmp_path / "broken.yaml").write_text("a: [")
+    src = DirClaimSource(tmp_path)
+    assert set(src.by_uid({"uid-2", "uid-3"})) == {"uid-2"}

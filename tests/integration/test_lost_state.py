@@ -49,10 +49,10 @@ def test_state_dir_lost_while_running_never_gives_the_gpu_out_twice(short_tmp):
             if entry.name not in ("sim", "resourceclaims"):
                 shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
         d.start()
-        d.wait_log(
-            "kept the CDI spec of a claim the checkpoint cannot vouch for: its devices stay held"
-            " until the claim is unprepared or prepared again"
-        )
+        # the claim file survived (resourceclaims/ is the cluster's, kept above): the claim is
+        # rebuilt from its CDI spec with its name
+        rec = d.wait_log("rebuilt a prepared claim from what survived")
+        assert (rec["uid"], rec["claim"]) == ("uid-a", "default/a (uid-a)")
         b = gpu_claim(d, "b", "uid-b", "gpu-0")
         error = call(d, "prepare", b)
         assert "gpu-0 is already prepared for claim" in error and "uid-a" in error
@@ -66,6 +66,8 @@ def test_state_dir_lost_while_running_never_gives_the_gpu_out_twice(short_tmp):
 
 
 def test_a_corrupt_checkpoint_keeps_the_devices_of_every_spec_on_disk(short_tmp):
+    """A claim whose file is gone cannot be rebuilt (tests/integration/test_rebuild_state.py
+    covers those that can): it is kept as recovered, holding its device."""
     d = daemon(short_tmp)
     d.start()
     try:
@@ -73,6 +75,7 @@ def test_a_corrupt_checkpoint_keeps_the_devices_of_every_spec_on_disk(short_tmp)
         assert call(d, "prepare", a) == ""
         d.kill()
         (d.state / "checkpoint.json").write_text('{"version": 1, "claims": {')
+        (d.state / "resourceclaims" / "default-a.yaml").unlink()
         d.start()
         b = gpu_claim(d, "b", "uid-b", "gpu-0")
         assert "already prepared for claim" in call(d, "prepare", b)

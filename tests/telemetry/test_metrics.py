@@ -31,7 +31,7 @@ UNITLESS = {
     "tessera_gpu_healthy", "tessera_gpu_processes", "tessera_device_prepared",
     "tessera_sampler_ticks", "tessera_kubelet_registered", "tessera_resourceslice_pool_generation",
     "tessera_resourceslice_writes", "tessera_resourceslice_errors", "tessera_prepare_errors",
-    "tessera_claims_stuck", "tessera_node_events",
+    "tessera_claims_stuck", "tessera_claims_unrecovered", "tessera_node_events",
 }  # fmt: skip
 UNIT_WORDS = ("bytes", "watts", "joules", "celsius", "hertz", "seconds", "ratio")
 
