@@ -153,8 +153,20 @@ class Sampler:
 
     def set_gpus(self, gpus: Sequence[GpuInfo]) -> None:
         """The inventory changed (MIG reconfigured, a GPU added or gone): read these from the
-        next tick on. XID counts and health stay with the GPU index."""
-        self._gpus = tuple(gpus)
+        next tick on. XID counts and health stay with the GPU (by UUID: NVML indexes shift when
+        a GPU leaves or returns); a GPU that left takes its state with it."""
+        with self._tick_lock:
+            moved = {
+                old.index: new.index
+                for old in self._gpus
+                for new in gpus
+                if old.uuid == new.uuid and old.uuid
+            }
+            self._xid_counts = {moved[i]: c for i, c in self._xid_counts.items() if i in moved}
+            self._fatal = {moved[i] for i in self._fatal if i in moved}
+            self._healthy = {moved[i]: h for i, h in self._healthy.items() if i in moved}
+            self._failing = {moved[i]: f for i, f in self._failing.items() if i in moved}
+            self._gpus = tuple(gpus)
 
     def subscribe(self, maxsize: int = 1) -> Subscription:
         """A queue that receives every snapshot published from now on (latest-wins)."""
