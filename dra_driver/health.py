@@ -44,15 +44,16 @@ class HealthBoard:
         self._cond = threading.Condition()
 
     def set_devices(self, names: Iterable[str]) -> None:
-        """The advertised set changed: new devices start HEALTHY; gone ones that a claim still
-        holds become UNHEALTHY and stay until unprepared; other gone ones are dropped."""
+        """The advertised set changed: new devices (and ones that return) start HEALTHY; gone
+        ones that a claim still holds become UNHEALTHY and stay until unprepared; other gone
+        ones are dropped."""
         now = int(self._clock())
         wanted = set(names)
         held = set(self._held())
         with self._cond:
             states: dict[str, DeviceHealthState] = {}
             for n, s in self._states.items():
-                if n in wanted:
+                if n in wanted and n in self._advertised:
                     states[n] = s
                 elif n in held:
                     states[n] = s if s.health == UNHEALTHY else self._state(n, UNHEALTHY, now)
