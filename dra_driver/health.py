@@ -55,7 +55,7 @@ class HealthBoard:
             for n, s in self._states.items():
                 if n in wanted and n in self._advertised:
                     states[n] = s
-                elif n in held:
+                elif n not in wanted and n in held:
                     states[n] = s if s.health == UNHEALTHY else self._state(n, UNHEALTHY, now)
             for n in wanted - set(states):
                 states[n] = self._state(n, HEALTHY, now)

@@ -176,7 +176,7 @@ def test_an_admin_mig_change_on_a_static_node_is_re_advertised(short_tmp):
         assert len(before) == 4  # the balanced layout: 3g, 2g and two 1g
 
         code, out, err = sim(d, "mig-layout", "--gpu", "0", "--layout", "all-1g")
-        assert code == 0, err
+        assert (code, out) == (0, "GPU 0: MIG layout all-1g created\n"), err
 
         def seven_1g() -> bool:
             names = [n for n in devices(d) if n.startswith("gpu-0-")]
@@ -194,5 +194,7 @@ def test_an_admin_mig_change_on_a_static_node_is_re_advertised(short_tmp):
         assert changed["devices_removed"] == sorted(set(before) - set(after))
         assert changed["devices_added"] == sorted(set(after) - set(before))
         assert changed["devices_added"]  # 1g devices where the 3g and 2g were
+        # periodic re-reads that find nothing new log nothing
+        assert len([r for r in d.logs if r.get("msg") == "node inventory changed"]) == 1
     finally:
         d.kill()
