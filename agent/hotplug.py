@@ -7,7 +7,7 @@ subsystem, NVIDIA's vendor id, add/remove/bind/unbind; pyudev's objects never le
 the simulator has its own (``agent.sim.udev``); only the composition root chooses which.
 
 :class:`Rediscovery` runs the loop: a burst of events gives one rediscovery once no event came for
-``debounce`` seconds (at the latest ``max_delay`` after the first one), and the periodic re-read
+``debounce`` seconds (at the latest five times that after the first one), and the periodic re-read
 (``interval``; 0 turns it off) catches what sends no event at all, such as an administrator's MIG
 change with ``nvidia-smi``. :func:`inventory_change` is the pure diff of two inventories that the
 composition root reports as a :class:`DevicesChanged`.
@@ -32,6 +32,8 @@ ACTIONS = frozenset({"add", "remove", "bind", "unbind"})
 """The uevent actions that can change what the node has: a function appears or goes
 (add/remove), a driver takes or leaves it (bind/unbind)."""
 REBIND_ACTIONS = frozenset({"add", "bind"})
+MAX_DELAY_FACTOR = 5.0
+"""A burst is read at the latest this many debounce intervals after its first event."""
 UDEV_RUN_DIR = Path("/run/udev")
 """systemd-udevd's runtime directory: without it nothing re-broadcasts the kernel's events to
 libudev listeners (a container without /run/udev mounted, a machine without udevd)."""
@@ -187,7 +189,7 @@ class Rediscovery:
         self._source = source
         self._rediscover = rediscover
         self.interval = interval
-        self._debouncer = Debouncer(debounce, max(debounce * 5, debounce + 1.0))
+        self._debouncer = Debouncer(debounce, debounce * MAX_DELAY_FACTOR)
         self._log = log
         self._clock = clock
 
