@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from agent.errors import ConfigError
+from agent.telemetry.health import parse_xids
 from agent.tls import TlsFiles
 from dra_driver.devices import SHARING_MODES, DevicePolicy
 from dra_driver.errors import QuantityError
@@ -37,6 +38,7 @@ from dra_driver.prepare import CRASH_POINTS
 from dra_driver.quantity import parse_bytes
 
 ENV_PREFIX = "TESSERA_"
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 REQUIRED: Any = MISSING
 """The default of a setting that must be given (by its flag or its variable)."""
@@ -193,6 +195,17 @@ def dns_subdomain(raw: str) -> str:
     if not DNS_SUBDOMAIN.fullmatch(raw) or len(raw) > 63:
         raise ValueError(
             "is not a lower-case DNS subdomain of at most 63 characters (e.g. gpu.example.com)"
+        )
+    return raw
+
+
+def pod_uid_text(raw: str) -> str:
+    """A pod UID as it goes into socket names: a lower-case DNS label."""
+    if not DNS_LABEL.fullmatch(raw) or len(raw) > 63:
+        raise ValueError(
+            "is not a pod UID: lower-case letters, digits and '-', starting and ending with a"
+            " letter or digit, at most 63 characters (e.g. 4f1b2c3d-5e6f-4a7b-8c9d-0e1f2a3b4c5d,"
+            " what metadata.uid holds)"
         )
     return raw
 
@@ -448,6 +461,23 @@ class Config:
         groups=("daemon",),
         metavar="SECONDS",
     )
+    device_taints: bool = setting(
+        False,
+        "Taint the devices of an unhealthy GPU in the ResourceSlices (key <driver>/unhealthy,"
+        " effect NoSchedule, the cause as value, e.g. xid-79) instead of withdrawing them. Needs"
+        " the DRADeviceTaints feature gate (alpha in Kubernetes 1.33-1.35) on the API server"
+        " and the scheduler.",
+        groups=("daemon",),
+    )
+    application_xids: frozenset[int] | None = setting(
+        None,
+        "XIDs that are the workload's fault, not the GPU's, in addition to the built-in 13, 31,"
+        " 43, 45, 68, 109: counted and logged, the GPU stays healthy. Comma-separated; fatal"
+        " XIDs (48, 63, 64, 74, 79, 92, 94, 95) are refused.",
+        groups=("daemon",),
+        metavar="XID,...",
+        parse=parse_xids,
+    )
     telemetry_address: str | None = setting(
         None,
         "Also serve the telemetry gRPC API on this TCP host:port (it is always served on"
@@ -465,6 +495,25 @@ class Config:
         " DaemonSet).",
         groups=("daemon",),
         metavar="SECONDS",
+    )
+    rolling_update: bool = setting(
+        False,
+        "Rolling upgrade without a gap (the DaemonSet's maxSurge: 1, maxUnavailable: 0; kubelet"
+        " 1.33 or newer): the kubelet sockets carry the pod's UID (<driver>-<uid>-reg.sock,"
+        " dra-<uid>.sock), so a new agent registers while the old one still serves; it waits"
+        " for the old one to hand the state directory over (its kubelet calls wait meanwhile)."
+        " Needs --pod-uid. Unset: the classic socket names, and a second agent on the state"
+        " directory exits at once.",
+        groups=("daemon",),
+    )
+    pod_uid: str | None = setting(
+        None,
+        "With --rolling-update: this agent's pod UID, which names its kubelet sockets and is"
+        " written into the state directory's lock (the DaemonSet sets it from the downward API,"
+        " fieldRef metadata.uid).",
+        groups=("daemon",),
+        metavar="UID",
+        parse=pod_uid_text,
     )
     claim_read_timeout: float = setting(
         15.0,
@@ -602,6 +651,7 @@ class Config:
     )
 
     def __post_init__(self) -> None:
+        self._check_rolling_update()
         if self.sim_crash_at is not None and self.simulate is None:
             raise ConfigError("--sim-crash-at: fault injection is only allowed with --simulate")
         if self.sim_driver_layout is not None and self.simulate is None:
@@ -635,6 +685,23 @@ class Config:
             raise ConfigError(
                 "--telemetry-tls-cert applies to the TCP listener, and --telemetry-address is"
                 " not set (the unix socket is never TLS)"
+            )
+
+    def _check_rolling_update(self) -> None:
+        if self.rolling_update and self.pod_uid is None:
+            raise ConfigError(
+                "--rolling-update needs this pod's UID: set --pod-uid or TESSERA_POD_UID (the"
+                " DaemonSet sets it from the downward API, fieldRef metadata.uid)"
+            )
+        if self.pod_uid is not None:
+            try:
+                pod_uid_text(self.pod_uid)
+            except ValueError as exc:
+                raise ConfigError(f"--pod-uid: {self.pod_uid!r} {exc}") from None
+        if self.rolling_update and self.cleanup_on_exit:
+            raise ConfigError(
+                "--cleanup-on-exit and --rolling-update go against each other: the agent that"
+                " takes over publishes the same ResourceSlices the exiting one would delete"
             )
 
     def device_policy(self) -> DevicePolicy:

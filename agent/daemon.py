@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ from agent.statelock import StateLock
 from agent.supervisor import Deadline, Supervisor
 from agent.telemetry.energy import EnergyAccounting
 from agent.telemetry.gpuinfo import gpu_info
+from agent.telemetry.health import GpuHealth, application_xids
 from agent.telemetry.metrics import (
     AgentCollector,
     AgentStatus,
@@ -49,8 +51,9 @@ from dra_driver.checkpoint import CheckpointStore
 from dra_driver.claims import ClaimSource, DirClaimSource, KubeClaimSource
 from dra_driver.devices import DeviceModel, advertised_devices
 from dra_driver.errors import ClaimError, KubeError
-from dra_driver.health import HealthBoard
+from dra_driver.health import HEALTHY, UNHEALTHY, HealthBoard
 from dra_driver.kube import KubeClient
+from dra_driver.node_events import KubeEventSink, LogEventSink, NodeEventRecorder, gpu_health
 from dra_driver.plugin import PluginServer
 from dra_driver.prepare import Preparer
 from dra_driver.publisher import DirSliceStore, KubeSliceStore, Publisher, SliceStore
@@ -60,11 +63,14 @@ from dra_driver.sharing.mps import MpsControl
 from dra_driver.sharing.timeslice import GpuSettings
 from dra_driver.sharing.tools import Tools, find_tool, tool_env
 from dra_driver.slices import SlicePolicy
+from dra_driver.taints import UnhealthyGpu, UnhealthyGpus, with_health
 
 DEFAULT_STATE_DIR = Path("/var/lib/tessera")
 KUBELET_REGISTRY_DIR = Path("/var/lib/kubelet/plugins_registry")
 KUBELET_PLUGINS_DIR = Path("/var/lib/kubelet/plugins")
 CDI_ROOT = Path("/var/run/cdi")
+HANDOVER_LOG_S = 30.0
+"""While waiting for the state directory, one log line this often."""
 STOP_RESERVE_S = 2.0
 """Of the shutdown timeout, what is kept for stopping the servers and loops after the claims
 (at most half of it)."""
@@ -112,6 +118,7 @@ class Agent:
     events: EventWatcher
     telemetry_server: TelemetryServer
     lock: StateLock
+    node_events: NodeEventRecorder | None = None
     stop_event: threading.Event = field(default_factory=threading.Event)
     devices: CurrentDevices = field(default_factory=lambda: CurrentDevices())
     inventory: NodeInventory | None = None
@@ -123,15 +130,27 @@ class Agent:
     on_devices_changed: Callable[[DevicesChanged], None] = lambda change: None
     """Told every rediscovery that changed the GPUs or devices, or saw a GPU bound again."""
     _apply_lock: threading.Lock = field(default_factory=threading.Lock)
+    unhealthy: UnhealthyGpus = field(default_factory=UnhealthyGpus)
+    on_health_event: Callable[[GpuHealth], None] | None = None
+    """Hook for every GPU health change after it is published (Kubernetes Node events)."""
+    _publish_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
-    def start(self) -> None:
-        """Discover the node, start publishing, open the HTTP endpoint (NVML is initialized)."""
+    def start(self, stop: threading.Event | None = None) -> None:
+        """Discover the node, start publishing, open the HTTP endpoint (NVML is initialized).
+        With --rolling-update, first serve the kubelet and wait for the state directory
+        (:meth:`_take_over`; ``stop`` ends the wait, and then nothing else starts)."""
+        if not self.lock.held and not self._take_over(stop or self.stop_event):
+            return
         self._sweep_temp_files()
+        self.accounting.load()
+        self.preparer.cdi.write_base()
         inventory = discover(self.source)
         self.readiness.add("inventory", lambda: (True, "node discovered"))
         if self.kube is not None:
             uid = node_uid(self.kube, self.publisher.policy.node_name, self.log)
             self.publisher.policy = dataclasses.replace(self.publisher.policy, node_uid=uid)
+            if self.node_events is not None:
+                self.node_events.set_node_uid(uid)
         self.apply_inventory(inventory)
         self.preparer.reconcile_on_start()
         self.plugin.start()
@@ -140,18 +159,7 @@ class Agent:
         self.http.liveness.add("sockets", self._sockets_intact)
         self.http.liveness.add("state-dir", self._state_dir_intact)
         self.readiness.add("claims", self._claims_moving)
-        standalone = self.kube is None
-        self.readiness.add(
-            "kubelet",
-            lambda: (
-                standalone or self.plugin.registered,
-                "standalone mode"
-                if standalone
-                else "registered"
-                if self.plugin.registered
-                else f"not registered ({self.plugin.registration_error or 'waiting for kubelet'})",
-            ),
-        )
+        self.readiness.add("kubelet", self._registered)
         self.readiness.add(
             "resourceslices",
             lambda: (
@@ -163,6 +171,9 @@ class Agent:
         )
         self._start_telemetry()
         self.supervisor = Supervisor(self.log, self.stop_event.set)
+        if self.node_events is not None:
+            recorder = self.node_events
+            self.supervisor.spawn("node-events", lambda: recorder.run(self.stop_event))
         self.supervisor.spawn("sampler", lambda: self.sampler.run(self.stop_event))
         self.supervisor.spawn("telemetry-notify", self._notify_watchers)
         self.supervisor.spawn("publisher", lambda: self.publisher.run(self.stop_event))
@@ -206,8 +217,8 @@ class Agent:
             self.inventory = inv
             if model != old_model:
                 self.devices.set(model)
-                self.publisher.set_devices(model)
                 self.health.set_devices(d.name for d in model.devices)
+                self.publish_devices()
             self.events.watch([g.device.index for g in inv.gpus])
             self.reader.expect({g.device.index: g.device.uuid for g in inv.gpus})
             before = {g.device.uuid: g.device for g in previous.gpus} if previous else {}
@@ -239,6 +250,9 @@ class Agent:
                     devices=len(model.devices),
                 ),
             )
+        for g in inv.gpus:  # bound again: a sticky fatal XID waits for the health probe only
+            if g.pcie.bus_id in change.rebound:
+                self.sampler.observe_reset(g.device.uuid)
         if change.devices_changed or change.rebound:
             try:
                 self.on_devices_changed(change)
@@ -263,6 +277,128 @@ class Agent:
                 extra=fields_(gpus=list(reread.kept_unreadable)),
             )
         self.apply_inventory(reread.inventory, rebound)
+
+    def publish_devices(self) -> None:
+        """Publish the current devices as health has them: the kubelet's health stream marks
+        every device of an unhealthy GPU, and the slices taint or withdraw them
+        (``--device-taints``; dra_driver/taints.py). Prepare keeps reading the full model. Call
+        after the devices or the health changed; writes nothing when nothing did."""
+        with self._publish_lock:
+            model = self.devices.get()
+            unhealthy = self.unhealthy.snapshot()
+            for d in model.devices:
+                self.health.mark(d.name, UNHEALTHY if d.parent_uuid in unhealthy else HEALTHY)
+            self.publisher.set_devices(
+                with_health(
+                    model,
+                    unhealthy,
+                    taints=self._tainting(),
+                    driver_name=self.config.driver_name,
+                )
+            )
+
+    def _tainting(self) -> bool:
+        """Unhealthy devices are tainted (else withdrawn): --device-taints, and the API server
+        keeps taints (publisher.taints_dropped)."""
+        return self.config.device_taints and not self.publisher.taints_dropped
+
+    def gpu_health_changed(self, change: GpuHealth) -> None:
+        """The sampler's callback: a GPU's health or cause changed."""
+        gone = (
+            None if change.healthy else UnhealthyGpu(change.uuid, change.cause or "", change.since)
+        )
+        self.unhealthy.update(change.uuid, gone)
+        try:
+            affected = [d.name for d in self.devices.get().devices if d.parent_uuid == change.uuid]
+        except ClaimError:  # not discovered yet: publish_devices at start picks it up
+            affected = []
+        else:
+            self.publish_devices()
+        published = (
+            "advertised" if change.healthy else "tainted" if self._tainting() else "withdrawn"
+        )
+        self.log.warning(
+            "GPU health published",
+            extra=fields_(
+                gpu=change.index,
+                uuid=change.uuid,
+                healthy=change.healthy,
+                cause=change.cause,
+                devices=len(affected),
+                slices=published,
+            ),
+        )
+        if self.on_health_event is not None:
+            self.on_health_event(change)
+
+    def _registered(self) -> tuple[bool, str]:
+        """Ready only once the kubelet has registered us (kube mode)."""
+        if self.kube is None:
+            return True, "standalone mode"
+        if self.plugin.registered:
+            return True, "registered"
+        return False, f"not registered ({self.plugin.registration_error or 'waiting for kubelet'})"
+
+    def _take_over(self, stop: threading.Event) -> bool:
+        """--rolling-update: serve the kubelet at once (it sends new calls to the newest plugin
+        of a driver; they wait at the plugin's gate), then wait for the state directory until
+        the agent before us hands it over. Ready while waiting: the DaemonSet deletes the old
+        pod only once this one is ready, and only then does the old agent let go (a deadlock
+        otherwise). False when ``stop`` was set first."""
+        self.plugin.gate.waiting_for = f"the state directory {self.state_dir}"
+        self.plugin.serve()
+        self.readiness.add("kubelet", self._registered)
+        self.readiness.add("sockets", self.plugin.sockets_intact)
+        self.readiness.add("state-dir", lambda: (True, self._handover_detail()))
+        self.http.start()
+        host, port = self.http.address
+        started, previous, timeout = time.monotonic(), None, 0.0
+        while not self.lock.acquire(wait=True, stop=stop, timeout=timeout):
+            if stop.is_set():
+                self.log.info("stopped before the state directory was handed over")
+                return False
+            previous, timeout = self.lock.holder(), HANDOVER_LOG_S
+            self.plugin.gate.waiting_for = f"the state directory {self.state_dir} ({previous})"
+            self.log.info(
+                "waiting for the state directory",
+                extra=fields_(
+                    state_dir=str(self.state_dir),
+                    holder=str(previous),
+                    waited_s=round(time.monotonic() - started, 1),
+                    healthz=f"{self.http.scheme}://{host}:{port}/healthz",
+                ),
+            )
+        self.log.info(
+            "took over the state directory",
+            extra=fields_(
+                state_dir=str(self.state_dir),
+                previous=str(previous) if previous else None,
+                waited_s=round(time.monotonic() - started, 3),
+            ),
+        )
+        return True
+
+    def _handover_detail(self) -> str:
+        if self.lock.held:
+            return "held"
+        return (
+            f"waiting for {self.lock.holder()} to hand {self.state_dir} over; the kubelet's calls"
+            " wait meanwhile"
+        )
+
+    def _release_state_dir(self) -> None:
+        """Give the state directory up unless something of ours may still write it: then the
+        kernel releases it when the process exits (the CLI ends it at once)."""
+        if not self.lock.held:
+            return
+        if self.unfinished:
+            self.log.warning(
+                "keeping the state directory locked until the process exits: work is still running",
+                extra=fields_(state_dir=str(self.state_dir), unfinished=self.unfinished),
+            )
+            return
+        self.lock.release()
+        self.log.info("released the state directory", extra=fields_(state_dir=str(self.state_dir)))
 
     def _sockets_intact(self) -> tuple[bool, str]:
         """Ready only while the kubelet and telemetry clients can still reach our sockets."""
@@ -297,7 +433,10 @@ class Agent:
         Claims being prepared get most of that time to finish (new kubelet calls are refused
         meanwhile); claims still running at the deadline are left to the next start's
         reconcile, and what had not stopped is listed in ``unfinished``. The state directory's
-        lock is released last."""
+        lock is released last, or with --rolling-update as soon as nothing of ours writes the
+        directory or the API any more (the claims answered, the loops stopped, the energy state
+        saved), so the agent taking over waits no longer than that; never while something of
+        ours is still running (the process then exits with it)."""
         deadline = Deadline(self.config.shutdown_timeout)
         self.stop_event.set()
         if self.triggers is not None:
@@ -311,7 +450,10 @@ class Agent:
                 extra=fields_(claims=running),
             )
             self.unfinished += [f"claim {c}" for c in running]
+        # the sockets go only once every call is answered: the kubelet closes its connection to
+        # a plugin whose registration socket is removed, cancelling calls still in flight
         self.plugin.stop(grace=deadline.remaining(1.0))
+        # its socket is in the state directory: gone before a successor binds its own there
         self.telemetry_server.stop(grace=deadline.remaining(1.0))
         self.publisher.stop()
         if self.supervisor is not None:
@@ -319,7 +461,12 @@ class Agent:
             if stuck:
                 self.log.warning("tasks did not stop in time", extra=fields_(tasks=stuck))
                 self.unfinished += stuck
-        self.accounting.close()
+        if self.node_events is not None:
+            self.node_events.close()  # the loop flushed what it could; logs what is left
+        if self.lock.held:  # an agent that never got its state directory has nothing to save
+            self.accounting.close()
+        if self.config.rolling_update:
+            self._release_state_dir()  # hand over now
         self.reader.close()
         self.events.close()
         if self.config.cleanup_on_exit:
@@ -330,14 +477,14 @@ class Agent:
         if self.kube is not None:
             self.kube.close()
         self.source.nvml.shutdown()
-        self.lock.release()
+        self._release_state_dir()
         self.log.info("agent stopped", extra=fields_(unfinished=self.unfinished))
 
     def run(self, stop: threading.Event) -> int:
         """Run until ``stop`` is set or a task fails; the exit code (1 when a task failed).
         A start that fails half way still stops what it had started."""
         try:
-            self.start()
+            self.start(stop)
             while not stop.wait(0.2) and not self.stop_event.is_set():
                 pass
         finally:
@@ -491,9 +638,10 @@ def node_uid(kube: KubeClient, name: str, log: logging.Logger) -> str | None:
     return str(uid) if uid else None
 
 
-def take_state_dir(state_dir: Path) -> StateLock:
+def take_state_dir(state_dir: Path, *, pod_uid: str | None = None, now: bool = True) -> StateLock:
     """Create the state directory if needed and take its lock before anything else touches it
-    (one agent per state directory). Raises ConfigError or StateDirInUse, each one line."""
+    (one agent per state directory). Raises ConfigError or StateDirInUse, each one line.
+    ``now=False`` (a rolling update): the lock is taken later (``Agent.start``)."""
     if state_dir.exists() and not state_dir.is_dir():
         raise ConfigError(f"--state-dir: {state_dir} is not a directory")
     try:
@@ -505,19 +653,25 @@ def take_state_dir(state_dir: Path) -> StateLock:
         ) from exc
     if not state_dir.is_dir():
         raise ConfigError(f"--state-dir: {state_dir} is not a directory")
-    lock = StateLock(state_dir)
-    lock.acquire()
+    lock = StateLock(state_dir, pod_uid)
+    if now:
+        lock.acquire()
     return lock
 
 
 def build_agent(
     config: Config, log: logging.Logger, environ: Mapping[str, str] | None = None
 ) -> Agent:
-    """Compose the agent from its configuration: takes the state directory's lock, then
-    initializes NVML (no driver is the most basic failure); starts no loop. ``environ`` is the
+    """Compose the agent from its configuration: takes the state directory's lock (with
+    --rolling-update: ``Agent.start`` waits for it), then initializes NVML (no driver is the most
+    basic failure); starts no loop and writes nothing in the state directory. ``environ`` is the
     agent's environment (its ``PATH`` is searched for the toolkit's hook binary)."""
     state_dir = config.state_dir or DEFAULT_STATE_DIR
-    lock = take_state_dir(state_dir)
+    lock = take_state_dir(
+        state_dir,
+        pod_uid=config.pod_uid if config.rolling_update else None,
+        now=not config.rolling_update,
+    )
     try:
         return _build(config, log, state_dir, lock, environ or {})
     except BaseException:
@@ -559,7 +713,8 @@ def cdi_writer(
 ) -> CdiWriter:
     """The CDI writer of this node: the driver's files under the driver root, named in specs
     under the host's driver root, with the toolkit's hooks when its binary is on the host
-    (:func:`cdi_hook`); writes the base spec."""
+    (:func:`cdi_hook`). Writes nothing: ``Agent.start`` writes the base spec once the state
+    directory is ours."""
     hook = cdi_hook(config, source, environ)
     make_node = make_char_device
     if config.simulate:
@@ -597,7 +752,6 @@ def cdi_writer(
             " containers will not find the driver (check --driver-root)",
             extra=fields_(driver_root=str(source.driver_root), driver_version=driver_version),
         )
-    cdi.write_base()
     return cdi
 
 
@@ -646,6 +800,13 @@ def _build(
     )
     paths = agent_paths(config, state_dir)
     health = HealthBoard(pool=source.hostname, held=lambda: held_devices(preparer))
+    events_log = log.getChild("node-events")
+    node_events = NodeEventRecorder(
+        LogEventSink(events_log) if kube is None else KubeEventSink(kube),
+        node=source.hostname,
+        component=config.driver_name,
+        log=events_log,
+    )
     publisher = Publisher(
         store,
         SlicePolicy(
@@ -663,7 +824,10 @@ def _build(
         pool=source.hostname,
         claims=claims,
         store=CheckpointStore(
-            state_dir / "checkpoint.json", source.boot_id, log=log.getChild("checkpoint")
+            state_dir / "checkpoint.json",
+            source.boot_id,
+            log=log.getChild("checkpoint"),
+            guard=lock.guard,  # only the agent holding the state directory writes it
         ),
         cdi=cdi_writer(
             config, source, paths.cdi_root, driver_version, log.getChild("cdi"), environ
@@ -684,6 +848,7 @@ def _build(
         health=health,
         log=log.getChild("plugin"),
         health_streams=config.kubelet_health_streams,
+        instance=config.pod_uid if config.rolling_update else None,
     )
     nvml = source.nvml
     events = EventWatcher(nvml)
@@ -692,6 +857,7 @@ def _build(
         state_dir / "energy.json",
         log=log.getChild("energy"),
         process_pod=ProcessPods(source.proc_root, log=log.getChild("owners")),
+        load=False,  # Agent.start, once the state directory is ours
     )
     sampler = Sampler(
         node=source.hostname,
@@ -702,9 +868,9 @@ def _build(
         log=log.getChild("sampler"),
         interval=config.telemetry_interval,
         xids=lambda: events.wait(0),
-        on_health_change=health_to_board(devices, health, log),
+        application_xids=application_xids(config.application_xids),
     )
-    status = agent_status(source.hostname, kube, plugin, publisher, preparer)
+    status = agent_status(source.hostname, kube, plugin, publisher, preparer, node_events)
     registry.register(SnapshotCollector(lambda: sampler.latest))
     registry.register(AgentCollector(status))
     exposition.key = lambda: (
@@ -712,7 +878,7 @@ def _build(
         driver_metrics.version,
         status(),
     )
-    return Agent(
+    agent = Agent(
         config=config,
         source=source,
         state_dir=state_dir,
@@ -743,7 +909,12 @@ def _build(
         ),
         lock=lock,
         triggers=open_triggers(config, state_dir, log.getChild("rediscovery")),
+        node_events=node_events,
     )
+    sampler.on_health_change = agent.gpu_health_changed
+    agent.on_health_event = health_event(node_events)
+    publisher.on_taints_dropped = agent.publish_devices
+    return agent
 
 
 def held_devices(preparer: Preparer) -> set[str]:
@@ -767,18 +938,15 @@ def open_triggers(config: Config, state_dir: Path, log: logging.Logger) -> Event
     return open_udev(log)
 
 
-def health_to_board(
-    devices: CurrentDevices, health: HealthBoard, log: logging.Logger
-) -> Callable[[int, bool], None]:
-    """The sampler's GPU health changes, told to the kubelet (every device on that GPU)."""
+def health_event(node_events: NodeEventRecorder) -> Callable[[GpuHealth], None]:
+    """A published GPU health change, recorded as an Event on the Node (reason GpuUnhealthy
+    or GpuHealthy, the message naming the GPU, its UUID and the cause)."""
 
-    def on_health(index: int, healthy: bool) -> None:
-        for d in devices.get().devices:
-            if d.gpu_index == index:
-                health.mark(d.name, "HEALTHY" if healthy else "UNHEALTHY")
-        log.warning("GPU health changed", extra=fields_(gpu=index, healthy=healthy))
+    def record(change: GpuHealth) -> None:
+        cause = change.cause or "it answers again and passed the health probe"
+        node_events.record(*gpu_health(change.index, change.uuid, change.healthy, cause))
 
-    return on_health
+    return record
 
 
 def agent_status(
@@ -787,6 +955,7 @@ def agent_status(
     plugin: PluginServer,
     publisher: Publisher,
     preparer: Preparer,
+    node_events: NodeEventRecorder | None = None,
 ) -> Callable[[], AgentStatus]:
     """The agent's own state for /metrics (in-memory reads only)."""
 
@@ -798,6 +967,7 @@ def agent_status(
             slice_writes=publisher.stats.writes,
             slice_errors=publisher.stats.errors,
             claims_stuck=len(preparer.stuck()),
+            node_events=() if node_events is None else node_events.stats.outcomes(),
         )
 
     return status

@@ -45,6 +45,22 @@ class StateDirInUse(TesseraError):
         )
 
 
+class StateDirNotHeld(TesseraError):
+    """A write to the state directory was refused: this agent does not hold its lock (not yet,
+    while it waits for the agent before it to hand over, or no more, after handing over).
+
+    ``path`` is the lock file."""
+
+    temporary = True
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        super().__init__(
+            f"this agent does not hold {path} (it waits for the agent before it to hand the state"
+            " directory over, or has handed it over): nothing in the directory is written"
+        )
+
+
 class DecodeError(TesseraError):
     """Bytes that do not decode within their limits (size, nesting, integer length, YAML
     aliases); the message names what was read and why. Callers turn it into their own error."""

@@ -260,6 +260,9 @@ class HttpEndpoint:
         return "https" if self.tls is not None else "http"
 
     def start(self) -> None:
+        """Serve (idempotent: an agent waiting for its state directory serves its probes early)."""
+        if self._threads:
+            return
         self._selector.register(self._listener, selectors.EVENT_READ, "listener")
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._threads = [threading.Thread(target=self._serve, name="http", daemon=True)]

@@ -39,18 +39,20 @@ preparer keeps the CDI specs such a result cannot vouch for as ``recovered`` cla
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from agent.decode import load_json
-from agent.errors import DecodeError
+from agent.errors import DecodeError, TesseraError
 from agent.fsutil import atomic_write, move_aside
 from agent.logs import fields_
 from dra_driver.errors import CheckpointCorrupt, CheckpointError, CheckpointTooNew
@@ -563,6 +565,9 @@ class CheckpointStore:
     Not locked: the caller serializes load/save (prepare holds its lock around both).
     ``clock`` (unix seconds) only names moved-aside corrupt files; ``log`` gets what ``load``
     found (a corrupt file moved aside, an older format converted, another boot's state).
+    ``guard`` is entered around every write (the state directory's lock,
+    ``agent.statelock.StateLock.guard``: a process that does not hold the directory never writes
+    the checkpoint); a TesseraError it raises becomes a CheckpointError.
     """
 
     def __init__(
@@ -572,11 +577,23 @@ class CheckpointStore:
         *,
         clock: Callable[[], float] = time.time,
         log: logging.Logger | None = None,
+        guard: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
     ) -> None:
         self.path = Path(path)
         self.boot_id = boot_id
         self._clock = clock
         self._log = log or logging.getLogger("tessera.checkpoint")
+        self._guard = guard
+
+    @contextlib.contextmanager
+    def _writing(self, what: str) -> Iterator[None]:
+        try:
+            with self._guard():
+                yield
+        except CheckpointError:
+            raise
+        except TesseraError as exc:
+            raise CheckpointError(f"cannot {what} checkpoint {self.path}: {exc}") from exc
 
     def load(self) -> LoadResult:
         """Read the checkpoint (see the module docstring for what each case returns).
@@ -630,7 +647,8 @@ class CheckpointStore:
     def save(self, cp: Checkpoint) -> None:
         """Replace the file with ``cp`` atomically (mode 0600). Raises CheckpointError."""
         try:
-            atomic_write(self.path, encode(cp), mode=FILE_MODE)
+            with self._writing("write"):
+                atomic_write(self.path, encode(cp), mode=FILE_MODE)
         except OSError as exc:
             raise CheckpointError(
                 f"cannot write checkpoint {self.path}: {exc.strerror or exc}"
@@ -639,7 +657,8 @@ class CheckpointStore:
     def _move_aside(self) -> Path:
         """Rename the file to ``<name>.corrupt-<UTC timestamp>[.N]``, never replacing a file."""
         try:
-            return move_aside(self.path, self._clock())
+            with self._writing("move aside the corrupt"):
+                return move_aside(self.path, self._clock())
         except OSError as exc:
             raise CheckpointError(
                 f"checkpoint {self.path} is corrupt and cannot be moved aside: "

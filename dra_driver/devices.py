@@ -103,6 +103,25 @@ class RequestPolicy:
 
 
 @dataclass(frozen=True)
+class DeviceTaint:
+    """A v1 DeviceTaint (the DRADeviceTaints feature; see dra_driver/taints.py)."""
+
+    key: str
+    value: str
+    effect: str
+    time_added: str
+    """RFC 3339, seconds, UTC (``2026-01-02T03:04:05Z``)."""
+
+    def api(self) -> dict[str, object]:
+        return {
+            "key": self.key,
+            "value": self.value,
+            "effect": self.effect,
+            "timeAdded": self.time_added,
+        }
+
+
+@dataclass(frozen=True)
 class AdvertisedDevice:
     name: str
     kind: str
@@ -128,6 +147,8 @@ class AdvertisedDevice:
     """Several claims may be allocated this device at once (GPU sharing)."""
     request_policies: tuple[tuple[str, RequestPolicy], ...] = ()
     """(capacity name, how a claim consumes it) for consumable capacity."""
+    taints: tuple[DeviceTaint, ...] = ()
+    """Set by ``dra_driver.taints.with_health`` for devices of an unhealthy GPU."""
 
     def api(self) -> dict[str, object]:
         """The v1 Device object as the API server stores it."""
@@ -150,6 +171,8 @@ class AdvertisedDevice:
                 {"counterSet": s, "counters": {c: {"value": q} for c, q in counters}}
                 for s, counters in self.consumes_counters
             ]
+        if self.taints:
+            out["taints"] = [t.api() for t in self.taints]
         return out
 
 

@@ -30,6 +30,9 @@ from dra_driver.errors import KubeConflict, KubeError, KubeMalformed
 
 DEFAULT_TIMEOUT = (5.0, 30.0)
 """(connect, read) seconds for one request."""
+JSON = "application/json"
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
+"""The patch type client-go's event recorder sends (built-in types only; CRDs answer 415)."""
 MAX_BODY_BYTES = 64 * 1024 * 1024
 """The largest answer (or watch line) taken: a node's slices or one claim are far smaller."""
 
@@ -93,12 +96,13 @@ class KubeClient:
         query: Mapping[str, str] | None,
         body: Any,
         timeout: tuple[float, float] | None,
+        content_type: str = JSON,
     ) -> Any:
         params = self._api.param_serialize(
             method,
             path,
             query_params=list((query or {}).items()),
-            header_params={"Accept": "application/json", "Content-Type": "application/json"},
+            header_params={"Accept": JSON, "Content-Type": content_type},
             body=body,
             auth_settings=["BearerToken"],
         )
@@ -127,11 +131,13 @@ class KubeClient:
         query: Mapping[str, str] | None = None,
         body: Any = None,
         timeout: tuple[float, float] | None = None,
+        content_type: str = JSON,
     ) -> dict[str, Any]:
         """One request; the decoded JSON object. ``timeout`` (connect, read) overrides the
-        client's for this call. Raises KubeError (KubeMalformed for an answer that is not a JSON
-        object)."""
-        resp = self._send(method, path, query, body, timeout)
+        client's for this call; ``content_type`` is the body's (a PATCH names its patch type,
+        e.g. :data:`STRATEGIC_MERGE_PATCH`). Raises KubeError (KubeMalformed for an answer that
+        is not a JSON object)."""
+        resp = self._send(method, path, query, body, timeout, content_type)
         return _json_object(_read(resp, method, path) or b"{}", method, path)
 
     def watch(

@@ -285,7 +285,7 @@ class KubeletClient:
             call.cancel()
 
 
-def _refusal(info: dict[str, Any]) -> tuple[str, str]:
+def check_plugin_info(info: dict[str, Any]) -> tuple[str, str]:
     """The kubelet's checks on PluginInfo: ``(chosen version, "")`` or ``("", reason)``."""
     if info["type"] != DRA_PLUGIN_TYPE:
         return "", f"plugin type {info['type']!r} is not {DRA_PLUGIN_TYPE!r}"
@@ -321,7 +321,7 @@ def register_like_kubelet(
     """
     with KubeletClient(registration_socket, timeout=timeout) as client:
         info = client.get_info()
-        chosen, reason = _refusal(info)
+        chosen, reason = check_plugin_info(info)
         registered = not reason
         client.notify_registration(registered, reason)
     return {"info": info, "chosenVersion": chosen, "registered": registered, "error": reason}

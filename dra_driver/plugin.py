@@ -4,6 +4,11 @@
 - ``<plugins-dir>/<driver>/dra.sock`` serves ``DRAPlugin`` v1 and v1beta1 (one implementation)
   and ``v1alpha1.DRAResourceHealth``.
 
+With an ``instance`` (the pod UID under ``--rolling-update``) the sockets are
+``<driver>-<instance>-reg.sock`` and ``dra-<instance>.sock``, as the upstream kubelet plugin
+helper names them (``kubeletplugin.RollingUpdate``), so two agents of one driver are registered
+with the kubelet side by side (docs/gpu-facts.md, "The kubelet and several plugins of a driver").
+
 Sockets are created 0600 in 0750 directories. A stale socket file (left by a crash) is replaced,
 but a socket some live process still serves is refused (one agent per state directory is already
 guaranteed by the state-directory lock; this also covers two agents sharing kubelet directories).
@@ -12,15 +17,23 @@ thread pool; claim work runs on the preparer's own pool under a deadline, so a s
 stalls other calls. Health-watch streams are bounded (``health_streams``, more are refused with
 RESOURCE_EXHAUSTED) and the pool has that many threads beyond the ones the DRA calls use, so
 streams held open can never starve NodePrepareResources/NodeUnprepareResources.
+
+:meth:`PluginServer.serve` binds and serves before the agent may touch its state (a rolling
+update's successor registers while its predecessor still holds the state directory): DRA calls
+and health streams then wait at the :class:`Gate`, bounded by the kubelet's deadline, until
+:meth:`PluginServer.start` opens it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import socket as sock_module
+import stat
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
@@ -49,10 +62,86 @@ MAX_MESSAGE = 16 * 1024 * 1024
 SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth")
 LOG_INTERVAL = 10.0
 """Seconds between two log records of refused health-watch streams."""
+HANDOVER_WAIT_S = 40.0
+"""The longest a DRA call waits at a closed gate (the preparer's own deadline)."""
+HANDOVER_RESERVE_S = 5.0
+"""Of the kubelet's deadline for a call, what a wait at the gate leaves for the call itself."""
+STALE_AFTER_S = 10.0
+"""A socket of another instance that refuses connections is stale once it is this old (a
+younger one may belong to an agent between bind and listen)."""
+UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE),
     ("grpc.max_send_message_length", MAX_MESSAGE),
 ]
+
+
+def socket_paths(
+    registry_dir: Path, plugins_dir: Path, driver_name: str, instance: str | None = None
+) -> tuple[Path, Path]:
+    """The registration and DRA sockets (absolute): ``<driver>-reg.sock`` and
+    ``<driver>/dra.sock``, or with ``instance`` ``<driver>-<instance>-reg.sock`` and
+    ``<driver>/dra-<instance>.sock``."""
+    part = f"-{instance}" if instance else ""
+    return (
+        (registry_dir / f"{driver_name}{part}-reg.sock").absolute(),
+        (plugins_dir / driver_name / f"dra{part}.sock").absolute(),
+    )
+
+
+class Gate:
+    """Closed until the agent may touch its state; DRA calls wait here (:meth:`wait`).
+
+    ``waiting_for`` says what it waits for (the state directory and who holds it), for the
+    answer a call gets when the wait runs out. :meth:`abort` (shutting down) wakes every waiter
+    with False."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._open = False
+        self._aborted = False
+        self.waiting_for = "the agent's state"
+
+    @property
+    def is_open(self) -> bool:
+        with self._cond:
+            return self._open
+
+    def open(self) -> None:
+        with self._cond:
+            self._open = True
+            self._cond.notify_all()
+
+    def abort(self) -> None:
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
+
+    def wait(self, timeout: float) -> bool:
+        """Whether the gate is open within ``timeout`` seconds (False at once once aborted)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._open or self._aborted, max(0.0, timeout))
+            return self._open and not self._aborted
+
+    def refused(self, claims: Sequence[ClaimKey], context: Any, most: float) -> dict[str, str]:
+        """Wait for the gate within the call's deadline (less a reserve for the call itself, at
+        most ``most`` seconds): {} when open, else each claim's retryable error."""
+        if self.is_open:
+            return {}
+        left = context.time_remaining() if context is not None else None
+        budget = most if left is None else min(most, left - HANDOVER_RESERVE_S)
+        if self.wait(budget):
+            return {}
+        with self._cond:
+            aborted = self._aborted
+        why = (
+            "the agent is shutting down; the kubelet retries it with the next agent"
+            if aborted
+            else f"the agent is taking over from the one before it and is still waiting for"
+            f" {self.waiting_for}; the kubelet retries the call"
+        )
+        return {c.uid: f"claim {c}: {why}" for c in claims}
 
 
 class RegistrationService(registration_pb2_grpc.RegistrationServicer):
@@ -82,9 +171,13 @@ class RegistrationService(registration_pb2_grpc.RegistrationServicer):
 class DraService:
     """DRAPlugin for one API version; the message classes come from that version's module."""
 
-    def __init__(self, pb2: ModuleType, preparer: Preparer) -> None:
+    def __init__(
+        self, pb2: ModuleType, preparer: Preparer, gate: Gate, handover_wait: float
+    ) -> None:
         self.pb2 = pb2
         self.preparer = preparer
+        self.gate = gate
+        self.handover_wait = handover_wait
 
     @staticmethod
     def _keys(request: Any) -> list[ClaimKey]:
@@ -104,7 +197,13 @@ class DraService:
         return device
 
     def NodePrepareResources(self, request: Any, context: Any) -> Any:
-        results: dict[str, ClaimResult] = self.preparer.prepare(self._keys(request))
+        keys = self._keys(request)
+        refused = self.gate.refused(keys, context, self.handover_wait)
+        results: dict[str, ClaimResult] = (
+            {uid: ClaimResult(error=e) for uid, e in refused.items()}
+            if refused
+            else self.preparer.prepare(keys)
+        )
         resp = self.pb2.NodePrepareResourcesResponse()
         for uid, r in results.items():
             entry = resp.claims[uid]
@@ -113,7 +212,13 @@ class DraService:
         return resp
 
     def NodeUnprepareResources(self, request: Any, context: Any) -> Any:
-        results = self.preparer.unprepare(self._keys(request))
+        keys = self._keys(request)
+        refused = self.gate.refused(keys, context, self.handover_wait)
+        results = (
+            {uid: ClaimResult(error=e) for uid, e in refused.items()}
+            if refused
+            else self.preparer.unprepare(keys)
+        )
         resp = self.pb2.NodeUnprepareResourcesResponse()
         for uid, r in results.items():
             resp.claims[uid].error = r.error
@@ -132,9 +237,11 @@ class HealthService(health_v1alpha1_pb2_grpc.DRAResourceHealthServicer):
         resend_interval: float,
         max_streams: int = 4,
         log: logging.Logger | None = None,
+        gate: Gate | None = None,
     ) -> None:
         self.board = board
         self.stop = stop
+        self.gate = gate
         self.resend_interval = resend_interval
         self.max_streams = max_streams
         self.throttle = Throttle(log or logging.getLogger("tessera.plugin"), LOG_INTERVAL)
@@ -176,6 +283,11 @@ class HealthService(health_v1alpha1_pb2_grpc.DRAResourceHealthServicer):
     def _watch(self, context: Any) -> Iterator[Any]:
         pb = health_v1alpha1_pb2
         seen = -1
+        # before the agent holds its state, it knows nothing to say about its devices
+        while self.gate is not None and not self.gate.is_open:
+            if self.stop.is_set() or not context.is_active():
+                return
+            self.gate.wait(1.0)
         while not self.stop.is_set() and context.is_active():
             version, states = self.board.snapshot()
             if version != seen:
@@ -253,12 +365,21 @@ class PluginServer:
         max_workers: int = 16,
         resend_interval: float = 20.0,
         health_streams: int = 4,
+        instance: str | None = None,
+        handover_wait: float = HANDOVER_WAIT_S,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         """``max_workers`` threads serve the kubelet's DRA calls; ``health_streams`` more serve
-        at most as many health-watch streams (more are refused)."""
+        at most as many health-watch streams (more are refused). ``instance`` (the pod UID in a
+        rolling update) names the sockets of this instance; DRA calls that arrive before
+        :meth:`start` wait at most ``handover_wait`` seconds (within the kubelet's deadline)."""
         self.driver_name = driver_name
-        self.reg_socket = (registry_dir / f"{driver_name}-reg.sock").absolute()
-        self.dra_socket = (plugins_dir / driver_name / "dra.sock").absolute()
+        self.instance = instance
+        self.reg_socket, self.dra_socket = socket_paths(
+            registry_dir, plugins_dir, driver_name, instance
+        )
+        self.gate = Gate()
+        self._clock = clock
         self.preparer = preparer
         self.health = health
         self.log = log
@@ -274,16 +395,34 @@ class PluginServer:
         registration_pb2_grpc.add_RegistrationServicer_to_server(
             RegistrationService(self), self._reg
         )
-        dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(DraService(dra_v1_pb2, preparer), self._dra)
+        dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(
+            DraService(dra_v1_pb2, preparer, self.gate, handover_wait), self._dra
+        )
         dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(
-            DraService(dra_v1beta1_pb2, preparer), self._dra
+            DraService(dra_v1beta1_pb2, preparer, self.gate, handover_wait), self._dra
         )
         health_v1alpha1_pb2_grpc.add_DRAResourceHealthServicer_to_server(
-            HealthService(health, self._stop, resend_interval, health_streams, log), self._dra
+            HealthService(health, self._stop, resend_interval, health_streams, log, self.gate),
+            self._dra,
         )
 
+    @property
+    def serving(self) -> bool:
+        return bool(self._bound)
+
     def start(self) -> None:
-        """DRA socket first: when the kubelet sees the registration socket, the service is up."""
+        """Serve (:meth:`serve`, unless already serving) and let the kubelet's calls in."""
+        self.serve()
+        self.gate.open()
+
+    def serve(self) -> None:
+        """Bind and serve both sockets, DRA socket first: when the kubelet sees the registration
+        socket, the service is up. Calls wait at the gate until :meth:`start`. With an instance,
+        stale sockets of other instances are removed first (:meth:`remove_stale_sockets`)."""
+        if self._bound:
+            return
+        if self.instance is not None:
+            self.remove_stale_sockets()
         for sock in (self.dra_socket, self.reg_socket):
             _prepare_dir(sock.parent)
         _bind(self._dra, self.dra_socket)
@@ -309,9 +448,68 @@ class PluginServer:
         lost = [str(p) for p, ident in self._bound.items() if socket_identity(p) != ident]
         return (not lost, f"socket gone or replaced: {', '.join(lost)}" if lost else "serving")
 
+    def peers(self) -> list[Path]:
+        """The sockets other instances of this driver could have left here: the classic names
+        and, with another instance's UID, ``<driver>-<UUID>-reg.sock`` in the shared registry
+        directory (a UUID only, since other drivers' names may start like ours) and
+        ``dra-<label>.sock`` in our own plugins directory; never ours."""
+        reg_dir, dra_dir = self.reg_socket.parent, self.dra_socket.parent
+        driver = re.escape(self.driver_name)
+        patterns = (
+            (reg_dir, re.compile(f"{driver}(-{UUID})?-reg\\.sock")),
+            (dra_dir, re.compile(f"dra(-{DNS_LABEL})?\\.sock")),
+        )
+        found = []
+        for directory, pattern in patterns:
+            try:
+                names = sorted(os.listdir(directory))
+            except OSError:
+                continue
+            for name in names:
+                path = directory / name
+                if pattern.fullmatch(name) and path not in (self.reg_socket, self.dra_socket):
+                    found.append(path)
+        return found
+
+    def remove_stale_sockets(self) -> list[Path]:
+        """Remove the sockets of other instances (:meth:`peers`) that nothing answers on and
+        that are older than STALE_AFTER_S (a crashed agent's; the kubelet cannot reach them
+        either); those a live process serves are left alone. Returns the removed paths; each
+        removal and each live peer is logged."""
+        removed = []
+        for path in self.peers():
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if not stat.S_ISSOCK(st.st_mode):
+                continue
+            if _answers(path):
+                self.log.info(
+                    "another instance of the driver serves here", extra=fields_(socket=str(path))
+                )
+                continue
+            if self._clock() - st.st_mtime < STALE_AFTER_S:
+                continue
+            try:
+                path.unlink()
+            except OSError as exc:
+                self.log.warning(
+                    "cannot remove a stale socket",
+                    extra=fields_(socket=str(path), error=str(exc.strerror or exc)),
+                )
+                continue
+            removed.append(path)
+            self.log.warning(
+                "removed a stale socket of an earlier agent (nothing answers on it)",
+                extra=fields_(socket=str(path)),
+            )
+        return removed
+
     def stop(self, grace: float = 2.0) -> None:
         """Stop serving (registration first, so the kubelet stops calling), remove sockets."""
         self._stop.set()
+        self.gate.abort()
         self.health.wake_all()
         self._reg.stop(grace).wait()
         self._dra.stop(grace).wait()

@@ -608,6 +608,9 @@ class Preparer:
             running = list(self._running)
         for pool in self._pools.values():
             pool.shutdown(wait=False, cancel_futures=True)
-        _, not_done = wait_futures(running, timeout=max(0.0, timeout))
+        # a queued claim cancelled by the shutdown never counts as done for wait() (only a
+        # worker notifies its waiters): wait for the started ones only
+        started = [f for f in running if not f.cancelled()]
+        _, not_done = wait_futures(started, timeout=max(0.0, timeout))
         with self._running_lock:
             return sorted(str(self._running[f][0]) for f in not_done if f in self._running)

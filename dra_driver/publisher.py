@@ -278,6 +278,12 @@ def plan_changes(
     return Plan(current + 1, tuple(creates), tuple(updates), deletes)
 
 
+def _has_taints(obj: Obj) -> bool:
+    spec = obj.get("spec") if isinstance(obj, dict) else None
+    devices = spec.get("devices") if isinstance(spec, dict) else None
+    return any(isinstance(d, dict) and d.get("taints") for d in devices or [])
+
+
 @dataclass
 class PublisherStats:
     reconciles: int = 0
@@ -334,6 +340,12 @@ class Publisher:
         self._next_at = 0.0
         self._list_rv = ""
         self._wake = threading.Event()
+        self.taints_dropped = False
+        """The API server stored our devices without their taints (its DRADeviceTaints feature
+        gate is off): tainting cannot work there."""
+        self.on_taints_dropped: Callable[[], None] | None = None
+        """Called once when ``taints_dropped`` becomes true (the agent then withdraws the devices
+        instead: rewriting the taints would only loop, each write dropped again)."""
 
     @property
     def ready(self) -> bool:
@@ -375,10 +387,10 @@ class Publisher:
 
     def _apply(self, plan: Plan) -> None:
         for obj in plan.creates:
-            self.store.create(obj)
+            self._kept(obj, self.store.create(obj))
             self.stats.creates += 1
         for obj in plan.updates:
-            self.store.replace(obj)
+            self._kept(obj, self.store.replace(obj))
             self.stats.updates += 1
         for name in plan.deletes:
             self.store.delete(name)
@@ -393,6 +405,19 @@ class Publisher:
                     deleted=len(plan.deletes),
                 ),
             )
+
+    def _kept(self, sent: Obj, stored: Obj) -> None:
+        """Notice a server that drops the devices' taints (module ``taints_dropped``)."""
+        if self.taints_dropped or not _has_taints(sent) or _has_taints(stored):
+            return
+        self.taints_dropped = True
+        self.log.error(
+            "the API server dropped the device taints: its DRADeviceTaints feature gate is off;"
+            " unhealthy devices are withdrawn instead (enable the gate, or drop --device-taints)",
+            extra=fields_(slice=sent["metadata"]["name"]),
+        )
+        if self.on_taints_dropped is not None:
+            self.on_taints_dropped()
 
     def step(self, now: float) -> float:
         """Reconcile if due (devices changed, drift seen, resync or retry time reached)."""

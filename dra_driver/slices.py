@@ -8,11 +8,12 @@ Layouts:
 
 ``1.35`` (default)
     Counter sets go first, in counters-only slices of at most 8 sets; then device slices of at most
-    64 devices when any device consumes counters, else 128.
+    64 devices when any device consumes counters or has taints, else 128.
 ``1.34``
     A device may only consume counter sets of its own slice, and a slice holds at most 32 counters
     in all its sets: each GPU's counter set shares a slice with the devices consuming it (at most
-    64); devices without counters follow, 128 per slice.
+    64); devices without counters follow, 128 per slice (1.34 has no lower limit for devices
+    with taints; at most 4 taints per device, and we set one).
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ def _chunks(items: Sequence[Any], size: int) -> list[tuple[Any, ...]]:
 
 def _layout_135(model: DeviceModel) -> list[Chunk]:
     out: list[Chunk] = [(sets, None) for sets in _chunks(model.counter_sets, MAX_COUNTER_SETS)]
-    consuming = any(d.consumes_counters for d in model.devices)
-    size = MAX_DEVICES_WITH_TAINTS_OR_COUNTERS if consuming else MAX_DEVICES
+    limited = any(d.consumes_counters or d.taints for d in model.devices)
+    size = MAX_DEVICES_WITH_TAINTS_OR_COUNTERS if limited else MAX_DEVICES
     out += [(None, devs) for devs in _chunks(model.devices, size)]
     return out
 

@@ -30,7 +30,10 @@ _WARNING = (
     "prepare and unprepare (CDI specs, sharing setup, checkpoint) and info really tells the "
     "plugin whether it is registered."
 )
-_DRA_SOCKET = "The plugin's DRA socket, e.g. /var/lib/kubelet/plugins/DRIVER/dra.sock."
+_DRA_SOCKET = (
+    "The plugin's DRA socket, e.g. /var/lib/kubelet/plugins/DRIVER/dra.sock (dra-<pod uid>.sock"
+    " for an agent run with --rolling-update)."
+)
 
 
 def claim_ref(text: str) -> ClaimRef:
@@ -47,7 +50,8 @@ def claim_ref(text: str) -> ClaimRef:
 class InfoOptions:
     socket: Path = setting(
         REQUIRED,
-        "The plugin's registration socket, e.g. /var/lib/kubelet/plugins_registry/DRIVER-reg.sock.",
+        "The plugin's registration socket, e.g. /var/lib/kubelet/plugins_registry/DRIVER-reg.sock"
+        " (DRIVER-<pod uid>-reg.sock for an agent run with --rolling-update).",
         metavar="PATH",
     )
     timeout: float = setting(

@@ -313,6 +313,8 @@ def fault_xid(inv: Invocation) -> int:
     _simulator(inv).inject_xid(opts.gpu, opts.xid, opts.gi, opts.ci)
     where = "" if opts.gi is None else f" (GPU instance {opts.gi}, compute instance {opts.ci})"
     inv.out.write(f"injected XID {opts.xid} on GPU {opts.gpu}{where}\n")
+    if opts.xid == 79:
+        inv.out.write(f"GPU {opts.gpu} fell off the bus; its NVML calls now fail until `recover`\n")
     return 0
 
 

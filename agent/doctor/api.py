@@ -37,6 +37,8 @@ class Access:
     """What the agent makes it for."""
     required: bool = True
     """False: the agent works without it, with less (a warning when denied)."""
+    namespace: str = ""
+    """The namespace the request is made in ("" for cluster-scoped or every namespace)."""
 
 
 AGENT_ACCESS: tuple[Access, ...] = (
@@ -49,6 +51,12 @@ AGENT_ACCESS: tuple[Access, ...] = (
     Access("resource.k8s.io", "resourceclaims", "get", "reading claims to prepare them"),
     # agent/daemon.py node_uid: without it the slices get no owner reference (logged)
     Access("", "nodes", "get", "the slices' owner reference (the Node's uid)", required=False),
+    # dra_driver/node_events.py KubeEventSink: Events about the Node live in "default"; without
+    # them GPU health changes are only logged (and counted as failed)
+    *(
+        Access("", "events", verb, "Events on the Node", required=False, namespace="default")
+        for verb in ("create", "patch")
+    ),
 )
 """Every request the agent makes in kube mode (deploy/daemonset/rbac.yaml grants them; a test
 checks that it does)."""
@@ -113,6 +121,7 @@ def allowed(kube: KubeClient, access: Access) -> tuple[bool, str]:
                 "group": access.group,
                 "resource": access.resource,
                 "verb": access.verb,
+                **({"namespace": access.namespace} if access.namespace else {}),
             }
         },
     }

@@ -18,7 +18,9 @@ apart follow the real server: status codes and ``Status`` bodies, ``resourceVers
 ``generateName``, field selectors (400 for a field the real server does not support), label
 selectors, watches replayed from a bounded history (410 ``Expired`` once compacted), no-op updates
 that change nothing, status subresources. Every written object is validated (strictly) against the
-Kubernetes JSON schemas of ``validate_versions``; a failure is 422 and lands in :attr:`rejected`.
+Kubernetes JSON schemas of ``validate_versions`` (and a core Event against the server's legacy
+namespace rule); a failure is 422 and lands in :attr:`rejected`. PATCH takes merge, JSON and
+strategic merge patches (see :mod:`~agent.sim.apiserver_patch`); any other type is 415.
 
 Modules: :mod:`~agent.sim.apiserver_types` (resource table, routes, discovery),
 :mod:`~agent.sim.apiserver_store` (objects, events, validation), :mod:`~agent.sim.apiserver_http`

@@ -1,4 +1,5 @@
-"""Checks of objects written to the API-server emulator: body shape and JSON schemas."""
+"""Checks of objects written to the API-server emulator: body shape, JSON schemas and the few
+semantic rules a client can trip over (Events' namespaces)."""
 
 from __future__ import annotations
 
@@ -85,3 +86,22 @@ def schema_failure(
             message = f"{exc.message} (Kubernetes {exc.version} schema)"
             return version, err.invalid(rt, name, k8s_path(exc.path), "FieldValueInvalid", message)
     return None
+
+
+def event_failure(rt: ResourceType, obj: Obj) -> ApiError | None:
+    """The API server's legacy rule for a core/v1 Event without ``eventTime`` (as client-go's
+    recorder writes them): it lives in its object's namespace, and an Event about a
+    cluster-scoped object (no ``involvedObject.namespace``) in ``default`` (Kubernetes
+    pkg/apis/core/validation/events.go, ``legacyValidateEvent``). None when it holds, or for
+    anything but core Events."""
+    if rt.group or rt.kind != "Event" or obj.get("eventTime"):
+        return None
+    namespace = obj["metadata"].get("namespace", "")
+    involved = obj.get("involvedObject")
+    object_ns = str(involved.get("namespace") or "") if isinstance(involved, dict) else ""
+    agrees = namespace == object_ns if object_ns else namespace in ("", "default")
+    if agrees:
+        return None
+    name = str(obj["metadata"].get("name", ""))
+    message = f'Invalid value: "{object_ns}": does not match event.namespace'
+    return err.invalid(rt, name, "involvedObject.namespace", "FieldValueInvalid", message)

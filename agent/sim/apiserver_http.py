@@ -9,6 +9,7 @@ on an object; get/update/patch on ``/status``). Watches stream chunked JSON line
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import select
@@ -143,6 +144,8 @@ def selection_for(
         labels = parse_labels(params.get("labelSelector", ""))
     except SelectorError as exc:
         raise err.bad_request(str(exc)) from None
+    paths = dict(rt.field_paths)
+    fields = [dataclasses.replace(t, field=paths.get(t.field, t.field)) for t in fields]
     if name is not None:
         fields.append(FieldTerm("metadata.name", True, name))
     return Selection(namespace, tuple(fields), tuple(labels))

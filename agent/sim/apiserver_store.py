@@ -32,7 +32,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from agent.sim import apiserver_errors as err
-from agent.sim.apiserver_checks import Rejection, prepare_body, schema_failure
+from agent.sim.apiserver_checks import Rejection, event_failure, prepare_body, schema_failure
 from agent.sim.apiserver_errors import ApiError
 from agent.sim.apiserver_history import ADDED, DELETED, MODIFIED, History, WatchEvent
 from agent.sim.apiserver_patch import PatchError, apply_patch
@@ -116,6 +116,9 @@ class Store:
         failure = schema_failure(rt, obj, self._validate_versions)
         if failure is not None:
             raise self._reject(method, rt, obj, failure[1], failure[0])
+        semantic = event_failure(rt, obj)
+        if semantic is not None:
+            raise self._reject(method, rt, obj, semantic)
 
     def _key(self, rt: ResourceType, namespace: str | None, name: str) -> Key:
         return (namespace or "" if rt.namespaced else "", name)

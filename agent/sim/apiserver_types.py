@@ -37,6 +37,7 @@ class ResourceType:
     generation: bool = False  # metadata.generation = 1 on create, +1 on every spec change
     spec_immutable: bool = False  # an update that changes spec is 422 (claims, claim templates)
     fields: tuple[str, ...] = DEFAULT_FIELDS  # field selectors the real server accepts
+    field_paths: tuple[tuple[str, str], ...] = ()  # (selector field, object path) where they differ
     short_names: tuple[str, ...] = ()
     name_rule: str = "subdomain"  # "subdomain" (DNS-1123 subdomain) or "label" (DNS-1123 label)
     verbs: tuple[str, ...] = field(
@@ -165,6 +166,9 @@ RESOURCES: tuple[ResourceType, ...] = (
             "source",
             "type",
         ),
+        # Kubernetes pkg/registry/core/event/strategy.go ToSelectableFields: "source" is
+        # source.component (reportingComponent where that is empty)
+        field_paths=(("source", "source.component"),),
     ),
 )
 

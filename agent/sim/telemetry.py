@@ -243,16 +243,22 @@ class TelemetryBase(NvmlCore):
         compute_instance_id: int | None = None,
     ) -> None:
         """Raise XID ``xid`` on GPU ``index`` (in a MIG device when the ids are given): every
-        event set registered for XID events on that GPU, in any process, receives it."""
+        event set registered for XID events on that GPU, in any process, receives it. XID 79
+        is what a real one is: the GPU has fallen off the bus, so from then on every call on
+        its handles raises GpuIsLost, as after :meth:`lose_gpu`, until :meth:`recover_gpu`."""
         self._slot(index)
         if xid <= 0:
             raise ConfigError(f"an XID is a positive number, got {xid}")
         if compute_instance_id is not None and gpu_instance_id is None:
             raise ConfigError("a compute instance id needs its GPU instance id")
         event = pynvml.nvmlEventTypeXidCriticalError
-        self._telemetry.update(
-            lambda s: (s.with_event(index, event, xid, gpu_instance_id, compute_instance_id), None)
-        )
+
+        def change(s: TelemetryState) -> tuple[TelemetryState, None]:
+            if xid == XID_GPU_FELL_OFF_THE_BUS:
+                s = s.with_gpu(replace(s.gpus[index], lost=True))
+            return s.with_event(index, event, xid, gpu_instance_id, compute_instance_id), None
+
+        self._telemetry.update(change)
 
     def inject_errors(
         self,

@@ -209,7 +209,10 @@ class EnergyAccounting:
         retention: float = 3600.0,
         max_watts: float = MAX_WATTS,
         process_pod: ProcessPod | None = None,
+        load: bool = True,
     ) -> None:
+        """``load``: read the state file now; False: at :meth:`load` (an agent that waits for
+        its state directory); nothing is written before it has been read."""
         self.state_file = Path(state_file)
         self._clock = clock
         self._log = log or logging.getLogger(__name__)
@@ -221,8 +224,17 @@ class EnergyAccounting:
         self._gpus: dict[str, _Gpu] = {}
         self._usage: dict[HoldingKey, _Usage] = {}
         self._warned: set[HoldingKey] = set()
-        self._load()
+        self._loaded = False
+        if load:
+            self.load()
         self._saved_at = clock()
+
+    def load(self) -> None:
+        """Read the state file (once; later calls do nothing)."""
+        with self._lock:
+            if not self._loaded:
+                self._load()
+                self._loaded = True
 
     # -- accounting ------------------------------------------------------------------------------
 
@@ -394,6 +406,8 @@ class EnergyAccounting:
 
     def _save(self, now: float) -> None:
         self._saved_at = now
+        if not self._loaded:  # never replace a state file we have not read
+            return
         data = json.dumps(self._state(now), sort_keys=True, indent=1).encode() + b"\n"
         try:
             atomic_write(self.state_file, data, mode=0o600)

@@ -135,7 +135,12 @@ SPECS: tuple[Spec, ...] = (
         "XID errors seen since the agent started, by XID.",
         (*GPU, "xid"),
     ),
-    Spec("tessera_gpu_healthy", "gauge", "1 when the GPU is usable (not lost, no fatal XID).", GPU),
+    Spec(
+        "tessera_gpu_healthy",
+        "gauge",
+        "1 when the GPU is healthy: not lost, no fatal XID since a recovery.",
+        GPU,
+    ),
     Spec("tessera_gpu_processes", "gauge", "Compute processes running on the GPU.", GPU),
     Spec("tessera_mig_memory_used_bytes", "gauge", "Memory in use on a MIG device.", MIG),
     Spec("tessera_mig_memory_total_bytes", "gauge", "Memory of a MIG device.", MIG),
@@ -336,6 +341,8 @@ class AgentStatus:
     slice_errors: int
     claims_stuck: int = 0
     """Prepares and unprepares running longer than the kubelet's call deadline."""
+    node_events: tuple[tuple[str, int], ...] = ()
+    """Node events by outcome (recorded, filtered, dropped, failed)."""
 
 
 AGENT_SPECS: tuple[Spec, ...] = (
@@ -367,6 +374,13 @@ AGENT_SPECS: tuple[Spec, ...] = (
         " worker: a claim read or side effect that does not return).",
         NODE,
     ),
+    Spec(
+        "tessera_node_events",
+        "counter",
+        "Events about the Node (GPU health changes) by outcome: recorded (written, or logged in"
+        " standalone mode), filtered (spam filter), dropped (queue full), failed (API server).",
+        (*NODE, "outcome"),
+    ),
 )
 
 
@@ -388,6 +402,8 @@ class AgentCollector(Collector):
         _add(fams, "tessera_resourceslice_writes", node, st.slice_writes)
         _add(fams, "tessera_resourceslice_errors", node, st.slice_errors)
         _add(fams, "tessera_claims_stuck", node, st.claims_stuck)
+        for outcome, count in st.node_events:
+            _add(fams, "tessera_node_events", (*node, outcome), count)
         yield from fams.values()
 
 

@@ -13,11 +13,12 @@ A read that raises (anything) never stops the others: that GPU's sample for the 
 ``lost=True`` with the error in ``errors``. Failures are logged when a GPU starts and stops failing,
 not every tick.
 
-**Health.** A GPU is unhealthy while its sample is lost (a failed read or NVML's GpuIsLost), and
-from the first hardware or fatal XID (``FATAL_XIDS``) seen since the agent started on. Application
-XIDs (``APPLICATION_XIDS``: the workload faulted, the GPU is fine) and XIDs in neither set are
-counted but keep the GPU healthy. ``on_health_change(index, healthy)`` is called on every change
-(every GPU starts healthy, as the plugin's health board does).
+**Health** (rules in :mod:`agent.telemetry.health`, kept per GPU UUID): a GPU is unhealthy while
+its reads fail (``gpu-lost``) and after a fatal XID (``xid-<n>``) until a recovery is observed
+(it answers again after failed reads, or ``observe_reset(uuid)``) and a probe of a few good reads
+passes. Application XIDs (the built-in ones plus the configured list) and XIDs in neither set
+are counted but keep the GPU healthy. ``on_health_change(GpuHealth)`` is called on every change
+of health or cause (every GPU starts healthy, as the plugin's health board does).
 
 **Schedule.** ``run`` ticks at fixed slots ``start + k * interval`` (no drift: the next slot is the
 previous slot plus the interval, whatever the tick took). A tick that starts late records
@@ -39,14 +40,17 @@ from agent.nvml.samples import GpuSample, XidEvent
 from agent.telemetry.attribution import ClaimHolder, Holders
 from agent.telemetry.energy import EnergyAccounting
 from agent.telemetry.gpuinfo import GpuInfo
+from agent.telemetry.health import (
+    APPLICATION_XIDS,
+    FATAL_XIDS,
+    PROBE_READS,
+    GpuHealth,
+    HealthTracker,
+    xid_kind,
+)
 from agent.telemetry.snapshot import GpuTelemetry, Snapshot
 
-FATAL_XIDS = frozenset({48, 63, 64, 74, 79, 92, 94, 95})
-"""Hardware or fatal XIDs: the GPU is unhealthy from then on (48 DBE, 63/64 row remapping, 74
-NVLink, 79 fallen off the bus, 92 high SBE rate, 94/95 contained/uncontained ECC)."""
-APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
-"""Caused by the workload (graphics engine exception, MMU fault, stopped/preempted context,
-video decoder, context switch timeout): counted, the GPU stays healthy."""
+__all__ = ["APPLICATION_XIDS", "FATAL_XIDS", "Sampler", "Subscription"]
 STALE_INTERVALS = 3
 """``fresh()``: the latest snapshot is younger than this many intervals."""
 
@@ -113,7 +117,9 @@ class Sampler:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         xids: Callable[[], list[XidEvent]] | None = None,
-        on_health_change: Callable[[int, bool], None] | None = None,
+        on_health_change: Callable[[GpuHealth], None] | None = None,
+        application_xids: frozenset[int] = APPLICATION_XIDS,
+        probe_reads: int = PROBE_READS,
     ) -> None:
         if interval <= 0:
             raise ValueError("interval must be positive")
@@ -127,16 +133,18 @@ class Sampler:
         self._clock = clock
         self._wall = wall
         self._xids = xids
-        self._on_health_change = on_health_change
+        self.on_health_change = on_health_change
+        """Called with every change of a GPU's health or cause (from the sampler's thread)."""
+        self._application_xids = application_xids
         self._latest: Snapshot | None = None
         self._subs: list[Subscription] = []
         self._subs_lock = threading.Lock()
         self._tick_lock = threading.Lock()
         self._ticks = 0
-        self._xid_counts: dict[int, collections.Counter[int]] = {}
-        self._fatal: set[int] = set()
-        self._healthy: dict[int, bool] = {}
-        self._failing: dict[int, str] = {}
+        self._xid_counts: dict[str, collections.Counter[int]] = {}
+        self._health = HealthTracker(probe_reads)
+        self._failing: dict[str, str] = {}
+        self._probe_notes: dict[str, str | None] = {}
         self.missed_ticks = 0
         """Schedule slots skipped because a tick overran them."""
 
@@ -153,20 +161,15 @@ class Sampler:
 
     def set_gpus(self, gpus: Sequence[GpuInfo]) -> None:
         """The inventory changed (MIG reconfigured, a GPU added or gone): read these from the
-        next tick on. XID counts and health stay with the GPU (by UUID: NVML indexes shift when
-        a GPU leaves or returns); a GPU that left takes its state with it."""
-        with self._tick_lock:
-            moved = {
-                old.index: new.index
-                for old in self._gpus
-                for new in gpus
-                if old.uuid == new.uuid and old.uuid
-            }
-            self._xid_counts = {moved[i]: c for i, c in self._xid_counts.items() if i in moved}
-            self._fatal = {moved[i] for i in self._fatal if i in moved}
-            self._healthy = {moved[i]: h for i, h in self._healthy.items() if i in moved}
-            self._failing = {moved[i]: f for i, f in self._failing.items() if i in moved}
-            self._gpus = tuple(gpus)
+        next tick on. XID counts and health stay with the GPU's UUID, whatever its index."""
+        self._gpus = tuple(gpus)
+
+    def observe_reset(self, uuid: str) -> None:
+        """A reset or re-bind of the GPU ``uuid`` was observed (udev, an operator): a fatal XID
+        no longer holds it unhealthy; it becomes healthy once the probe passes (the next
+        ticks' reads). Safe from any thread."""
+        self._health.observe_reset(uuid)
+        self._log.info("GPU reset observed; probing it", extra=fields_(uuid=uuid))
 
     def subscribe(self, maxsize: int = 1) -> Subscription:
         """A queue that receives every snapshot published from now on (latest-wins)."""
@@ -210,7 +213,7 @@ class Sampler:
             started = self._clock()
             gpus = self._gpus
             samples = [self._read_one(g) for g in gpus]
-            self._drain_xids({g.index for g in gpus})
+            self._drain_xids(gpus)
             holders = self._read_holders()
             accounted = self._accounting.update(samples, gpus, holders)
             telemetry = tuple(
@@ -219,8 +222,8 @@ class Sampler:
                     name=g.name,
                     pci_bus_id=g.pci_bus_id,
                     energy_joules_total=accounted.gpu_energy.get(g.index),
-                    xid_counts=tuple(sorted(self._xid_counts.get(g.index, {}).items())),
-                    healthy=self._health(g.index, s.lost),
+                    xid_counts=tuple(sorted(self._xid_counts.get(g.uuid, {}).items())),
+                    healthy=self._evaluate(g, s),
                     mig_profiles=g.mig_profiles,
                 )
                 for g, s in zip(gpus, samples, strict=True)
@@ -247,20 +250,20 @@ class Sampler:
             sample = self._read(gpu.index, self._clock())
         except Exception as exc:
             error = f"read: {type(exc).__name__}: {exc}"
-            if self._failing.get(gpu.index) != error:
+            if self._failing.get(gpu.uuid) != error:
                 self._log.warning(
                     "GPU read failed; reported as lost",
                     extra=fields_(gpu=gpu.index, uuid=gpu.uuid, error=error),
                 )
-            self._failing[gpu.index] = error
+            self._failing[gpu.uuid] = error
             return GpuSample(
                 index=gpu.index, uuid=gpu.uuid, timestamp=self._clock(), lost=True, errors=(error,)
             )
-        if self._failing.pop(gpu.index, None) is not None:
+        if self._failing.pop(gpu.uuid, None) is not None:
             self._log.info("GPU read works again", extra=fields_(gpu=gpu.index, uuid=gpu.uuid))
         return sample
 
-    def _drain_xids(self, known: set[int]) -> None:
+    def _drain_xids(self, gpus: Sequence[GpuInfo]) -> None:
         if self._xids is None:
             return
         try:
@@ -271,24 +274,31 @@ class Sampler:
                 extra=fields_(error=f"{type(exc).__name__}: {exc}"),
             )
             return
+        uuids = {g.index: g.uuid for g in gpus}
         for ev in events:
-            if ev.gpu_index not in known:
+            uuid = uuids.get(ev.gpu_index)
+            if uuid is None:
                 self._log.warning(
                     "XID for an unknown GPU ignored", extra=fields_(gpu=ev.gpu_index, xid=ev.xid)
                 )
                 continue
-            self._xid_counts.setdefault(ev.gpu_index, collections.Counter())[ev.xid] += 1
-            fatal = ev.xid in FATAL_XIDS
-            if fatal:
-                self._fatal.add(ev.gpu_index)
-            (self._log.error if fatal else self._log.info)(
+            self._xid_counts.setdefault(uuid, collections.Counter())[ev.xid] += 1
+            kind = xid_kind(ev.xid, self._application_xids)
+            if kind == "fatal":
+                self._health.fatal_xid(uuid, ev.xid)
+            log = {"fatal": self._log.error, "application": self._log.info}.get(
+                kind, self._log.warning
+            )
+            log(
                 "XID event",
                 extra=fields_(
                     gpu=ev.gpu_index,
+                    uuid=uuid,
                     xid=ev.xid,
+                    kind=kind,
                     gpu_instance=ev.gpu_instance_id,
                     compute_instance=ev.compute_instance_id,
-                    fatal=fatal,
+                    fatal=kind == "fatal",
                 ),
             )
 
@@ -302,22 +312,30 @@ class Sampler:
             )
             return None
 
-    def _health(self, index: int, lost: bool) -> bool:
-        healthy = not lost and index not in self._fatal
-        if self._healthy.get(index, True) != healthy:
+    def _evaluate(self, gpu: GpuInfo, sample: GpuSample) -> bool:
+        change = self._health.evaluate(gpu.uuid, gpu.index, sample, self._wall())
+        note = self._health.probe_note(gpu.uuid)
+        if note != self._probe_notes.get(gpu.uuid) and note is not None:
             self._log.warning(
-                "GPU health changed",
-                extra=fields_(
-                    gpu=index, healthy=healthy, lost=lost, fatal_xid=index in self._fatal
-                ),
+                "GPU answers but its health probe fails; still unhealthy",
+                extra=fields_(gpu=gpu.index, uuid=gpu.uuid, reason=note),
             )
-            if self._on_health_change is not None:
-                try:
-                    self._on_health_change(index, healthy)
-                except Exception:
-                    self._log.exception("health change hook failed", extra=fields_(gpu=index))
-        self._healthy[index] = healthy
-        return healthy
+        self._probe_notes[gpu.uuid] = note
+        if change is None:
+            return self._health.current(gpu.uuid, gpu.index).healthy
+        self._log.warning(
+            "GPU health changed",
+            extra=fields_(gpu=gpu.index, uuid=gpu.uuid, healthy=change.healthy, cause=change.cause),
+        )
+        hook = self.on_health_change
+        if hook is not None:
+            try:
+                hook(change)
+            except Exception:
+                self._log.exception(
+                    "health change hook failed", extra=fields_(gpu=gpu.index, uuid=gpu.uuid)
+                )
+        return change.healthy
 
     def _publish(self, snap: Snapshot) -> None:
         self._latest = snap

@@ -167,3 +167,36 @@ def test_driver_roots_from_the_environment():
     assert (c.driver_root, c.host_driver_root) == (Path("/driver-root"), Path("/run/nvidia/driver"))
     with pytest.raises(ConfigError, match="one of ubuntu, rhel, container"):
         load_config({"simulate": "dgx-h100"}, {"TESSERA_SIM_DRIVER_LAYOUT": "debian"})
+
+
+POD_UID = "4f1b2c3d-5e6f-4a7b-8c9d-0e1f2a3b4c5d"
+
+
+def test_rolling_update_takes_the_pod_uid_from_the_downward_api_variable():
+    c = load_config({}, {"TESSERA_ROLLING_UPDATE": "true", "TESSERA_POD_UID": POD_UID})
+    assert c.rolling_update is True and c.pod_uid == POD_UID
+    assert load_config({}, {}).rolling_update is False  # classic names and lock by default
+
+
+def test_rolling_update_without_a_pod_uid_is_a_configuration_error():
+    with pytest.raises(ConfigError) as e:
+        load_config({"rolling_update": True}, {})
+    assert "--rolling-update needs this pod's UID" in str(e.value)
+    assert "TESSERA_POD_UID" in str(e.value) and "metadata.uid" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "bad", ["4F1B2C3D-5E6F", "-abc", "abc-", "a/b", "a.b", "a_b", "x" * 64, "../../etc"]
+)
+def test_a_pod_uid_must_be_a_dns_label(bad):
+    with pytest.raises(ConfigError) as e:
+        load_config({}, {"TESSERA_ROLLING_UPDATE": "1", "TESSERA_POD_UID": bad})
+    assert str(e.value).startswith(f"TESSERA_POD_UID={bad!r} is not a pod UID")
+    with pytest.raises(ConfigError, match=r"^--pod-uid: .* is not a pod UID"):
+        Config(rolling_update=True, pod_uid=bad)  # checked however the Config is made
+
+
+def test_cleanup_on_exit_would_delete_the_successors_slices():
+    with pytest.raises(ConfigError, match="--cleanup-on-exit and --rolling-update"):
+        load_config({}, {"TESSERA_ROLLING_UPDATE": "1", "TESSERA_POD_UID": POD_UID,
+                         "TESSERA_CLEANUP_ON_EXIT": "1"})  # fmt: skip

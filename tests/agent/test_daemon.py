@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
+
+import pytest
 
 from agent.config import Config
 from agent.daemon import build_agent
@@ -47,6 +50,87 @@ def test_a_clean_stop_exits_0_and_releases_the_state_dir(short_tmp):
     again = build_agent(config(short_tmp), logging.getLogger("tessera.test"))
     assert again.lock.held  # the next agent gets the directory
     again.run(stop)
+
+
+class Seen(logging.Handler):
+    """Sets an event when a record with ``msg`` is logged (a handshake with the agent)."""
+
+    def __init__(self, msg: str) -> None:
+        super().__init__()
+        self.msg = msg
+        self.event = threading.Event()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage() == self.msg:
+            self.records.append(record)
+            self.event.set()
+
+
+def test_a_rolling_update_successor_serves_at_once_and_takes_the_state_dir_when_released(
+    short_tmp,
+):
+    """In-process, two agents on one state directory with --rolling-update: the second
+    registers its own sockets while the first holds the directory, is ready while it waits,
+    writes nothing, answers the kubelet's calls that cannot wait any longer with a retryable
+    error, and takes the directory over when the first stops."""
+    from dataclasses import replace
+
+    from dra_driver.checkpoint import Checkpoint
+    from dra_driver.errors import CheckpointError
+    from dra_driver.kubelet_calls import ClaimRef
+    from dra_driver.kubelet_client import KubeletClient
+
+    old_uid, new_uid = (
+        "0a1b2c3d-0000-4000-8000-00000000000a",
+        "0a1b2c3d-0000-4000-8000-00000000000b",
+    )
+    base = config(short_tmp)
+    old = build_agent(
+        replace(base, rolling_update=True, pod_uid=old_uid), logging.getLogger("tessera.test.old")
+    )
+    old.start()
+    new_log = logging.getLogger("tessera.test.new")
+    new_log.setLevel(logging.INFO)
+    waiting, took_over = (
+        Seen("waiting for the state directory"),
+        Seen("took over the state directory"),
+    )
+    new_log.addHandler(waiting)
+    new_log.addHandler(took_over)
+    new = build_agent(replace(base, rolling_update=True, pod_uid=new_uid), new_log)
+    stop_new = threading.Event()
+    starting = threading.Thread(target=new.start, args=(stop_new,))
+    starting.start()
+    try:
+        assert waiting.event.wait(30)
+        assert new.plugin.reg_socket.name == f"gpu.tessera.dev-{new_uid}-reg.sock"
+        assert new.plugin.reg_socket.exists() and old.plugin.reg_socket.exists()
+        assert not new.lock.held and old.lock.held
+        ready, checks = new.readiness.evaluate()
+        assert ready, checks  # ready while waiting: the DaemonSet may now delete the old pod
+        assert checks["state-dir"].startswith(f"waiting for PID {os.getpid()} of pod {old_uid}")
+        with pytest.raises(CheckpointError, match="does not hold"):
+            new.preparer.store.save(Checkpoint("any"))  # it cannot write, by construction
+        # a call whose deadline leaves no time to wait is answered at once, retryably
+        with KubeletClient(new.plugin.dra_socket, timeout=5.5) as kubelet:
+            answer = kubelet.prepare([ClaimRef("default", "c", "uid-c")])["claims"]["uid-c"]
+        assert "is still waiting for the state directory" in answer["error"]
+        assert f"of pod {old_uid}" in answer["error"] and "kubelet retries" in answer["error"]
+        old.stop()
+        starting.join(30)
+        assert not starting.is_alive() and new.lock.held and not old.lock.held
+        assert took_over.records[0].fields["previous"] == f"PID {os.getpid()} of pod {old_uid}"  # type: ignore[attr-defined]
+        assert new.readiness.evaluate()[1]["state-dir"] == "held"
+        assert not old.plugin.reg_socket.exists()  # the old one's sockets went with it
+    finally:
+        stop_new.set()
+        starting.join(30)
+        new.stop()
+        old.stop()
+        new_log.removeHandler(waiting)
+        new_log.removeHandler(took_over)
+        new_log.setLevel(logging.NOTSET)
 
 
 def test_every_rediscovery_takes_the_start_s_one_path_and_reports_only_changes(short_tmp, caplog):

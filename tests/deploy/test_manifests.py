@@ -55,3 +55,21 @@ def test_the_agent_stops_within_the_pods_grace_period():
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
     timeout = float(env.get("TESSERA_SHUTDOWN_TIMEOUT") or Config().shutdown_timeout)
     assert timeout + 5 <= grace
+
+
+def test_the_daemonset_upgrades_without_a_gap():
+    """maxSurge: 1 with maxUnavailable: 0 only works with --rolling-update (per-pod sockets, the
+    state directory handed over): the manifest's environment must turn it on, with the pod UID
+    from the downward API, and make a valid Config."""
+    from agent.config import load_config
+
+    ds = yaml.safe_load((ROOT / "deploy" / "daemonset" / "daemonset.yaml").read_text())
+    assert ds["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    env = {e["name"]: e for e in ds["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["TESSERA_POD_UID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
+    given = {name: e["value"] for name, e in env.items() if "value" in e}
+    config = load_config({}, given | {"TESSERA_POD_UID": "4f1b2c3d-5e6f-4a7b-8c9d-0e1f2a3b4c5d"})
+    assert config.rolling_update and not config.cleanup_on_exit

@@ -36,7 +36,7 @@ def by_subject(verdicts: list[Verdict]) -> dict[str, Verdict]:
 
 def test_everything_the_agent_needs_is_granted(server, tmp_path):
     verdicts = api_checks(connect(server, tmp_path))
-    assert [v.status for v in verdicts] == ["ok"] * 4
+    assert [v.status for v in verdicts] == ["ok"] * 5
     got = by_subject(verdicts)
     assert "Kubernetes v1.35.0" in got["api-server"].detail
     slices = got["resourceslices.resource.k8s.io"].detail
@@ -58,6 +58,12 @@ def test_reading_the_node_is_optional_so_a_denial_only_warns(server, tmp_path):
     server.access.deny("get", "nodes")
     v = by_subject(api_checks(connect(server, tmp_path)))["nodes"]
     assert v.status == "warn" and "owner reference" in v.detail
+
+
+def test_writing_node_events_is_optional_so_a_denial_only_warns(server, tmp_path):
+    server.access.deny("patch", "events")
+    v = by_subject(api_checks(connect(server, tmp_path)))["events"]
+    assert v.status == "warn" and "patch" in v.detail and "Events on the Node" in v.detail
 
 
 def test_a_cluster_older_than_1_34_fails(tmp_path):
@@ -86,15 +92,39 @@ def test_no_credentials_fail_and_standalone_mode_skips_both():
     assert [v.status for v in api_checks(None)] == ["skip", "skip"]
 
 
-def test_the_deployed_cluster_role_grants_every_request_the_agent_makes():
-    docs = list(yaml.safe_load_all((ROOT / "deploy/daemonset/rbac.yaml").read_text()))
-    role = next(d for d in docs if d["kind"] == "ClusterRole")
-    granted = {
-        (group, resource, verb)
-        for rule in role["rules"]
+def granted(doc: dict) -> set[tuple[str, str, str, str]]:
+    """(namespace, group, resource, verb) a ClusterRole ("" namespace: all) or Role grants."""
+    ns = doc["metadata"].get("namespace", "") if doc["kind"] == "Role" else ""
+    return {
+        (ns, group, resource, verb)
+        for rule in doc["rules"]
         for group in rule["apiGroups"]
         for resource in rule["resources"]
         for verb in rule["verbs"]
     }
+
+
+def test_the_deployed_rbac_grants_every_request_the_agent_makes():
+    docs = list(yaml.safe_load_all((ROOT / "deploy/daemonset/rbac.yaml").read_text()))
+    bound = {
+        (d["roleRef"]["kind"], d["roleRef"]["name"], d["metadata"].get("namespace", ""))
+        for d in docs
+        if d["kind"] in ("ClusterRoleBinding", "RoleBinding")
+        and {"kind": "ServiceAccount", "name": "tessera", "namespace": "tessera-system"}
+        in d["subjects"]
+    }
+    roles = [
+        d
+        for d in docs
+        if d["kind"] in ("ClusterRole", "Role")
+        and (d["kind"], d["metadata"]["name"], d["metadata"].get("namespace", "")) in bound
+    ]
+    grants = set().union(*(granted(d) for d in roles))
     for a in AGENT_ACCESS:
-        assert (a.group, a.resource, a.verb) in granted, a
+        anywhere = ("", a.group, a.resource, a.verb)
+        assert anywhere in grants or (a.namespace, a.group, a.resource, a.verb) in grants, a
+    # the Role for Events grants exactly what the agent asks for there, nothing else
+    (events,) = [d for d in roles if d["kind"] == "Role"]
+    assert granted(events) == {
+        (a.namespace, a.group, a.resource, a.verb) for a in AGENT_ACCESS if a.namespace
+    }

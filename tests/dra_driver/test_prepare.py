@@ -220,3 +220,27 @@ def test_claims_on_one_gpu_are_undone_one_after_the_other_with_their_records(tmp
     second.join(10)
     assert effects.undone == {"a": {"b"}, "b": set()}
     preparer.close(0)
+
+
+def test_closing_waits_for_the_running_claims_only_not_for_the_queued_ones(tmp_path):
+    """A claim still queued when the agent stops is cancelled and answered "shutting down";
+    close() returns as soon as the running ones are done (a cancelled future never counts as
+    done for concurrent.futures.wait, which made every such shutdown, and so every rolling
+    update's handover, last the whole --shutdown-timeout)."""
+    claims = BlockingClaims()
+    preparer = make_preparer(tmp_path, claims, workers=1)
+    preparer.reconcile_on_start()
+    running, queued = ClaimKey("ns", "a", "uid-a"), ClaimKey("ns", "b", "uid-b")
+    results: dict = {}
+    caller = threading.Thread(target=lambda: results.update(preparer.prepare([running, queued])))
+    caller.start()
+    assert claims.entered.wait(10)  # a holds the only worker; b waits behind it
+    left: list[list[str]] = []
+    closer = threading.Thread(target=lambda: left.append(preparer.close(600)))
+    closer.start()
+    claims.release.set()
+    closer.join(60)  # far less than the 600 s it was given
+    assert not closer.is_alive() and left == [[]]
+    caller.join(10)
+    assert "not found" in results["uid-a"].error  # it ran to its end
+    assert "shutting down" in results["uid-b"].error  # it never ran

@@ -25,11 +25,22 @@ LIMIT_NOFILE = (
 
 
 class Daemon:
-    def __init__(self, state: Path, model: str, *extra: str, nofile: int | None = None) -> None:
-        """``nofile``: run the daemon with this open-file limit (soft and hard)."""
+    def __init__(
+        self,
+        state: Path,
+        model: str,
+        *extra: str,
+        nofile: int | None = None,
+        pod_uid: str | None = None,
+    ) -> None:
+        """``nofile``: run the daemon with this open-file limit (soft and hard). ``pod_uid``:
+        run it with ``--rolling-update`` as the agent of that pod (its sockets carry the UID)."""
         self.state = state
         self.model = model
         self.extra = list(extra)
+        if pod_uid is not None:
+            self.extra += ["--rolling-update", "--pod-uid", pod_uid]
+        self.pod_uid = pod_uid
         self.nofile = nofile
         self.proc: subprocess.Popen[str] | None = None
         self.logs: list[dict[str, Any]] = []
@@ -44,12 +55,18 @@ class Daemon:
         return self.model  # the simulated model's host name
 
     @property
+    def registry_dir(self) -> Path:
+        return self.state / "kubelet" / "plugins_registry"
+
+    @property
     def reg_socket(self) -> Path:
-        return self.state / "kubelet" / "plugins_registry" / f"{DRIVER}-reg.sock"
+        part = f"-{self.pod_uid}" if self.pod_uid else ""
+        return self.registry_dir / f"{DRIVER}{part}-reg.sock"
 
     @property
     def dra_socket(self) -> Path:
-        return self.state / "kubelet" / "plugins" / DRIVER / "dra.sock"
+        part = f"-{self.pod_uid}" if self.pod_uid else ""
+        return self.state / "kubelet" / "plugins" / DRIVER / f"dra{part}.sock"
 
     @property
     def cdi_dir(self) -> Path:

@@ -495,6 +495,22 @@ def test_a_lost_gpu_fails_every_call_until_it_recovers(sim):
     assert fake.nvmlDeviceGetMemoryInfo(mh).total > 0
 
 
+def test_an_injected_xid_79_loses_the_gpu_like_a_real_one(sim):
+    fake = sim("dgx-a100")
+    h = fake.nvmlDeviceGetHandleByIndex(2)
+    es = fake.nvmlEventSetCreate()
+    fake.nvmlDeviceRegisterEvents(h, XID, es)
+    fake.inject_xid(2, 48)  # another fatal XID: the GPU still answers
+    assert fake.nvmlDeviceGetMemoryInfo(h).total > 0
+    fake.inject_xid(2, 79)
+    assert [fake.nvmlEventSetWait(es, 100).eventData for _ in range(2)] == [48, 79]
+    with pytest.raises(pynvml.NVMLError_GpuIsLost):
+        fake.nvmlDeviceGetMemoryInfo(h)
+    assert fake.nvmlDeviceGetMemoryInfo(fake.nvmlDeviceGetHandleByIndex(3)).total > 0
+    fake.recover_gpu(2)
+    assert fake.nvmlDeviceGetMemoryInfo(h).total > 0
+
+
 def test_injected_call_failures(sim):
     fake = sim("dgx-h100")
     h0, h1 = fake.nvmlDeviceGetHandleByIndex(0), fake.nvmlDeviceGetHandleByIndex(1)
@@ -602,6 +618,16 @@ def test_sim_fault_xid_reaches_the_running_simulator(agent_dir):
     assert (rc, err) == (0, "")
     assert out == "injected XID 48 on GPU 3\n"
     assert fake.nvmlEventSetWait(es, 1000).eventData == 48
+    fake.nvmlDeviceGetPowerUsage(fake.nvmlDeviceGetHandleByIndex(3))  # 48: still answers
+    rc, out, err = run_cli("sim", "fault", *args[:-1], "79")
+    assert (rc, err) == (0, "")
+    assert out == (
+        "injected XID 79 on GPU 3\n"
+        "GPU 3 fell off the bus; its NVML calls now fail until `recover`\n"
+    )
+    assert fake.nvmlEventSetWait(es, 1000).eventData == 79
+    with pytest.raises(pynvml.NVMLError_GpuIsLost):
+        fake.nvmlDeviceGetPowerUsage(fake.nvmlDeviceGetHandleByIndex(3))
 
 
 def test_sim_fault_gpu_lost_recover_load_and_driver_reload(agent_dir, clock):

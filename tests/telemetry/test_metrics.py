@@ -31,7 +31,7 @@ UNITLESS = {
     "tessera_gpu_healthy", "tessera_gpu_processes", "tessera_device_prepared",
     "tessera_sampler_ticks", "tessera_kubelet_registered", "tessera_resourceslice_pool_generation",
     "tessera_resourceslice_writes", "tessera_resourceslice_errors", "tessera_prepare_errors",
-    "tessera_claims_stuck",
+    "tessera_claims_stuck", "tessera_node_events",
 }  # fmt: skip
 UNIT_WORDS = ("bytes", "watts", "joules", "celsius", "hertz", "seconds", "ratio")
 
@@ -240,3 +240,16 @@ def test_exposition_renders_once_per_state_and_follows_changes():
     state["snap"] = make_snapshot(tick=2)
     assert b"tessera_sampler_ticks_total" in expo()[0] and len(calls) == 3
     assert expo()[0] != first
+
+
+def test_node_events_are_counted_by_outcome():
+    outcomes = (("recorded", 4), ("filtered", 0), ("dropped", 1), ("failed", 2))
+    reg = registry(make_snapshot, lambda: AgentStatus("node-a", True, 3, 7, 1, 0, outcomes))
+    fams = {f.name: f for f in text_string_to_metric_families(exposition(reg))}
+    got = {
+        s.labels["outcome"]: s.value
+        for s in fams["tessera_node_events"].samples
+        if s.name == "tessera_node_events_total"
+    }
+    assert got == {"recorded": 4.0, "filtered": 0.0, "dropped": 1.0, "failed": 2.0}
+    assert {s.labels["node"] for s in fams["tessera_node_events"].samples} == {"node-a"}

@@ -12,6 +12,7 @@ import pytest
 from agent.nvml.samples import GpuSample, XidEvent
 from agent.telemetry.energy import EnergyAccounting
 from agent.telemetry.gpuinfo import GpuInfo
+from agent.telemetry.health import GpuHealth
 from agent.telemetry.sampler import Sampler
 from tests.telemetry.holders import Claim, Held
 
@@ -118,7 +119,9 @@ def test_tick_publishes_a_complete_snapshot(tmp_path):
 
 def test_a_failing_read_marks_only_that_gpu_lost(tmp_path, caplog):
     changes: list[tuple[int, bool]] = []
-    sampler, node, clock = make(tmp_path, on_health_change=lambda i, ok: changes.append((i, ok)))
+    sampler, node, clock = make(
+        tmp_path, on_health_change=lambda h: changes.append((h.index, h.healthy)), probe_reads=1
+    )
     sampler.tick()
     node.failing = {1}
     with caplog.at_level(logging.WARNING, logger=LOG.name):
@@ -151,7 +154,7 @@ def test_xid_health_rules(tmp_path):
 
     changes: list[tuple[int, bool]] = []
     sampler, _, _ = make(
-        tmp_path, xids=xids, on_health_change=lambda i, ok: changes.append((i, ok))
+        tmp_path, xids=xids, on_health_change=lambda h: changes.append((h.index, h.healthy))
     )
     pending += [XidEvent(0, 13, None, None), XidEvent(0, 43, 1, 0), XidEvent(0, 13, None, None)]
     pending += [XidEvent(1, 31, None, None), XidEvent(2, 999, None, None)]
@@ -190,7 +193,7 @@ def test_failing_sources_and_hooks_do_not_stop_the_tick(tmp_path, caplog):
     def no_checkpoint() -> tuple[Claim, ...]:
         raise OSError("checkpoint unreadable")
 
-    def bad_hook(index: int, healthy: bool) -> None:
+    def bad_hook(change: GpuHealth) -> None:
         raise RuntimeError("board gone")
 
     sampler, node, _ = make(tmp_path, xids=boom, holders=no_checkpoint, on_health_change=bad_hook)

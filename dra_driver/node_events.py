@@ -1,0 +1,627 @@
+"""Kubernetes Events about this Node, aggregated as the kubelet's event recorder aggregates them.
+
+``NodeEventRecorder.record(type, reason, message)`` never blocks: it stamps the event and puts it
+on a bounded queue (a full queue drops the event and counts it). One thread (``run``, under the
+agent's supervisor) takes events off the queue, correlates them and hands them to a sink:
+``KubeEventSink`` writes core/v1 Events (kube mode), ``LogEventSink`` logs each one as one
+structured record (standalone mode). Nothing the API server answers is raised to the caller.
+
+The rules are client-go's event recorder's (``tools/record/events_cache.go`` and
+``tools/record/event.go``, kubernetes/client-go at 32ce75a7; the facts, in our own code):
+
+* **Identity.** An Event is about the Node (``involvedObject``: kind ``Node``, apiVersion ``v1``,
+  the Node's name and uid, no namespace) and lives in the namespace ``default``: ``makeEvent``
+  gives an object without a namespace ``default``, and the API server's legacy Event validation
+  accepts only that (or none) for a cluster-scoped object. Its name is
+  ``<node>.<Unix time in ns, hex>`` (``util.GenerateEventName``; a UUID where that would not be a
+  valid name). ``source`` is ``{component, host}``, and ``reportingComponent`` and
+  ``reportingInstance`` repeat them (``generateEvent``). When the Node's uid is unknown (it could
+  not be read) the uid is the node name, as in the kubelet's own Node events; ``kubectl describe
+  node`` looks for both (kubectl ``pkg/describe`` ``NodeDescriber``).
+* **Counting** (``eventLogger``): the same event again (same source, object, type, reason and
+  message) is a strategic merge PATCH of the first Event's ``count``, ``lastTimestamp`` and
+  ``message``, not a new Event. A PATCH answered 404 (the Event expired: the API server keeps
+  Events for ``--event-ttl``, one hour by default) creates it again under its name.
+* **Aggregation** (``EventAggregator``): events that differ only in their message are similar;
+  the 10th different message within 10 minutes of the previous similar event (a rolling
+  interval) and every new one after it become one Event ``(combined from similar events):
+  <message>``, counted like any other.
+* **Spam filter** (``EventSourceObjectSpamFilter``): a token bucket per source, object and type
+  (not reason) with a burst of 25, refilled by one every 5 minutes. An event without a token is
+  not written, but its count moves on, so the next write carries the true count.
+* Each cache is an LRU of 4096 entries (``maxLruCacheEntries``); the queue holds 1000 events
+  (``maxQueuedEvents``).
+
+Where we differ: client-go retries only lost connections (12 tries, 10 s apart, blocking its
+queue); here every temporary failure (no answer, 429, 5xx) is retried after each of
+``retry_delays`` (1 s, 4 s) unless the agent is stopping, then counted as failed. Any other
+refusal (403, 409, 422) is logged, rate-limited, and counted. At shutdown what is still queued is
+written for at most ``flush_timeout`` seconds, each request bounded by the sink's timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Generic, Protocol, TypeVar
+
+from agent.logs import Throttle, fields_
+from dra_driver.errors import KubeError
+from dra_driver.kube import STRATEGIC_MERGE_PATCH, KubeClient
+
+NORMAL = "Normal"
+WARNING = "Warning"
+EVENT_TYPES = (NORMAL, WARNING)
+NAMESPACE = "default"
+"""Where Events about cluster-scoped objects live (client-go ``makeEvent``)."""
+LRU_ENTRIES = 4096
+AGGREGATE_MAX_EVENTS = 10
+AGGREGATE_INTERVAL_S = 600.0
+AGGREGATE_PREFIX = "(combined from similar events): "
+SPAM_BURST = 25
+SPAM_QPS = 1.0 / 300.0
+QUEUE_SIZE = 1000
+MAX_MESSAGE_CHARS = 1024
+"""Longer messages are cut (the limit the API server puts on new-style Events' notes)."""
+RETRY_DELAYS = (1.0, 4.0)
+FLUSH_TIMEOUT_S = 1.0
+SINK_TIMEOUT = (2.0, 5.0)
+"""(connect, read) seconds for one Event request: a slow API server delays events, not shutdown."""
+_MAX_NAME = 253
+
+GPU_UNHEALTHY = "GpuUnhealthy"
+GPU_HEALTHY = "GpuHealthy"
+
+
+def gpu_health(index: int, uuid: str, healthy: bool, cause: str) -> tuple[str, str, str]:
+    """``(type, reason, message)`` of a GPU health change, for ``recorder.record(*...)``."""
+    if healthy:
+        return NORMAL, GPU_HEALTHY, f"GPU {index} ({uuid}) is healthy again: {cause}"
+    return WARNING, GPU_UNHEALTHY, f"GPU {index} ({uuid}) is unhealthy: {cause}"
+
+
+def timestamp(t: float) -> str:
+    """RFC 3339 in seconds, as ``metav1.Time`` is written."""
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True)
+class NodeRef:
+    name: str
+    uid: str
+
+
+@dataclass(frozen=True)
+class NodeEvent:
+    """One core/v1 Event about the Node, as written (or to be written)."""
+
+    name: str
+    node: NodeRef
+    component: str
+    """``source.component`` and ``reportingComponent``."""
+    host: str
+    """``source.host`` and ``reportingInstance``."""
+    type: str
+    reason: str
+    message: str
+    count: int
+    first_timestamp: float
+    last_timestamp: float
+    resource_version: str = ""
+
+    def body(self) -> dict[str, Any]:
+        """The Event object a create sends."""
+        return {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": self.name, "namespace": NAMESPACE},
+            "involvedObject": {
+                "kind": "Node",
+                "apiVersion": "v1",
+                "name": self.node.name,
+                "uid": self.node.uid,
+            },
+            "type": self.type,
+            "reason": self.reason,
+            "message": self.message,
+            "source": {"component": self.component, "host": self.host},
+            "reportingComponent": self.component,
+            "reportingInstance": self.host,
+            "count": self.count,
+            "firstTimestamp": timestamp(self.first_timestamp),
+            "lastTimestamp": timestamp(self.last_timestamp),
+        }
+
+    def patch(self) -> dict[str, Any]:
+        """The strategic merge patch of a repeated event (what client-go's two-way patch of the
+        event against itself with count, lastTimestamp and message cleared comes to)."""
+        return {
+            "count": self.count,
+            "lastTimestamp": timestamp(self.last_timestamp),
+            "message": self.message,
+        }
+
+
+Key = tuple[str, ...]
+
+
+def _object_key(e: NodeEvent) -> Key:
+    return (e.component, e.host, "Node", "", e.node.name, e.node.uid, "v1")
+
+
+def event_key(e: NodeEvent) -> Key:
+    """What makes two events the same one (counted): source, object, type, reason, message."""
+    return (*_object_key(e), e.type, e.reason, e.message)
+
+
+def aggregate_key(e: NodeEvent) -> Key:
+    """What makes two events similar (aggregated): all but the message."""
+    return (*_object_key(e), e.type, e.reason, e.component, e.host)
+
+
+def spam_key(e: NodeEvent) -> Key:
+    """Whose token bucket an event takes from: source, object and type."""
+    return (*_object_key(e), e.type)
+
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class Lru(Generic[K, V]):
+    """A bounded map that forgets the least recently used entry."""
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"an LRU needs at least one entry, got {size}")
+        self._size = size
+        self._items: OrderedDict[K, V] = OrderedDict()
+
+    def get(self, key: K) -> V | None:
+        value = self._items.get(key)
+        if value is not None:
+            self._items.move_to_end(key)
+        return value
+
+    def put(self, key: K, value: V) -> None:
+        self._items[key] = value
+        self._items.move_to_end(key)
+        while len(self._items) > self._size:
+            self._items.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+@dataclass
+class _Similar:
+    messages: dict[str, None]
+    """The different messages seen (insertion-ordered), at most max_events - 1 kept."""
+    last: float
+
+
+@dataclass(frozen=True)
+class _Seen:
+    count: int
+    first_timestamp: float
+    name: str
+    resource_version: str
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    at: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to write for one event."""
+
+    event: NodeEvent
+    key: Key
+    """Its counting key (``Correlator.written`` records the server's answer under it)."""
+    patch: dict[str, Any] | None
+    """None: create the Event; else PATCH the existing one (``event.name``) with this."""
+
+
+class Correlator:
+    """Aggregation, counting and the spam filter; one thread's (the recorder's), not locked.
+
+    The time of an event is its ``last_timestamp`` (when it was recorded), so a test drives the
+    intervals and the token buckets through the events it makes."""
+
+    def __init__(
+        self,
+        *,
+        entries: int = LRU_ENTRIES,
+        max_events: int = AGGREGATE_MAX_EVENTS,
+        interval: float = AGGREGATE_INTERVAL_S,
+        burst: int = SPAM_BURST,
+        qps: float = SPAM_QPS,
+    ) -> None:
+        self.max_events = max_events
+        self.interval = interval
+        self.burst = burst
+        self.qps = qps
+        self._similar: Lru[Key, _Similar] = Lru(entries)
+        self._seen: Lru[Key, _Seen] = Lru(entries)
+        self._buckets: Lru[Key, _Bucket] = Lru(entries)
+
+    def correlate(self, event: NodeEvent) -> Decision | None:
+        """The write ``event`` comes to, or None when the spam filter holds it back."""
+        now = event.last_timestamp
+        event, key = self._aggregate(event, now)
+        decision = self._observe(event, key)
+        if not self._take_token(spam_key(decision.event), now):
+            return None
+        return decision
+
+    def written(self, decision: Decision, stored: NodeEvent) -> None:
+        """The server stored ``stored`` for ``decision``: count on from its answer."""
+        self._seen.put(
+            decision.key,
+            _Seen(stored.count, stored.first_timestamp, stored.name, stored.resource_version),
+        )
+
+    def _aggregate(self, event: NodeEvent, now: float) -> tuple[NodeEvent, Key]:
+        akey = aggregate_key(event)
+        similar = self._similar.get(akey)
+        if similar is None or now - similar.last > self.interval:
+            similar = _Similar({}, now)
+        similar.messages[event.message] = None
+        similar.last = now
+        self._similar.put(akey, similar)
+        if len(similar.messages) < self.max_events:
+            return event, ("event", *event_key(event))
+        del similar.messages[next(iter(similar.messages))]  # keep the set below the threshold
+        combined = dataclasses.replace(
+            event,
+            message=AGGREGATE_PREFIX + event.message,
+            count=1,
+            first_timestamp=now,
+            last_timestamp=now,
+        )
+        return combined, ("aggregate", *akey)
+
+    def _observe(self, event: NodeEvent, key: Key) -> Decision:
+        seen = self._seen.get(key)
+        patch = None
+        if seen is not None and seen.count > 0:
+            event = dataclasses.replace(
+                event,
+                name=seen.name,
+                resource_version=seen.resource_version,
+                first_timestamp=seen.first_timestamp,
+                count=seen.count + 1,
+            )
+            patch = event.patch()
+        self._seen.put(
+            key, _Seen(event.count, event.first_timestamp, event.name, event.resource_version)
+        )
+        return Decision(event, key, patch)
+
+    def _take_token(self, key: Key, now: float) -> bool:
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = _Bucket(float(self.burst), now)
+        if now > bucket.at:
+            bucket.tokens = min(float(self.burst), bucket.tokens + (now - bucket.at) * self.qps)
+            bucket.at = now
+        allowed = bucket.tokens >= 1.0
+        if allowed:
+            bucket.tokens -= 1.0
+        self._buckets.put(key, bucket)
+        return allowed
+
+
+class EventSink(Protocol):
+    """Where events go. Both return the Event as stored; failures raise ``KubeError``."""
+
+    def create(self, event: NodeEvent) -> NodeEvent: ...
+
+    def patch(self, event: NodeEvent, patch: Mapping[str, Any]) -> NodeEvent: ...
+
+
+class KubeEventSink:
+    """core/v1 Events in the namespace ``default``: POST to create, a strategic merge PATCH to
+    count (the patch type client-go's ``EventSinkImpl`` sends)."""
+
+    def __init__(self, kube: KubeClient, timeout: tuple[float, float] = SINK_TIMEOUT) -> None:
+        self._kube = kube
+        self._timeout = timeout
+        self._path = f"/api/v1/namespaces/{NAMESPACE}/events"
+
+    def create(self, event: NodeEvent) -> NodeEvent:
+        answer = self._kube.request("POST", self._path, body=event.body(), timeout=self._timeout)
+        return _stored(event, answer)
+
+    def patch(self, event: NodeEvent, patch: Mapping[str, Any]) -> NodeEvent:
+        answer = self._kube.request(
+            "PATCH",
+            f"{self._path}/{event.name}",
+            body=dict(patch),
+            timeout=self._timeout,
+            content_type=STRATEGIC_MERGE_PATCH,
+        )
+        return _stored(event, answer)
+
+
+def _stored(event: NodeEvent, answer: Mapping[str, Any]) -> NodeEvent:
+    """``event`` with the name, count and resourceVersion the server answered (ours where the
+    answer lacks them: it is untrusted input)."""
+    meta = answer.get("metadata")
+    meta = meta if isinstance(meta, dict) else {}
+    name, rv, count = meta.get("name"), meta.get("resourceVersion"), answer.get("count")
+    return dataclasses.replace(
+        event,
+        name=name if isinstance(name, str) and name else event.name,
+        resource_version=rv if isinstance(rv, str) else "",
+        count=count if isinstance(count, int) and not isinstance(count, bool) else event.count,
+    )
+
+
+class LogEventSink:
+    """Standalone mode: each event written is one structured record (``node event``), at
+    warning level for ``Warning`` events."""
+
+    def __init__(self, log: logging.Logger) -> None:
+        self._log = log
+
+    def create(self, event: NodeEvent) -> NodeEvent:
+        self._emit(event)
+        return event
+
+    def patch(self, event: NodeEvent, patch: Mapping[str, Any]) -> NodeEvent:
+        self._emit(event)
+        return event
+
+    def _emit(self, e: NodeEvent) -> None:
+        self._log.log(
+            logging.WARNING if e.type == WARNING else logging.INFO,
+            "node event",
+            extra=fields_(
+                type=e.type,
+                reason=e.reason,
+                message=e.message,
+                count=e.count,
+                node=e.node.name,
+                event=e.name,
+                first_timestamp=timestamp(e.first_timestamp),
+                last_timestamp=timestamp(e.last_timestamp),
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class EventStats:
+    recorded: int = 0
+    """Written (created or counted), or logged in standalone mode."""
+    filtered: int = 0
+    """Held back by the spam filter (their count moves on)."""
+    dropped: int = 0
+    """Not queued: the queue was full."""
+    failed: int = 0
+    """Refused by the API server or not answered (after the retries)."""
+
+    def outcomes(self) -> tuple[tuple[str, int], ...]:
+        """``(outcome, count)`` pairs (the ``outcome`` label of ``tessera_node_events_total``)."""
+        return tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
+
+
+@dataclass(frozen=True)
+class _Occurrence:
+    type: str
+    reason: str
+    message: str
+    at: float
+
+
+class NodeEventRecorder:
+    """Records Events about the Node ``node`` from ``component``; see the module docstring.
+
+    ``clock`` is Unix time (names, timestamps, intervals and token buckets); ``monotonic``
+    bounds the shutdown flush. Thread-safe ``record``; ``run``/``drain`` on one thread."""
+
+    def __init__(
+        self,
+        sink: EventSink,
+        node: str,
+        component: str,
+        log: logging.Logger,
+        *,
+        node_uid: str | None = None,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        correlator: Correlator | None = None,
+        queue_size: int = QUEUE_SIZE,
+        retry_delays: Sequence[float] = RETRY_DELAYS,
+        flush_timeout: float = FLUSH_TIMEOUT_S,
+        poll: float = 0.25,
+    ) -> None:
+        self._sink = sink
+        self._node = NodeRef(node, node_uid or node)
+        self._component = component
+        self._log = log
+        self._throttle = Throttle(log, interval=60.0, clock=monotonic)
+        self._clock = clock
+        self._monotonic = monotonic
+        self._correlator = correlator or Correlator()
+        self._queue: queue.Queue[_Occurrence] = queue.Queue(maxsize=queue_size)
+        self._queue_size = queue_size
+        self._retry_delays = tuple(retry_delays)
+        self._flush_timeout = flush_timeout
+        self._poll = poll
+        self._last_ns = 0
+        self._stats = EventStats()
+        self._lock = threading.Lock()
+
+    # -- any thread --------------------------------------------------------------------------
+
+    def set_node_uid(self, uid: str | None) -> None:
+        """The Node's uid (read at start); None keeps the node name in its place."""
+        self._node = NodeRef(self._node.name, uid or self._node.name)
+
+    def record(self, type: str, reason: str, message: str) -> bool:
+        """Queue an event; False when the queue was full (dropped, counted). Never blocks.
+
+        Raises ValueError for a ``type`` other than Normal or Warning, or an empty reason (a
+        bug in the caller, as client-go refuses them)."""
+        if type not in EVENT_TYPES:
+            raise ValueError(f"event type {type!r}: must be one of {', '.join(EVENT_TYPES)}")
+        if not reason:
+            raise ValueError("an event needs a reason (a CamelCase word such as GpuUnhealthy)")
+        occurrence = _Occurrence(type, reason, message[:MAX_MESSAGE_CHARS], self._clock())
+        try:
+            self._queue.put_nowait(occurrence)
+        except queue.Full:
+            self._count(dropped=1)
+            self._throttle(
+                logging.WARNING,
+                "dropped",
+                "node event queue full; event dropped",
+                reason=reason,
+                queue_size=self._queue_size,
+            )
+            return False
+        return True
+
+    @property
+    def stats(self) -> EventStats:
+        with self._lock:
+            return self._stats
+
+    # -- the recorder's thread ---------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        """Write events as they come until ``stop``; then flush what is queued for at most
+        ``flush_timeout`` seconds (no retries then)."""
+        while not stop.is_set():
+            try:
+                occurrence = self._queue.get(timeout=self._poll)
+            except queue.Empty:
+                continue
+            self._handle(occurrence, stop)
+        end = self._monotonic() + self._flush_timeout
+        while self._monotonic() < end and self._take(stop):
+            pass
+
+    def drain(self, stop: threading.Event | None = None) -> int:
+        """Write everything queued now, without waiting for more; how many were taken."""
+        stop = stop or threading.Event()
+        taken = 0
+        while self._take(stop):
+            taken += 1
+        return taken
+
+    def close(self) -> int:
+        """After ``run`` returned: log what was left unwritten; how many."""
+        left = self._queue.qsize()
+        if left:
+            self._log.warning("node events not written before shutdown", extra=fields_(events=left))
+        return left
+
+    def _take(self, stop: threading.Event) -> bool:
+        try:
+            occurrence = self._queue.get_nowait()
+        except queue.Empty:
+            return False
+        self._handle(occurrence, stop)
+        return True
+
+    def _handle(self, occurrence: _Occurrence, stop: threading.Event) -> None:
+        try:
+            decision = self._correlator.correlate(self._event(occurrence))
+            if decision is None:
+                self._count(filtered=1)
+                return
+            stored = self._write(decision, stop)
+        except Exception as exc:  # an events bug must never take the agent (and GPUs) down
+            self._count(failed=1)
+            self._throttle(
+                logging.ERROR,
+                "bug",
+                "recording a node event failed",
+                exc_info=exc,
+                reason=occurrence.reason,
+            )
+            return
+        if stored is None:
+            self._count(failed=1)
+            return
+        self._correlator.written(decision, stored)
+        self._count(recorded=1)
+
+    def _event(self, o: _Occurrence) -> NodeEvent:
+        ns = max(int(o.at * 1e9), self._last_ns + 1)  # unique names, even within one ns
+        self._last_ns = ns
+        name = f"{self._node.name}.{ns:x}"
+        if len(name) > _MAX_NAME:
+            name = str(uuid.uuid4())
+        return NodeEvent(
+            name=name,
+            node=self._node,
+            component=self._component,
+            host=self._node.name,
+            type=o.type,
+            reason=o.reason,
+            message=o.message,
+            count=1,
+            first_timestamp=o.at,
+            last_timestamp=o.at,
+        )
+
+    def _write(self, decision: Decision, stop: threading.Event) -> NodeEvent | None:
+        for attempt in range(len(self._retry_delays) + 1):
+            try:
+                return self._send(decision)
+            except KubeError as exc:
+                if exc.temporary and attempt < len(self._retry_delays) and not stop.is_set():
+                    stop.wait(self._retry_delays[attempt])
+                    continue
+                self._throttle(
+                    logging.WARNING,
+                    f"failed:{exc.status}",
+                    "could not write a node event",
+                    error=str(exc),
+                    status=exc.status,
+                    reason=decision.event.reason,
+                    hint=_hint(exc),
+                )
+                return None
+        return None  # not reached: the last attempt returns or logs
+
+    def _send(self, decision: Decision) -> NodeEvent:
+        if decision.patch is None:
+            return self._sink.create(decision.event)
+        try:
+            return self._sink.patch(decision.event, decision.patch)
+        except KubeError as exc:
+            if exc.status != 404:
+                raise
+            # the Event is gone (expired after the API server's --event-ttl, or deleted)
+            return self._sink.create(dataclasses.replace(decision.event, resource_version=""))
+
+    def _count(self, **delta: int) -> None:
+        with self._lock:
+            s = self._stats
+            self._stats = dataclasses.replace(s, **{k: getattr(s, k) + v for k, v in delta.items()})
+
+
+def _hint(exc: KubeError) -> str:
+    if exc.status == 403:
+        return (
+            f"grant create and patch on events in the namespace {NAMESPACE}"
+            " (deploy/daemonset/rbac.yaml, Role tessera-events)"
+        )
+    if exc.temporary:
+        return "the API server did not answer in time or is overloaded; later events still go"
+    return "the API server refused the Event; later events still go"
