@@ -151,6 +151,13 @@ def seconds(raw: str) -> float:
     return value
 
 
+def non_negative_seconds(raw: str) -> float:
+    value = number(raw)
+    if value < 0:
+        raise ValueError("is not a number of seconds >= 0")
+    return value
+
+
 def fraction(raw: str) -> float:
     value = number(raw)
     if not 0 <= value <= 1:
@@ -332,6 +339,23 @@ class Config:
         " at once through a watch); nothing is written when nothing changed.",
         groups=("daemon",),
         metavar="SECONDS",
+    )
+    rediscovery_interval: float = setting(
+        60.0,
+        "Seconds between periodic re-reads of the node's GPUs (NVML and sysfs), which also catch"
+        " MIG changes an administrator made with nvidia-smi; udev events trigger a re-read at"
+        " once besides. 0 turns the periodic re-read off.",
+        groups=("daemon",),
+        metavar="SECONDS",
+        parse=non_negative_seconds,
+    )
+    rediscovery_debounce: float = setting(
+        2.0,
+        "Seconds without a further udev event before a burst of PCI events is re-read (once;"
+        " at the latest five times this after the burst began).",
+        groups=("daemon",),
+        metavar="SECONDS",
+        parse=seconds,
     )
 
     kubelet_registry_dir: Path | None = setting(

@@ -22,11 +22,12 @@ from prometheus_client import CollectorRegistry
 from agent.config import Config
 from agent.discovery.inventory import NodeInventory
 from agent.driverfiles.discover import find_cdi_hook, make_char_device, under
-from agent.errors import ConfigError
+from agent.errors import ConfigError, TesseraError
 from agent.fsutil import ensure_dir, remove_temp_files
+from agent.hotplug import DevicesChanged, EventSource, Rediscovery, inventory_change, open_udev
 from agent.http import HttpEndpoint, HttpLimits, Readiness
 from agent.logs import fields_
-from agent.node import NodeSource, discover, real_node
+from agent.node import NodeSource, discover, real_node, rediscover
 from agent.nvml.events import EventWatcher
 from agent.nvml.mig import MigControl
 from agent.nvml.telemetry import TelemetryReader
@@ -86,6 +87,11 @@ class CurrentDevices:
         with self._lock:
             self._model = model
 
+    def current(self) -> DeviceModel | None:
+        """The model now, None before the first discovery."""
+        with self._lock:
+            return self._model
+
     def get(self) -> DeviceModel:
         with self._lock:
             if self._model is None:
@@ -119,6 +125,11 @@ class Agent:
     supervisor: Supervisor | None = None
     unfinished: list[str] = field(default_factory=list)
     """What had not stopped when the shutdown deadline passed (threads still running)."""
+    triggers: EventSource | None = None
+    """Where udev's PCI events come from (None: no rediscovery loop at all)."""
+    on_devices_changed: Callable[[DevicesChanged], None] = lambda change: None
+    """Told every rediscovery that changed the GPUs or devices, or saw a GPU bound again."""
+    _apply_lock: threading.Lock = field(default_factory=threading.Lock)
     unhealthy: UnhealthyGpus = field(default_factory=UnhealthyGpus)
     on_health_event: Callable[[GpuHealth], None] | None = None
     """Hook for every GPU health change after it is published (Kubernetes Node events)."""
@@ -133,19 +144,14 @@ class Agent:
         self._sweep_temp_files()
         self.accounting.load()
         self.preparer.cdi.write_base()
-        self.inventory = discover(self.source)
-        self._log_inventory(self.inventory)
+        inventory = discover(self.source)
         self.readiness.add("inventory", lambda: (True, "node discovered"))
         if self.kube is not None:
             uid = node_uid(self.kube, self.publisher.policy.node_name, self.log)
             self.publisher.policy = dataclasses.replace(self.publisher.policy, node_uid=uid)
             if self.node_events is not None:
                 self.node_events.set_node_uid(uid)
-        policy = self.config.device_policy()
-        model = advertised_devices(self.inventory, policy)
-        self.devices.set(model)
-        self.health.set_devices(d.name for d in model.devices)
-        self.publish_devices()
+        self.apply_inventory(inventory)
         self.preparer.reconcile_on_start()
         self.plugin.start()
         self.readiness.add("sockets", self._sockets_intact)
@@ -164,7 +170,7 @@ class Agent:
                 else f"not yet published ({self.publisher.stats.last_error or 'pending'})",
             ),
         )
-        self._start_telemetry(self.inventory)
+        self._start_telemetry()
         self.supervisor = Supervisor(self.log, self.stop_event.set)
         if self.node_events is not None:
             recorder = self.node_events
@@ -174,6 +180,15 @@ class Agent:
         self.supervisor.spawn("publisher", lambda: self.publisher.run(self.stop_event))
         if self.publisher.store.watchable:
             self.supervisor.spawn("slice-watch", lambda: self.publisher.watch_loop(self.stop_event))
+        if self.triggers is not None:
+            loop = Rediscovery(
+                self.triggers,
+                self.rediscover,
+                interval=self.config.rediscovery_interval,
+                debounce=self.config.rediscovery_debounce,
+                log=self.log.getChild("rediscovery"),
+            )
+            self.supervisor.spawn("rediscovery", lambda: loop.run(self.stop_event))
         self.http.start()
         host, port = self.http.address
         self.log.info(
@@ -187,6 +202,82 @@ class Agent:
                 state_dir=str(self.state_dir),
             ),
         )
+
+    def apply_inventory(
+        self, inv: NodeInventory, rebound: frozenset[str] = frozenset()
+    ) -> DevicesChanged:
+        """The one path an inventory takes, at the start and after every rediscovery: device
+        model, then the devices prepare sees, the publisher, the health board (devices of a
+        removed GPU that claims hold stay there, UNHEALTHY), then the XID watcher, the telemetry
+        reader and the sampler (by UUID: indexes may shift). Logs the inventory at the start and
+        one record per rediscovery that changed anything; tells ``on_devices_changed``."""
+        with self._apply_lock:
+            previous = self.inventory
+            old_model = self.devices.current()
+            model = advertised_devices(inv, self.config.device_policy())
+            self.inventory = inv
+            if model != old_model:
+                self.devices.set(model)
+                self.health.set_devices(d.name for d in model.devices)
+                self.publish_devices()
+            self.events.watch([g.device.index for g in inv.gpus])
+            self.reader.expect({g.device.index: g.device.uuid for g in inv.gpus})
+            before = {g.device.uuid: g.device for g in previous.gpus} if previous else {}
+            for g in inv.gpus:
+                old = before.get(g.device.uuid)
+                if old is not None and old.mig_instances != g.device.mig_instances:
+                    self.reader.refresh(g.device.index)
+            self.sampler.set_gpus([gpu_info(g.device) for g in inv.gpus])
+            change = inventory_change(
+                previous,
+                inv,
+                [d.name for d in old_model.devices] if old_model else (),
+                [d.name for d in model.devices],
+                rebound,
+            )
+        if previous is None:
+            self._log_inventory(inv)
+            return change
+        if change.devices_changed:
+            self.log.warning(
+                "node inventory changed",
+                extra=fields_(
+                    gpus_added=[g.uuid for g in change.added_gpus],
+                    gpus_removed=[g.uuid for g in change.removed_gpus],
+                    devices_added=list(change.added_devices),
+                    devices_removed=list(change.removed_devices),
+                    rebound=list(change.rebound),
+                    gpus=len(inv.gpus),
+                    devices=len(model.devices),
+                ),
+            )
+        for g in inv.gpus:  # bound again: a sticky fatal XID waits for the health probe only
+            if g.pcie.bus_id in change.rebound:
+                self.sampler.observe_reset(g.device.uuid)
+        if change.devices_changed or change.rebound:
+            try:
+                self.on_devices_changed(change)
+            except Exception:
+                self.log.exception("on_devices_changed failed")
+        return change
+
+    def rediscover(self, rebound: frozenset[str] = frozenset()) -> None:
+        """Read NVML and sysfs again and apply what they say (:meth:`apply_inventory`); a read
+        that fails is logged and the inventory stays as it was."""
+        try:
+            reread = rediscover(self.source, self.inventory)
+        except (TesseraError, OSError) as exc:
+            self.log.warning(
+                "rediscovery failed; the advertised devices stay as they were",
+                extra=fields_(error=str(exc)),
+            )
+            return
+        if reread.kept_unreadable:
+            self.log.info(
+                "GPUs NVML cannot read are kept as they were (their PCI functions are there)",
+                extra=fields_(gpus=list(reread.kept_unreadable)),
+            )
+        self.apply_inventory(reread.inventory, rebound)
 
     def publish_devices(self) -> None:
         """Publish the current devices as health has them: the kubelet's health stream marks
@@ -358,6 +449,8 @@ class Agent:
         ours is still running (the process then exits with it)."""
         deadline = Deadline(self.config.shutdown_timeout)
         self.stop_event.set()
+        if self.triggers is not None:
+            self.triggers.close()
         self.http.stop()
         total = deadline.remaining()
         running = self.preparer.close(total - min(STOP_RESERVE_S, total / 2))
@@ -408,9 +501,8 @@ class Agent:
             self.stop()
         return 1 if self.supervisor and self.supervisor.failures else 0
 
-    def _start_telemetry(self, inv: NodeInventory) -> None:
+    def _start_telemetry(self) -> None:
         """Sample the discovered GPUs; serve the telemetry API once a first sample exists."""
-        self.sampler.set_gpus([gpu_info(g.device) for g in inv.gpus])
         self.sampler.tick()
         self.readiness.add(
             "sampler",
@@ -717,7 +809,7 @@ def _build(
         else KubeClaimSource(kube, timeout=(5.0, config.claim_read_timeout))
     )
     paths = agent_paths(config, state_dir)
-    health = HealthBoard(pool=source.hostname)
+    health = HealthBoard(pool=source.hostname, held=lambda: held_devices(preparer))
     events_log = log.getChild("node-events")
     node_events = NodeEventRecorder(
         LogEventSink(events_log) if kube is None else KubeEventSink(kube),
@@ -827,12 +919,34 @@ def _build(
             tls=config.telemetry_tls(),
         ),
         lock=lock,
+        triggers=open_triggers(config, state_dir, log.getChild("rediscovery")),
         node_events=node_events,
     )
     sampler.on_health_change = agent.gpu_health_changed
     agent.on_health_event = health_event(node_events)
     publisher.on_taints_dropped = agent.publish_devices
     return agent
+
+
+def held_devices(preparer: Preparer) -> set[str]:
+    """The devices of this node's pool that checkpointed claims hold (recovered ones too)."""
+    try:
+        checkpoint = preparer.checkpoint
+    except RuntimeError:  # before the start's reconcile
+        return set()
+    return {
+        d.device for e in checkpoint.claims.values() for d in e.devices if d.pool == preparer.pool
+    }
+
+
+def open_triggers(config: Config, state_dir: Path, log: logging.Logger) -> EventSource:
+    """What tells the agent that GPUs came or went: udev on a real node, the simulator's event
+    log with ``--simulate`` (the one place that chooses)."""
+    if config.simulate:
+        from agent.sim.udev import SimUdevSource
+
+        return SimUdevSource(state_dir / "sim")
+    return open_udev(log)
 
 
 def health_event(node_events: NodeEventRecorder) -> Callable[[GpuHealth], None]:

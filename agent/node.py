@@ -15,8 +15,11 @@ from agent.bootid import read_boot_id, read_boot_time
 from agent.discovery.build import build_inventory
 from agent.discovery.inventory import NodeInventory
 from agent.discovery.sysfs import read_sysfs
+from agent.discovery.topology import normalize_bus_id
+from agent.nvml.errors import NvmlGpuLost, NvmlInvalidArgument, NvmlNotFound
 from agent.nvml.facade import Nvml
 from agent.nvml.loader import NvmlLibrary, load_nvml
+from agent.nvml.types import GpuDevice
 
 
 @dataclass(frozen=True)
@@ -84,3 +87,53 @@ def discover(source: NodeSource) -> NodeInventory:
         gpus=source.nvml.devices(),
         sysfs=read_sysfs(source.sysfs_root),
     )
+
+
+@dataclass(frozen=True)
+class Reread:
+    """A rediscovery's inventory and what it left out, for the log."""
+
+    inventory: NodeInventory
+    kept_unreadable: tuple[int, ...] = ()
+    """NVML indexes of GPUs NVML counts but cannot read (lost) whose PCI function is still in
+    sysfs: kept as the previous inventory had them (the health code reports them)."""
+    gone: tuple[str, ...] = ()
+    """What NVML still lists but the node no longer has (no PCI function in sysfs, or a lost
+    GPU the previous inventory did not know), each as ``index/bus id``."""
+
+
+def rediscover(source: NodeSource, previous: NodeInventory | None) -> Reread:
+    """Read NVML and sysfs again after a hot-plug event or on the periodic re-read.
+
+    Unlike :func:`discover` (the start), a GPU that is gone never fails the read: NVML may still
+    enumerate a hot-removed GPU (its enumeration is not documented to follow hot-plug within
+    one ``nvmlInit``; docs/gpu-facts.md) and answers GPU_IS_LOST for its handle, while sysfs
+    drops its PCI function at once. So a GPU whose function sysfs no longer has is left out,
+    and a lost GPU whose function is still there (fallen off the bus, not removed) is kept as
+    ``previous`` had it at the same index, so that its devices stay advertised and the health
+    code, not rediscovery, decides about them."""
+    sysfs = read_sysfs(source.sysfs_root)
+    present = {f.bus for f in sysfs.functions}
+    before = {g.device.index: g.device for g in previous.gpus} if previous else {}
+    gpus: list[GpuDevice] = []
+    kept: list[int] = []
+    gone: list[str] = []
+    for index in range(source.nvml.device_count()):
+        try:
+            device = source.nvml.device(index)
+        except (NvmlGpuLost, NvmlNotFound, NvmlInvalidArgument):
+            old = before.get(index)
+            if old is not None and normalize_bus_id(old.pci_bus_id) in present:
+                gpus.append(old)
+                kept.append(index)
+            else:
+                gone.append(f"{index}/{old.pci_bus_id if old else 'unknown'}")
+            continue
+        if normalize_bus_id(device.pci_bus_id) not in present:
+            gone.append(f"{index}/{device.pci_bus_id}")
+            continue
+        gpus.append(device)
+    inventory = build_inventory(
+        hostname=source.hostname, system=source.nvml.system(), gpus=gpus, sysfs=sysfs
+    )
+    return Reread(inventory, tuple(kept), tuple(gone))

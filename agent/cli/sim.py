@@ -11,6 +11,9 @@
     tessera sim fault --state-dir DIR driver-reload
     tessera sim fault --state-dir DIR load --gpu N --utilization U [--memory-mib M]
     tessera sim fault --state-dir DIR fail-call --call NAME [--gpu N] [--code C] [--times T]
+    tessera sim fault --state-dir DIR remove-gpu --gpu N
+    tessera sim fault --state-dir DIR add-gpu --gpu N
+    tessera sim fault --state-dir DIR mig-layout --gpu N --layout all-1g
     tessera sim process --state-dir DIR start --gpu N [--pid P] [--pod-uid UID]
                         [--sm-utilization U] [--memory-mib M] [--gi G [--ci C]]
     tessera sim process --state-dir DIR stop --gpu N --pid P
@@ -19,9 +22,13 @@
 in ``DIR/sim``) or the simulator's directory itself. The node model is the one recorded there
 (``--simulate MODEL`` overrides it, e.g. for a model file). Every change goes through the
 simulator's state files under their lock, so a running agent sees it at its next NVML call.
-``process start`` runs a compute process on a GPU (NVML lists it, with its memory and SM
-utilization); with ``--pod-uid`` it runs in that pod: the simulated ``/proc`` (``DIR/sim/proc``)
-gets its cgroup, which the agent reads to attribute the process to the claims of that pod.
+``remove-gpu``/``add-gpu`` hot-remove a GPU and add it back (NVML, the sysfs tree under
+``DIR/sim/sys`` and the udev events the agent's monitor reads change as on a real node);
+``mig-layout`` is an administrator's ``nvidia-smi mig`` on one GPU (no udev event: the agent's
+periodic re-read sees it). ``process start`` runs a compute process on a GPU (NVML lists it,
+with its memory and SM utilization); with ``--pod-uid`` it runs in that pod: the simulated
+``/proc`` (``DIR/sim/proc``) gets its cgroup, which the agent reads to attribute the process to
+the claims of that pod.
 """
 
 from __future__ import annotations
@@ -122,6 +129,17 @@ class XidOptions:
     )
     ci: int | None = setting(
         None, "Compute instance id (with --gi).", metavar="ID", parse=non_negative_int
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class MigLayoutOptions:
+    gpu: int = setting(REQUIRED, _GPU_HELP, metavar="N", parse=non_negative_int)
+    layout: str = setting(
+        REQUIRED,
+        "The MIG layout to create on the GPU (its instances are destroyed first): balanced"
+        " (3g+2g+2x1g), all-1g or all-7g.",
+        metavar="LAYOUT",
     )
 
 
@@ -339,6 +357,37 @@ def fault_fail_call(inv: Invocation) -> int:
     return 0
 
 
+def fault_remove_gpu(inv: Invocation) -> int:
+    from agent.sim.udev import remove_gpu
+
+    gpu = inv.get(GpuOptions).gpu
+    done = remove_gpu(_simulator(inv), gpu)
+    inv.out.write(
+        f"GPU {gpu} removed from the PCI bus\n" if done else f"GPU {gpu} was already removed\n"
+    )
+    return 0
+
+
+def fault_add_gpu(inv: Invocation) -> int:
+    from agent.sim.udev import add_gpu
+
+    gpu = inv.get(GpuOptions).gpu
+    done = add_gpu(_simulator(inv), gpu)
+    inv.out.write(
+        f"GPU {gpu} added to the PCI bus\n" if done else f"GPU {gpu} is on the bus already\n"
+    )
+    return 0
+
+
+def fault_mig_layout(inv: Invocation) -> int:
+    from agent.sim.udev import set_mig_layout
+
+    opts = inv.get(MigLayoutOptions)
+    set_mig_layout(_simulator(inv), opts.gpu, opts.layout)
+    inv.out.write(f"GPU {opts.gpu}: MIG layout {opts.layout} created\n")
+    return 0
+
+
 def process_start(inv: Invocation) -> int:
     opts = inv.get(ProcessStartOptions)
     fake = _simulator(inv)
@@ -366,7 +415,7 @@ def process_stop(inv: Invocation) -> int:
 
 FAULT = Command(
     "fault",
-    "inject XIDs, lost GPUs, driver reloads, load or call failures",
+    "inject XIDs, lost GPUs, driver reloads, load, call failures, hot-plug or MIG changes",
     uses=(Uses(FaultOptions),),
     description="Inject faults and load into a running simulated node from another process:"
     " the agent sees them at its next NVML call.",
@@ -394,6 +443,24 @@ FAULT = Command(
             "make telemetry/event calls fail",
             fault_fail_call,
             (Uses(FailCallOptions),),
+        ),
+        Command(
+            "remove-gpu",
+            "hot-remove a GPU from the PCI bus (udev: unbind, remove)",
+            fault_remove_gpu,
+            (Uses(GpuOptions),),
+        ),
+        Command(
+            "add-gpu",
+            "hot-add a removed GPU back (udev: add, bind)",
+            fault_add_gpu,
+            (Uses(GpuOptions),),
+        ),
+        Command(
+            "mig-layout",
+            "an administrator's MIG change on one GPU, as nvidia-smi mig makes it",
+            fault_mig_layout,
+            (Uses(MigLayoutOptions),),
         ),
     ),
 )

@@ -46,6 +46,8 @@ class EventWatcher:
         event_set = self._api.nvmlEventSetCreate()
         self._set: EventSet | None = event_set
         self._by_address: dict[int, int] = {}
+        self._ignored: set[int] = set()
+        """Registered handles of GPUs that are no longer watched (removed by a rediscovery)."""
         self._skipped: dict[int, str] = {}
         try:
             for index in range(nvml.device_count()) if indices is None else indices:
@@ -63,6 +65,34 @@ class EventWatcher:
             self._skipped[index] = str(exc)
             return
         self._by_address[_address(handle)] = index
+
+    def watch(self, indices: Sequence[int]) -> None:
+        """The node's GPUs after a rediscovery, by NVML index: GPUs not yet registered are
+        registered (a GPU that came back or is new), every watched GPU's events are reported
+        under its index now (indexes shift when a GPU leaves; its handle, and so the events'
+        device pointer, stays the same), and GPUs not listed are no longer reported (NVML
+        cannot unregister one device from an event set; their events are dropped)."""
+        event_set = self._set
+        if event_set is None:
+            raise RuntimeError("EventWatcher is closed")
+        by_address: dict[int, int] = {}
+        skipped: dict[int, str] = {}
+        registered = set(self._by_address) | self._ignored
+        for index in indices:
+            try:
+                handle = self._nvml.handle(index)
+                address = _address(handle)
+                if address not in registered:
+                    api = self._nvml.api(str(index))
+                    api.nvmlDeviceRegisterEvents(handle, XID_CRITICAL_ERROR, event_set)
+                    registered.add(address)
+            except NvmlError as exc:
+                skipped[index] = str(exc)
+                continue
+            by_address[address] = index
+        self._ignored = registered - set(by_address)
+        self._by_address = by_address
+        self._skipped = skipped
 
     @property
     def registered(self) -> tuple[int, ...]:
@@ -88,7 +118,7 @@ class EventWatcher:
             data = self._next(event_set, timeout_ms if not out else 0)
             if data is None:
                 break
-            if data.eventType & XID_CRITICAL_ERROR:
+            if data.eventType & XID_CRITICAL_ERROR and _address(data.device) not in self._ignored:
                 out.append(self._event(data))
         return out
 

@@ -36,7 +36,7 @@ throughput (NVML "KB/s") is taken as KiB/s.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import ParamSpec, TypeVar
 
@@ -139,6 +139,7 @@ class TelemetryReader:
         self._nvml = nvml
         self._gpus: dict[int, _Gpu] = {}
         self._uuids: dict[int, str] = {}
+        self._expected: dict[int, str] = {}
         self._mig_refresh_reads = mig_refresh_reads
 
     # -- public ------------------------------------------------------------------------------
@@ -160,6 +161,12 @@ class TelemetryReader:
         for i, gpu in self._gpus.items():
             if index is None or i == index:
                 gpu.mig_stale = True
+
+    def expect(self, uuids: Mapping[int, str]) -> None:
+        """The GPUs' UUIDs by NVML index after a rediscovery (indexes shift when a GPU leaves or
+        returns): a cached handle whose UUID is not the one now expected at its index is dropped
+        at that index's next read (by the reading thread) and looked up again."""
+        self._expected = dict(uuids)
 
     def forget(self, index: int) -> None:
         """Drop everything cached for GPU ``index`` (its handle is looked up again)."""
@@ -201,6 +208,10 @@ class TelemetryReader:
 
     def _gpu(self, index: int) -> _Gpu:
         gpu = self._gpus.get(index)
+        expected = self._expected.get(index)
+        if gpu is not None and expected is not None and gpu.uuid != expected:
+            self.forget(index)
+            gpu = None
         if gpu is None:
             api = self._nvml.api(str(index))
             handle = self._nvml.handle(index)

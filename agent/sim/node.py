@@ -17,6 +17,7 @@ from agent.sim.driverroot import layout_of, write_driver_root
 from agent.sim.model import load_model
 from agent.sim.nvml import FakeNvml
 from agent.sim.sysfs import write_sysfs
+from agent.sim.udev import removed_buses
 
 
 def simulated_node(
@@ -40,10 +41,10 @@ def simulated_node(
     so every CDI path is translated as on a real node."""
     model = load_model(model_name)
     sim_dir = state_dir / "sim"
+    fake = FakeNvml(model, sim_dir, mig_layout=mig_layout)
     if sysfs_root is None:
         sysfs_root = sim_dir / "sys"
-        write_sysfs(model, sysfs_root)
-    fake = FakeNvml(model, sim_dir, mig_layout=mig_layout)
+        write_sysfs(model, sysfs_root, removed_buses(fake))
     api: NvmlApi = fake  # mypy proves that the simulator has the NVML surface the agent uses
     layout = layout_of(driver_layout)
     if driver_root is None:

@@ -44,7 +44,8 @@ from typing import Any, cast, overload
 import pynvml
 
 from agent.nvml import api
-from agent.sim import handles
+from agent.sim import handles, layouts
+from agent.sim.errors import MigError
 from agent.sim.handles import Ref
 from agent.sim.mig import nvml_error
 from agent.sim.nvlink import LinkEnd, nvlink_table
@@ -52,6 +53,7 @@ from agent.sim.nvml_core import pci_info, pynvml_constants
 from agent.sim.nvml_mig import MigCalls
 from agent.sim.nvml_sharing import SharingCalls
 from agent.sim.specs import MIB
+from agent.sim.state import SimState
 from agent.sim.telemetry_calls import TelemetryCalls
 from agent.sim.telemetry_events import EventCalls, GpmCalls
 
@@ -125,16 +127,49 @@ class FakeNvml(TelemetryCalls, EventCalls, GpmCalls, MigCalls, SharingCalls):
         self._require_init()
         return f"{self.model.cuda_driver_version // 1000}.{self.model.driver_version}"
 
+    # -- simulator control: an administrator's MIG change ---------------------------------------
+    def apply_gpu_mig_layout(self, index: int, name: str) -> None:
+        """``nvidia-smi mig`` on GPU ``index`` (the model's): destroy its compute and GPU
+        instances and create layout ``name``'s. MigError where nvidia-smi refuses: the GPU is
+        not on the bus, cannot do MIG, has MIG mode off (``nvidia-smi -i N -mig 1`` and a reset
+        come first), or runs processes (instances in use cannot be destroyed)."""
+        self._check_index(index)
+        slot = self._slots[index]
+        if not slot.spec.mig_capable:
+            raise MigError(f"GPU {index} ({slot.spec.name}) does not support MIG")
+        busy = [p.pid for p in self.telemetry_state.gpus[index].processes]
+
+        def change(state: SimState) -> tuple[SimState, None]:
+            gpu = state.gpus[index]
+            if gpu.removed:
+                raise MigError(f"GPU {index} is not on the PCI bus (removed)")
+            if not gpu.mig_current:
+                raise MigError(
+                    f"MIG mode is disabled on GPU {index}; enable it first"
+                    f" (nvidia-smi -i {index} -mig 1, then reset the GPU)"
+                )
+            if busy:
+                raise MigError(
+                    f"GPU {index}'s MIG instances are in use by processes"
+                    f" {', '.join(map(str, busy))}; stop them first"
+                )
+            return state.with_gpu(layouts.apply_to_gpu(gpu, slot.spec, name)), None
+
+        self._store.update(change)
+
     # -- device enumeration ----------------------------------------------------------------------
     def nvmlDeviceGetCount(self) -> int:
+        """The GPUs on the bus (a hot-removed one is not counted)."""
         self._require_init()
-        return len(self.model.gpus)
+        return len(self.present())
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> api.DeviceHandle:
+        """By NVML index: the ``index``-th GPU on the bus (see ``present``)."""
         self._require_init()
-        if not isinstance(index, int) or index not in self._slots:
+        present = self.present()
+        if not isinstance(index, int) or not 0 <= index < len(present):
             raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT, f"no GPU index {index!r}")
-        return handles.device(Ref(handles.KIND_GPU, index))
+        return handles.device(Ref(handles.KIND_GPU, present[index].index))
 
     def nvmlDeviceGetHandleByPciBusId(self, pciBusId: str | bytes) -> api.DeviceHandle:
         """Accepts NVML's forms: ``domain:bus:device.function``, ``domain:bus:device``,
@@ -146,7 +181,7 @@ class FakeNvml(TelemetryCalls, EventCalls, GpmCalls, MigCalls, SharingCalls):
             raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT, f"bad PCI bus id {text!r}")
         parts = m.groupdict()
         want = (int(parts.get("d") or "0", 16), int(parts["b"], 16), int(parts["s"], 16))
-        for g in self.model.gpus:
+        for g in self.present():
             d, b, rest = g.bus.split(":")
             if (int(d, 16), int(b, 16), int(rest.split(".")[0], 16)) == want:
                 return handles.device(Ref(handles.KIND_GPU, g.index))
@@ -159,7 +194,7 @@ class FakeNvml(TelemetryCalls, EventCalls, GpmCalls, MigCalls, SharingCalls):
         if not text.startswith(("GPU-", "MIG-")):
             raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT, f"malformed UUID {text!r}")
         state = self.state
-        for g in self.model.gpus:
+        for g in self.present():
             if g.uuid == text:
                 return handles.device(Ref(handles.KIND_GPU, g.index))
             for gi, ci in state.gpus[g.index].mig_devices():
@@ -169,10 +204,13 @@ class FakeNvml(TelemetryCalls, EventCalls, GpmCalls, MigCalls, SharingCalls):
 
     # -- identity --------------------------------------------------------------------------------
     def nvmlDeviceGetIndex(self, handle: api.DeviceHandle) -> int:
-        return self._gpu(handle).index
+        """The GPU's place among the GPUs on the bus (shifts when one before it leaves)."""
+        slot = self._gpu(handle)
+        return [g.index for g in self.present()].index(slot.index)
 
     def nvmlDeviceGetMinorNumber(self, handle: api.DeviceHandle) -> int:
-        """``/dev/nvidia<minor>``: the NVML index in this simulator."""
+        """``/dev/nvidia<minor>``: the model's GPU index (the NVML index with every GPU on the
+        bus); stable when other GPUs leave or return, as the kernel's minor numbers are."""
         return self._gpu(handle).index
 
     def nvmlDeviceGetUUID(self, handle: api.DeviceHandle) -> str:

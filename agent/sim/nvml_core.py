@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import inspect
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -132,6 +133,39 @@ class NvmlCore:
             )
         self._store.update(lambda s: (s.with_gpu(mig.reset(s.gpus[index])), None))
 
+    def present(self) -> list[GpuSlot]:
+        """The GPUs on the bus (not hot-removed), in NVML's enumeration order (the model's, which
+        is PCI bus order): a GPU's NVML index is its place here, so indexes after a removed GPU
+        shift down by one, as a fresh enumeration numbers them."""
+        state = self._store.read()
+        return [g for g in self.model.gpus if not state.gpus[g.index].removed]
+
+    def removed(self) -> list[int]:
+        """The model indexes of the hot-removed GPUs."""
+        return [g.index for g in self._store.read().gpus if g.removed]
+
+    def set_removed(self, index: int, removed: bool) -> bool:
+        """Take GPU ``index`` (the model's index) off the bus or put it back; False when it was
+        already so. A GPU that leaves loses its MIG instances (the driver forgets them), and
+        one that comes back starts with MIG as it was configured (mode kept, no instances)."""
+        self._check_index(index)
+
+        def change(state: SimState) -> tuple[SimState, bool]:
+            gpu = state.gpus[index]
+            if gpu.removed == removed:
+                return state, False
+            gone = mig.destroy_all(gpu) if gpu.gpu_instances else gpu
+            return state.with_gpu(replace(gone, removed=removed)), True
+
+        return self._store.update(change)
+
+    def _check_index(self, index: int) -> None:
+        if index not in self._slots:
+            raise ConfigError(
+                f"GPU index {index} does not exist; model {self.model.name} has GPUs "
+                f"0..{len(self._slots) - 1}"
+            )
+
     def apply_mig_layout(self, name: str) -> None:
         """Apply a named layout (agent.sim.layouts) to every MIG GPU, destroying what exists."""
         layouts.layout_profiles(name)
@@ -161,6 +195,8 @@ class NvmlCore:
             raise nvml_error(
                 pynvml.NVML_ERROR_INVALID_ARGUMENT, f"{handle!r} is not a valid handle"
             )
+        if self._store.read().gpus[ref.gpu].removed:
+            raise nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST, f"GPU {ref.gpu} left the PCI bus")
         if ref.kind not in kinds:
             if ref.kind == handles.KIND_MIG:
                 raise nvml_error(

@@ -72,6 +72,9 @@ class GpuState:
     mig_current: bool = False
     mig_pending: bool = False
     gpu_instances: tuple[GpuInstance, ...] = ()
+    removed: bool = False
+    """Hot-removed from the PCI bus (``tessera sim fault remove-gpu``): NVML does not enumerate
+    it and sysfs has no function for it until it is added again."""
 
     def gpu_instance(self, gi_id: int) -> GpuInstance | None:
         return next((g for g in self.gpu_instances if g.id == gi_id), None)
@@ -117,6 +120,7 @@ def state_to_json(state: SimState) -> dict[str, Any]:
                 "uuid": g.uuid,
                 "migCurrent": g.mig_current,
                 "migPending": g.mig_pending,
+                "removed": g.removed,
                 "gpuInstances": [
                     {
                         "id": gi.id,
@@ -170,6 +174,7 @@ def state_from_json(raw: object) -> SimState:
                 uuid=str(g["uuid"]),
                 mig_current=_bool(g, "migCurrent"),
                 mig_pending=_bool(g, "migPending"),
+                removed=_bool(g, "removed") if "removed" in g else False,
                 gpu_instances=tuple(
                     GpuInstance(
                         id=_int(gi, "id"),

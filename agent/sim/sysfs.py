@@ -94,8 +94,12 @@ def format_cpulist(ids: list[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def pci_functions(model: NodeModel) -> tuple[SimFunction, ...]:
+def pci_functions(
+    model: NodeModel, removed: frozenset[str] = frozenset()
+) -> tuple[SimFunction, ...]:
     """Every PCI function of the model's tree, bridges first then endpoints, each sorted by bus.
+    The GPUs at the bus ids in ``removed`` were hot-removed: their functions are left out, the
+    bridges above them stay (the slot is still there).
 
     Pure. Raises ModelError when the model's paths disagree (a bridge reached through two
     different parents or from two NUMA nodes, or a bridge address that is also an endpoint).
@@ -131,7 +135,7 @@ def pci_functions(model: NodeModel) -> tuple[SimFunction, ...]:
                 )
     return (
         *sorted(bridges.values(), key=lambda f: f.bus),
-        *sorted(endpoints, key=lambda f: f.bus),
+        *sorted((e for e in endpoints if e.bus not in removed), key=lambda f: f.bus),
     )
 
 
@@ -176,9 +180,9 @@ def _write_function(devices: Path, fn: SimFunction, model: NodeModel, nr_cpus: i
     )
 
 
-def _write_tree(model: NodeModel, root: Path) -> None:
+def _write_tree(model: NodeModel, root: Path, removed: frozenset[str]) -> None:
     devices = root / "devices"
-    functions = pci_functions(model)
+    functions = pci_functions(model, removed)
     nr_cpus = max((max(parse_cpulist(c), default=0) for c in model.numa_nodes.values()), default=0)
     nr_cpus += 1
     by_bus = {f.bus: f for f in functions}
@@ -238,8 +242,9 @@ def _write_tree(model: NodeModel, root: Path) -> None:
         _prune(devices / fn.rel_path / "net", netdevs)
 
 
-def write_sysfs(model: NodeModel, root: Path) -> None:
-    """Write (or rewrite) the sysfs tree of ``model`` under ``root``.
+def write_sysfs(model: NodeModel, root: Path, removed: frozenset[str] = frozenset()) -> None:
+    """Write (or rewrite) the sysfs tree of ``model`` under ``root``, without the GPUs at the bus
+    ids in ``removed`` (hot-removed: their device directories and ``bus/pci/devices`` links go).
 
     Idempotent: rewriting the same root leaves unchanged files untouched, replaces changed files
     and links atomically, then removes what the model no longer has (devices, NICs, NUMA nodes),
@@ -247,4 +252,4 @@ def write_sysfs(model: NodeModel, root: Path) -> None:
     Raises ConfigError for ``/sys`` itself or when the tree cannot be written, ModelError when
     the model's PCIe paths are inconsistent.
     """
-    write_tree(root, "/sys", "sysfs tree", lambda r: _write_tree(model, r))
+    write_tree(root, "/sys", "sysfs tree", lambda r: _write_tree(model, r, removed))

@@ -131,3 +131,45 @@ def test_a_rolling_update_successor_serves_at_once_and_takes_the_state_dir_when_
         new_log.removeHandler(waiting)
         new_log.removeHandler(took_over)
         new_log.setLevel(logging.NOTSET)
+
+
+def test_every_rediscovery_takes_the_start_s_one_path_and_reports_only_changes(short_tmp, caplog):
+    from agent.hotplug import DevicesChanged, GpuRef
+    from agent.sim.udev import add_gpu, remove_gpu
+
+    agent = build_agent(config(short_tmp), logging.getLogger("tessera.test"))
+    changes: list[DevicesChanged] = []
+    agent.on_devices_changed = changes.append
+    agent.triggers = None  # rediscoveries are called by the test, not by the loop
+    stop = threading.Event()
+    try:
+        agent.start()
+        assert agent.inventory is not None
+        first = agent.inventory.gpus[1]
+        caplog.set_level(logging.INFO, logger="tessera.test")
+        agent.rediscover()
+        assert changes == []  # nothing changed: no callback, no record
+        assert not [r for r in caplog.records if r.getMessage() == "node inventory changed"]
+
+        remove_gpu(agent.source.sim, 1)
+        agent.rediscover()
+        gone = GpuRef(1, first.device.uuid, first.pcie.bus_id)
+        assert changes[-1] == DevicesChanged(removed_gpus=(gone,), removed_devices=("gpu-1",))
+        assert "gpu-1" not in [d.name for d in agent.devices.get().devices]
+        assert [g.uuid for g in agent.sampler.gpus] == [g.device.uuid for g in agent.inventory.gpus]
+        assert agent.publisher.policy.node_name == agent.source.hostname
+
+        add_gpu(agent.source.sim, 1)
+        agent.rediscover(frozenset({first.pcie.bus_id}))
+        assert changes[-1] == DevicesChanged(
+            added_gpus=(gone,), added_devices=("gpu-1",), rebound=(first.pcie.bus_id,)
+        )
+        records = [r for r in caplog.records if r.getMessage() == "node inventory changed"]
+        assert len(records) == 2
+
+        agent.source.sim.lose_gpu(2)  # fell off the bus but still there: kept for health
+        agent.rediscover()
+        assert len(changes) == 2 and "gpu-2" in [d.name for d in agent.devices.get().devices]
+    finally:
+        stop.set()
+        agent.stop()

@@ -107,3 +107,30 @@ def test_errors_of_the_event_set_are_translated(sim):
     with pytest.raises(NvmlError) as e:
         watcher.wait(0)
     assert e.value.call == "nvmlEventSetWait"
+
+
+def test_after_a_gpu_leaves_and_returns_xids_carry_the_new_indexes(sim):
+    """Rediscovery re-points the watcher: indexes shift when GPU 3 leaves, a returning GPU is
+    watched again, and a GPU that left is not reported under another's index."""
+    fake, nvml = sim("dgx-h100")
+    with EventWatcher(nvml) as watcher:
+        fake.set_removed(3, True)
+        watcher.watch(range(7))  # NVML index 3 is model GPU 4 now
+        assert watcher.registered == tuple(range(7))
+        fake.inject_xid(4, 48)
+        fake.inject_xid(7, 31)
+        assert watcher.wait(1.0) == [XidEvent(3, 48, None, None), XidEvent(6, 31, None, None)]
+        fake.set_removed(3, False)
+        watcher.watch(range(8))
+        fake.inject_xid(3, 79)
+        fake.inject_xid(4, 13)
+        assert watcher.wait(1.0) == [XidEvent(3, 79, None, None), XidEvent(4, 13, None, None)]
+
+
+def test_a_gpu_no_longer_watched_reports_nothing(sim):
+    fake, nvml = sim("dgx-h100")
+    with EventWatcher(nvml) as watcher:
+        watcher.watch([0, 1])
+        fake.inject_xid(5, 48)
+        fake.inject_xid(1, 48)
+        assert watcher.wait(1.0) == [XidEvent(1, 48, None, None)]

@@ -370,3 +370,15 @@ def test_a_library_mismatch_falls_back_like_function_not_found(tmp_path, clock):
     second = reader.read(0, clock())
     assert second.errors == () and second.throttle_reasons is not None
     assert {name: mismatching.calls[name] for name in calls} == dict.fromkeys(calls, 0)
+
+
+def test_a_cached_handle_follows_its_gpu_when_indexes_shift(node, clock):
+    """After GPU 3 leaves, NVML index 3 is GPU 4: the reader drops the handle it cached for
+    index 3 at its next read rather than report GPU 3's numbers (or its loss) as index 3's."""
+    fake, _, reader = node("dgx-h100")
+    assert reader.read(3, clock()).uuid == fake.model.gpus[3].uuid
+    fake.set_removed(3, True)
+    reader.expect({i: g.uuid for i, g in enumerate(fake.present())})
+    clock.advance(1)
+    sample = reader.read(3, clock())
+    assert (sample.uuid, sample.lost) == (fake.model.gpus[4].uuid, False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -360,3 +361,18 @@ def test_fresh(tmp_path):
 def test_interval_must_be_positive(tmp_path):
     with pytest.raises(ValueError):
         make(tmp_path, interval=0.0)
+
+
+def test_health_and_xid_counts_follow_the_gpu_by_uuid_when_indexes_shift(tmp_path):
+    """GPU 1 leaves: GPU 2 becomes index 1 and keeps its own fatal XID; GPU 1's state goes."""
+    events = [XidEvent(1, 31, None, None), XidEvent(2, 79, None, None)]
+    sampler, _, _ = make(tmp_path, xids=lambda: [events.pop(0)] if events else [])
+    sampler.tick()
+    sampler.tick()
+    snap = sampler.tick()
+    assert [(g.sample.index, g.healthy) for g in snap.gpus] == [(0, True), (1, True), (2, False)]
+    shifted = replace(info(2), index=1)
+    sampler.set_gpus([info(0), shifted])
+    state = {g.sample.index: g for g in sampler.tick().gpus}
+    assert state[1].healthy is False and state[1].xid_counts == ((79, 1),)
+    assert state[0].healthy is True and state[0].xid_counts == ()
