@@ -53,7 +53,15 @@ from dra_driver.devices import DeviceModel, advertised_devices
 from dra_driver.errors import ClaimError, KubeError
 from dra_driver.health import HEALTHY, UNHEALTHY, HealthBoard
 from dra_driver.kube import KubeClient
-from dra_driver.node_events import KubeEventSink, LogEventSink, NodeEventRecorder, gpu_health
+from dra_driver.node_events import (
+    KubeEventSink,
+    LogEventSink,
+    NodeEventRecorder,
+    devices_changed,
+    gpu_added,
+    gpu_health,
+    gpu_removed,
+)
 from dra_driver.plugin import PluginServer
 from dra_driver.prepare import Preparer
 from dra_driver.publisher import DirSliceStore, KubeSliceStore, Publisher, SliceStore
@@ -924,6 +932,7 @@ def _build(
     )
     sampler.on_health_change = agent.gpu_health_changed
     agent.on_health_event = health_event(node_events)
+    agent.on_devices_changed = devices_event(node_events)
     publisher.on_taints_dropped = agent.publish_devices
     return agent
 
@@ -947,6 +956,23 @@ def open_triggers(config: Config, state_dir: Path, log: logging.Logger) -> Event
 
         return SimUdevSource(state_dir / "sim")
     return open_udev(log)
+
+
+def devices_event(node_events: NodeEventRecorder) -> Callable[[DevicesChanged], None]:
+    """A rediscovery that changed the advertised devices, recorded as Events on the Node: one
+    per GPU that left (GpuRemoved, Warning) or came (GpuAdded), and one DevicesChanged naming
+    the devices (a MIG change has only that one). A re-bind alone records nothing here: the
+    health change it leads to does."""
+
+    def record(change: DevicesChanged) -> None:
+        for g in change.removed_gpus:
+            node_events.record(*gpu_removed(g.index, g.uuid, g.bus_id))
+        for g in change.added_gpus:
+            node_events.record(*gpu_added(g.index, g.uuid, g.bus_id))
+        if change.added_devices or change.removed_devices:
+            node_events.record(*devices_changed(change.added_devices, change.removed_devices))
+
+    return record
 
 
 def health_event(node_events: NodeEventRecorder) -> Callable[[GpuHealth], None]:

@@ -88,6 +88,46 @@ def gpu_health(index: int, uuid: str, healthy: bool, cause: str) -> tuple[str, s
     return WARNING, GPU_UNHEALTHY, f"GPU {index} ({uuid}) is unhealthy: {cause}"
 
 
+GPU_REMOVED = "GpuRemoved"
+GPU_ADDED = "GpuAdded"
+DEVICES_CHANGED = "DevicesChanged"
+MAX_NAMED_DEVICES = 8
+"""A devices-changed message names at most this many devices of each side, then a count."""
+
+
+def gpu_removed(index: int, uuid: str, bus_id: str) -> tuple[str, str, str]:
+    """``(type, reason, message)``: a GPU left the node (udev remove or a re-read without it);
+    its devices are withdrawn from the ResourceSlices."""
+    return (
+        WARNING,
+        GPU_REMOVED,
+        f"GPU {index} ({uuid}, PCI {bus_id}) is gone from the node: its devices are no longer"
+        " advertised; claims prepared on it stay until unprepared",
+    )
+
+
+def gpu_added(index: int, uuid: str, bus_id: str) -> tuple[str, str, str]:
+    """``(type, reason, message)``: a GPU appeared (or came back) and is advertised."""
+    return NORMAL, GPU_ADDED, f"GPU {index} ({uuid}, PCI {bus_id}) is on the node and advertised"
+
+
+def _named(names: tuple[str, ...]) -> str:
+    shown = ", ".join(names[:MAX_NAMED_DEVICES])
+    more = len(names) - MAX_NAMED_DEVICES
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+def devices_changed(added: tuple[str, ...], removed: tuple[str, ...]) -> tuple[str, str, str]:
+    """``(type, reason, message)``: the advertised devices changed (an admin's MIG change, or
+    the devices of GPUs that came or went)."""
+    parts = []
+    if added:
+        parts.append(f"{len(added)} added ({_named(added)})")
+    if removed:
+        parts.append(f"{len(removed)} removed ({_named(removed)})")
+    return NORMAL, DEVICES_CHANGED, "advertised devices changed: " + "; ".join(parts or ["none"])
+
+
 def timestamp(t: float) -> str:
     """RFC 3339 in seconds, as ``metav1.Time`` is written."""
     return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -13,6 +13,7 @@
     tessera sim fault --state-dir DIR fail-call --call NAME [--gpu N] [--code C] [--times T]
     tessera sim fault --state-dir DIR remove-gpu --gpu N
     tessera sim fault --state-dir DIR add-gpu --gpu N
+    tessera sim fault --state-dir DIR rebind --gpu N
     tessera sim fault --state-dir DIR mig-layout --gpu N --layout all-1g
     tessera sim process --state-dir DIR start --gpu N [--pid P] [--pod-uid UID]
                         [--sm-utilization U] [--memory-mib M] [--gi G [--ci C]]
@@ -24,11 +25,12 @@ in ``DIR/sim``) or the simulator's directory itself. The node model is the one r
 simulator's state files under their lock, so a running agent sees it at its next NVML call.
 ``remove-gpu``/``add-gpu`` hot-remove a GPU and add it back (NVML, the sysfs tree under
 ``DIR/sim/sys`` and the udev events the agent's monitor reads change as on a real node);
-``mig-layout`` is an administrator's ``nvidia-smi mig`` on one GPU (no udev event: the agent's
-periodic re-read sees it). ``process start`` runs a compute process on a GPU (NVML lists it,
-with its memory and SM utilization); with ``--pod-uid`` it runs in that pod: the simulated
-``/proc`` (``DIR/sim/proc``) gets its cgroup, which the agent reads to attribute the process to
-the claims of that pod.
+``rebind`` is an operator's driver unbind + bind of one GPU (udev sees both: a GPU with a
+sticky fatal XID is probed again); ``mig-layout`` is an administrator's ``nvidia-smi mig`` on
+one GPU (no udev event: the agent's periodic re-read sees it). ``process start`` runs a compute
+process on a GPU (NVML lists it, with its memory and SM utilization); with ``--pod-uid`` it runs
+in that pod: the simulated ``/proc`` (``DIR/sim/proc``) gets its cgroup, which the agent reads to
+attribute the process to the claims of that pod.
 """
 
 from __future__ import annotations
@@ -368,6 +370,16 @@ def fault_remove_gpu(inv: Invocation) -> int:
     return 0
 
 
+def fault_rebind(inv: Invocation) -> int:
+    from agent.sim.udev import rebind_gpu
+
+    gpu = inv.get(GpuOptions).gpu
+    if not rebind_gpu(_simulator(inv), gpu):
+        raise ConfigError(f"GPU {gpu} is not on the PCI bus (add it back with add-gpu first)")
+    inv.out.write(f"GPU {gpu} unbound from the driver and bound again (udev: unbind, bind)\n")
+    return 0
+
+
 def fault_add_gpu(inv: Invocation) -> int:
     from agent.sim.udev import add_gpu
 
@@ -454,6 +466,12 @@ FAULT = Command(
             "add-gpu",
             "hot-add a removed GPU back (udev: add, bind)",
             fault_add_gpu,
+            (Uses(GpuOptions),),
+        ),
+        Command(
+            "rebind",
+            "unbind a GPU from the driver and bind it again (udev: unbind, bind)",
+            fault_rebind,
             (Uses(GpuOptions),),
         ),
         Command(

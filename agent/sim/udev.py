@@ -8,6 +8,9 @@ kernel's uevents for the function are appended to ``<sim dir>/udev-events.jsonl`
 remove on the way out, add then bind on the way in: docs/gpu-facts.md), which
 :class:`SimUdevSource` (an :class:`agent.hotplug.EventSource`) tails for the agent.
 
+``rebind_gpu`` is an operator's driver re-bind of one function (unbind then bind, no change to
+NVML's enumeration): what lets a GPU with a sticky fatal XID be probed again.
+
 ``set_mig_layout`` is ``nvidia-smi mig`` on one GPU: instances destroyed and the layout's created,
 refused where the real tool refuses; it emits no udev event (a MIG change is not a PCI event), so
 only the agent's periodic re-read sees it.
@@ -92,6 +95,17 @@ def add_gpu(fake: FakeNvml, index: int, sysfs_root: Path | None = None) -> bool:
         return False
     _rewrite_sysfs(fake, sysfs_root)
     _emit(fake.state_dir, [_uevent(fake, index, "add"), _uevent(fake, index, "bind")])
+    return True
+
+
+def rebind_gpu(fake: FakeNvml, index: int) -> bool:
+    """An operator re-binds GPU ``index`` to the driver (``echo BUS > .../nvidia/unbind`` then
+    ``.../bind``, the usual way to reset a GPU that still answers but took a fatal XID): a lost
+    GPU answers again and udev sees unbind then bind. False when the GPU is not on the bus."""
+    if index in fake.removed():
+        return False
+    fake.recover_gpu(index)
+    _emit(fake.state_dir, [_uevent(fake, index, "unbind"), _uevent(fake, index, "bind")])
     return True
 
 

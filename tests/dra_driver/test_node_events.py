@@ -349,3 +349,17 @@ def test_events_recorded_in_the_same_instant_get_different_names():
         rec.record(WARNING, "GpuUnhealthy", f"GPU {i} is unhealthy")
     rec.drain()
     assert len({name for _, name, _ in sink.calls}) == 3
+
+
+def test_hotplug_events_name_the_gpu_its_uuid_and_bus_and_bound_the_devices_they_list():
+    from dra_driver.node_events import devices_changed, gpu_added, gpu_removed
+
+    kind, reason, msg = gpu_removed(3, "GPU-abc", "0000:1b:00.0")
+    assert (kind, reason) == ("Warning", "GpuRemoved")
+    assert "GPU 3 (GPU-abc, PCI 0000:1b:00.0)" in msg and "no longer advertised" in msg
+    assert gpu_added(3, "GPU-abc", "0000:1b:00.0")[:2] == ("Normal", "GpuAdded")
+    many = tuple(f"gpu-0-mig-1g10gb-19-{i}" for i in range(10))
+    kind, reason, msg = devices_changed(many, ("gpu-0",))
+    assert (kind, reason) == ("Normal", "DevicesChanged")
+    assert msg.startswith("advertised devices changed: 10 added (gpu-0-mig-1g10gb-19-0, ")
+    assert "and 2 more); 1 removed (gpu-0)" in msg and "gpu-0-mig-1g10gb-19-9" not in msg

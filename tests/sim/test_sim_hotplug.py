@@ -175,3 +175,24 @@ def test_unknown_gpus_are_refused_for_remove_and_add(tmp_path: Path):
     for action in ("remove-gpu", "add-gpu"):
         code, _, err = fault(tmp_path, action, "--gpu", str(n))
         assert code == 2 and f"GPU index {n} does not exist" in err, err
+
+
+def test_a_rebind_brings_a_lost_gpu_back_and_udev_sees_unbind_then_bind(h100):
+    state, source = h100
+    fake: FakeNvml = source.sim
+    gpu2 = fake.model.gpus[2]
+    events = SimUdevSource(state / "sim", wait=lambda s: None)
+    fake.lose_gpu(2)
+    code, out, err = fault(state, "rebind", "--gpu", "2")
+    assert code == 0, err
+    assert out == "GPU 2 unbound from the driver and bound again (udev: unbind, bind)\n"
+    assert fake.nvmlDeviceGetUUID(fake.nvmlDeviceGetHandleByIndex(2)) == gpu2.uuid  # answers
+    assert fake.nvmlDeviceGetCount() == 8  # enumeration unchanged
+    assert list(events.poll(0)) == [PciEvent("unbind", gpu2.bus), PciEvent("bind", gpu2.bus)]
+
+
+def test_a_gpu_off_the_bus_cannot_be_rebound(h100):
+    state, _ = h100
+    assert fault(state, "remove-gpu", "--gpu", "1")[0] == 0
+    code, _, err = fault(state, "rebind", "--gpu", "1")
+    assert code == 2 and "GPU 1 is not on the PCI bus" in err and "add-gpu" in err
