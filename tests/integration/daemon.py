@@ -9,10 +9,12 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 DRIVER = "gpu.tessera.dev"
 
@@ -137,6 +139,16 @@ class Daemon:
     def metrics_url(self, path: str = "/readyz") -> str:
         """``http://host:port<path>`` of the running daemon (from its "agent started" line)."""
         return self.wait_log("agent started")["healthz"].replace("/healthz", path)
+
+    def scrape(self) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+        """The daemon's /metrics, parsed: sample name -> {sorted label pairs: value}."""
+        with urllib.request.urlopen(self.metrics_url("/metrics"), timeout=10) as r:
+            text = r.read().decode()
+        out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+        return out
 
     def wait_exit(self, timeout: float = 30) -> int:
         assert self.proc is not None

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import io
 import time
-import urllib.request
 from collections.abc import Callable
 from typing import Any
 
 import kubernetes_validate
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from agent.cli import main
 from agent.cli.sim import simulator_dir
@@ -30,13 +28,7 @@ def sim(d: Daemon, *args: str) -> None:
 
 
 def metrics(d: Daemon) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
-    with urllib.request.urlopen(d.metrics_url("/metrics"), timeout=5) as r:
-        text = r.read().decode()
-    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
-    return out
+    return d.scrape()
 
 
 def metric(d: Daemon, name: str, **labels: str) -> float:

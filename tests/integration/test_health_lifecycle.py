@@ -11,14 +11,12 @@ from __future__ import annotations
 import io
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from agent.cli import main
 from agent.sim.apiserver import ApiServer
@@ -37,13 +35,7 @@ def fault(d: Daemon, *argv: str) -> None:
 
 
 def metrics(d: Daemon) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
-    with urllib.request.urlopen(d.metrics_url("/metrics"), timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
-    return out
+    return d.scrape()
 
 
 def healthy(m: dict[str, dict[tuple[tuple[str, str], ...], float]], gpu: int) -> float:

@@ -142,7 +142,7 @@ def test_lost_and_recovered_is_a_warning_then_a_normal_and_cycles_aggregate(serv
     until(lambda: count(server, node, "GpuHealthy", 2) == 1, d, "a Normal for GPU 2", 8)
     (normal,) = [e for e in node_events(server, node) if e["type"] == "Normal"]
     assert f"GPU 2 ({uuid})" in normal["message"]
-    for cycle in range(2, 21):
+    for cycle in range(2, 7):  # the 20-cycle flap above already proves the counting
         fault(d.state, "gpu-lost", "--gpu", "2")
         # a loss the agent never read is only an XID: it stays sticky (docs/reliability.md)
         until(
