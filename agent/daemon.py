@@ -34,6 +34,7 @@ from agent.nvml.telemetry import TelemetryReader
 from agent.statelock import StateLock
 from agent.supervisor import Deadline, Supervisor
 from agent.telemetry.energy import EnergyAccounting
+from agent.telemetry.faults import FaultStore
 from agent.telemetry.gpuinfo import gpu_info
 from agent.telemetry.health import GpuHealth, application_xids
 from agent.telemetry.metrics import (
@@ -139,6 +140,8 @@ class Agent:
     """Told every rediscovery that changed the GPUs or devices, or saw a GPU bound again."""
     _apply_lock: threading.Lock = field(default_factory=threading.Lock)
     unhealthy: UnhealthyGpus = field(default_factory=UnhealthyGpus)
+    faults: FaultStore | None = None
+    """Where fatal XIDs that hold GPUs unhealthy survive a restart (``faults.json``)."""
     on_health_event: Callable[[GpuHealth], None] | None = None
     """Hook for every GPU health change after it is published (Kubernetes Node events)."""
     _publish_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
@@ -151,6 +154,14 @@ class Agent:
             return
         self._sweep_temp_files()
         self.accounting.load()
+        if self.faults is not None:
+            restored = self.faults.load(time.time())
+            self.sampler.restore_faults(restored)
+            if restored:
+                self.log.warning(
+                    "GPUs with a fatal XID no recovery cleared stay unhealthy",
+                    extra=fields_(gpus=sorted(restored), path=str(self.faults.path)),
+                )
         self.preparer.cdi.write_base()
         inventory = discover(self.source)
         self.readiness.add("inventory", lambda: (True, "node discovered"))
@@ -312,7 +323,10 @@ class Agent:
         return self.config.device_taints and not self.publisher.taints_dropped
 
     def gpu_health_changed(self, change: GpuHealth) -> None:
-        """The sampler's callback: a GPU's health or cause changed."""
+        """The sampler's callback: a GPU's health or cause changed (sticky faults are saved
+        first, so a restart right after keeps them)."""
+        if self.faults is not None and self.lock.held:
+            self.faults.save(self.sampler.sticky_faults())
         gone = (
             None if change.healthy else UnhealthyGpu(change.uuid, change.cause or "", change.since)
         )
@@ -929,6 +943,7 @@ def _build(
         lock=lock,
         triggers=open_triggers(config, state_dir, log.getChild("rediscovery")),
         node_events=node_events,
+        faults=FaultStore(state_dir, source.boot_id, log.getChild("health")),
     )
     sampler.on_health_change = agent.gpu_health_changed
     agent.on_health_event = health_event(node_events)

@@ -119,6 +119,8 @@ class _State:
     probing: bool = False
     good_reads: int = 0
     probe_note: str | None = None
+    restored_since: float | None = None
+    """Set by ``restore``: the ``since`` of the restored fault, used at its first report."""
 
 
 class HealthTracker:
@@ -141,6 +143,25 @@ class HealthTracker:
             st.reset_seen = False
             st.probing, st.good_reads = False, 0
 
+    def sticky(self) -> dict[str, tuple[int, float]]:
+        """The fatal XIDs that hold GPUs unhealthy now: UUID -> (XID, since). What must
+        survive a restart of the agent (:mod:`agent.telemetry.faults`)."""
+        with self._lock:
+            return {
+                u: (st.fatal_xid, st.since)
+                for u, st in self._states.items()
+                if st.fatal_xid is not None
+            }
+
+    def restore(self, uuid: str, xid: int, since: float) -> None:
+        """A fatal XID an earlier agent saw on this GPU and no recovery cleared: the GPU is
+        unhealthy from its first tick on (reported then, with the original ``since``), until
+        a recovery is observed as for any fatal XID."""
+        with self._lock:
+            st = self._states.setdefault(uuid, _State())
+            st.fatal_xid, st.restored_since = xid, since
+            st.lost_after_fatal, st.reset_seen = False, False
+
     def observe_reset(self, uuid: str) -> None:
         """A reset or re-bind of this GPU was observed: its fatal XID no longer holds; the
         probe decides (see the module docstring)."""
@@ -157,7 +178,8 @@ class HealthTracker:
             if healthy == st.healthy and cause == st.cause:
                 return None
             if healthy != st.healthy:
-                st.since = now
+                st.since = now if st.restored_since is None else st.restored_since
+            st.restored_since = None
             st.healthy, st.cause = healthy, cause
             return GpuHealth(uuid=uuid, index=index, healthy=healthy, cause=cause, since=st.since)
 

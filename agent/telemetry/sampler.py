@@ -33,7 +33,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from agent.logs import fields_
 from agent.nvml.samples import GpuSample, XidEvent
@@ -170,6 +170,16 @@ class Sampler:
         ticks' reads). Safe from any thread."""
         self._health.observe_reset(uuid)
         self._log.info("GPU reset observed; probing it", extra=fields_(uuid=uuid))
+
+    def sticky_faults(self) -> dict[str, tuple[int, float]]:
+        """The fatal XIDs holding GPUs unhealthy now: UUID -> (XID, since)."""
+        return self._health.sticky()
+
+    def restore_faults(self, faults: Mapping[str, tuple[int, float]]) -> None:
+        """Fatal XIDs an earlier agent saw and no recovery cleared (UUID -> (XID, since)):
+        those GPUs are unhealthy from the first tick on, until a recovery is observed."""
+        for uuid, (xid, since) in faults.items():
+            self._health.restore(uuid, xid, since)
 
     def subscribe(self, maxsize: int = 1) -> Subscription:
         """A queue that receives every snapshot published from now on (latest-wins)."""

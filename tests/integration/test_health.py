@@ -214,3 +214,35 @@ def test_kube_mode_withdraws_the_devices_of_an_unhealthy_gpu_and_brings_them_bac
             assert server.rejected == []
         finally:
             d.kill()
+
+
+def test_a_fatal_xid_survives_a_restart_of_the_agent_until_a_recovery_is_observed(short_tmp):
+    d = Daemon(short_tmp, "l40s-pcie", "--telemetry-interval", INTERVAL)
+    try:
+        d.start()
+        d.wait_log("published ResourceSlices")
+        names = set(devices(standalone_slices(d)))
+        gpu1 = of_gpu(names, 1)
+        sim(d, "xid", "--gpu", "1", "--xid", "48")  # a DBE: the GPU still answers
+        until("GPU 1 withdrawn", lambda: set(devices(standalone_slices(d))) == names - gpu1)
+        assert d.stop() == 0
+
+        d.start()  # a restart (an upgrade): NVML will not deliver that XID again
+        rec = d.wait_log("GPUs with a fatal XID no recovery cleared stay unhealthy")
+        assert len(rec["gpus"]) == 1
+        until("GPU 1 unhealthy", lambda: metric(d, "tessera_gpu_healthy", gpu="1") == 0)
+        ticks_pass(d, 3)
+        assert set(devices(standalone_slices(d))) == names - gpu1
+        assert {n for n, h in stream(d).items() if h == "UNHEALTHY"} == gpu1
+
+        sim(d, "rebind", "--gpu", "1")  # the operator's reset: observed, probed, healthy
+        until("GPU 1 back", lambda: set(devices(standalone_slices(d))) == names)
+        assert d.stop() == 0
+
+        d.start()  # and a restart after the recovery keeps it healthy
+        ticks_pass(d, 3)
+        assert metric(d, "tessera_gpu_healthy", gpu="1") == 1
+        assert set(devices(standalone_slices(d))) == names
+        assert not any(r.get("msg", "").startswith("GPUs with a fatal XID") for r in d.logs)
+    finally:
+        d.kill()

@@ -232,3 +232,22 @@ def test_a_lost_gpu_is_gpu_lost_and_recovers_after_the_probe(tmp_path):
     assert [run.tick() for _ in range(3)] == [[True, False], [True, False], [True, True]]
     assert run.causes() == [("GPU-1", False, "gpu-lost"), ("GPU-1", True, None)]
     assert replace(run.changes[1], since=0) == GpuHealth("GPU-1", 1, True, None, 0)
+
+
+def test_a_restored_fatal_xid_holds_from_the_first_tick_with_its_original_since(tmp_path):
+    first = Run(tmp_path)
+    first.xid(1, 48)
+    first.tick()
+    sticky = first.sampler.sticky_faults()
+    assert sticky == {"GPU-1": (48, first.changes[0].since)}
+
+    again = Run(tmp_path)  # the next agent: no XID event will come again
+    again.sampler.restore_faults(sticky)
+    assert again.tick() == [True, False]
+    for _ in range(5):  # reads work: still no recovery observed
+        assert again.tick() == [True, False]
+    (change,) = again.changes
+    assert (change.cause, change.since) == ("xid-48", first.changes[0].since)
+    again.sampler.observe_reset("GPU-1")  # a re-bind clears it as it would the first time
+    again.tick()
+    assert again.tick() == [True, True] and again.sampler.sticky_faults() == {}
