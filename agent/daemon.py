@@ -145,6 +145,7 @@ class Agent:
     on_health_event: Callable[[GpuHealth], None] | None = None
     """Hook for every GPU health change after it is published (Kubernetes Node events)."""
     _publish_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    _unlisted_warned: set[str] = field(default_factory=set, init=False, repr=False)
 
     def start(self, stop: threading.Event | None = None) -> None:
         """Discover the node, start publishing, open the HTTP endpoint (NVML is initialized).
@@ -295,6 +296,14 @@ class Agent:
             self.log.info(
                 "GPUs NVML cannot read are kept as they were (their PCI functions are there)",
                 extra=fields_(gpus=list(reread.kept_unreadable)),
+            )
+        fresh = [b for b in reread.unlisted if b not in self._unlisted_warned]
+        if fresh:
+            self._unlisted_warned.update(fresh)
+            self.log.warning(
+                "NVIDIA GPUs in sysfs that NVML does not enumerate: not advertised; a GPU"
+                " hot-added after the agent started is advertised after a restart of the agent",
+                extra=fields_(pci_bus_ids=fresh),
             )
         self.apply_inventory(reread.inventory, rebound)
 

@@ -100,6 +100,16 @@ class Reread:
     gone: tuple[str, ...] = ()
     """What NVML still lists but the node no longer has (no PCI function in sysfs, or a lost
     GPU the previous inventory did not know), each as ``index/bus id``."""
+    unlisted: tuple[str, ...] = ()
+    """NVIDIA display/3D functions sysfs has that NVML does not enumerate (sysfs bus ids): a GPU
+    hot-added after this process's ``nvmlInit`` (it is advertised after a restart; gpu-facts.md),
+    or one bound to another driver (vfio-pci for a VM)."""
+
+
+NVIDIA_VENDOR_ID = 0x10DE
+DISPLAY_CLASS = 0x03
+"""PCI base class of display controllers (VGA 0x0300, 3D 0x0302: every NVIDIA GPU; NVSwitches
+are bridges, 0x0680, and the GPUs' audio functions 0x0403)."""
 
 
 def rediscover(source: NodeSource, previous: NodeInventory | None) -> Reread:
@@ -136,4 +146,12 @@ def rediscover(source: NodeSource, previous: NodeInventory | None) -> Reread:
     inventory = build_inventory(
         hostname=source.hostname, system=source.nvml.system(), gpus=gpus, sysfs=sysfs
     )
-    return Reread(inventory, tuple(kept), tuple(gone))
+    known = {normalize_bus_id(g.pci_bus_id) for g in (*gpus, *before.values())}
+    unlisted = sorted(
+        f.bus
+        for f in sysfs.functions
+        if f.vendor == NVIDIA_VENDOR_ID
+        and f.pci_class >> 16 == DISPLAY_CLASS
+        and f.bus not in known
+    )
+    return Reread(inventory, tuple(kept), tuple(gone), tuple(unlisted))

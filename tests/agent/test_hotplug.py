@@ -300,3 +300,23 @@ def test_a_gpu_nvml_still_lists_but_sysfs_no_longer_has_is_left_out(tmp_path: Pa
         assert reread.inventory.gpus[2] == before.gpus[2]
     finally:
         source.nvml.shutdown()
+
+
+def test_a_gpu_sysfs_has_but_nvml_does_not_enumerate_is_named_not_advertised(tmp_path: Path):
+    """A real NVML does not enumerate a GPU hot-added after nvmlInit: rediscovery names it."""
+    from agent.node import rediscover
+    from agent.sim.sysfs import write_sysfs
+
+    source = simulated_node("dgx-h100", tmp_path)
+    source.nvml.init()
+    try:
+        before = discover(source)
+        assert rediscover(source, before).unlisted == ()  # NVSwitches and NICs are not GPUs
+        added = source.sim.model.gpus[3].bus
+        source.sim.set_removed(3, True)  # NVML stops counting it...
+        write_sysfs(source.sim.model, source.sysfs_root)  # ...while sysfs has it
+        reread = rediscover(source, None)
+        assert reread.unlisted == (added,)
+        assert 3 not in [g.device.minor for g in reread.inventory.gpus]
+    finally:
+        source.nvml.shutdown()
