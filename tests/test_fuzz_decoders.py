@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from agent.decode import load_json, load_yaml_documents
 from agent.errors import DecodeError
 from agent.telemetry.energy import decode_state
+from agent.telemetry.faults import decode_faults
 from agent.telemetry.owners import pod_uid, start_time
 from dra_driver import params
 from dra_driver.checkpoint import (
@@ -350,6 +351,22 @@ def test_checkpoints_decode_or_raise_a_checkpoint_error(data):
 def test_energy_state_decodes_or_raises_what_its_loader_handles(data):
     with contextlib.suppress(DecodeError, ValueError, TypeError, KeyError):
         decode_state(data)
+
+
+VALID_FAULTS = {"version": 1, "bootId": "b", "gpus": {"GPU-0": {"xid": 48, "since": 1.7e9}}}
+
+
+@FUZZ
+@given(
+    st.one_of(
+        st.binary(max_size=200), json_values.map(_as_bytes), mutated(VALID_FAULTS).map(_as_bytes)
+    )
+)
+def test_sticky_faults_decode_or_raise_decode_error(data):
+    with contextlib.suppress(DecodeError):
+        boot, faults = decode_faults(data, "faults.json")
+        assert isinstance(boot, str)
+        assert all(isinstance(x, int) and x > 0 for x, _ in faults.values())
 
 
 POD = "5f1c9b7e-3a2d-4e8f-9c0b-1d2e3f4a5b6c"

@@ -42,7 +42,7 @@ def encode(boot_id: str, faults: Faults) -> bytes:
     return (json.dumps(body, indent=2, sort_keys=True) + "\n").encode()
 
 
-def _decode(raw: bytes, where: str) -> tuple[str, dict[str, tuple[int, float]]]:
+def decode_faults(raw: bytes, where: str) -> tuple[str, dict[str, tuple[int, float]]]:
     obj: Any = load_json(raw, where, MAX_BYTES)
     if not isinstance(obj, dict) or obj.get("version") != VERSION:
         raise DecodeError(f"{where}: not a version {VERSION} faults file")
@@ -84,7 +84,7 @@ class FaultStore:
             )
             return {}
         try:
-            boot, faults = _decode(raw, str(self.path))
+            boot, faults = decode_faults(raw, str(self.path))
         except DecodeError as exc:
             try:
                 moved: Path | None = move_aside(self.path, now)
