@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import tempfile
 import time
@@ -103,3 +104,17 @@ def move_aside(path: Path, now: float, reason: str = "corrupt") -> Path:
         fsync_dir(path.parent)
         return target
     raise OSError(f"{path}: too many earlier copies set aside")
+
+
+def accepts_connections(path: Path, timeout: float = 1.0) -> bool:
+    """Whether a process accepts connections on the unix socket ``path`` right now (a stale
+    socket file that a crash left answers no)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(timeout)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True

@@ -21,7 +21,6 @@ whether its DRA socket accepts a connection now. A test tool, like
 from __future__ import annotations
 
 import os
-import socket
 import stat
 import threading
 from collections.abc import Sequence
@@ -29,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.fsutil import SocketIdentity, socket_identity
+from agent.fsutil import SocketIdentity, accepts_connections, socket_identity
 from dra_driver.errors import KubeletApiError
 from dra_driver.kubelet_calls import KUBELET_CALL_TIMEOUT, REGISTRATION_TIMEOUT, ClaimRef
 from dra_driver.kubelet_client import KubeletClient, check_plugin_info
@@ -56,15 +55,7 @@ class RegisteredPlugin:
 
 def connected(endpoint: Path) -> bool:
     """Whether a process accepts connections on the unix socket ``endpoint`` right now."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(1.0)
-    try:
-        probe.connect(str(endpoint))
-    except OSError:
-        return False
-    finally:
-        probe.close()
-    return True
+    return accepts_connections(endpoint)
 
 
 class PluginManager:

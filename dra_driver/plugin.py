@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import socket as sock_module
 import stat
 import threading
 import time
@@ -42,7 +41,7 @@ from typing import Any
 import grpc
 
 from agent.errors import ConfigError
-from agent.fsutil import SocketIdentity, ensure_dir, socket_identity
+from agent.fsutil import SocketIdentity, accepts_connections, ensure_dir, socket_identity
 from agent.logs import Throttle, fields_
 from dra_driver.claims import ClaimKey
 from dra_driver.health import HealthBoard
@@ -339,17 +338,7 @@ def _bind(server: grpc.Server, socket: Path) -> None:
 
 def _answers(path: Path) -> bool:
     """Whether a process accepts connections on the unix socket ``path``."""
-    if socket_identity(path) is None:
-        return False
-    probe = sock_module.socket(sock_module.AF_UNIX, sock_module.SOCK_STREAM)
-    probe.settimeout(1.0)
-    try:
-        probe.connect(str(path))
-    except OSError:
-        return False
-    finally:
-        probe.close()
-    return True
+    return socket_identity(path) is not None and accepts_connections(path)
 
 
 class PluginServer:
