@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -139,6 +140,16 @@ class Daemon:
     def metrics_url(self, path: str = "/readyz") -> str:
         """``http://host:port<path>`` of the running daemon (from its "agent started" line)."""
         return self.wait_log("agent started")["healthz"].replace("/healthz", path)
+
+    def fault(self, *args: str) -> str:
+        """``tessera sim fault --state-dir STATE ARGS`` on this daemon's simulated node, run in
+        this process; asserts it succeeded and returns what it printed."""
+        from agent.cli import main
+
+        out, err = io.StringIO(), io.StringIO()
+        code = main(["sim", "fault", "--state-dir", str(self.state), *args], {}, out, err)
+        assert code == 0, err.getvalue()
+        return out.getvalue()
 
     def scrape(self) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
         """The daemon's /metrics, parsed: sample name -> {sorted label pairs: value}."""

@@ -3,7 +3,6 @@ from `tessera sim fault`, the slices are read where the scheduler would read the
 
 from __future__ import annotations
 
-import io
 import time
 from collections.abc import Callable
 from typing import Any
@@ -11,7 +10,6 @@ from typing import Any
 import kubernetes_validate
 import yaml
 
-from agent.cli import main
 from agent.cli.sim import simulator_dir
 from agent.sim.model import load_model
 from agent.sim.nvml import FakeNvml
@@ -20,11 +18,6 @@ from tests.integration.daemon import DRIVER, Daemon
 
 INTERVAL = "0.2"
 TAINT = f"{DRIVER}/unhealthy"
-
-
-def sim(d: Daemon, *args: str) -> None:
-    out, err = io.StringIO(), io.StringIO()
-    assert main(["sim", "fault", "--state-dir", str(d.state), *args], {}, out, err) == 0, err
 
 
 def metrics(d: Daemon) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
@@ -97,14 +90,14 @@ def test_xid_79_taints_the_gpu_everywhere_xid_13_changes_nothing_and_recover_lif
         assert set(stream(d).values()) == {"HEALTHY"}
         steady = writes(d)
 
-        sim(d, "xid", "--gpu", "3", "--xid", "13")  # the workload's fault
+        d.fault("xid", "--gpu", "3", "--xid", "13")  # the workload's fault
         ticks_pass(d, 3)
         assert standalone_slices(d) == before and writes(d) == steady
         assert metric(d, "tessera_gpu_healthy", gpu="3") == 1
         assert metric(d, "tessera_gpu_xid_errors_total", gpu="3", xid="13") == 1
         assert set(stream(d).values()) == {"HEALTHY"}
 
-        sim(d, "xid", "--gpu", "3", "--xid", "79")  # fallen off the bus
+        d.fault("xid", "--gpu", "3", "--xid", "79")  # fallen off the bus
         until(
             "GPU 3 tainted",
             lambda: any("taints" in x for x in devices(standalone_slices(d)).values()),
@@ -134,7 +127,7 @@ def test_xid_79_taints_the_gpu_everywhere_xid_13_changes_nothing_and_recover_lif
         ticks_pass(d, 5)
         assert writes(d) - steady == one_round  # steady state: nothing more
 
-        sim(d, "recover", "--gpu", "3")
+        d.fault("recover", "--gpu", "3")
         until("taints lifted", lambda: standalone_slices(d) and not any(
             "taints" in x for x in devices(standalone_slices(d)).values()))  # fmt: skip
         assert metric(d, "tessera_gpu_healthy", gpu="3") == 1
@@ -189,7 +182,7 @@ def test_kube_mode_withdraws_the_devices_of_an_unhealthy_gpu_and_brings_them_bac
             assert len(gpu2) > 1 and "gpu-2-counter-set" in sets
             writes_before = server.writes("resourceslices")
 
-            sim(d, "xid", "--gpu", "2", "--xid", "79")
+            d.fault("xid", "--gpu", "2", "--xid", "79")
             until("GPU 2 withdrawn", lambda: set(listed()) == names - gpu2)
             left = {
                 c["name"]
@@ -204,7 +197,7 @@ def test_kube_mode_withdraws_the_devices_of_an_unhealthy_gpu_and_brings_them_bac
             round_one = server.writes("resourceslices") - writes_before
             assert 0 < round_one <= len(server.objects("resourceslices")) + 1
 
-            sim(d, "recover", "--gpu", "2")
+            d.fault("recover", "--gpu", "2")
             until("GPU 2 back", lambda: set(listed()) == names)
             assert metric(d, "tessera_gpu_healthy", gpu="2") == 1
             assert set(stream(d).values()) == {"HEALTHY"}
@@ -223,7 +216,7 @@ def test_a_fatal_xid_survives_a_restart_of_the_agent_until_a_recovery_is_observe
         d.wait_log("published ResourceSlices")
         names = set(devices(standalone_slices(d)))
         gpu1 = of_gpu(names, 1)
-        sim(d, "xid", "--gpu", "1", "--xid", "48")  # a DBE: the GPU still answers
+        d.fault("xid", "--gpu", "1", "--xid", "48")  # a DBE: the GPU still answers
         until("GPU 1 withdrawn", lambda: set(devices(standalone_slices(d))) == names - gpu1)
         assert d.stop() == 0
 
@@ -235,7 +228,7 @@ def test_a_fatal_xid_survives_a_restart_of_the_agent_until_a_recovery_is_observe
         assert set(devices(standalone_slices(d))) == names - gpu1
         assert {n for n, h in stream(d).items() if h == "UNHEALTHY"} == gpu1
 
-        sim(d, "rebind", "--gpu", "1")  # the operator's reset: observed, probed, healthy
+        d.fault("rebind", "--gpu", "1")  # the operator's reset: observed, probed, healthy
         until("GPU 1 back", lambda: set(devices(standalone_slices(d))) == names)
         assert d.stop() == 0
 

@@ -8,7 +8,6 @@ wall-clock gaps: everything an XID causes must be visible by the second tick aft
 
 from __future__ import annotations
 
-import io
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,7 +17,6 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from agent.cli import main
 from agent.sim.apiserver import ApiServer
 from dra_driver.kubelet_client import KubeletClient
 from tests.integration.daemon import DRIVER, Daemon
@@ -27,11 +25,6 @@ MODEL = "l40s-pcie"
 TICK = "1.0"
 """Long enough that polling (many times a tick) sees each effect in the tick it appears."""
 TAINT = f"{DRIVER}/unhealthy"
-
-
-def fault(d: Daemon, *argv: str) -> None:
-    out, err = io.StringIO(), io.StringIO()
-    assert main(["sim", "fault", "--state-dir", str(d.state), *argv], {}, out, err) == 0, err
 
 
 def metrics(d: Daemon) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
@@ -141,7 +134,7 @@ def test_health_and_hotplug_reach_the_scheduler_the_kubelet_metrics_and_node_eve
         writes = server.writes("resourceslices")
 
         # an application XID: counted, nothing else
-        fault(d, "xid", "--gpu", "1", "--xid", "13")
+        d.fault("xid", "--gpu", "1", "--xid", "13")
         wait_ticks(d, 3)
         assert server.writes("resourceslices") == writes
         assert not any("taints" in x for x in slice_devices(server).values())
@@ -150,7 +143,7 @@ def test_health_and_hotplug_reach_the_scheduler_the_kubelet_metrics_and_node_eve
 
         # XID 79: everything within 2 ticks
         start = ticks(metrics(d))
-        fault(d, "xid", "--gpu", "0", "--xid", "79")
+        d.fault("xid", "--gpu", "0", "--xid", "79")
         seen = first_ticks(
             d,
             {
@@ -171,7 +164,7 @@ def test_health_and_hotplug_reach_the_scheduler_the_kubelet_metrics_and_node_eve
         untainted = {n for n, x in slice_devices(server).items() if "taints" not in x}
         assert untainted == names - gpu0
 
-        fault(d, "recover", "--gpu", "0")
+        d.fault("recover", "--gpu", "0")
         first_ticks(
             d,
             {
@@ -183,12 +176,12 @@ def test_health_and_hotplug_reach_the_scheduler_the_kubelet_metrics_and_node_eve
         )
 
         # a fatal XID on a GPU that still answers: sticky until a re-bind is observed
-        fault(d, "xid", "--gpu", "2", "--xid", "48")
+        d.fault("xid", "--gpu", "2", "--xid", "48")
         first_ticks(d, {"tainted": lambda: "taints" in slice_devices(server)[min(gpu2)]})
-        fault(d, "recover", "--gpu", "2")  # it was never lost: nothing to observe
+        d.fault("recover", "--gpu", "2")  # it was never lost: nothing to observe
         wait_ticks(d, 4)
         assert "taints" in slice_devices(server)[min(gpu2)] and healthy(metrics(d), 2) == 0
-        fault(d, "rebind", "--gpu", "2")
+        d.fault("rebind", "--gpu", "2")
         first_ticks(
             d,
             {
@@ -198,7 +191,7 @@ def test_health_and_hotplug_reach_the_scheduler_the_kubelet_metrics_and_node_eve
         )
 
         # a GPU leaves and comes back: the slices follow, the Node hears of both
-        fault(d, "remove-gpu", "--gpu", "3")
+        d.fault("remove-gpu", "--gpu", "3")
         first_ticks(
             d,
             {
@@ -208,7 +201,7 @@ def test_health_and_hotplug_reach_the_scheduler_the_kubelet_metrics_and_node_eve
         )
         (removed,) = events(server, node, "GpuRemoved")
         assert removed["type"] == "Warning" and "GPU 3 (GPU-" in removed["message"]
-        fault(d, "add-gpu", "--gpu", "3")
+        d.fault("add-gpu", "--gpu", "3")
         first_ticks(
             d,
             {

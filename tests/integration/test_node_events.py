@@ -5,7 +5,6 @@ log record per event."""
 
 from __future__ import annotations
 
-import io
 import threading
 import time
 import urllib.request
@@ -17,7 +16,6 @@ import kubernetes_validate
 import pynvml
 import pytest
 
-from agent.cli import main
 from agent.sim.apiserver import ApiServer
 from agent.sim.nvml import FakeNvml
 from tests.integration.daemon import Daemon
@@ -25,12 +23,6 @@ from tests.simnode import node_model
 
 MODEL = "l40s-pcie"
 TICK = "0.2"
-
-
-def fault(state: Path, *argv: str) -> None:
-    """``tessera sim fault --state-dir STATE ARGV`` (in this process)."""
-    out, err = io.StringIO(), io.StringIO()
-    assert main(["sim", "fault", "--state-dir", str(state), *argv], {}, out, err) == 0, err
 
 
 def until(cond: Callable[[], bool], d: Daemon, what: str, timeout: float = 60) -> None:
@@ -103,7 +95,7 @@ def test_a_lost_gpu_is_a_warning_on_the_node_and_a_flapping_one_is_counted(serve
     d, node = kube_daemon, kube_daemon.node
     uid = server.get_object("nodes", node)["metadata"]["uid"]
     lost = uuid_of(d, 0)
-    fault(d.state, "gpu-lost", "--gpu", "0")  # XID 79
+    d.fault("gpu-lost", "--gpu", "0")  # XID 79
     until(lambda: count(server, node, "GpuUnhealthy", 0) == 1, d, "a Warning for GPU 0")
     (warning,) = node_events(server, node)
     assert warning["type"] == "Warning" and warning["involvedObject"]["uid"] == uid
@@ -136,21 +128,21 @@ def test_a_lost_gpu_is_a_warning_on_the_node_and_a_flapping_one_is_counted(serve
 def test_lost_and_recovered_is_a_warning_then_a_normal_and_cycles_aggregate(server, kube_daemon):
     d, node = kube_daemon, kube_daemon.node
     uuid = uuid_of(d, 2)
-    fault(d.state, "gpu-lost", "--gpu", "2")
+    d.fault("gpu-lost", "--gpu", "2")
     until(lambda: count(server, node, "GpuUnhealthy", 2) == 1, d, "a Warning for GPU 2")
-    fault(d.state, "recover", "--gpu", "2")
+    d.fault("recover", "--gpu", "2")
     until(lambda: count(server, node, "GpuHealthy", 2) == 1, d, "a Normal for GPU 2", 8)
     (normal,) = [e for e in node_events(server, node) if e["type"] == "Normal"]
     assert f"GPU 2 ({uuid})" in normal["message"]
     for cycle in range(2, 7):  # the 20-cycle flap above already proves the counting
-        fault(d.state, "gpu-lost", "--gpu", "2")
+        d.fault("gpu-lost", "--gpu", "2")
         # a loss the agent never read is only an XID: it stays sticky (docs/reliability.md)
         until(
             lambda c=cycle: count(server, node, "GpuUnhealthy", 2) >= c,  # type: ignore[misc]
             d,
             f"loss {cycle} seen",
         )
-        fault(d.state, "recover", "--gpu", "2")
+        d.fault("recover", "--gpu", "2")
         until(
             lambda c=cycle: count(server, node, "GpuHealthy", 2) == c,  # type: ignore[misc]
             d,
@@ -163,7 +155,7 @@ def test_standalone_a_node_event_is_one_structured_log_record(short_tmp):
     d = Daemon(short_tmp, MODEL, "--telemetry-interval", TICK).start()
     try:
         uuid = uuid_of(d, 3)
-        fault(d.state, "gpu-lost", "--gpu", "3")
+        d.fault("gpu-lost", "--gpu", "3")
         rec = d.wait_log("node event")
         assert rec["logger"] == "tessera.node-events" and rec["level"] == "warning"
         assert (rec["type"], rec["reason"], rec["count"]) == ("Warning", "GpuUnhealthy", 1)

@@ -5,12 +5,10 @@ from __future__ import annotations
 import io
 import itertools
 import time
-import urllib.request
 from collections.abc import Iterator
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from agent.cli import main
 from agent.telemetry.api import telemetry_pb2 as pb
@@ -29,22 +27,8 @@ def node(short_tmp) -> Iterator[Daemon]:
     d.kill()
 
 
-def sim(d: Daemon, *args: str) -> str:
-    out, err = io.StringIO(), io.StringIO()
-    code = main(["sim", "fault", "--state-dir", str(d.state), *args], {}, out, err)
-    assert code == 0, err.getvalue()
-    return out.getvalue()
-
-
 def scrape(d: Daemon) -> dict[str, dict[tuple, float]]:
-    url = d.wait_log("agent started")["healthz"].replace("healthz", "metrics")
-    with urllib.request.urlopen(url, timeout=5) as r:
-        text = r.read().decode()
-    out: dict[str, dict[tuple, float]] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
-    return out
+    return d.scrape()
 
 
 def value(m: dict, name: str, **labels: str) -> float:
@@ -70,7 +54,7 @@ def wait_ticks(d: Daemon, n: int = 3) -> None:
 
 def test_load_shows_up_and_claim_energy_matches_gpu_energy(node):
     prepare(node, "train", "uid-train", "gpu-0")
-    sim(node, "load", "--gpu", "0", "--utilization", "0.8")
+    node.fault("load", "--gpu", "0", "--utilization", "0.8")
     wait_ticks(node)
     m1 = scrape(node)
     assert value(m1, "tessera_gpu_utilization_ratio", gpu="0") == pytest.approx(0.8, abs=0.01)
@@ -92,13 +76,13 @@ def test_load_shows_up_and_claim_energy_matches_gpu_energy(node):
 
 def test_counters_never_go_backwards_across_a_driver_reload_and_a_restart(node):
     prepare(node, "a", "uid-a", "gpu-2")
-    sim(node, "load", "--gpu", "2", "--utilization", "0.5")
+    node.fault("load", "--gpu", "2", "--utilization", "0.5")
     history = []
     for step in range(6):
         wait_ticks(node, 2)
         history.append(scrape(node))
         if step == 2:
-            sim(node, "driver-reload")
+            node.fault("driver-reload")
     assert node.stop() == 0
     node.start()
     wait_ticks(node, 2)
@@ -111,7 +95,7 @@ def test_counters_never_go_backwards_across_a_driver_reload_and_a_restart(node):
 
 
 def test_a_lost_gpu_is_unhealthy_while_the_others_keep_reporting(node):
-    sim(node, "gpu-lost", "--gpu", "3")
+    node.fault("gpu-lost", "--gpu", "3")
     wait_ticks(node)
     m1 = scrape(node)
     assert value(m1, "tessera_gpu_healthy", gpu="3") == 0
