@@ -251,10 +251,13 @@ class Explanation:
         placed = [p for p in attempt.placed if p.request is req]
         dynamic = [r for r in attempt.rejections.values() if r.kind != "no-completion"]
         need = req.count if req.mode is Mode.EXACT_COUNT else len(a.candidates)
-        text = (
-            f"request {req.full_name} needs {need}, {_plural(len(a.candidates), 'candidate')},"
-            f" but at most {len(placed)} fit together"
+        some = (
+            "none fits with the rest of the claim"
+            if need == 1
+            else f"no {need} of them fit together with the rest of the claim"
         )
+        cands = _plural(len(a.candidates), "candidate")
+        text = f"request {req.full_name} needs {need}, {cands}, but {some}"
         if dynamic:
             first_idx = next(i for i, r in attempt.rejections.items() if r.kind != "no-completion")
             text += f": {self.node.devices[first_idx].name}: {dynamic[0].text}"

@@ -256,7 +256,7 @@ class Search:
             verdict = sel.evaluate(self._view(dev))
             details = {"selector": i, "expression": spec.expression, "seen": dict(verdict.seen)}
             if kind == "class-selector":
-                details["class"] = owner
+                details["class"] = owner.removeprefix("class ")
             if verdict.error is not None:
                 return Reason(
                     "cel-error",
