@@ -60,7 +60,8 @@ from dra_driver.allocator.model import (
     parse_classes,
     parse_slices,
 )
-from dra_driver.allocator.search import Analysis, CelLike, Outcome, Pick, Reason, Search
+from dra_driver.allocator.search import Analysis, Outcome, Pick, Reason, Search
+from dra_driver.celenv import CelEnvironment
 
 KIND_LABELS = {
     "pool": "pool unusable",
@@ -86,7 +87,7 @@ def explain(
     slices: Sequence[Mapping[str, Any]],
     allocated: Sequence[Mapping[str, Any]],
     *,
-    cel: CelLike,
+    cel: CelEnvironment,
     time_limit_s: float = 10.0,
     in_use: Iterable[tuple[str, str, str]] = (),
     clock: Callable[[], float] = time.monotonic,

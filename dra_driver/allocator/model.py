@@ -22,6 +22,7 @@ allocation; one with a ``shareID`` is a share of a device that allows multiple a
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -498,8 +499,8 @@ class Device:
     name: str
     raw_attributes: Mapping[str, Mapping[str, Any]]
     raw_capacity: Mapping[str, Mapping[str, Any]]
-    capacity: Mapping[str, Capacity]
-    consumes: tuple[CounterUse, ...]
+    raw_consumes: Sequence[Any]
+    quantities: QuantityReader
     allow_multiple: bool
     taints: tuple[Taint, ...]
     path: str
@@ -510,6 +511,47 @@ class Device:
     @property
     def key(self) -> tuple[str, str, str]:
         return (self.driver, self.pool, self.name)
+
+    # Capacity and counters are parsed when first needed: most devices of a node never pass
+    # the selectors, and a node has thousands of quantities (a malformed one still raises
+    # InputError with its path, when the allocator looks at that device).
+    @functools.cached_property
+    def capacity(self) -> Mapping[str, Capacity]:
+        q, out = self.quantities, {}
+        for cname, cap in self.raw_capacity.items():
+            cp = f"{self.path}.capacity.{cname}"
+            cap = _mapping(cap, cp)
+            out[cname] = Capacity(
+                q(cap.get("value"), f"{cp}.value"),
+                _policy(cap.get("requestPolicy"), f"{cp}.requestPolicy", q),
+            )
+        return out
+
+    @functools.cached_property
+    def consumes(self) -> tuple[CounterUse, ...]:
+        q, out = self.quantities, []
+        for i, use in enumerate(self.raw_consumes):
+            up = f"{self.path}.consumesCounters[{i}]"
+            use = _mapping(use, up)
+            counters = {
+                cname: q(
+                    _mapping(c, f"{up}.counters.{cname}").get("value"),
+                    f"{up}.counters.{cname}.value",
+                )
+                for cname, c in _mapping(use.get("counters"), f"{up}.counters").items()
+            }
+            out.append(CounterUse(_string(use.get("counterSet"), f"{up}.counterSet"), counters))
+        return tuple(out)
+
+    def counter_refs(self) -> list[tuple[str, list[str]]]:
+        """(counter set, counter names) this device consumes, without parsing the amounts."""
+        out = []
+        for i, use in enumerate(self.raw_consumes):
+            up = f"{self.path}.consumesCounters[{i}]"
+            use = _mapping(use, up)
+            names = list(_mapping(use.get("counters"), f"{up}.counters"))
+            out.append((_string(use.get("counterSet"), f"{up}.counterSet"), names))
+        return out
 
     def attribute(self, qualified: str) -> AttributeValue | None:
         """lookupAttribute (incubating/allocator_incubating.go): the fully qualified name as
@@ -601,25 +643,6 @@ def _device(
     d = _mapping(obj, path)
     name = _string(d.get("name"), f"{path}.name")
     raw_capacity = _mapping(d.get("capacity"), f"{path}.capacity", optional=True)
-    capacity = {}
-    for cname, cap in raw_capacity.items():
-        cp = f"{path}.capacity.{cname}"
-        cap = _mapping(cap, cp)
-        capacity[cname] = Capacity(
-            q(cap.get("value"), f"{cp}.value"),
-            _policy(cap.get("requestPolicy"), f"{cp}.requestPolicy", q),
-        )
-    consumes = []
-    for i, use in enumerate(_list(d.get("consumesCounters"), f"{path}.consumesCounters")):
-        up = f"{path}.consumesCounters[{i}]"
-        use = _mapping(use, up)
-        counters = {
-            cname: q(
-                _mapping(c, f"{up}.counters.{cname}").get("value"), f"{up}.counters.{cname}.value"
-            )
-            for cname, c in _mapping(use.get("counters"), f"{up}.counters").items()
-        }
-        consumes.append(CounterUse(_string(use.get("counterSet"), f"{up}.counterSet"), counters))
     taints = []
     for i, t in enumerate(_list(d.get("taints"), f"{path}.taints")):
         tp = f"{path}.taints[{i}]"
@@ -639,8 +662,8 @@ def _device(
         name=name,
         raw_attributes=_attributes(d.get("attributes"), f"{path}.attributes"),
         raw_capacity=raw_capacity,
-        capacity=capacity,
-        consumes=tuple(consumes),
+        raw_consumes=_list(d.get("consumesCounters"), f"{path}.consumesCounters"),
+        quantities=q,
         allow_multiple=_bool(d.get("allowMultipleAllocations"), f"{path}.allowMultipleAllocations"),
         taints=tuple(taints),
         path=path,
@@ -730,15 +753,15 @@ def parse_slices(slices: Sequence[Mapping[str, Any]], q: QuantityReader) -> Node
                 devices.append(dev)
         if pool.problem is None:
             for dev in pool.devices:
-                for use in dev.consumes:
-                    defined = pool.counters.get(use.counter_set)
+                for counter_set, counter_names in dev.counter_refs():
+                    defined = pool.counters.get(counter_set)
                     missing = (
-                        f"counter set {use.counter_set}"
+                        f"counter set {counter_set}"
                         if defined is None
                         else next(
                             (
-                                f"counter {n} in counter set {use.counter_set}"
-                                for n in use.counters
+                                f"counter {n} in counter set {counter_set}"
+                                for n in counter_names
                                 if n not in defined
                             ),
                             None,

@@ -29,7 +29,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from dra_driver.allocator.model import (
     MAX_RESULTS,
@@ -46,34 +46,8 @@ from dra_driver.allocator.model import (
     RequestPolicy,
     SelectorSpec,
 )
+from dra_driver.celenv import CelCompileError, CelEnvironment, DeviceView, Selector
 from dra_driver.quantity import Format, Quantity
-
-# -- the CEL environment, as dra_driver.celenv provides it -----------------------------------
-
-
-class VerdictLike(Protocol):
-    @property
-    def matched(self) -> bool: ...
-    @property
-    def error(self) -> str | None: ...
-    @property
-    def seen(self) -> tuple[tuple[str, str], ...]: ...
-
-
-class SelectorLike(Protocol):
-    def evaluate(self, device: Any) -> VerdictLike: ...
-
-
-class CelLike(Protocol):
-    def compile(self, expression: str) -> SelectorLike: ...
-    def device(
-        self,
-        driver: str,
-        attributes: Mapping[str, Mapping[str, Any]],
-        capacity: Mapping[str, Mapping[str, Any]],
-        allow_multiple_allocations: bool = False,
-    ) -> Any: ...
-
 
 SHARE_NAMESPACE = uuid.UUID("5b0c5d36-8f3e-4f0b-9a53-7d1e3c2f6a10")
 """Share IDs are uuid5(this, claim/request/device): the same input gives the same allocation.
@@ -193,7 +167,7 @@ class Search:
         classes: Mapping[str, DeviceClass],
         node: Node,
         allocated: Allocated,
-        cel: CelLike,
+        cel: CelEnvironment,
         *,
         time_limit_s: float,
         clock: Callable[[], float],
@@ -205,9 +179,9 @@ class Search:
         self.cel = cel
         self.time_limit_s = time_limit_s
         self.clock = clock
-        self._views: dict[int, Any] = {}
+        self._views: dict[int, DeviceView] = {}
         self._class_verdicts: dict[tuple[str, int], Reason | None] = {}
-        self._compiled: dict[str, SelectorLike] = {}
+        self._compiled: dict[str, Selector] = {}
         self._available: dict[int, dict[tuple[str, str], int]] = {}
         # search state
         self.picks: list[Pick] = []
@@ -225,17 +199,17 @@ class Search:
         self._deadline = 0.0
 
     # -- CEL ---------------------------------------------------------------------------------
-    def compile(self, spec: SelectorSpec) -> SelectorLike:
+    def compile(self, spec: SelectorSpec) -> Selector:
         sel = self._compiled.get(spec.expression)
         if sel is None:
             try:
                 sel = self.cel.compile(spec.expression)
-            except ValueError as e:  # celenv.CelCompileError
+            except CelCompileError as e:
                 raise InputError(f"{spec.path}.cel.expression", str(e)) from None
             self._compiled[spec.expression] = sel
         return sel
 
-    def _view(self, dev: Device) -> Any:
+    def _view(self, dev: Device) -> DeviceView:
         view = self._views.get(dev.index)
         if view is None:
             view = self.cel.device(
@@ -246,7 +220,7 @@ class Search:
 
     def _selectors(
         self,
-        selectors: Sequence[tuple[SelectorSpec, SelectorLike]],
+        selectors: Sequence[tuple[SelectorSpec, Selector]],
         dev: Device,
         kind: str,
         owner: str,
@@ -478,8 +452,8 @@ class Search:
     def _selected(
         self,
         cls: DeviceClass,
-        class_sels: Sequence[tuple[SelectorSpec, SelectorLike]],
-        req_sels: Sequence[tuple[SelectorSpec, SelectorLike]],
+        class_sels: Sequence[tuple[SelectorSpec, Selector]],
+        req_sels: Sequence[tuple[SelectorSpec, Selector]],
         dev: Device,
         a: Analysis,
         fatal: bool,
