@@ -512,9 +512,9 @@ class Device:
     def key(self) -> tuple[str, str, str]:
         return (self.driver, self.pool, self.name)
 
-    # Capacity and counters are parsed when first needed: most devices of a node never pass
-    # the selectors, and a node has thousands of quantities (a malformed one still raises
-    # InputError with its path, when the allocator looks at that device).
+    # Counters are parsed when first needed: most devices of a node never pass the selectors,
+    # and a node has thousands of them (a malformed one still raises InputError with its path,
+    # when the allocator looks at that device). Capacity is parsed with the slice.
     @functools.cached_property
     def capacity(self) -> Mapping[str, Capacity]:
         q, out = self.quantities, {}
@@ -745,6 +745,7 @@ def parse_slices(slices: Sequence[Mapping[str, Any]], q: QuantityReader) -> Node
             for j, raw in enumerate(_list(spec.get("devices"), f"{base}.devices")):
                 dev = _device(raw, f"{base}.devices[{j}]", driver, pname, sname, q, len(devices))
                 dev.pool_index = pool_index
+                _ = dev.capacity  # the CEL view reads it: a malformed value is an InputError
                 dev.node_name = spec.get("nodeName") or ""
                 if dev.name in names and pool.problem is None:
                     pool.problem = f"pool {pool.ref} is invalid: duplicate device name {dev.name}"

@@ -688,7 +688,7 @@ def test_text_on_failure_names_candidates_and_reasons() -> None:
     assert text.splitlines()[0].startswith("does not fit: request gpus needs 4, 2 candidates")
     assert "candidates: gpu-1, gpu-2" in text
     assert f'gpu-0: request gpus selector #0 is false: {A}.clique == "b"' in text
-    assert 'saw device.attributes["gpu.tessera.dev"].clique=a' in text
+    assert 'saw device.attributes["gpu.tessera.dev"].clique="a"' in text
     assert len(text.splitlines()) <= 8
 
 
