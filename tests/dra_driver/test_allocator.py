@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from dra_driver.allocator import Explanation, InputError, explain
+from dra_driver.celenv import CelEnvironment
 from tests.dra_driver.allocator_helpers import (
     DRIVER,
     allocated,
@@ -21,7 +22,6 @@ from tests.dra_driver.allocator_helpers import (
     klass,
     rslice,
 )
-from dra_driver.celenv import CelEnvironment
 from tests.dra_driver.fakecel import FakeCel
 
 A = f'device.attributes["{DRIVER}"]'
