@@ -37,6 +37,7 @@ MAX_RESULTS = 32
 ATTRIBUTE_TYPES = ("string", "int", "bool", "version")
 """The value fields of a DeviceAttribute; exactly one is set."""
 
+_ATTRIBUTE_TYPE_SET = frozenset(ATTRIBUTE_TYPES)
 AttributeValue = tuple[str, object]
 """An attribute's type and value: ``("string", "clique-0")``, ``("int", 3)``; equal only when
 both are (matchAttribute compares type and value, constraint.go)."""
@@ -66,6 +67,8 @@ def _show(value: object) -> str:
 
 
 def _mapping(value: object, path: str, *, optional: bool = False) -> Mapping[str, Any]:
+    if type(value) is dict:  # the common case, without the ABC check's cost
+        return value
     if value is None and optional:
         return {}
     if not isinstance(value, Mapping):
@@ -595,10 +598,12 @@ class Pool:
 def _attributes(value: object, path: str) -> Mapping[str, Mapping[str, Any]]:
     attrs = _mapping(value, path, optional=True)
     for name, attr in attrs.items():
+        if type(attr) is dict and len(attr) == 1 and next(iter(attr)) in _ATTRIBUTE_TYPE_SET:
+            continue
         if not isinstance(attr, Mapping):
             raise InputError(f"{path}.{name}", f"must be an object, got {_show(attr)}")
         set_ = [t for t in ATTRIBUTE_TYPES if t in attr]
-        if len(set_) != 1:
+        if len(set_) != 1 or len(attr) != 1:
             raise InputError(
                 f"{path}.{name}", f"must set exactly one of {', '.join(ATTRIBUTE_TYPES)}"
             )
