@@ -1,0 +1,19 @@
+"""A dry-run of the Kubernetes scheduler's structured allocator (resource.k8s.io/v1) that says
+why a ResourceClaim does or does not fit a node's devices.
+
+- ``model``: the domain types, parsed and validated from API dicts (``InputError`` names the
+  offending field path);
+- ``search``: per-request candidates and the backtracking search;
+- ``explain``: the facade (``explain(...)`` returns an ``Explanation``) and its text and JSON.
+
+The rules are those of k8s.io/dynamic-resource-allocation ``structured/internal/incubating``
+(the variant the scheduler uses when any of the newer DRA features is on); each module cites
+the files it follows.
+"""
+
+from __future__ import annotations
+
+from dra_driver.allocator.explain import Explanation, explain
+from dra_driver.allocator.model import InputError
+
+__all__ = ["Explanation", "InputError", "explain"]

@@ -1,0 +1,469 @@
+"""``explain(claim, classes, slices, allocated, cel=...)``: would the scheduler allocate this
+claim on this node, with which devices, and if not, why not.
+
+An ``Explanation`` answers in four forms:
+
+- ``ok`` / ``gave_up``;
+- ``allocation()``: the ``status.allocation`` object the scheduler would write
+  (``devices.results`` in request order, ``devices.config`` as upstream copies class and claim
+  configs, ``nodeSelector`` for node-local devices);
+- ``text()``: a few lines a person reads in ten seconds;
+- ``to_json()``: the same for tools, in this shape (``DeviceRef`` is
+  ``{"driver", "pool", "device"}``; ``Reason`` is ``{"kind", "text", ...details}``)::
+
+    {"claim": "ns/name", "fits": bool, "gaveUp": bool,
+     "reason": str | null,                  # first_reason() when it does not fit
+     "fatal": Reason | null,                # what stopped allocation on this node altogether
+     "allocation": {...} | null,            # allocation() when it fits
+     "requests": [{"name": "gpus", "firstAvailable": bool,
+                   "selected": "gpus" | "gpus/sub" | null,
+                   "alternatives": [{        # one, or one per subrequest in order
+                       "request": "gpus" | "gpus/sub", "deviceClassName": str,
+                       "allocationMode": "ExactCount" | "All", "count": int | null,
+                       "adminAccess": bool, "matched": int, "candidates": int,
+                       "chosen": [DeviceRef + {"shareID"?, "consumedCapacity"?}],
+                       "failure": {"reason": str, "placed": [DeviceRef + {"request"}]} | null,
+                       "rejected": {kind: count},
+                       "devices": [DeviceRef + {"status": "chosen" | "candidate" | "rejected",
+                                                "reason": Reason | null}]}]}],
+     "pools": [{"driver", "pool", "generation", "slices", "resourceSliceCount", "devices",
+                "problem": str | null}],
+     "steps": int}
+
+Reason kinds: ``pool`` (incomplete or invalid pool), ``unknown-class``, ``class-selector``,
+``request-selector`` (with ``expression`` and ``seen``: the values it read), ``cel-error``,
+``tainted``, ``allocated`` (``owner``), ``capacity``, ``counters`` (``counterSet``,
+``counter``), ``constraint`` (``attribute``, ``value``, ``conflictsWith``), ``taken`` (by
+another request of this claim), ``no-completion``, ``too-few``, ``too-many``, ``gave-up``.
+
+Not modelled (the caller passes one node's slices, so node selection is its business): slice
+and per-device node selectors, binding conditions, scoring. The admin-access rule that the
+claim's namespace carries ``resource.kubernetes.io/admin-access: "true"`` is enforced by the API
+server's admission, not by the allocator, so it is not checked here either.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from dra_driver.allocator.model import (
+    Claim,
+    Device,
+    Mode,
+    Node,
+    QuantityReader,
+    parse_allocated,
+    parse_claim,
+    parse_classes,
+    parse_slices,
+)
+from dra_driver.allocator.search import Analysis, Outcome, Pick, Reason, Search
+from dra_driver.celenv import CelEnvironment
+
+KIND_LABELS = {
+    "pool": "pool unusable",
+    "unknown-class": "unknown class",
+    "class-selector": "class selector false",
+    "request-selector": "request selector false",
+    "cel-error": "CEL runtime error",
+    "tainted": "tainted",
+    "allocated": "allocated",
+    "capacity": "capacity",
+    "counters": "counters exhausted",
+    "constraint": "constraint",
+    "taken": "taken in this claim",
+    "no-completion": "no complete allocation",
+}
+SHOWN = 3
+"""Devices named per group of rejections in text()."""
+
+
+def explain(
+    claim: Mapping[str, Any],
+    classes: Sequence[Mapping[str, Any]],
+    slices: Sequence[Mapping[str, Any]],
+    allocated: Sequence[Mapping[str, Any]],
+    *,
+    cel: CelEnvironment,
+    time_limit_s: float = 10.0,
+    in_use: Iterable[tuple[str, str, str]] = (),
+    clock: Callable[[], float] = time.monotonic,
+) -> Explanation:
+    """Allocate ``claim`` against one node's ``slices`` as the scheduler would, given the
+    ``allocated`` claims (and ``in_use`` devices); InputError for malformed input. ``clock``
+    (seconds) bounds the search with ``time_limit_s``; tests pass a fake one."""
+    q = QuantityReader()
+    parsed = parse_claim(claim, q)
+    device_classes = parse_classes(classes)
+    node = parse_slices(slices, q)
+    state = parse_allocated(allocated, in_use, q)
+    outcome = Search(
+        parsed, device_classes, node, state, cel, time_limit_s=time_limit_s, clock=clock
+    ).run()
+    return Explanation(parsed, node, outcome, time_limit_s, device_classes)
+
+
+def _ref(dev: Device) -> dict[str, str]:
+    return {"driver": dev.driver, "pool": dev.pool, "device": dev.name}
+
+
+def _reason_json(reason: Reason) -> dict[str, Any]:
+    return {"kind": reason.kind, "text": reason.text, **reason.details}
+
+
+def _names(devs: Sequence[str], shown: int = SHOWN) -> str:
+    text = ", ".join(devs[:shown])
+    return text + (f" and {len(devs) - shown} more" if len(devs) > shown else "")
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+class Explanation:
+    """The answer of ``explain``; see the module doc for the shapes."""
+
+    def __init__(
+        self,
+        claim: Claim,
+        node: Node,
+        outcome: Outcome,
+        time_limit_s: float,
+        classes: Mapping[str, Any],
+    ) -> None:
+        self.claim = claim
+        self.node = node
+        self.outcome = outcome
+        self.time_limit_s = time_limit_s
+        self._classes = classes
+        self.ok = outcome.ok
+        self.gave_up = outcome.gave_up
+
+    # -- allocation ----------------------------------------------------------------------------
+    def allocation(self) -> dict[str, Any]:
+        """The status.allocation object; ValueError when the claim does not fit."""
+        if not self.ok:
+            raise ValueError(f"claim {self.claim.ref} does not fit: {self.first_reason()}")
+        results = []
+        for pick in self.outcome.picks:
+            r: dict[str, Any] = {"request": pick.request.full_name, **_ref(pick.device)}
+            if pick.request.admin_access:
+                r["adminAccess"] = True
+            if pick.request.tolerations:
+                r["tolerations"] = [
+                    {
+                        k: v
+                        for k, v in (
+                            ("key", t.key),
+                            ("operator", t.operator),
+                            ("value", t.value),
+                            ("effect", t.effect),
+                        )
+                        if v
+                    }
+                    for t in pick.request.tolerations
+                ]
+            if pick.share_id is not None:
+                r["shareID"] = pick.share_id
+            if pick.consumed:
+                r["consumedCapacity"] = {k: str(v) for k, v in sorted(pick.consumed.items())}
+            results.append(r)
+        devices: dict[str, Any] = {"results": results}
+        config = self._config()
+        if config:
+            devices["config"] = config
+        out: dict[str, Any] = {"devices": devices}
+        nodes = sorted({p.device.node_name for p in self.outcome.picks if p.device.node_name})
+        if nodes:
+            # createNodeSelector: a node-local device pins the claim to the node
+            out["nodeSelector"] = {
+                "nodeSelectorTerms": [
+                    {
+                        "matchFields": [
+                            {"key": "metadata.name", "operator": "In", "values": nodes[:1]}
+                        ]
+                    }
+                ]
+            }
+        return out
+
+    def _selected_names(self) -> list[tuple[str, str, str]]:
+        """Per request: (request name, selected name, class name)."""
+        out = []
+        for gi, group in enumerate(self.claim.requests):
+            alt = group.alternatives[self.outcome.selected.get(gi, 0)]
+            out.append((group.name, alt.full_name, alt.class_name))
+        return out
+
+    def _config(self) -> list[dict[str, Any]]:
+        """The configs upstream copies (Allocate, "Populate configs"): each class's once, with
+        the requests that use it; then the claim's that apply; an entry naming every request
+        names none."""
+        config: list[dict[str, Any]] = []
+        by_class: dict[str, list[dict[str, Any]]] = {}
+        selected = self._selected_names()
+        for _, name, cls_name in selected:
+            if cls_name in by_class:
+                for entry in by_class[cls_name]:
+                    entry["requests"].append(name)
+                continue
+            cls = self._classes.get(cls_name)
+            entries = [
+                {
+                    "source": "FromClass",
+                    "requests": [name],
+                    **{k: v for k, v in c.items() if k != "requests"},
+                }
+                for c in (cls.config if cls else ())
+            ]
+            by_class[cls_name] = entries
+            config.extend(entries)
+        for names, raw in self.claim.config:
+            applies = not names or any(base in names or full in names for base, full, _ in selected)
+            if applies:
+                config.append(
+                    {
+                        "source": "FromClaim",
+                        **({"requests": list(names)} if names else {}),
+                        **{k: v for k, v in raw.items() if k != "requests"},
+                    }
+                )
+        for entry in config:
+            listed = entry.get("requests")
+            if listed and all(base in listed or full in listed for base, full, _ in selected):
+                del entry["requests"]
+        return config
+
+    # -- reasons -------------------------------------------------------------------------------
+    def _failure_line(self, gi: int, ai: int) -> str:
+        a = self.outcome.analyses[gi][ai]
+        attempt = self.outcome.attempts.get((gi, ai))
+        req = a.request
+        if attempt is None:
+            return f"request {req.full_name}: not tried (an earlier request did not fit)"
+        if attempt.reason is not None:
+            text = attempt.reason.text
+            if attempt.reason.kind == "too-few":
+                text += self._rejected_summary(a)
+            return text
+        placed = [p for p in attempt.placed if p.request is req]
+        dynamic = [r for r in attempt.rejections.values() if r.kind != "no-completion"]
+        need = req.count if req.mode is Mode.EXACT_COUNT else len(a.candidates)
+        some = (
+            "none fits with the rest of the claim"
+            if need == 1
+            else f"no {need} of them fit together with the rest of the claim"
+        )
+        cands = _plural(len(a.candidates), "candidate")
+        text = f"request {req.full_name} needs {need}, {cands}, but {some}"
+        if dynamic:
+            first_idx = next(i for i, r in attempt.rejections.items() if r.kind != "no-completion")
+            text += f": {self.node.devices[first_idx].name}: {dynamic[0].text}"
+        elif placed and len(placed) == need:
+            text = f"request {req.full_name}: its devices fit, but then a later request does not"
+        return text
+
+    def _rejected_summary(self, a: Analysis) -> str:
+        kinds = Counter(r.kind for r in a.rejections.values())
+        if not kinds:
+            return ""
+        parts = ", ".join(f"{n} {KIND_LABELS.get(k, k)}" for k, n in kinds.most_common())
+        return f" ({sum(kinds.values())} rejected: {parts})"
+
+    def first_reason(self) -> str:
+        """One line: the first reason the claim does not fit here ("fits" when it does)."""
+        if self.ok:
+            return "fits"
+        o = self.outcome
+        if o.fatal is not None:
+            return o.fatal.text
+        if o.gave_up:
+            return (
+                f"gave up after {self.time_limit_s:g} s ({o.steps} steps) without finding"
+                " an allocation; none may exist"
+            )
+        if o.blocker is None:
+            return "does not fit"
+        return self._failure_line(*o.blocker)
+
+    # -- text -----------------------------------------------------------------------------------
+    def text(self) -> str:
+        if self.ok:
+            return self._text_ok()
+        lines = [f"does not fit: {self.first_reason()}"]
+        for pool in self.node.pools:
+            if pool.problem is not None:
+                lines.append(f"  {pool.problem}")
+        for gi, group in enumerate(self.claim.requests):
+            for ai, a in enumerate(self.outcome.analyses[gi]):
+                lines.extend(self._text_alternative(gi, ai, a, group.first_available))
+        return "\n".join(lines)
+
+    def _text_ok(self) -> str:
+        if not self.outcome.picks:
+            return "fits: the claim requests no devices"
+        parts = []
+        for gi, group in enumerate(self.claim.requests):
+            picks = [p for p in self.outcome.picks if p.request.base_name == group.name]
+            name = picks[0].request.full_name if picks else group.name
+            pools = sorted({p.device.pool for p in picks})
+            shares = [self._share(p) for p in picks if p.share_id is not None]
+            extra = f"; {'; '.join(shares)}" if shares else ""
+            ptext = f"pool{'s' if len(pools) > 1 else ''} {', '.join(pools)}"
+            parts.append(f"{name} -> {', '.join(p.device.name for p in picks)} ({ptext}{extra})")
+            del gi
+        if len(parts) == 1:
+            return f"fits: {parts[0]}"
+        return "fits:\n" + "\n".join(f"  {p}" for p in parts)
+
+    @staticmethod
+    def _share(pick: Pick) -> str:
+        consumed = ", ".join(f"{k} {v}" for k, v in sorted((pick.consumed or {}).items()))
+        return (
+            f"{pick.device.name} shared: {consumed}" if consumed else f"{pick.device.name} shared"
+        )
+
+    def _text_alternative(self, gi: int, ai: int, a: Analysis, sub: bool) -> list[str]:
+        req = a.request
+        mode = f"{req.count} x" if req.mode is Mode.EXACT_COUNT else "all"
+        head = f"  {'subrequest' if sub else 'request'} {req.full_name} ({mode} {req.class_name}"
+        head += ", admin access)" if req.admin_access else ")"
+        attempt = self.outcome.attempts.get((gi, ai))
+        if a.problem is not None and a.problem.kind == "unknown-class":
+            return [f"{head}: {a.problem.text}"]
+        lines = [
+            f"{head}: {_plural(a.matched, 'device')} match, "
+            f"{_plural(len(a.candidates), 'candidate')}"
+        ]
+        names = [self.node.devices[i].name for i in a.candidates]
+        if names:
+            lines.append(f"    candidates: {_names(names, 8)}")
+        if attempt is not None and attempt.reason is None:
+            placed = [p.device.name for p in attempt.placed if p.request is req]
+            if placed:
+                lines.append(f"    best attempt: {', '.join(placed)}; then")
+            lines.extend(self._groups(attempt.rejections, "      "))
+        elif (
+            attempt is not None and attempt.reason is not None and attempt.reason.kind != "too-few"
+        ):
+            lines.append(f"    {attempt.reason.text}")
+        lines.extend(self._groups(a.rejections, "    "))
+        return lines
+
+    def _groups(self, rejections: Mapping[int, Reason], indent: str) -> list[str]:
+        groups: dict[tuple[str, str], list[tuple[int, Reason]]] = {}
+        for idx, r in rejections.items():
+            sig = str(r.details.get("expression", "")) if "selector" in r.kind else r.text
+            if r.kind in ("allocated", "counters", "capacity", "constraint", "tainted"):
+                sig = r.kind
+            groups.setdefault((r.kind, sig), []).append((idx, r))
+        lines = []
+        for (kind, _), members in sorted(groups.items(), key=lambda g: -len(g[1])):
+            names = [self.node.devices[i].name for i, _ in members]
+            label = KIND_LABELS.get(kind, kind)
+            first = members[0][1].text
+            if len(members) == 1:
+                lines.append(f"{indent}{names[0]}: {first}")
+            else:
+                lines.append(
+                    f"{indent}{len(members)} {label}: {_names(names)}; {names[0]}: {first}"
+                )
+        return lines
+
+    # -- JSON -----------------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        o = self.outcome
+        chosen: dict[int, list[Pick]] = {}
+        for p in o.picks:
+            chosen.setdefault(id(p.request), []).append(p)
+        requests = []
+        for gi, group in enumerate(self.claim.requests):
+            alts = []
+            for ai, a in enumerate(o.analyses[gi]):
+                alts.append(self._alt_json(gi, ai, a, chosen.get(id(a.request), [])))
+            selected = None
+            if self.ok:
+                selected = group.alternatives[o.selected.get(gi, 0)].full_name
+            requests.append(
+                {
+                    "name": group.name,
+                    "firstAvailable": group.first_available,
+                    "selected": selected,
+                    "alternatives": alts,
+                }
+            )
+        return {
+            "claim": self.claim.ref,
+            "fits": self.ok,
+            "gaveUp": self.gave_up,
+            "reason": None if self.ok else self.first_reason(),
+            "fatal": _reason_json(o.fatal) if o.fatal is not None else None,
+            "allocation": self.allocation() if self.ok else None,
+            "requests": requests,
+            "pools": [
+                {
+                    "driver": p.driver,
+                    "pool": p.name,
+                    "generation": p.generation,
+                    "slices": len(p.slices),
+                    "resourceSliceCount": p.slice_count,
+                    "devices": len(p.devices),
+                    "problem": p.problem,
+                }
+                for p in self.node.pools
+            ],
+            "steps": o.steps,
+        }
+
+    def _alt_json(self, gi: int, ai: int, a: Analysis, picks: list[Pick]) -> dict[str, Any]:
+        req = a.request
+        attempt = self.outcome.attempts.get((gi, ai))
+        failure = None
+        dynamic: Mapping[int, Reason] = {}
+        if not self.ok and attempt is not None:
+            failure = {
+                "reason": self._failure_line(gi, ai),
+                "placed": [
+                    {"request": p.request.full_name, **_ref(p.device)} for p in attempt.placed
+                ],
+            }
+            dynamic = attempt.rejections
+        picked = {p.device.index for p in picks}
+        devices: list[dict[str, Any]] = []
+        for dev in self.node.devices:
+            if dev.index in picked:
+                devices.append({**_ref(dev), "status": "chosen", "reason": None})
+                continue
+            reason = a.rejections.get(dev.index) or dynamic.get(dev.index)
+            status = "rejected" if dev.index in a.rejections else "candidate"
+            devices.append(
+                {
+                    **_ref(dev),
+                    "status": status,
+                    "reason": _reason_json(reason) if reason is not None else None,
+                }
+            )
+        chosen = []
+        for p in picks:
+            c: dict[str, Any] = _ref(p.device)
+            if p.share_id is not None:
+                c["shareID"] = p.share_id
+            if p.consumed:
+                c["consumedCapacity"] = {k: str(v) for k, v in sorted(p.consumed.items())}
+            chosen.append(c)
+        return {
+            "request": req.full_name,
+            "deviceClassName": req.class_name,
+            "allocationMode": req.mode.value,
+            "count": req.count if req.mode is Mode.EXACT_COUNT else None,
+            "adminAccess": req.admin_access,
+            "matched": a.matched,
+            "candidates": len(a.candidates),
+            "chosen": chosen,
+            "failure": failure,
+            "rejected": dict(Counter(r.kind for r in a.rejections.values())),
+            "devices": devices,
+        }
