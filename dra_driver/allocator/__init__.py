@@ -1,0 +1,1 @@
+"""The structured-parameters allocator behind ``tessera explain``."""
