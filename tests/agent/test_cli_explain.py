@@ -3,21 +3,15 @@ Pods with their templates, --write and then a prepare by the real agent."""
 
 import io
 import json
-import shutil
 from pathlib import Path
 
-import kubernetes_validate
 import pytest
 import yaml
 
 from agent.cli import explain as explain_cli
 from agent.cli import main
-from agent.cli.sim import SAMPLE_CLAIM
-from agent.sim.model import model_names
-from dra_driver.kubelet_calls import ClaimRef
-from dra_driver.kubelet_client import KubeletClient
 from tests.agent.explain_fake import FakeCel, fake_explain
-from tests.integration.daemon import DRIVER, Daemon
+from tests.integration.daemon import DRIVER
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "deploy" / "daemonset" / "examples"
@@ -286,20 +280,6 @@ def test_a_directory_of_several_nodes_slices_is_answered_per_node(tmp_path):
 # -- --write ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model", model_names())
-def test_write_allocates_the_tour_claim_on_every_model(tmp_path, model):
-    f = tmp_path / "sample-gpu.yaml"
-    shutil.copy(EXAMPLES / "sample-gpu.yaml", f)
-    code, out, err = explain(f, "--class", CLASSES, "--simulate", model, "--write")
-    assert code == 0, out + err
-    written = yaml.safe_load(f.read_text())
-    for version in ("1.34.0", "1.35.0"):
-        kubernetes_validate.validate(written, version, strict=True)
-    [(request, pool, _)] = results(written["status"]["allocation"])
-    assert request in ("gpu/whole", "gpu/mig") and pool == model
-    assert written["spec"] == yaml.safe_load((EXAMPLES / "sample-gpu.yaml").read_text())["spec"]
-
-
 def test_write_keeps_the_other_documents_and_adds_a_uid(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text(
@@ -329,25 +309,3 @@ def test_write_of_a_template_only_file_is_refused(tmp_path):
         "--mig-mode", "dynamic", "--write",
     )  # fmt: skip
     assert code == 2 and "--write needs a ResourceClaim" in err
-
-
-def test_the_written_claim_is_prepared_by_the_agent(short_tmp):
-    """The README tour: explain --write into <state-dir>/resourceclaims, then the kubelet's
-    prepare on a running standalone agent (dgx-a100: a MIG device)."""
-    claims = short_tmp / "resourceclaims"
-    claims.mkdir()
-    f = claims / "sample-gpu.yaml"
-    shutil.copy(EXAMPLES / "sample-gpu.yaml", f)
-    code, _, err = explain(
-        f, "--class", CLASSES, "--simulate", "dgx-a100", "--state-dir", short_tmp, "--write"
-    )
-    assert code == 0, err
-    [(_, _, device)] = results(yaml.safe_load(f.read_text())["status"]["allocation"])
-    daemon = Daemon(short_tmp, "dgx-a100").start()
-    try:
-        with KubeletClient(daemon.dra_socket) as kubelet:
-            answer = kubelet.prepare([ClaimRef(*SAMPLE_CLAIM)])["claims"][SAMPLE_CLAIM[2]]
-    finally:
-        daemon.kill()
-    assert answer["error"] == ""
-    assert [d["deviceName"] for d in answer["devices"]] == [device]
