@@ -146,6 +146,17 @@ def test_allocated_claims_take_their_devices(tmp_path):
     assert code == 0
 
 
+def test_slices_as_tessera_slices_json_prints_them(tmp_path):
+    """`tessera slices -o json` prints a JSON list of slices: taken as a stream of documents."""
+    out = io.StringIO()
+    assert main(["slices", "--simulate", "l40s-pcie", "-o", "json"], {}, out, io.StringIO()) == 0
+    (tmp_path / "slices.json").write_text(out.getvalue())
+    code, answer = as_json(
+        EXAMPLES / "single-gpu.yaml", "--class", CLASSES, "--slices", tmp_path / "slices.json"
+    )
+    assert code == 0 and answer["fittingNodes"] == ["l40s-pcie"]
+
+
 # -- Pods and templates -------------------------------------------------------------------------
 
 
