@@ -82,6 +82,8 @@ MAX_VALUE_CHARS = 64  # DeviceAttributeMaxValueLength
 MAX_LIST_VALUES = 48  # ResourceSliceMaxAttributeValuesPerDevice ('includes' refuses longer)
 
 MISSING = "<missing>"
+MEMO_ENTRIES = 65_536
+"""Verdicts a selector remembers (by the values it read) before it starts over."""
 QUANTITY_TAG = "@quantity"
 SEMVER_TAG = "@semver"
 _UNBOUNDED = 2**64 - 1  # cel-go's estimate for a size nothing bounds
@@ -1048,6 +1050,32 @@ def _domain_of(node: _Node | None) -> tuple[str, str] | None:
     return None
 
 
+def _memo_keys(node: _Node, out: list[tuple[str, ...]]) -> bool:
+    """Whether node reads the device only through literal paths (``device.driver``,
+    ``device.attributes["d"].x``, ``device.capacity["d"]["x"]``, ``"x" in
+    device.attributes["d"]``); if so, ``out`` gets the lookup key of each, and the result is a
+    function of the values at those keys alone. Any other use of ``device`` (a whole map passed
+    to a function, a comprehension over it, a computed key) answers False."""
+    if node.kind in ("select", "index"):
+        field = _device_field(node)
+        if field in ("driver", "allowMultipleAllocations"):
+            out.append((field,))
+            return True
+        outer = _domain_of(node.target)
+        name = node.name if node.kind == "select" else _string_key(node.args[0])
+        if outer is not None and name is not None:
+            out.append((*outer, name))
+            return True
+    if node.kind == "op" and node.name == "in" and len(node.args) == 2:
+        key, domain = _string_key(node.args[0]), _domain_of(node.args[1])
+        if key is not None and domain is not None:
+            out.append(("in", *domain, key))
+            return True
+    if node.kind == "ident" and node.name == "device":
+        return False
+    return all(_memo_keys(c, out) for c in (node.target, *node.args) if c is not None)
+
+
 def _references(
     node: _Node, out: dict[str, tuple[str, ...]], domains: set[tuple[str, str]]
 ) -> None:
@@ -1080,40 +1108,93 @@ def _render(value: Any) -> str:
 
 
 class DeviceView:
-    """One device as CEL sees it, converted once and reused by every selector."""
+    """One device as CEL sees it, converted at most once and reused by every selector.
 
-    __slots__ = (
-        "_attr_domains",
-        "_cap_domains",
-        "_contexts",
-        "_error",
-        "_functions",
-        "_rendered",
-        "_value",
-    )
+    Lazy: a selector whose verdict is already known for the values it reads (the memo in
+    :class:`Selector`) needs only those values rendered; the whole CEL value and the Rust
+    context are built on the first evaluation that needs them."""
+
+    __slots__ = ("_check", "_contexts", "_convert", "_converted", "_functions", "_raw")
 
     def __init__(
         self,
-        value: dict[str, Any],
-        rendered: dict[tuple[str, ...], str],
-        error: str | None,
+        raw: tuple[str, Mapping[str, Mapping[str, Any]], Mapping[str, Mapping[str, Any]], bool],
+        convert: Callable[..., _Converted],
         functions: dict[str, Callable[..., Any]],
+        check: CelEnvironment,
     ) -> None:
-        self._value = value
-        self._rendered = rendered
-        self._error = error
+        self._check = check
+        self._raw = raw
+        self._convert = convert
+        self._converted: _Converted | None = None
         self._functions = functions
-        self._attr_domains = frozenset(value["attributes"])
-        self._cap_domains = frozenset(value["capacity"])
         self._contexts: dict[tuple[frozenset[str], frozenset[str]], Any] = {}
+
+    def _get(self) -> _Converted:
+        if self._converted is None:
+            self._converted = self._convert(*self._raw)
+        return self._converted
+
+    @property
+    def _rendered(self) -> dict[tuple[str, ...], str]:
+        return self._get().rendered
+
+    @property
+    def _error(self) -> str | None:
+        return self._get().error
+
+    @property
+    def _value(self) -> dict[str, Any]:
+        return self._get().value
+
+    def _invalid(self) -> bool:
+        """Whether a value of the device cannot be converted (checked without converting the
+        rest: versions and quantities are parsed once per distinct text)."""
+        if self._converted is not None:
+            return self._converted.error is not None
+        _, attributes, capacity, _ = self._raw
+        try:
+            for attribute in attributes.values():
+                if "version" in attribute:
+                    self._check.version(attribute["version"])
+                elif not ("string" in attribute or "int" in attribute or "bool" in attribute):
+                    return self._get().error is not None
+            for cap in capacity.values():
+                self._check.quantity(cap.get("value"))
+        except (ValueError, QuantityError):
+            return self._get().error is not None
+        return False
+
+    def _raw_value(self, key: tuple[str, ...]) -> Any:
+        """What the device holds at a selector's memo key, hashable, straight from the API
+        form: a name is looked up both qualified and bare, as the conversion files either."""
+        driver, attributes, capacity, multi = self._raw
+        if key[0] == "driver":
+            return driver
+        if key[0] == "allowMultipleAllocations":
+            return multi
+        if key[0] == "in":
+            _, field, domain, name = key
+        else:
+            field, domain, name = key
+        source = attributes if field == "attributes" else capacity
+        qualified = source.get(f"{domain}/{name}")
+        bare = source.get(name) if domain == driver else None
+        if key[0] == "in":
+            return qualified is not None or bare is not None
+        return (
+            None if qualified is None else tuple(qualified.items()),
+            None if bare is None else tuple(bare.items()),
+        )
 
     def _context(self, attr_domains: frozenset[str], cap_domains: frozenset[str]) -> Any:
         """The Rust context, with an empty map for each named domain the device lacks (the
         scheduler's map answers every unknown domain with an empty map)."""
-        key = (attr_domains - self._attr_domains, cap_domains - self._cap_domains)
+        converted = self._get()
+        key = (attr_domains - converted.attr_domains, cap_domains - converted.cap_domains)
         ctx = self._contexts.get(key)
         if ctx is None:
-            value = self._value
+            value = converted.value
             if key[0] or key[1]:
                 value = dict(value)
                 value["attributes"] = {**value["attributes"], **{d: {} for d in key[0]}}
@@ -1121,6 +1202,18 @@ class DeviceView:
             ctx = cel.Context(variables={"device": value}, functions=self._functions)
             self._contexts[key] = ctx
         return ctx
+
+
+@dataclass(frozen=True)
+class _Converted:
+    """A device's CEL value, each value as CEL writes it (for ``Verdict.seen`` and the memo),
+    and the first value the scheduler could not convert."""
+
+    value: dict[str, Any]
+    rendered: dict[tuple[str, ...], str]
+    error: str | None
+    attr_domains: frozenset[str]
+    cap_domains: frozenset[str]
 
 
 _KEY_ERROR = re.compile(r"^'(.*)'$")
@@ -1137,6 +1230,7 @@ class Selector:
         estimated_cost: int,
         refs: dict[str, tuple[str, ...]],
         domains: set[tuple[str, str]],
+        memo_keys: tuple[tuple[str, ...], ...] | None = None,
     ) -> None:
         self.expression = expression
         self.estimated_cost = estimated_cost
@@ -1144,12 +1238,33 @@ class Selector:
         self._refs = tuple(refs.items())
         self._attr_domains = frozenset(d for f, d in domains if f == "attributes")
         self._cap_domains = frozenset(d for f, d in domains if f == "capacity")
+        self._memo_keys = memo_keys
+        self._memo: dict[tuple[Any, ...], Verdict] = {}
 
     def evaluate(self, device: DeviceView) -> Verdict:
+        if device._invalid():
+            rendered = device._rendered
+            seen = tuple((path, rendered.get(key, MISSING)) for path, key in self._refs)
+            return Verdict(False, device._error, seen)
+        # Devices that agree on every value the expression reads get the same verdict (the
+        # expression is a function of those values): one evaluation per distinct tuple. Most
+        # devices of a node, and the same devices on every node of a model, share them.
+        memo_key: tuple[Any, ...] | None = None
+        if self._memo_keys is not None:
+            memo_key = tuple(device._raw_value(k) for k in self._memo_keys)
+            hit = self._memo.get(memo_key)
+            if hit is not None:
+                return hit
+        verdict = self._evaluate(device)
+        if memo_key is not None:
+            if len(self._memo) >= MEMO_ENTRIES:
+                self._memo.clear()
+            self._memo[memo_key] = verdict
+        return verdict
+
+    def _evaluate(self, device: DeviceView) -> Verdict:
         rendered = device._rendered
         seen = tuple((path, rendered.get(key, MISSING)) for path, key in self._refs)
-        if device._error is not None:
-            return Verdict(False, device._error, seen)
         ctx = device._context(self._attr_domains, self._cap_domains)
         try:
             result = self._program.execute(ctx)
@@ -1198,6 +1313,8 @@ class CelEnvironment:
         self._known = frozenset(self._functions) | _NATIVE
         self._parser = CELParser()
         self._compiled: dict[str, Selector] = {}
+        self._versions: dict[str, dict[str, str]] = {}
+        self._quantities: dict[str, dict[str, str]] = {}
 
     def compile(self, expression: str) -> Selector:
         """A Selector; CelCompileError for an expression the scheduler would refuse (or this
@@ -1238,20 +1355,19 @@ class CelEnvironment:
         refs: dict[str, tuple[str, ...]] = {}
         domains: set[tuple[str, str]] = set()
         _references(tree, refs, domains)
-        selector = Selector(expression, program, cost, refs, domains)
+        keys: list[tuple[str, ...]] = []
+        memo = tuple(dict.fromkeys(keys)) if _memo_keys(tree, keys) else None
+        selector = Selector(expression, program, cost, refs, domains, memo)
         self._compiled[expression] = selector
         return selector
 
-    def device(
+    def _convert(
         self,
         driver: str,
         attributes: Mapping[str, Mapping[str, Any]],
         capacity: Mapping[str, Mapping[str, Any]],
         allow_multiple_allocations: bool = False,
-    ) -> DeviceView:
-        """A device in resource.k8s.io/v1 form (as in a ResourceSlice) as CEL sees it. A value
-        the scheduler could not convert (no known type, a version that is no semver) makes
-        every evaluation an error naming it, as DeviceMatches fails in cel/compile.go."""
+    ) -> _Converted:
         attrs: dict[str, dict[str, Any]] = {}
         caps: dict[str, dict[str, Any]] = {}
         rendered: dict[tuple[str, ...], str] = {
@@ -1271,7 +1387,7 @@ class CelEnvironment:
             elif "version" in attribute:
                 shown = attribute["version"]
                 try:
-                    value = _semver_value(parse_semver(shown))
+                    value = self.version(shown)
                 except ValueError as err:
                     error = error or f"attribute {name}: parse semantic version: {err}"
                     continue
@@ -1289,11 +1405,10 @@ class CelEnvironment:
             domain, ident = name.split("/", 1) if "/" in name else (driver, name)
             text = cap.get("value")
             try:
-                q = parse_quantity(text)  # type: ignore[arg-type]
+                caps.setdefault(domain, {})[ident] = self.quantity(text)
             except QuantityError as err:
                 error = error or f"capacity {name}: {err}"
                 continue
-            caps.setdefault(domain, {})[ident] = _quantity_value(q.nanos)
             rendered[("capacity", domain, ident)] = str(text)
         value = {
             "driver": driver,
@@ -1301,7 +1416,37 @@ class CelEnvironment:
             "attributes": attrs,
             "capacity": caps,
         }
-        return DeviceView(value, rendered, error, self._functions)
+        return _Converted(value, rendered, error, frozenset(attrs), frozenset(caps))
+
+    def version(self, text: str) -> dict[str, str]:
+        """A version attribute's CEL value, converted once per distinct text."""
+        value = self._versions.get(text)
+        if value is None:
+            value = self._versions[text] = _semver_value(parse_semver(text))
+        return value
+
+    def quantity(self, text: Any) -> dict[str, str]:
+        """A capacity's CEL value, converted once per distinct text."""
+        value = self._quantities.get(text)
+        if value is None:
+            value = _quantity_value(parse_quantity(text).nanos)
+            if isinstance(text, str):
+                self._quantities[text] = value
+        return value
+
+    def device(
+        self,
+        driver: str,
+        attributes: Mapping[str, Mapping[str, Any]],
+        capacity: Mapping[str, Mapping[str, Any]],
+        allow_multiple_allocations: bool = False,
+    ) -> DeviceView:
+        """A device in resource.k8s.io/v1 form (as in a ResourceSlice) as CEL sees it. A value
+        the scheduler could not convert (no known type, a version that is no semver) makes
+        every evaluation an error naming it, as DeviceMatches fails in cel/compile.go. Nothing
+        is converted until a selector evaluates the device."""
+        raw = (driver, attributes, capacity, allow_multiple_allocations)
+        return DeviceView(raw, self._convert, self._functions, self)
 
 
 def _parse_message(text: str) -> str:

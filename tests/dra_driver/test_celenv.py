@@ -373,3 +373,54 @@ def test_a_failing_function_is_reported_not_logged(env: CelEnvironment, caplog) 
     verdict = env.compile('quantity("bogus") == quantity("1")').evaluate(_device(env, "empty"))
     assert verdict.error is not None and '"bogus" is not a quantity' in verdict.error
     assert not [r for r in caplog.records if r.name.startswith("cel")]
+
+
+# -- the memo: devices that agree on what an expression reads share one evaluation -------------
+MEMO_DEVICES = [n for n in DEVICES] + ["example-other-string", "example-qualified"]
+DEVICES["example-other-string"] = {
+    **DEVICES["example"],
+    "attributes": {**DEVICES["example"]["attributes"], "string": {"string": "cat"}},
+}
+DEVICES["example-qualified"] = {  # the same values, written with the driver's domain
+    **DEVICES["example"],
+    "attributes": {f"{DRIVER}/{k}" if "/" not in k else k: v
+                   for k, v in DEVICES["example"]["attributes"].items()},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "expression",
+    sorted({e for e, _, x in CASES if not (isinstance(x, tuple) and x[0] == COMPILE)}),
+)
+def test_a_remembered_verdict_is_the_one_evaluation_gives(expression: str) -> None:
+    """Every device, evaluated after every other device has filled the selector's memo, gets
+    what a fresh environment answers for it alone."""
+    warm = CelEnvironment()
+    selector = warm.compile(expression)
+    for name in MEMO_DEVICES:
+        selector.evaluate(_device(warm, name))
+    for name in MEMO_DEVICES:
+        fresh = CelEnvironment()
+        expected = fresh.compile(expression).evaluate(_device(fresh, name))
+        assert selector.evaluate(_device(warm, name)) == expected, (expression, name)
+
+
+def test_devices_that_agree_on_what_is_read_share_one_evaluation(env: CelEnvironment) -> None:
+    selector = env.compile(f'{D}.string == "fish" && "int" in {D}')
+    a = env.device(DRIVER, {"string": {"string": "fish"}, "int": {"int": 1}, "x": {"int": 1}}, {})
+    b = env.device(DRIVER, {"string": {"string": "fish"}, "int": {"int": 2}, "x": {"int": 2}}, {})
+    assert selector.evaluate(a).matched and selector.evaluate(b).matched
+    assert b._converted is None  # answered from the memo: b was never converted
+    c = env.device(DRIVER, {"string": {"string": "fish"}, "x": {"int": 2}}, {})
+    assert not selector.evaluate(c).matched  # "int" is absent: another key, evaluated
+
+
+def test_an_unconvertible_device_is_an_error_even_when_its_values_were_seen(
+    env: CelEnvironment,
+) -> None:
+    selector = env.compile(f'{D}.string == "fish"')
+    good = env.device(DRIVER, {"string": {"string": "fish"}}, {})
+    bad = env.device(DRIVER, {"string": {"string": "fish"}, "v": {"version": "v1"}}, {})
+    assert selector.evaluate(good).matched
+    verdict = selector.evaluate(bad)
+    assert not verdict.matched and verdict.error and "parse semantic version" in verdict.error
