@@ -20,10 +20,11 @@ SAMPLE_UID := 0b9e7a3c-5d0e-4c7a-9b1e-2f6d8c4a1e01
 
 run: $(STAMP)
 	@mkdir -p $(RUN_DIR)/state/resourceclaims
-	@# a claim allocated to a device this model advertises (a MIG device on dgx-a100)
-	@$(VENV)/bin/tessera sim sample-claim --simulate $(MODEL) --state-dir $(RUN_DIR)/state \
-		> $(RUN_DIR)/state/resourceclaims/sample-gpu.yaml.tmp
-	@mv $(RUN_DIR)/state/resourceclaims/sample-gpu.yaml.tmp $(RUN_DIR)/state/resourceclaims/sample-gpu.yaml
+	@# the tour's claim (a whole GPU, else a MIG device), allocated on this model by the allocator
+	@cp deploy/daemonset/examples/sample-gpu.yaml $(RUN_DIR)/state/resourceclaims/sample-gpu.yaml
+	@$(VENV)/bin/tessera explain $(RUN_DIR)/state/resourceclaims/sample-gpu.yaml \
+		--class deploy/daemonset/deviceclasses.yaml --simulate $(MODEL) --state-dir $(RUN_DIR)/state \
+		--write
 	@echo "Tessera on a simulated $(MODEL) node; state, simulator and sysfs tree under $(RUN_DIR)/state"
 	@echo "Try it from another terminal:"
 	@echo "  curl http://$(METRICS)/metrics ; curl http://$(METRICS)/readyz"

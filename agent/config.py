@@ -69,6 +69,10 @@ class SettingMeta:
     phrase that follows the value (``is not a positive whole number``). Unset: from the type."""
     listen: bool = False
     """The value is an address or port the command listens on (named when it is busy)."""
+    positional: bool = False
+    """Given as the command's argument (``tessera explain CLAIM.yaml``), not as a flag; its one
+    ``flags`` entry is how usage and errors name it (``CLAIM``); the variable is named after it
+    (``TESSERA_CLAIM``)."""
 
 
 def setting(
@@ -82,12 +86,13 @@ def setting(
     flags: tuple[str, ...] = (),
     parse: Callable[[str], Any] | None = None,
     listen: bool = False,
+    positional: bool = False,
 ) -> Any:
     """A settings field: ``name: type = setting(default, help, ...)``. Supported types: ``str``,
     ``int``, ``float`` (seconds > 0 unless ``parse`` says otherwise), ``bool`` (a switch),
     ``Path``, ``X | None``, and ``tuple[X, ...]`` (a repeatable option; comma-separated in a
     variable)."""
-    meta = SettingMeta(help, groups, choices, metavar, extra_env, flags, parse, listen)
+    meta = SettingMeta(help, groups, choices, metavar, extra_env, flags, parse, listen, positional)
     return field(default=default, metadata={"tessera": meta})
 
 
@@ -886,6 +891,12 @@ def add_options(
     for s in settings_of(cls):
         if not s.in_groups(groups):
             continue
+        if s.meta.positional:
+            parser.add_argument(
+                dest(cls, s.name), nargs="?", default=None, metavar=s.flags[0],
+                help=option_help(s),
+            )  # fmt: skip
+            continue
         if s.kind == "switch":
             parser.add_argument(
                 *s.flags, dest=dest(cls, s.name), default=None, action="store_true",
@@ -948,9 +959,8 @@ def resolve_settings(
                     break
         if raw is None:
             if s.required:
-                raise ConfigError(
-                    f"{s.label} is required: give {s.flags[-1]} {s.metavar} or set {s.env[0]}"
-                )
+                give = s.flags[0] if s.meta.positional else f"{s.flags[-1]} {s.metavar}"
+                raise ConfigError(f"{s.label} is required: give {give} or set {s.env[0]}")
             continue
         values[s.name] = _convert(s, raw, label, from_env)
         origins.append(Origin(s, label, values[s.name]))

@@ -71,9 +71,11 @@ def load_json(data: bytes | str, what: str, max_bytes: int) -> Any:
     return value
 
 
-def load_yaml_documents(text: str, what: str, max_bytes: int) -> list[Any]:
-    """Every document of the YAML stream ``text`` within the limits above (no aliases);
-    DecodeError naming ``what``."""
+def load_yaml_documents(
+    text: str, what: str, max_bytes: int, max_events: int = MAX_YAML_EVENTS
+) -> list[Any]:
+    """Every document of the YAML stream ``text`` within the limits above (no aliases; at most
+    ``max_events`` parser events); DecodeError naming ``what``."""
     if len(text) > max_bytes:
         raise DecodeError(f"{what}: {len(text)} characters, more than the {max_bytes} allowed")
     try:
@@ -82,8 +84,8 @@ def load_yaml_documents(text: str, what: str, max_bytes: int) -> list[Any]:
                 raise DecodeError(
                     f"{what}: YAML aliases (*name) are not allowed (line {_line(event)})"
                 )
-            if events > MAX_YAML_EVENTS:
-                raise DecodeError(f"{what}: more than {MAX_YAML_EVENTS} YAML nodes")
+            if events > max_events:
+                raise DecodeError(f"{what}: more than {max_events} YAML nodes")
         docs = list(yaml.load_all(text, Loader=_BoundedLoader))
     except RecursionError as exc:
         raise DecodeError(f"{what}: nested deeper than the parser can follow") from exc

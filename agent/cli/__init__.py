@@ -23,7 +23,7 @@ from typing import IO, Any
 
 import yaml
 
-from agent.cli import doctor, kubelet, sim
+from agent.cli import doctor, explain, kubelet, sim
 from agent.cli.framework import (
     EXIT_ERROR,
     NO_DRIVER_HINT,
@@ -34,7 +34,7 @@ from agent.cli.framework import (
     invoke,
 )
 from agent.cli.framework import build_parser as build_tree_parser
-from agent.cli.node import advertised, node_session
+from agent.cli.node import node_session, published_slices
 from agent.config import Config, host_port, seconds, setting
 from agent.node import discover
 from agent.tls import TlsFiles
@@ -170,14 +170,7 @@ def cmd_topo(inv: Invocation) -> int:
 
 
 def cmd_slices(inv: Invocation) -> int:
-    from dra_driver.slices import SlicePolicy, build_slices
-
-    config = inv.get(Config)
-    node_name, model = advertised(config)
-    policy = SlicePolicy(
-        driver_name=config.driver_name, node_name=node_name, layout=config.kube_layout
-    )
-    objs = build_slices(model, policy, generation=1)
+    objs = published_slices(inv.get(Config))
     if inv.get(SlicesOptions).output == "json":
         inv.out.write(json.dumps(objs, indent=2) + "\n")
     else:
@@ -294,6 +287,7 @@ TREE = Command(
             description="A live view of a running agent's telemetry API: utilization, memory,"
             " power, energy, temperatures and the claims holding each device.",
         ),
+        explain.COMMAND,
         doctor.COMMAND,
         kubelet.COMMAND,
         sim.COMMAND,

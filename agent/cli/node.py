@@ -1,4 +1,4 @@
-"""Opening the node for one-shot commands (discover, topo, slices, sim sample-claim)."""
+"""Opening the node for one-shot commands (discover, topo, slices, explain --simulate)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agent.config import Config
 from agent.node import NodeSource, discover
@@ -37,3 +37,15 @@ def advertised(config: Config) -> tuple[str, DeviceModel]:
         inventory = discover(source)
     policy = config.device_policy()
     return source.hostname, advertised_devices(inventory, policy)
+
+
+def published_slices(config: Config) -> list[dict[str, Any]]:
+    """The ResourceSlices ``tessera run`` with this Config would publish for the node (what
+    ``tessera slices`` prints and ``tessera explain --simulate`` allocates from)."""
+    from dra_driver.slices import SlicePolicy, build_slices
+
+    node_name, model = advertised(config)
+    policy = SlicePolicy(
+        driver_name=config.driver_name, node_name=node_name, layout=config.kube_layout
+    )
+    return build_slices(model, policy, generation=1)

@@ -4,7 +4,6 @@
 
     tessera sim models
     tessera sim apiserver --port 8080 --kubeconfig-out FILE [--deny VERB:RESOURCE[.GROUP]]
-    tessera sim sample-claim --simulate MODEL [--state-dir DIR]    # an allocated ResourceClaim
     tessera sim fault --state-dir DIR xid --gpu N --xid X [--gi G [--ci C]]
     tessera sim fault --state-dir DIR gpu-lost --gpu N
     tessera sim fault --state-dir DIR recover --gpu N
@@ -42,13 +41,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from agent.cli.framework import Command, Invocation, Uses
-from agent.cli.node import advertised
 from agent.config import (
     REQUIRED,
-    Config,
     fraction,
     integer,
     non_negative_int,
@@ -61,10 +56,6 @@ from agent.errors import ConfigError
 from agent.sim.apiserver_access import Rule
 from agent.sim.specs import MIB
 from agent.sim.state import STATE_FILE
-
-SAMPLE_CLAIM = ("default", "sample-gpu", "0b9e7a3c-5d0e-4c7a-9b1e-2f6d8c4a1e01")
-"""Namespace, name and UID of the claim `tessera sim sample-claim` writes (the README tour's)."""
-
 
 # -- options ----------------------------------------------------------------------------------
 
@@ -233,50 +224,6 @@ def cmd_apiserver(inv: Invocation) -> int:
         inv.out.write(f"API server emulator on {server.url}; kubeconfig: {written}\n")
         inv.out.flush()
         stop.wait()
-    return 0
-
-
-def sample_claim(config: Config) -> dict[str, Any]:
-    """An allocated ResourceClaim for the first device the node advertises, as the scheduler
-    would leave it: what standalone mode (``--no-kube``) reads from <state-dir>/resourceclaims/."""
-    node, model = advertised(config)
-    if not model.devices:
-        raise ConfigError(f"node {node} advertises no devices to put in a sample claim")
-    device = model.devices[0]
-    namespace, name, uid = SAMPLE_CLAIM
-    driver = config.driver_name
-    device_class = driver if device.kind == "gpu" else f"{device.kind}.{driver}"
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {"name": name, "namespace": namespace, "uid": uid},
-        "spec": {
-            "devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": device_class}}]}
-        },
-        "status": {
-            "allocation": {
-                "devices": {
-                    "results": [
-                        {"request": "gpu", "driver": driver, "pool": node, "device": device.name}
-                    ]
-                },
-                "nodeSelector": {
-                    "nodeSelectorTerms": [
-                        {
-                            "matchFields": [
-                                {"key": "metadata.name", "operator": "In", "values": [node]}
-                            ]
-                        }
-                    ]
-                },
-            }
-        },
-    }
-
-
-def cmd_sample_claim(inv: Invocation) -> int:
-    claim = sample_claim(inv.get(Config))
-    inv.out.write(yaml.safe_dump(claim, sort_keys=False))
     return 0
 
 
@@ -514,16 +461,6 @@ COMMAND = Command(
             "serve an in-memory Kubernetes API server (for kube mode without a cluster)",
             cmd_apiserver,
             (Uses(ApiServerOptions),),
-        ),
-        Command(
-            "sample-claim",
-            "print an allocated ResourceClaim for the node's first advertised device",
-            cmd_sample_claim,
-            (Uses(Config, ("node", "driver")),),
-            description="Print (YAML) a ResourceClaim allocated to the first device this node"
-            " advertises, as the scheduler would leave it: standalone mode (`tessera run"
-            " --no-kube`) prepares claims like it from <state-dir>/resourceclaims/. Give the same"
-            " --simulate, --state-dir and driver options as the agent. `make run` writes one.",
         ),
         FAULT,
         PROCESS,

@@ -22,6 +22,8 @@ from agent.cli import main
 
 TESSERA = os.path.join(os.path.dirname(sys.executable), "tessera")
 ROOT = os.geteuid() == 0
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "daemonset"
+EXAMPLE, CLASSES = DEPLOY / "examples" / "single-gpu.yaml", DEPLOY / "deviceclasses.yaml"
 
 
 @pytest.fixture
@@ -89,7 +91,19 @@ IN_PROCESS = [
     (["slices", "--simulate", "BINARY"], "BINARY"),
     (["slices", "--simulate", "DIR_YAML"], "DIR_YAML"),
     (["discover", "--simulate", "BROKEN"], "BROKEN"),
-    (["sim", "sample-claim", "--simulate", "dgx-a100", "--state-dir", "UNDER_FILE"], "UNDER_FILE"),
+    (
+        [
+            "explain",
+            str(EXAMPLE),
+            "--class",
+            str(CLASSES),
+            "--simulate",
+            "dgx-a100",
+            "--state-dir",
+            "UNDER_FILE",
+        ],
+        "UNDER_FILE",
+    ),
     (["top", "--once", "--state-dir", "FILE"], "FILE"),
     (["top", "--once", "--endpoint", "unix://TEXT"], "TEXT"),
     (["top", "--once", "--endpoint", "unix://relative"], "unix://relative"),

@@ -121,6 +121,9 @@ class Node:
 
 WHERE: dict[str, list[Node]] = {
     "allocated-gpu-claim.yaml": [Node("dgx-h100")],
+    "sample-gpu.yaml": [
+        Node(m) for m in ("dgx-h100", "dgx-a100", "hgx-h200", "l40s-pcie", "mixed")
+    ],
     "single-gpu.yaml": [Node("dgx-h100"), Node("l40s-pcie")],
     "four-nvlink-gpus.yaml": [Node("dgx-h100"), Node("hgx-h200")],
     "gpu-and-nic.yaml": [Node("dgx-h100")],  # the GPU; the NIC is another driver's
@@ -240,19 +243,24 @@ def test_each_example_selects_devices_and_the_driver_takes_its_config(name, node
     for spec in claim_specs(docs):
         allocated = []
         for request in spec["devices"]["requests"]:
-            exactly = request["exactly"]
-            cls = classes.get(exactly["deviceClassName"])
+            # firstAvailable: the first subrequest that finds its devices (the scheduler's order)
+            for exactly in request.get("firstAvailable", [request.get("exactly")]):
+                cls = classes.get(exactly["deviceClassName"])
+                if cls is None:
+                    break  # another driver's class (the NIC of gpu-and-nic.yaml)
+                expressions = [s["cel"]["expression"] for s in cls["selectors"]]
+                expressions += [s["cel"]["expression"] for s in exactly.get("selectors", [])]
+                memory = exactly.get("capacity", {}).get("requests", {})
+                found = [
+                    d
+                    for d, view in views
+                    if all(cel.evaluate(e, view) for e in expressions) and fits(d, memory)
+                ]
+                count = exactly.get("count", 1)
+                if len(found) >= count:
+                    break
             if cls is None:
-                continue  # another driver's class (the NIC of gpu-and-nic.yaml)
-            expressions = [s["cel"]["expression"] for s in cls["selectors"]]
-            expressions += [s["cel"]["expression"] for s in exactly.get("selectors", [])]
-            memory = exactly.get("capacity", {}).get("requests", {})
-            found = [
-                d
-                for d, view in views
-                if all(cel.evaluate(e, view) for e in expressions) and fits(d, memory)
-            ]
-            count = exactly.get("count", 1)
+                continue
             assert len(found) >= count, f"{name}: request {request['name']} finds {found} on {node}"
             device = found[0]
             allocated.append(
@@ -269,7 +277,7 @@ def test_each_example_selects_devices_and_the_driver_takes_its_config(name, node
             OpaqueConfig(source, tuple(c.get("requests", ())), c["opaque"]["parameters"])
             for source, entries in (
                 ("FromClass", [c for r in spec["devices"]["requests"]
-                               for c in classes.get(r["exactly"]["deviceClassName"], {})
+                               for c in classes.get(r.get("exactly", {}).get("deviceClassName"), {})
                                .get("config", [])]),
                 ("FromClaim", spec["devices"].get("config", [])),
             )

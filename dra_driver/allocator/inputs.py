@@ -1,0 +1,504 @@
+"""What ``tessera explain`` is given, turned into what the allocator takes. Pure: no I/O.
+
+- :func:`parse_documents`: the documents of one file (multi-document YAML or JSON; ``List``
+  objects are unpacked), each remembered with its file and index so that an error can say
+  ``claim.yaml: document 2: spec.devices: ...``.
+- :func:`subjects`: the claims to explain in a CLAIM file: ResourceClaims, the claim specs of
+  ResourceClaimTemplates, or the claims a Pod (or a workload's pod template) references, found in
+  the same file (or, in cluster mode, through a ``lookup``).
+- :func:`node_slices`: the ResourceSlices that apply to one node, by the scheduler's rules.
+- :func:`node_selector`: the ``status.allocation.nodeSelector`` the scheduler writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.decode import load_json, load_yaml_documents
+from agent.errors import DecodeError
+
+RESOURCE_API = "resource.k8s.io/v1"
+MAX_FILE_CHARS = 256 * 1024 * 1024
+"""The largest file read: a person's own files (a dump of a 64-node cluster's slices, 13,000
+devices, is about 15 MB of YAML)."""
+MAX_YAML_EVENTS = 50_000_000
+"""YAML parser events allowed in one file (that dump: about 1.5 million); aliases stay refused."""
+WORKLOADS = {
+    # kind -> path of the pod template, as in the apps/v1 and batch/v1 APIs
+    "Deployment": ("spec", "template"),
+    "StatefulSet": ("spec", "template"),
+    "ReplicaSet": ("spec", "template"),
+    "DaemonSet": ("spec", "template"),
+    "Job": ("spec", "template"),
+    "CronJob": ("spec", "jobTemplate", "spec", "template"),
+}
+
+
+class DocumentError(ValueError):
+    """Malformed input: which file, which document (0-based, as in the stream), which field,
+    what is wrong. ``str()`` is the whole message."""
+
+    def __init__(self, source: str, index: int | None, path: str, message: str) -> None:
+        self.source, self.index, self.path, self.message = source, index, path, message
+        where = source if index is None else f"{source}: document {index}"
+        super().__init__(f"{where}: {path}: {message}" if path else f"{where}: {message}")
+
+
+@dataclass(frozen=True)
+class Document:
+    """One object of an input file. ``item``: its index in a List object's ``items``."""
+
+    source: str
+    index: int
+    obj: dict[str, Any]
+    item: int | None = None
+
+    @property
+    def kind(self) -> str:
+        return str(self.obj.get("kind", ""))
+
+    def field(self, path: str) -> str:
+        """A field path of this object as an error names it (inside a List: ``items[3].``)."""
+        prefix = "" if self.item is None else f"items[{self.item}]"
+        return ".".join(p for p in (prefix, path) if p)
+
+    def error(self, path: str, message: str) -> DocumentError:
+        return DocumentError(self.source, self.index, self.field(path), message)
+
+    @property
+    def name(self) -> str:
+        meta = self.obj.get("metadata")
+        name = meta.get("name") if isinstance(meta, dict) else None
+        if not isinstance(name, str) or not name:
+            raise self.error("metadata.name", "missing; every object needs a name")
+        return name
+
+    @property
+    def namespace(self) -> str:
+        meta = self.obj.get("metadata")
+        ns = meta.get("namespace") if isinstance(meta, dict) else None
+        return ns if isinstance(ns, str) and ns else "default"
+
+
+def parse_documents(text: str, source: str) -> list[Document]:
+    """Every object in ``text`` (YAML, multi-document, or JSON). Empty documents are skipped; a
+    document that is not an object, or has no kind, is a DocumentError."""
+    try:
+        if text.lstrip().startswith(("{", "[")):  # JSON: its own parser, 10x faster than YAML's
+            value = load_json(text, source, MAX_FILE_CHARS)
+            raw = value if isinstance(value, list) else [value]
+        else:
+            raw = load_yaml_documents(text, source, MAX_FILE_CHARS, MAX_YAML_EVENTS)
+    except DecodeError as exc:
+        raise DocumentError(source, None, "", str(exc).removeprefix(f"{source}: ")) from exc
+    docs: list[Document] = []
+    for index, obj in enumerate(raw):
+        if obj is None:
+            continue
+        if not isinstance(obj, dict):
+            raise DocumentError(source, index, "", f"a {_type(obj)}, not an object")
+        kind = obj.get("kind")
+        if not isinstance(kind, str) or not kind:
+            raise DocumentError(source, index, "kind", "missing; expected e.g. ResourceClaim")
+        if kind.endswith("List") and "items" in obj:
+            items = obj["items"]
+            if not isinstance(items, list):
+                raise DocumentError(source, index, "items", f"a {_type(items)}, not a list")
+            for i, item in enumerate(items):
+                if not isinstance(item, dict):
+                    raise DocumentError(source, index, f"items[{i}]", "not an object")
+                item = dict(item)
+                item.setdefault("kind", kind.removesuffix("List"))  # kubectl's lists have kinds
+                if "apiVersion" not in item and "apiVersion" in obj:
+                    item["apiVersion"] = obj["apiVersion"]
+                docs.append(Document(source, index, item, i))
+            continue
+        docs.append(Document(source, index, obj))
+    return docs
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    """``value`` when it is an object, else an empty one (for optional fields)."""
+    return value if isinstance(value, dict) else {}
+
+
+def _type(value: Any) -> str:
+    return {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def check_api(doc: Document, expected: str = RESOURCE_API) -> None:
+    """resource.k8s.io objects must be v1 (the version the allocator reads)."""
+    version = doc.obj.get("apiVersion")
+    if version != expected:
+        raise doc.error(
+            "apiVersion",
+            f"{version!r} is not supported; {doc.kind} must be {expected}"
+            + (" (Kubernetes 1.34 or newer)" if expected == RESOURCE_API else ""),
+        )
+
+
+def _object(doc: Document, path: Sequence[str]) -> dict[str, Any]:
+    value: Any = doc.obj
+    for i, key in enumerate(path):
+        value = value.get(key) if isinstance(value, dict) else None
+        if not isinstance(value, dict):
+            shown = ".".join(path[: i + 1])
+            what = "missing" if value is None else f"a {_type(value)}, not an object"
+            raise doc.error(shown, what)
+    return _dict(value)
+
+
+def of_kind(docs: Iterable[Document], kind: str) -> list[Document]:
+    """The documents of one kind, their apiVersion checked for the resource.k8s.io kinds."""
+    found = [d for d in docs if d.kind == kind]
+    for d in found:
+        if kind in ("ResourceClaim", "ResourceClaimTemplate", "DeviceClass", "ResourceSlice"):
+            check_api(d)
+    return found
+
+
+def only_kinds(docs: Iterable[Document], allowed: Sequence[str], role: str) -> None:
+    """Each document is one of ``allowed`` (e.g. a --slices file holds ResourceSlices)."""
+    for d in docs:
+        if d.kind not in allowed:
+            raise d.error("kind", f"{d.kind!r} does not belong in {role}; expected {_or(allowed)}")
+
+
+def _or(words: Sequence[str]) -> str:
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def allocated_claims(docs: Iterable[Document]) -> list[dict[str, Any]]:
+    """ResourceClaims given as already allocated: each must have ``status.allocation``."""
+    claims = []
+    for d in of_kind(docs, "ResourceClaim"):
+        _object(d, ("status", "allocation"))
+        claims.append(d.obj)
+    return claims
+
+
+# -- the claims to explain ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Subject:
+    """One claim to explain. ``doc``: the ResourceClaim document it is (None: made from a
+    template, or read from the API); ``via``: how a pod reaches it (for people)."""
+
+    key: str
+    """``namespace/name``."""
+    claim: dict[str, Any]
+    doc: Document | None = None
+    via: str | None = None
+    source: str = ""
+    """Where it came from: ``FILE: document N`` or ``API``."""
+
+
+Lookup = Callable[[str, str, str], dict[str, Any] | None]
+"""(kind, namespace, name) -> the object from the API server, None when there is none."""
+
+
+def claim_from_template(template: Mapping[str, Any], name: str, namespace: str) -> dict[str, Any]:
+    """The ResourceClaim the resource-claim controller would create from a template: the
+    template's ``spec.spec``, labels and annotations of ``spec.metadata``."""
+    spec = template.get("spec", {})
+    meta = spec.get("metadata") if isinstance(spec.get("metadata"), dict) else {}
+    claim_meta: dict[str, Any] = {"name": name, "namespace": namespace}
+    for key in ("labels", "annotations"):
+        if isinstance(meta.get(key), dict):
+            claim_meta[key] = dict(meta[key])
+    return {
+        "apiVersion": RESOURCE_API,
+        "kind": "ResourceClaim",
+        "metadata": claim_meta,
+        "spec": spec.get("spec"),
+    }
+
+
+@dataclass
+class _Found:
+    claims: dict[tuple[str, str], Document] = field(default_factory=dict)
+    templates: dict[tuple[str, str], Document] = field(default_factory=dict)
+
+
+def subjects(docs: Sequence[Document], lookup: Lookup | None = None) -> list[Subject]:
+    """The claims to explain, in order; they are placed together on one node.
+
+    With Pods (or Deployments, Jobs, ...: their pod template counts as one pod) in the file: the
+    claims they reference, each once (pods sharing a ``resourceClaimName`` share the claim; a
+    ``resourceClaimTemplateName`` gives each pod a claim of its own, named ``<pod>-<claim>``),
+    then the file's ResourceClaims no pod references. Without pods: every ResourceClaim and
+    ResourceClaimTemplate of the file. A reference the file does not hold is looked up with
+    ``lookup`` (cluster mode), else it is a DocumentError."""
+    found = _Found()
+    for d in of_kind(docs, "ResourceClaim"):
+        _object(d, ("spec",))
+        found.claims.setdefault((d.namespace, d.name), d)
+    for d in of_kind(docs, "ResourceClaimTemplate"):
+        _object(d, ("spec", "spec"))
+        found.templates.setdefault((d.namespace, d.name), d)
+    pods = [(d, found_spec) for d in docs if (found_spec := _pod_spec(d)) is not None]
+    out: list[Subject] = []
+    seen: set[str] = set()
+    if not pods:
+        for (ns, name), d in found.claims.items():
+            out.append(Subject(f"{ns}/{name}", d.obj, d, None, _where(d)))
+        for (ns, name), d in found.templates.items():
+            claim = claim_from_template(d.obj, name, ns)
+            out.append(Subject(f"{ns}/{name}", claim, None, f"template {name}", _where(d)))
+        return out
+    for pod, (spec, path) in pods:
+        for s in _pod_claims(pod, spec, path, found, lookup):
+            if s.key not in seen:
+                seen.add(s.key)
+                out.append(s)
+    for (ns, name), d in found.claims.items():
+        if f"{ns}/{name}" not in seen:
+            out.append(Subject(f"{ns}/{name}", d.obj, d, None, _where(d)))
+    return out
+
+
+def _where(d: Document) -> str:
+    return f"{d.source}: document {d.index}"
+
+
+def _pod_spec(d: Document) -> tuple[dict[str, Any], str] | None:
+    """A Pod's spec, or a workload's pod template spec, with its field path."""
+    if d.kind == "Pod":
+        return _object(d, ("spec",)), "spec"
+    path = WORKLOADS.get(d.kind)
+    if path is None:
+        return None
+    return _object(d, (*path, "spec")), ".".join((*path, "spec"))
+
+
+def _pod_claims(
+    pod: Document, spec: dict[str, Any], path: str, found: _Found, lookup: Lookup | None
+) -> list[Subject]:
+    refs = spec.get("resourceClaims") or []
+    if not isinstance(refs, list):
+        raise pod.error(f"{path}.resourceClaims", f"a {_type(refs)}, not a list")
+    ns = pod.namespace
+    who = f"{pod.kind.lower()} {ns}/{pod.name}"
+    out = []
+    for i, ref in enumerate(refs):
+        at = f"{path}.resourceClaims[{i}]"
+        if not isinstance(ref, dict) or not isinstance(ref.get("name"), str):
+            raise pod.error(f"{at}.name", "missing; each pod claim has a name")
+        claim_name, template_name = (
+            ref.get("resourceClaimName"),
+            ref.get("resourceClaimTemplateName"),
+        )
+        if (claim_name is None) == (template_name is None):
+            raise pod.error(at, "needs exactly one of resourceClaimName, resourceClaimTemplateName")
+        if claim_name is not None:
+            d = found.claims.get((ns, str(claim_name)))
+            key = f"{ns}/{claim_name}"
+            if d is not None:
+                out.append(Subject(key, d.obj, d, f"{who}, claim {ref['name']}", _where(d)))
+                continue
+            obj = lookup("ResourceClaim", ns, str(claim_name)) if lookup else None
+            if obj is None:
+                raise pod.error(
+                    f"{at}.resourceClaimName",
+                    f"ResourceClaim {key} is not in {pod.source}"
+                    + (" nor in the API server" if lookup else " (add it to the file)"),
+                )
+            out.append(Subject(key, obj, None, f"{who}, claim {ref['name']}", "API"))
+            continue
+        t = found.templates.get((ns, str(template_name)))
+        template = t.obj if t is not None else None
+        if template is None and lookup is not None:
+            template = lookup("ResourceClaimTemplate", ns, str(template_name))
+        if template is None:
+            raise pod.error(
+                f"{at}.resourceClaimTemplateName",
+                f"ResourceClaimTemplate {ns}/{template_name} is not in {pod.source}"
+                + (" nor in the API server" if lookup else " (add it to the file)"),
+            )
+        name = f"{pod.name}-{ref['name']}"
+        claim = claim_from_template(template, name, ns)
+        via = f"{who}, claim {ref['name']} from template {template_name}"
+        out.append(Subject(f"{ns}/{name}", claim, None, via, _where(t) if t else "API"))
+    return out
+
+
+# -- which slices a node sees -------------------------------------------------------------------
+
+
+def node_matches(node: Mapping[str, Any], name: str | None, all_nodes: bool, selector: Any) -> bool:
+    """structured/internal/stable/pools_stable.go NodeMatches: a node name, allNodes, or a
+    NodeSelector (k8s.io/component-helpers nodeaffinity: terms ORed, requirements ANDed)."""
+    if name:
+        return _meta(node).get("name") == name
+    if all_nodes:
+        return True
+    if isinstance(selector, dict):
+        return selector_matches(selector, node)
+    return False
+
+
+def _meta(node: Mapping[str, Any]) -> Mapping[str, Any]:
+    meta = node.get("metadata")
+    return meta if isinstance(meta, dict) else {}
+
+
+def selector_matches(selector: Mapping[str, Any], node: Mapping[str, Any]) -> bool:
+    """A v1 NodeSelector against a Node: any term matches; a term with no requirements matches
+    nothing (core/v1 NodeSelectorTerm: "A null or empty node selector term matches no
+    objects")."""
+    labels = _meta(node).get("labels") or {}
+    fields = {"metadata.name": _meta(node).get("name")}
+    for term in selector.get("nodeSelectorTerms") or []:
+        if not isinstance(term, dict):
+            continue
+        exprs, matchf = term.get("matchExpressions") or [], term.get("matchFields") or []
+        if not exprs and not matchf:
+            continue
+        if all(_requirement(r, labels) for r in exprs) and all(
+            _requirement(r, fields) for r in matchf
+        ):
+            return True
+    return False
+
+
+def _requirement(req: Any, values: Mapping[str, Any]) -> bool:
+    if not isinstance(req, dict):
+        return False
+    key, op, want = req.get("key"), req.get("operator"), req.get("values") or []
+    have = values.get(key) if isinstance(key, str) else None
+    if op == "In":
+        return have is not None and have in want
+    if op == "NotIn":
+        return have not in want
+    if op == "Exists":
+        return have is not None
+    if op == "DoesNotExist":
+        return have is None
+    if op in ("Gt", "Lt") and have is not None and len(want) == 1:
+        try:
+            left, right = int(str(have)), int(str(want[0]))
+        except ValueError:
+            return False
+        return left > right if op == "Gt" else left < right
+    return False
+
+
+def node_slices(
+    slices: Sequence[Mapping[str, Any]], node: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    """The slices whose devices ``node`` can reach (pools_stable.go GatherPools): spec.nodeName,
+    allNodes or a matching nodeSelector; with perDeviceNodeSelection, the slice keeps only the
+    devices that match the node. Slices with sharedCounters (the 1.35 layout's counter slices)
+    go with their pool when the node sees any device of it (upstream always includes them)."""
+    picked: list[dict[str, Any]] = []
+    counters: list[dict[str, Any]] = []
+    pools: set[tuple[Any, Any]] = set()
+    for s in slices:
+        spec = s.get("spec")
+        if not isinstance(spec, dict):
+            continue
+        pool = _dict(spec.get("pool"))
+        pool_id = (spec.get("driver"), pool.get("name"))
+        if spec.get("sharedCounters") and not spec.get("devices"):
+            counters.append(dict(s))
+            continue
+        if spec.get("perDeviceNodeSelection"):
+            devices = [
+                d
+                for d in spec.get("devices") or []
+                if isinstance(d, dict)
+                and node_matches(
+                    node, d.get("nodeName"), bool(d.get("allNodes")), d.get("nodeSelector")
+                )
+            ]
+            if devices:
+                picked.append({**s, "spec": {**spec, "devices": devices}})
+                pools.add(pool_id)
+            continue
+        if node_matches(
+            node, spec.get("nodeName"), bool(spec.get("allNodes")), spec.get("nodeSelector")
+        ):
+            picked.append(dict(s))
+            pools.add(pool_id)
+    for s in counters:
+        spec = s["spec"]
+        pool = _dict(spec.get("pool"))
+        if (spec.get("driver"), pool.get("name")) in pools:
+            picked.append(s)
+    return picked
+
+
+def slice_nodes(slices: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The node names slices name in spec.nodeName (or their devices' nodeName), sorted."""
+    names: set[str] = set()
+    for s in slices:
+        spec = _dict(s.get("spec"))
+        if isinstance(spec.get("nodeName"), str):
+            names.add(spec["nodeName"])
+        for d in spec.get("devices") or []:
+            if isinstance(d, dict) and isinstance(d.get("nodeName"), str):
+                names.add(d["nodeName"])
+    return sorted(names)
+
+
+# -- what --write adds ------------------------------------------------------------------------
+
+
+def node_selector(
+    results: Sequence[Mapping[str, Any]], slices: Sequence[Mapping[str, Any]]
+) -> dict[str, Any] | None:
+    """The allocation's nodeSelector as the scheduler makes it (allocator_stable.go
+    createNodeSelector): a device from a node-local slice ties the claim to that node
+    (``matchFields metadata.name In [node]``); slices with a nodeSelector add their one term's
+    requirements; devices of allNodes slices add nothing (None: available everywhere)."""
+    where: dict[tuple[Any, Any, Any], tuple[Mapping[str, Any], Mapping[str, Any]]] = {}
+    for s in slices:
+        spec = _dict(s.get("spec"))
+        pool = _dict(spec.get("pool"))
+        for d in spec.get("devices") or []:
+            if isinstance(d, dict):
+                where[(spec.get("driver"), pool.get("name"), d.get("name"))] = (spec, d)
+    fields: list[Any] = []
+    exprs: list[Any] = []
+    for r in results:
+        found = where.get((r.get("driver"), r.get("pool"), r.get("device")))
+        if found is None:
+            continue
+        slice_spec, device = found
+        source = device if slice_spec.get("perDeviceNodeSelection") else slice_spec
+        if source.get("nodeName"):
+            return {
+                "nodeSelectorTerms": [
+                    {
+                        "matchFields": [
+                            {
+                                "key": "metadata.name",
+                                "operator": "In",
+                                "values": [source["nodeName"]],
+                            }
+                        ]
+                    }
+                ]
+            }
+        selector = source.get("nodeSelector")
+        terms = selector.get("nodeSelectorTerms") if isinstance(selector, dict) else None
+        if terms and len(terms) == 1 and isinstance(terms[0], dict):
+            for req in terms[0].get("matchFields") or []:
+                if req not in fields:
+                    fields.append(req)
+            for req in terms[0].get("matchExpressions") or []:
+                if req not in exprs:
+                    exprs.append(req)
+    if not fields and not exprs:
+        return None
+    term: dict[str, Any] = {}
+    if exprs:
+        term["matchExpressions"] = exprs
+    if fields:
+        term["matchFields"] = fields
+    return {"nodeSelectorTerms": [term]}

@@ -1,0 +1,322 @@
+"""`tessera explain` in standalone mode: real files in, exit codes 0/1/2, text and JSON out,
+Pods with their templates, --write and then a prepare by the real agent."""
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from agent.cli import explain as explain_cli
+from agent.cli import main
+from tests.agent.explain_fake import FakeCel, fake_explain
+from tests.integration.daemon import DRIVER
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "deploy" / "daemonset" / "examples"
+CLASSES = ROOT / "deploy" / "daemonset" / "deviceclasses.yaml"
+
+
+@pytest.fixture(autouse=True)
+def allocator(monkeypatch):
+    try:
+        explain_cli.facade()
+    except ImportError:  # until dra_driver.allocator.explain is merged
+        monkeypatch.setattr(explain_cli, "facade", lambda: (fake_explain, FakeCel))
+
+
+def explain(*argv, env=None):
+    out, err = io.StringIO(), io.StringIO()
+    code = main(["explain", *map(str, argv)], env or {}, out, err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def as_json(*argv):
+    code, out, err = explain(*argv, "-o", "json")
+    assert code in (0, 1), err
+    return code, json.loads(out)
+
+
+def write(path: Path, *docs) -> Path:
+    path.write_text(yaml.safe_dump_all(docs, sort_keys=False))
+    return path
+
+
+def claim(name, *requests, uid=None):
+    meta = {"name": name, "namespace": "default"} | ({"uid": uid} if uid else {})
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": meta,
+        "spec": {"devices": {"requests": list(requests)}},
+    }
+
+
+def gpus(name, count=1, cls=DRIVER):
+    return {"name": name, "exactly": {"deviceClassName": cls, "count": count}}
+
+
+def template(name, *requests):
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"spec": {"devices": {"requests": list(requests)}}},
+    }
+
+
+def pod(name, **claims):
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "resourceClaims": [
+                {"name": k, ("resourceClaimTemplateName" if t else "resourceClaimName"): v}
+                for k, (v, t) in claims.items()
+            ],
+            "containers": [{"name": "c", "image": "busybox"}],
+        },
+    }
+
+
+def results(allocation):
+    return [(r["request"], r["pool"], r["device"]) for r in allocation["devices"]["results"]]
+
+
+# -- fits / does not fit ----------------------------------------------------------------------
+
+
+def test_a_gpu_claim_fits_on_a_simulated_node_with_the_node_it_is_tied_to():
+    code, answer = as_json(
+        EXAMPLES / "single-gpu.yaml", "--class", CLASSES, "--simulate", "l40s-pcie"
+    )
+    assert code == 0
+    assert answer["fits"] is True and answer["fittingNodes"] == ["l40s-pcie"]
+    (node,) = answer["nodes"]
+    (c,) = node["claims"]
+    assert c["claim"] == "default/single-gpu" and c["fits"]
+    [(request, pool, device)] = results(c["allocation"])
+    assert (request, pool) == ("gpu", "l40s-pcie") and device.startswith("gpu-")
+    # what the scheduler writes for a node-local slice (allocator_stable.go createNodeSelector)
+    assert c["allocation"]["nodeSelector"] == {
+        "nodeSelectorTerms": [
+            {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["l40s-pcie"]}]}
+        ]
+    }
+
+
+def test_the_text_answer_says_fits_and_names_the_node():
+    code, out, _ = explain(
+        EXAMPLES / "single-gpu.yaml", "--class", CLASSES, "--simulate", "l40s-pcie"
+    )
+    assert code == 0
+    assert out.splitlines()[0] == "claim default/single-gpu on node l40s-pcie: fits"
+
+
+def test_more_gpus_than_the_node_has_exit_1_with_a_reason(tmp_path):
+    f = write(tmp_path / "c.yaml", claim("eight", gpus("gpus", 8)))
+    code, out, _ = explain(f, "--class", CLASSES, "--simulate", "l40s-pcie")
+    assert code == 1
+    assert out.splitlines()[0] == "claim default/eight on node l40s-pcie: does not fit"
+    code, answer = as_json(f, "--class", CLASSES, "--simulate", "l40s-pcie")
+    assert code == 1 and answer["fits"] is False and answer["fittingNodes"] == []
+    (node,) = answer["nodes"]
+    assert node["reason"] and node["claims"][0]["allocation"] is None
+
+
+def test_allocated_claims_take_their_devices(tmp_path):
+    out = io.StringIO()
+    assert main(["slices", "--simulate", "l40s-pcie"], {}, out, io.StringIO()) == 0
+    slices = tmp_path / "slices.yaml"
+    slices.write_text(out.getvalue())
+    four = claim("four", gpus("gpus", 4), uid="u-4")
+    code, answer = as_json(
+        write(tmp_path / "four.yaml", four), "--class", CLASSES, "--slices", slices
+    )
+    assert code == 0
+    four["status"] = {"allocation": answer["nodes"][0]["claims"][0]["allocation"]}
+    (tmp_path / "held").mkdir()
+    write(tmp_path / "held" / "four.yaml", four)
+    args = (EXAMPLES / "single-gpu.yaml", "--class", CLASSES, "--slices", slices)
+    code, answer = as_json(*args, "--allocated", tmp_path / "held")
+    assert code == 1  # claim default/four holds every GPU
+    code, answer = as_json(*args)
+    assert code == 0
+
+
+def test_slices_as_tessera_slices_json_prints_them(tmp_path):
+    """`tessera slices -o json` prints a JSON list of slices: taken as a stream of documents."""
+    out = io.StringIO()
+    assert main(["slices", "--simulate", "l40s-pcie", "-o", "json"], {}, out, io.StringIO()) == 0
+    (tmp_path / "slices.json").write_text(out.getvalue())
+    code, answer = as_json(
+        EXAMPLES / "single-gpu.yaml", "--class", CLASSES, "--slices", tmp_path / "slices.json"
+    )
+    assert code == 0 and answer["fittingNodes"] == ["l40s-pcie"]
+
+
+# -- Pods and templates -------------------------------------------------------------------------
+
+
+def test_a_pods_claims_are_placed_together_on_one_node(tmp_path):
+    f = write(
+        tmp_path / "pod.yaml",
+        template("two-gpus", gpus("gpus", 2)),
+        pod("trainer", a=("two-gpus", True), b=("two-gpus", True)),
+    )
+    code, answer = as_json(f, "--class", CLASSES, "--simulate", "l40s-pcie")
+    assert code == 0
+    assert [c["claim"] for c in answer["claims"]] == ["default/trainer-a", "default/trainer-b"]
+    assert "pod default/trainer, claim a from template two-gpus" in answer["claims"][0]["via"]
+    devices = [d for c in answer["nodes"][0]["claims"] for _, _, d in results(c["allocation"])]
+    assert len(devices) == 4 and len(set(devices)) == 4  # the second claim got the other two
+    f = write(
+        tmp_path / "pod3.yaml",
+        template("two-gpus", gpus("gpus", 2)),
+        pod("greedy", a=("two-gpus", True), b=("two-gpus", True), c=("two-gpus", True)),
+    )
+    code, answer = as_json(f, "--class", CLASSES, "--simulate", "l40s-pcie")
+    assert code == 1
+    assert answer["nodes"][0]["reason"].startswith("default/greedy-c: ")
+
+
+def test_pods_sharing_a_claim_explain_it_once():
+    code, answer = as_json(
+        EXAMPLES / "time-slicing.yaml", "--class", CLASSES, "--simulate", "dgx-h100"
+    )
+    assert code == 0
+    assert [c["claim"] for c in answer["claims"]] == ["default/shared-gpu"]
+
+
+def test_a_deployments_pod_template_counts_as_a_pod():
+    _, answer = as_json(
+        EXAMPLES / "memory-share-8gi.yaml", "--class", CLASSES, "--simulate", "dgx-h100",
+        "--sharing", "memory-shares",
+    )  # fmt: skip
+    assert [c["claim"] for c in answer["claims"]] == ["default/small-models-gpu"]
+
+
+def test_classes_in_the_claim_file_are_used(tmp_path):
+    code, answer = as_json(EXAMPLES / "time-slicing-shared.yaml", "--simulate", "dgx-h100")
+    assert code in (0, 1)
+    assert answer["claims"][0]["claim"] == "default/batch-inference-gpu"
+
+
+# -- malformed input: exit 2 with file, document and field ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("docs", "expected"),
+    [
+        ("a: [1, 2\n", "c.yaml: not valid YAML"),
+        ("kind: ResourceClaim\n", "c.yaml: document 0: apiVersion: None is not supported"),
+        (
+            "---\nkind: ConfigMap\napiVersion: v1\n---\napiVersion: resource.k8s.io/v1\n"
+            "kind: ResourceClaim\nmetadata: {name: x}\n",
+            "c.yaml: document 1: spec: missing",
+        ),
+        (
+            "apiVersion: resource.k8s.io/v1beta1\nkind: ResourceClaim\nmetadata: {name: x}\n"
+            "spec: {}\n",
+            "c.yaml: document 0: apiVersion: 'resource.k8s.io/v1beta1' is not supported",
+        ),
+        (
+            "apiVersion: v1\nkind: Pod\nmetadata: {name: p}\nspec:\n  resourceClaims:\n"
+            "  - {name: gpu, resourceClaimTemplateName: nowhere}\n  containers: []\n",
+            "c.yaml: document 0: spec.resourceClaims[0].resourceClaimTemplateName:"
+            " ResourceClaimTemplate default/nowhere is not in",
+        ),
+        ("- 1\n- 2\n", "c.yaml: document 0: a list, not an object"),
+        ("apiVersion: v1\nkind: ConfigMap\n", "nothing to explain"),
+    ],
+)
+def test_malformed_claim_files_exit_2_naming_the_field(tmp_path, docs, expected):
+    (tmp_path / "c.yaml").write_text(docs)
+    code, out, err = explain(tmp_path / "c.yaml", "--class", CLASSES, "--simulate", "l40s-pcie")
+    assert code == 2 and out == ""
+    assert expected in err, err
+
+
+def test_a_pod_in_a_slices_file_is_the_wrong_kind(tmp_path):
+    f = write(tmp_path / "s.yaml", pod("p"))
+    code, _, err = explain(EXAMPLES / "single-gpu.yaml", "--class", CLASSES, "--slices", f)
+    assert code == 2
+    assert "s.yaml: document 0: kind: 'Pod' does not belong in a --slices file" in err
+
+
+def test_without_classes_it_says_to_pass_class():
+    code, _, err = explain(EXAMPLES / "single-gpu.yaml", "--simulate", "l40s-pcie")
+    assert code == 2 and "--class" in err and "deviceclasses.yaml" in err
+
+
+def test_without_devices_it_says_where_they_can_come_from():
+    code, _, err = explain(EXAMPLES / "single-gpu.yaml", "--class", CLASSES)
+    assert code == 2 and "--slices" in err and "--simulate" in err and "--kubeconfig" in err
+
+
+def test_every_option_is_a_variable_too():
+    env = {
+        "TESSERA_CLAIM": str(EXAMPLES / "single-gpu.yaml"),
+        "TESSERA_CLASS": str(CLASSES),
+        "TESSERA_SIMULATE": "l40s-pcie",
+        "TESSERA_OUTPUT": "json",
+        "TESSERA_TIME_LIMIT": "5",
+    }
+    out, err = io.StringIO(), io.StringIO()
+    assert main(["explain"], env, out, err) == 0, err.getvalue()
+    assert json.loads(out.getvalue())["fits"] is True
+
+
+# -- slices of several nodes ------------------------------------------------------------------
+
+
+def test_a_directory_of_several_nodes_slices_is_answered_per_node(tmp_path):
+    d = tmp_path / "slices"
+    d.mkdir()
+    for model in ("l40s-pcie", "dgx-h100"):
+        out = io.StringIO()
+        assert main(["slices", "--simulate", model], {}, out, io.StringIO()) == 0
+        (d / f"{model}.yaml").write_text(out.getvalue())
+    f = write(tmp_path / "c.yaml", claim("six", gpus("gpus", 6)))
+    code, out, _ = explain(f, "--class", CLASSES, "--slices", d)
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == "claim default/six: fits on 1 of 2 nodes"
+    assert lines[1].split()[:2] == ["dgx-h100", "fits"]
+    assert lines[2].split()[:2] == ["l40s-pcie", "no"]
+
+
+# -- --write ----------------------------------------------------------------------------------
+
+
+def test_write_keeps_the_other_documents_and_adds_a_uid(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text(
+        "# a comment about the pod\napiVersion: v1\nkind: Pod\nmetadata: {name: p}\nspec:\n"
+        "  resourceClaims: [{name: gpu, resourceClaimName: one}]\n  containers: []\n---\n"
+        + yaml.safe_dump(claim("one", gpus("gpu")), sort_keys=False)
+    )
+    code, out, _ = explain(f, "--class", CLASSES, "--simulate", "l40s-pcie", "--write")
+    assert code == 0
+    text = f.read_text()
+    assert text.startswith("# a comment about the pod\napiVersion: v1\nkind: Pod\n")
+    written = list(yaml.safe_load_all(text))[1]
+    assert written["metadata"]["uid"] and written["status"]["allocation"]
+    assert f"metadata.uid {written['metadata']['uid']}" in out
+
+
+def test_write_leaves_a_claim_that_does_not_fit_alone(tmp_path):
+    f = write(tmp_path / "c.yaml", claim("eight", gpus("gpus", 8)))
+    before = f.read_text()
+    code, _, _ = explain(f, "--class", CLASSES, "--simulate", "l40s-pcie", "--write")
+    assert code == 1 and f.read_text() == before
+
+
+def test_write_of_a_template_only_file_is_refused(tmp_path):
+    code, _, err = explain(
+        EXAMPLES / "dynamic-mig-2g.yaml", "--class", CLASSES, "--simulate", "dgx-h100",
+        "--mig-mode", "dynamic", "--write",
+    )  # fmt: skip
+    assert code == 2 and "--write needs a ResourceClaim" in err

@@ -1,0 +1,164 @@
+"""`tessera explain --kubeconfig`: the claim, classes, every node's slices and the allocated claims
+read over HTTP from the API-server emulator; one answer per node."""
+
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from agent.cli import explain as explain_cli
+from agent.cli import main
+from agent.cli.node import published_slices
+from agent.config import Config
+from agent.sim.apiserver import ApiServer
+from tests.agent.explain_fake import FakeCel, fake_explain
+
+ROOT = Path(__file__).resolve().parents[2]
+CLASSES = ROOT / "deploy" / "daemonset" / "deviceclasses.yaml"
+NODES = {"node-h100": "dgx-h100", "node-l40s": "l40s-pcie"}
+
+
+@pytest.fixture(autouse=True)
+def allocator(monkeypatch):
+    try:
+        explain_cli.facade()
+    except ImportError:  # until dra_driver.allocator.explain is merged
+        monkeypatch.setattr(explain_cli, "facade", lambda: (fake_explain, FakeCel))
+
+
+def gpu_claim(name, count, uid=None):
+    meta = {"name": name, "namespace": "default"} | ({"uid": uid} if uid else {})
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": meta,
+        "spec": {
+            "devices": {
+                "requests": [
+                    {
+                        "name": "gpus",
+                        "exactly": {"deviceClassName": "gpu.tessera.dev", "count": count},
+                    }
+                ]
+            }
+        },
+    }
+
+
+@pytest.fixture
+def cluster(tmp_path) -> Iterator[tuple[ApiServer, Path]]:
+    """Two GPU nodes with our slices (a DGX H100 and an L40S server) and a CPU-only node."""
+    with ApiServer() as server:
+        for node, model in NODES.items():
+            server.put_object(
+                "nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}}
+            )
+            for s in published_slices(Config(simulate=model, node_name=node)):
+                server.put_object("resourceslices", s)
+        server.put_object(
+            "nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "cpu-1"}}
+        )
+        for c in yaml.safe_load_all(CLASSES.read_text()):
+            server.put_object("deviceclasses", c)
+        yield server, server.kubeconfig(tmp_path / "kubeconfig")
+
+
+def explain(*argv):
+    out, err = io.StringIO(), io.StringIO()
+    code = main(["explain", *map(str, argv)], {}, out, err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_each_node_is_answered_with_its_first_blocking_reason(cluster, tmp_path):
+    _server, kubeconfig = cluster
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump(gpu_claim("six", 6)))
+    code, out, err = explain(f, "--kubeconfig", kubeconfig, "-o", "json")
+    assert code == 0, err
+    answer = json.loads(out)
+    assert answer["fittingNodes"] == ["node-h100"]
+    by_node = {n["node"]: n for n in answer["nodes"]}
+    assert set(by_node) == {"cpu-1", "node-h100", "node-l40s"}
+    assert by_node["cpu-1"]["reason"] == "no ResourceSlice applies to this node"
+    assert by_node["node-l40s"]["fits"] is False and by_node["node-l40s"]["reason"]
+    (c,) = by_node["node-h100"]["claims"]
+    assert {r["pool"] for r in c["allocation"]["devices"]["results"]} == {"node-h100"}
+    code, text, _ = explain(f, "--kubeconfig", kubeconfig)
+    assert code == 0
+    assert text.splitlines()[0] == "claim default/six: fits on 1 of 3 nodes"
+
+
+def test_a_claim_in_the_api_named_namespace_slash_name_and_allocated_claims_count(cluster):
+    server, kubeconfig = cluster
+    server.put_object("resourceclaims", gpu_claim("four", 4))
+    code, out, _ = explain("default/four", "--kubeconfig", kubeconfig, "-o", "json")
+    assert code == 0
+    assert json.loads(out)["fittingNodes"] == ["node-h100", "node-l40s"]
+    # another claim holds every GPU of the L40S node: only the H100 node is left
+    held = gpu_claim("held", 4, uid="5a0f9d0e-0000-4000-8000-000000000001")
+    held["status"] = {
+        "allocation": {
+            "devices": {
+                "results": [
+                    {
+                        "request": "gpus",
+                        "driver": "gpu.tessera.dev",
+                        "pool": "node-l40s",
+                        "device": f"gpu-{i}",
+                    }
+                    for i in range(4)
+                ]
+            }
+        }
+    }
+    server.put_object("resourceclaims", held)
+    code, out, _ = explain("default/four", "--kubeconfig", kubeconfig, "-o", "json")
+    assert code == 0
+    assert json.loads(out)["fittingNodes"] == ["node-h100"]
+
+
+def test_no_node_fits_exits_1(cluster, tmp_path):
+    _server, kubeconfig = cluster
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump(gpu_claim("sixteen", 16)))
+    code, out, _ = explain(f, "--kubeconfig", kubeconfig)
+    assert code == 1
+    assert out.splitlines()[0] == "claim default/sixteen: fits on 0 of 3 nodes"
+
+
+def test_a_pods_template_is_read_from_the_api(cluster, tmp_path):
+    server, kubeconfig = cluster
+    template = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": "two", "namespace": "default"},
+        "spec": {"spec": gpu_claim("x", 2)["spec"]},
+    }
+    server.put_object("resourceclaimtemplates", template)
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "trainer", "namespace": "default"},
+        "spec": {
+            "resourceClaims": [{"name": "gpus", "resourceClaimTemplateName": "two"}],
+            "containers": [{"name": "c", "image": "busybox"}],
+        },
+    }
+    f = tmp_path / "pod.yaml"
+    f.write_text(yaml.safe_dump(pod))
+    code, out, _ = explain(f, "--kubeconfig", kubeconfig, "-o", "json")
+    assert code == 0
+    answer = json.loads(out)
+    assert answer["claims"][0]["claim"] == "default/trainer-gpus"
+    assert answer["fittingNodes"] == ["node-h100", "node-l40s"]
+
+
+def test_unknown_claim_and_write_are_refused_with_exit_2(cluster):
+    _server, kubeconfig = cluster
+    code, _, err = explain("default/nowhere", "--kubeconfig", kubeconfig)
+    assert code == 2 and "no ResourceClaim default/nowhere in the API server" in err
+    code, _, err = explain("default/nowhere", "--kubeconfig", kubeconfig, "--write")
+    assert code == 2 and "--write is for standalone mode" in err
