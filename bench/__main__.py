@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from bench import prepare, rss, sharing, slices, telemetry
+from bench import explain, prepare, rss, sharing, slices, telemetry
 
 BENCHMARKS = {
     "slices": slices.run,
@@ -12,6 +12,7 @@ BENCHMARKS = {
     "sharing": sharing.run,
     "telemetry": telemetry.run,
     "rss": rss.run,
+    "explain": explain.run,
 }
 
 

@@ -17,11 +17,10 @@ docs/explain.md describes flags, output and exit codes.
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,16 +99,6 @@ class ExplainOptions:
         " missing) into CLAIM's ResourceClaim documents, as the scheduler would, so that"
         " `tessera run --no-kube` can prepare them; the file's other documents are kept.",
     )
-
-
-# -- the allocator, reached through one function (tests may stand in for it) -------------------
-
-
-def facade() -> tuple[Callable[..., Any], Callable[[], Any]]:
-    """``dra_driver.allocator.explain.explain`` and a factory of ``CelEnvironment``."""
-    explain_mod = importlib.import_module("dra_driver.allocator.explain")
-    cel_mod = importlib.import_module("dra_driver.celenv")
-    return explain_mod.explain, cel_mod.CelEnvironment
 
 
 # -- reading files --------------------------------------------------------------------------------
@@ -326,8 +315,13 @@ def _node_list(data: Inputs) -> list[tuple[str | None, dict[str, Any]]]:
 def answer(data: Inputs, opts: ExplainOptions) -> list[NodeAnswer]:
     """Each node's answer: the claims allocated in order, each seeing the devices the earlier
     ones took (a pod's claims all go to one node)."""
-    explain, cel_env = facade()
-    cel = cel_env()
+    # imported here, not at the top: the CEL libraries cost 0.3 s to import (the Rust
+    # binding's package loads its own CLI, prompt_toolkit and rich), which every other
+    # tessera command would pay
+    from dra_driver.allocator.explain import explain
+    from dra_driver.celenv import CelEnvironment
+
+    cel = CelEnvironment()
     classes = list(data.classes.values())
     answers = []
     for name, node in _node_list(data):
@@ -557,4 +551,4 @@ COMMAND = Command(
     " status.allocation. docs/explain.md has the details.",
 )
 
-__all__ = ["COMMAND", "ExplainOptions", "cmd_explain", "facade"]
+__all__ = ["COMMAND", "ExplainOptions", "cmd_explain"]

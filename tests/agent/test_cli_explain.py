@@ -8,22 +8,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agent.cli import explain as explain_cli
 from agent.cli import main
-from tests.agent.explain_fake import FakeCel, fake_explain
 from tests.integration.daemon import DRIVER
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "deploy" / "daemonset" / "examples"
 CLASSES = ROOT / "deploy" / "daemonset" / "deviceclasses.yaml"
-
-
-@pytest.fixture(autouse=True)
-def allocator(monkeypatch):
-    try:
-        explain_cli.facade()
-    except ImportError:  # until dra_driver.allocator.explain is merged
-        monkeypatch.setattr(explain_cli, "facade", lambda: (fake_explain, FakeCel))
 
 
 def explain(*argv, env=None):

@@ -10,13 +10,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from agent.cli import explain as explain_cli
 from agent.cli import main
 from agent.sim.model import model_names
 from dra_driver.claims import ClaimKey, parse_allocation
 from dra_driver.kubelet_calls import ClaimRef
 from dra_driver.kubelet_client import KubeletClient
-from tests.agent.explain_fake import FakeCel, fake_explain
 from tests.integration.daemon import DRIVER, Daemon
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,14 +23,6 @@ CLASSES = ROOT / "deploy" / "daemonset" / "deviceclasses.yaml"
 SAMPLE = EXAMPLES / "sample-gpu.yaml"
 META = yaml.safe_load(SAMPLE.read_text())["metadata"]
 KEY = ClaimKey(META["namespace"], META["name"], META["uid"])
-
-
-@pytest.fixture(autouse=True)
-def allocator(monkeypatch):
-    try:
-        explain_cli.facade()
-    except ImportError:  # until dra_driver.allocator.explain is merged
-        monkeypatch.setattr(explain_cli, "facade", lambda: (fake_explain, FakeCel))
 
 
 def run(*argv: str) -> str:

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from dra_driver.allocator import Explanation, InputError, explain
+from dra_driver.allocator.explain import Explanation, explain
+from dra_driver.allocator.model import InputError
 from dra_driver.celenv import CelEnvironment
 from tests.dra_driver.allocator_helpers import (
     DRIVER,

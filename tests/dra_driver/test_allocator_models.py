@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from dra_driver.allocator import explain
+from dra_driver.allocator.explain import explain
 from dra_driver.celenv import CelEnvironment
 from dra_driver.devices import DevicePolicy, advertised_devices
 from dra_driver.slices import SlicePolicy, build_slices

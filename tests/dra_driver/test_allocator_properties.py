@@ -13,7 +13,7 @@ from typing import Any
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from dra_driver.allocator import explain
+from dra_driver.allocator.explain import explain
 from dra_driver.celenv import CelEnvironment
 from tests.dra_driver.allocator_helpers import DRIVER, allocated, claim, dev, klass, rslice
 

@@ -9,24 +9,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agent.cli import explain as explain_cli
 from agent.cli import main
 from agent.cli.node import published_slices
 from agent.config import Config
 from agent.sim.apiserver import ApiServer
-from tests.agent.explain_fake import FakeCel, fake_explain
 
 ROOT = Path(__file__).resolve().parents[2]
 CLASSES = ROOT / "deploy" / "daemonset" / "deviceclasses.yaml"
 NODES = {"node-h100": "dgx-h100", "node-l40s": "l40s-pcie"}
-
-
-@pytest.fixture(autouse=True)
-def allocator(monkeypatch):
-    try:
-        explain_cli.facade()
-    except ImportError:  # until dra_driver.allocator.explain is merged
-        monkeypatch.setattr(explain_cli, "facade", lambda: (fake_explain, FakeCel))
 
 
 def gpu_claim(name, count, uid=None):
