@@ -1080,6 +1080,12 @@ def _references(
     node: _Node, out: dict[str, tuple[str, ...]], domains: set[tuple[str, str]]
 ) -> None:
     """The device values node refers to: path as written -> lookup key."""
+    if node.kind == "op" and node.name == "in" and len(node.args) == 2:
+        key, domain = _string_key(node.args[0]), _domain_of(node.args[1])
+        if key is not None and domain is not None:
+            field, dom = domain
+            written = f"{json.dumps(key)} in device.{field}[{json.dumps(dom)}]"
+            out.setdefault(written, ("in", field, dom, key))
     if node.kind in ("select", "index"):
         field = _device_field(node)
         if field in ("driver", "allowMultipleAllocations"):
@@ -1243,8 +1249,7 @@ class Selector:
 
     def evaluate(self, device: DeviceView) -> Verdict:
         if device._invalid():
-            rendered = device._rendered
-            seen = tuple((path, rendered.get(key, MISSING)) for path, key in self._refs)
+            seen = self._seen(device)
             return Verdict(False, device._error, seen)
         # Devices that agree on every value the expression reads get the same verdict (the
         # expression is a function of those values): one evaluation per distinct tuple. Most
@@ -1263,8 +1268,7 @@ class Selector:
         return verdict
 
     def _evaluate(self, device: DeviceView) -> Verdict:
-        rendered = device._rendered
-        seen = tuple((path, rendered.get(key, MISSING)) for path, key in self._refs)
+        seen = self._seen(device)
         ctx = device._context(self._attr_domains, self._cap_domains)
         try:
             result = self._program.execute(ctx)
@@ -1276,6 +1280,16 @@ class Selector:
             return Verdict(False, None, seen)
         return Verdict(
             False, f"must evaluate to bool, not {_type_name(result)} ({_show(result)})", seen
+        )
+
+    def _seen(self, device: DeviceView) -> tuple[tuple[str, str], ...]:
+        rendered = device._rendered
+        return tuple(
+            (
+                path,
+                _render(device._raw_value(key)) if key[0] == "in" else rendered.get(key, MISSING),
+            )
+            for path, key in self._refs
         )
 
     def _explain(self, err: Exception, seen: tuple[tuple[str, str], ...]) -> str:

@@ -316,6 +316,18 @@ def test_seen_lists_the_values_the_expression_refers_to(env: CelEnvironment) -> 
     )
 
 
+def test_seen_says_whether_a_name_tested_with_in_is_there(env: CelEnvironment) -> None:
+    """'"nvlinkClique" in device.attributes[...]' false is often the whole reason."""
+    selector = env.compile(f'"int" in {D} && "clique" in {D} && "name" in {C}')
+    verdict = selector.evaluate(_device(env, "example"))
+    assert verdict.seen == (
+        (f'"int" in {D}', "true"),
+        (f'"clique" in {D}', "false"),
+        (f'"name" in {C}', "false"),
+    )
+    assert not verdict.matched
+
+
 def test_compile_is_cached_by_text(env: CelEnvironment) -> None:
     assert env.compile("true && true") is env.compile("true && true")
 
