@@ -124,7 +124,8 @@ class Verdict:
 
     matched: bool  # False whenever error is set
     error: str | None = None
-    seen: tuple[tuple[str, str], ...] = ()  # (path as written, value rendered) or "<missing>"
+    seen: tuple[tuple[str, str], ...] = ()  # (path as written, value rendered) or "<missing>";
+    #                                         `"x" in device.attributes["d"]`: "true"/"false"
 
 
 # -- quantities and versions as CEL values ----------------------------------------------------
@@ -1094,12 +1095,34 @@ def _references(
             written = f"device.{field}[{json.dumps(dom)}]"
             written += f".{name}" if node.kind == "select" else f"[{json.dumps(name)}]"
             out.setdefault(written, (field, dom, name))
+    if node.kind == "op" and node.name == "in" and len(node.args) == 2:
+        # `"name" in device.attributes["d"]`: whether the device has it is what the test read
+        # (a device without the name would otherwise show nothing for this part of a false
+        # selector: the NVLink-clique example on a PCIe node)
+        key, domain = _string_key(node.args[0]), _domain_of(node.args[1])
+        if key is not None and domain is not None:
+            field, dom = domain
+            written = f"{json.dumps(key)} in device.{field}[{json.dumps(dom)}]"
+            out.setdefault(written, ("in", field, dom, key))
     for child in (node.target, *node.args):
         if child is not None:
             _references(child, out, domains)
 
 
 # -- devices, selectors, the environment --------------------------------------------------------
+
+
+def _seen(
+    refs: tuple[tuple[str, tuple[str, ...]], ...], rendered: Mapping[tuple[str, ...], str]
+) -> tuple[tuple[str, str], ...]:
+    """``Verdict.seen``: each reference's value as rendered, ``<missing>`` if the device lacks
+    it; a membership test (key ``("in", field, domain, name)``) answers ``true``/``false``."""
+    return tuple(
+        (path, ("true" if key[1:] in rendered else "false"))
+        if key[0] == "in"
+        else (path, rendered.get(key, MISSING))
+        for path, key in refs
+    )
 
 
 def _render(value: Any) -> str:
@@ -1244,7 +1267,7 @@ class Selector:
     def evaluate(self, device: DeviceView) -> Verdict:
         if device._invalid():
             rendered = device._rendered
-            seen = tuple((path, rendered.get(key, MISSING)) for path, key in self._refs)
+            seen = _seen(self._refs, rendered)
             return Verdict(False, device._error, seen)
         # Devices that agree on every value the expression reads get the same verdict (the
         # expression is a function of those values): one evaluation per distinct tuple. Most
@@ -1264,7 +1287,7 @@ class Selector:
 
     def _evaluate(self, device: DeviceView) -> Verdict:
         rendered = device._rendered
-        seen = tuple((path, rendered.get(key, MISSING)) for path, key in self._refs)
+        seen = _seen(self._refs, rendered)
         ctx = device._context(self._attr_domains, self._cap_domains)
         try:
             result = self._program.execute(ctx)

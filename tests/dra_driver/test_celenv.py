@@ -316,6 +316,22 @@ def test_seen_lists_the_values_the_expression_refers_to(env: CelEnvironment) -> 
     )
 
 
+def test_seen_says_whether_a_membership_test_found_the_name(env: CelEnvironment) -> None:
+    """A false ``"x" in device.attributes[...] && ...`` names what was absent, not only the
+    values read after it (the NVLink-clique example on a node without NVLink)."""
+    selector = env.compile(f'"clique" in {D} && "int" in {D} && {D}.int > 5')
+    verdict = selector.evaluate(_device(env, "example"))
+    assert verdict == Verdict(
+        False,
+        None,
+        (
+            (f'"clique" in {D}', "false"),
+            (f'"int" in {D}', "true"),
+            (f"{D}.int", "1"),
+        ),
+    )
+
+
 def test_compile_is_cached_by_text(env: CelEnvironment) -> None:
     assert env.compile("true && true") is env.compile("true && true")
 
