@@ -12,6 +12,7 @@ from agent.config import Config
 from agent.node import NodeSource, discover
 
 if TYPE_CHECKING:
+    from agent.discovery.inventory import NodeInventory
     from dra_driver.devices import DeviceModel
 
 
@@ -31,21 +32,30 @@ def node_session(config: Config) -> Iterator[NodeSource]:
 def advertised(config: Config) -> tuple[str, DeviceModel]:
     """The node's name and the devices the driver would advertise for it (``tessera run`` with
     this Config advertises the same)."""
-    from dra_driver.devices import advertised_devices
-
     with node_session(config) as source:
         inventory = discover(source)
-    policy = config.device_policy()
-    return source.hostname, advertised_devices(inventory, policy)
+    return source.hostname, advertise(config, inventory)
+
+
+def advertise(config: Config, inventory: NodeInventory) -> DeviceModel:
+    """The devices the driver advertises for a discovered inventory under this Config."""
+    from dra_driver.devices import advertised_devices
+
+    return advertised_devices(inventory, config.device_policy())
+
+
+def slices_for(config: Config, node_name: str, model: DeviceModel) -> list[dict[str, Any]]:
+    """The ResourceSlices the driver publishes for these devices (generation 1)."""
+    from dra_driver.slices import SlicePolicy, build_slices
+
+    policy = SlicePolicy(
+        driver_name=config.driver_name, node_name=node_name, layout=config.kube_layout
+    )
+    return build_slices(model, policy, generation=1)
 
 
 def published_slices(config: Config) -> list[dict[str, Any]]:
     """The ResourceSlices ``tessera run`` with this Config would publish for the node (what
     ``tessera slices`` prints and ``tessera explain --simulate`` allocates from)."""
-    from dra_driver.slices import SlicePolicy, build_slices
-
     node_name, model = advertised(config)
-    policy = SlicePolicy(
-        driver_name=config.driver_name, node_name=node_name, layout=config.kube_layout
-    )
-    return build_slices(model, policy, generation=1)
+    return slices_for(config, node_name, model)
