@@ -1081,11 +1081,10 @@ def _references(
 ) -> None:
     """The device values node refers to: path as written -> lookup key."""
     if node.kind == "op" and node.name == "in" and len(node.args) == 2:
-        key, domain = _string_key(node.args[0]), _domain_of(node.args[1])
-        if key is not None and domain is not None:
-            field, dom = domain
-            written = f"{json.dumps(key)} in device.{field}[{json.dumps(dom)}]"
-            out.setdefault(written, ("in", field, dom, key))
+        key, tested = _string_key(node.args[0]), _domain_of(node.args[1])
+        if key is not None and tested is not None:
+            written = f"{json.dumps(key)} in device.{tested[0]}[{json.dumps(tested[1])}]"
+            out.setdefault(written, ("in", *tested, key))
     if node.kind in ("select", "index"):
         field = _device_field(node)
         if field in ("driver", "allowMultipleAllocations"):
