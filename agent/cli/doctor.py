@@ -36,7 +36,8 @@ class DoctorOptions:
         "Where the host's / is visible: the doctor reads the host's /dev (device nodes),"
         " /etc/containerd and /etc/crio (CDI in the container runtime) and the NVIDIA Container"
         " Toolkit's hook through it. The DaemonSet mounts the host's / at /host-root and sets"
-        " this there. Unset: /, or the simulated node's host tree (under --state-dir) with"
+        " this there (the container-driver overlay mounts no host /: in a pod, the runtime check"
+        " is then skipped). Unset: /, or the simulated node's host tree (under --state-dir) with"
         " --simulate.",
         metavar="DIR",
     )
@@ -65,6 +66,7 @@ def cmd_doctor(inv: Invocation) -> int:
             connect=None if config.no_kube else lambda: KubeClient.from_config(config.kubeconfig),
             stand_in_nodes=config.simulate is not None,
             cdi_hook=cdi_hook(config, source, os.environ),
+            in_pod=bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and config.simulate is None,
         )
         verdicts = diagnose(facts)
     node = facts.source.hostname

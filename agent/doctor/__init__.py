@@ -69,6 +69,9 @@ class Facts:
     """The hook binary the agent's CDI specs run (host path); None: the hook-free layout."""
     nvml_library: Callable[[NodeSource], str | None] = loaded_nvml
     """Which NVML file the source loaded (after its init)."""
+    in_pod: bool = False
+    """Runs in a Kubernetes pod (``KUBERNETES_SERVICE_HOST`` set, as the kubelet does in every
+    container): with the host root ``/`` the host's runtime configuration is not visible."""
 
 
 def diagnose(facts: Facts) -> list[Verdict]:
@@ -90,7 +93,7 @@ def diagnose(facts: Facts) -> list[Verdict]:
     else:
         out += skipped_gpu_checks()
     out.append(check_cdi_dir(facts.cdi_root))
-    out += check_runtimes(facts.host_root, facts.cdi_root)
+    out += check_runtimes(facts.host_root, facts.cdi_root, in_pod=facts.in_pod)
     out += check_kubelet_dirs(facts.registry_dir, facts.plugins_dir)
     out.append(check_cdi_hook(facts.cdi_hook))
     out.append(check_state_dir(facts.state_dir))

@@ -27,7 +27,7 @@ from agent.doctor.hostfs import (
     resolve,
 )
 from agent.doctor.runtime import RuntimeCdi, read_containerd, read_crio
-from agent.doctor.verdict import Verdict, fail, ok, warn
+from agent.doctor.verdict import Verdict, fail, ok, skip, warn
 from agent.statelock import LOCK_FILE
 
 """Finds the toolkit's hook binary on the host (its host path) given the host root."""
@@ -146,8 +146,20 @@ def _runtime_verdict(cdi: RuntimeCdi, host_root: Path, cdi_root: Path) -> Verdic
     return ok("cdi-runtime", f"CDI on; reads {reads[ours]} ({where})", subject=name)
 
 
-def check_runtimes(host_root: Path, cdi_root: Path) -> list[Verdict]:
-    """Each container runtime found on the host reads the agent's CDI directory."""
+def check_runtimes(host_root: Path, cdi_root: Path, *, in_pod: bool = False) -> list[Verdict]:
+    """Each container runtime found on the host reads the agent's CDI directory. ``in_pod``
+    with the host root ``/``: the doctor runs in a pod that does not mount the host's ``/`` (the
+    ``container-driver`` overlay mounts only the driver root), so the pod's own ``/etc`` says
+    nothing about the host's runtime: skipped, not a warning about a runtime that is there."""
+    if in_pod and host_root == Path("/"):
+        return [
+            skip(
+                "cdi-runtime",
+                "not checked: this pod does not see the host's / (no --host-root), so the"
+                " host's containerd or CRI-O configuration is not visible here; run `tessera"
+                " doctor` on the host, or mount the host's / read-only and set --host-root",
+            )
+        ]
     found = [r for r in (read_containerd(host_root), read_crio(host_root)) if r is not None]
     if not found:
         return [

@@ -57,19 +57,23 @@ def test_the_agent_stops_within_the_pods_grace_period():
     assert timeout + 5 <= grace
 
 
-def test_the_daemonset_upgrades_without_a_gap():
-    """maxSurge: 1 with maxUnavailable: 0 only works with --rolling-update (per-pod sockets, the
-    state directory handed over): the manifest's environment must turn it on, with the pod UID
-    from the downward API, and make a valid Config."""
-    from agent.config import load_config
+def test_every_yaml_file_under_deploy_parses():
+    """Components' patches are partial objects (validated once rendered, test_overlays.py); each
+    still has to be YAML."""
+    files = sorted((ROOT / "deploy").rglob("*.yaml"))
+    assert files
+    for path in files:
+        assert list(yaml.safe_load_all(path.read_text())), path
 
+
+def test_the_base_upgrades_the_classic_way():
+    """Without TESSERA_ROLLING_UPDATE the old agent must go first (maxSurge 0): a second classic
+    agent on the state directory exits. Upgrades without a gap are components/rolling-update
+    (tests/deploy/test_overlays.py)."""
     ds = yaml.safe_load((ROOT / "deploy" / "daemonset" / "daemonset.yaml").read_text())
     assert ds["spec"]["updateStrategy"] == {
         "type": "RollingUpdate",
-        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+        "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
     }
-    env = {e["name"]: e for e in ds["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert env["TESSERA_POD_UID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
-    given = {name: e["value"] for name, e in env.items() if "value" in e}
-    config = load_config({}, given | {"TESSERA_POD_UID": "4f1b2c3d-5e6f-4a7b-8c9d-0e1f2a3b4c5d"})
-    assert config.rolling_update and not config.cleanup_on_exit
+    env = {e["name"] for e in ds["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert "TESSERA_ROLLING_UPDATE" not in env

@@ -300,3 +300,12 @@ def test_an_unreadable_lock_table_names_no_holder(tmp_path, text):
     (tmp_path / "locks").write_text(text)
     (tmp_path / "agent.lock").write_text("")
     assert lock_holder(tmp_path / "agent.lock", tmp_path / "locks") is None
+
+
+def test_in_a_pod_without_the_hosts_root_the_runtime_check_is_skipped_with_the_reason():
+    """The container-driver overlay mounts no host /: the pod's own /etc says nothing about the
+    host's runtime, so the check says so instead of warning about a runtime that is there."""
+    v = only(check_runtimes(Path("/"), Path("/var/run/cdi"), in_pod=True))
+    assert v.status == "skip" and "host's /" in v.detail and "tessera doctor" in v.detail
+    # on the host itself (not in a pod) the same root is the host's: checked as before
+    assert check_runtimes(Path("/"), Path("/var/run/cdi"))[0].status != "skip"
