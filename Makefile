@@ -53,6 +53,7 @@ ifeq ($(SEED),)
 SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
 endif
 unit: $(STAMP)
+	@.ci/promtool $(VENV)/bin
 	@echo "test order: random, seed $(SEED) (repeat it with: make test SEED=$(SEED))"
 	$(PY) -m pytest -q -m "not reliability" -p randomly --randomly-seed=$(SEED) -n auto
 

@@ -3,8 +3,8 @@ it scrapes the agents, that the alerts fire when they should (promtool), and tha
 alert or a dashboard panel uses is one the agent really exports and docs/metrics.md documents.
 
 promtool comes from Debian's ``prometheus`` package (``apt-get install prometheus``); on a fresh
-CI machine .ci/run unpacks the package's promtool into .venv/bin. Without it the promtool tests
-skip, saying so."""
+machine ``make test`` (``.ci/promtool``) unpacks the package's promtool into .venv/bin. Without
+it the promtool tests skip, saying so."""
 
 from __future__ import annotations
 
@@ -48,12 +48,12 @@ PROMETHEUS_METRICS = {"up"}
 
 
 def promtool() -> str:
-    """promtool on PATH, else the one .ci/run unpacks into the venv."""
+    """promtool on PATH, else the one `make test` (.ci/promtool) unpacks into the venv."""
     path = shutil.which("promtool") or shutil.which("promtool", path=str(ROOT / ".venv" / "bin"))
     if path is None:
         pytest.skip(
             "promtool not found: install Debian's 'prometheus' package (apt-get install"
-            " prometheus gives /usr/bin/promtool), or run .ci/run, which unpacks its promtool"
+            " prometheus gives /usr/bin/promtool), or run make test, which unpacks its promtool"
             " into .venv/bin"
         )
     return path
