@@ -86,7 +86,7 @@ def test_a_gpu_claim_fits_on_a_simulated_node_with_the_node_it_is_tied_to():
     assert answer["fits"] is True and answer["fittingNodes"] == ["l40s-pcie"]
     (node,) = answer["nodes"]
     (c,) = node["claims"]
-    assert c["claim"] == "default/single-gpu" and c["fits"]
+    assert c["claim"] == "default/single-gpu-gpu" and c["fits"]
     [(request, pool, device)] = results(c["allocation"])
     assert (request, pool) == ("gpu", "l40s-pcie") and device.startswith("gpu-")
     # what the scheduler writes for a node-local slice (allocator_stable.go createNodeSelector)
@@ -102,7 +102,7 @@ def test_the_text_answer_says_fits_and_names_the_node():
         EXAMPLES / "single-gpu.yaml", "--class", CLASSES, "--simulate", "l40s-pcie"
     )
     assert code == 0
-    assert out.splitlines()[0] == "claim default/single-gpu on node l40s-pcie: fits"
+    assert out.splitlines()[0] == "claim default/single-gpu-gpu on node l40s-pcie: fits"
 
 
 def test_more_gpus_than_the_node_has_exit_1_with_a_reason(tmp_path):

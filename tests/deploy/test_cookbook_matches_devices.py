@@ -24,7 +24,7 @@ from agent.node import discover
 from agent.sim.model import model_names
 from dra_driver.allocator.explain import Explanation, explain
 from dra_driver.celenv import CelEnvironment
-from dra_driver.claims import ClaimKey, parse_allocation
+from dra_driver.claims import Allocation, ClaimKey, parse_allocation
 from dra_driver.devices import AdvertisedDevice, DeviceModel
 from dra_driver.errors import ParamsError
 from dra_driver.plan import MEMORY_SHARE, MPS, TIME_SLICING, plan_claim
@@ -46,18 +46,21 @@ _PUBLISHED: dict[tuple[str, str | None, str, str], tuple[DeviceModel, list[dict[
 class Node:
     """A simulated node: model, --mig-mode, --sharing, --sim-mig-layout (None: the model's
     default); for gpu-and-nic.yaml, the PCIe root of the other driver's NIC (None: the root of
-    the node's last whole GPU)."""
+    the node's last whole GPU); ``busy``: devices another claim holds (as the scheduler sees
+    them: allocated to ``default/busy``)."""
 
     model: str
     mig_mode: str = "static"
     sharing: str = "none"
     layout: str | None = None
     nic_root: str | None = None
+    busy: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         layout = f"/{self.layout}" if self.layout else ""
         nic = f"/nic@{self.nic_root}" if self.nic_root else ""
-        return f"{self.model}/{self.mig_mode}/{self.sharing}{layout}{nic}"
+        busy = f"/busy:{','.join(self.busy)}" if self.busy else ""
+        return f"{self.model}/{self.mig_mode}/{self.sharing}{layout}{nic}{busy}"
 
     def config(self) -> Config:
         return Config(
@@ -170,10 +173,24 @@ def class_names(claim: dict[str, Any]) -> set[str]:
     }
 
 
+def held(node: Node) -> list[dict[str, Any]]:
+    """The claim that holds the node's busy devices, as the scheduler's allocated state has it."""
+    if not node.busy:
+        return []
+    results = [
+        {"request": "held", "driver": DOMAIN, "pool": node.model, "device": name}
+        for name in node.busy
+    ]
+    allocation = {"devices": {"results": results}}
+    return [
+        {"metadata": {"namespace": "default", "name": "busy"}, "status": {"allocation": allocation}}
+    ]
+
+
 def run(name: str, node: Node) -> list[tuple[dict[str, Any], Explanation, list[dict[str, Any]]]]:
     """Each claim of the example explained on the node, with the slices it was explained on:
     the installed DeviceClasses and those the example defines; the NIC driver's slice and
-    class when the claim asks for a NIC."""
+    class when the claim asks for a NIC; the node's busy devices held by another claim."""
     docs = documents(EXAMPLES / name)
     classes = [d for d in documents(CLASSES) + docs if d["kind"] == "DeviceClass"]
     _, slices = published(node)
@@ -183,9 +200,38 @@ def run(name: str, node: Node) -> list[tuple[dict[str, Any], Explanation, list[d
         if NIC_CLASS["metadata"]["name"] in class_names(claim):
             node_slices.append(nic_slice(node.model, nic_root(node, slices)))
             node_classes = [*classes, NIC_CLASS]
-        e = explain(claim, node_classes, node_slices, [], cel=CelEnvironment())
+        e = explain(claim, node_classes, node_slices, held(node), cel=CelEnvironment())
         out.append((claim, e, node_slices))
     return out
+
+
+def matched_values(
+    constraint: dict[str, Any], results: list[dict[str, Any]], devices: dict[str, dict[str, Any]]
+) -> set[str]:
+    """The values of a matchAttribute constraint's attribute on the devices allocated for the
+    requests it names (all requests when it names none; ``gpu`` covers ``gpu/hopper``). A
+    driver's own attributes are published without its domain (``nvlinkClique`` for
+    ``gpu.tessera.dev/nvlinkClique``), standard ones with theirs."""
+    name = constraint["matchAttribute"]
+    named = constraint.get("requests")
+    values = set()
+    for r in results:
+        if named and r["request"].split("/", 1)[0] not in named:
+            continue
+        attrs = devices[r["device"]]["attributes"]
+        domain, _, bare = name.partition("/")
+        value = attrs.get(name) or (attrs.get(bare) if domain == r["driver"] else None)
+        assert value is not None, f"{r['device']} has no {name}"
+        values.add(str(next(iter(value.values()))))
+    return values
+
+
+def taken_by_driver(claim: dict[str, Any], allocation: dict[str, Any], node: Node) -> Allocation:
+    """The allocation as the driver reads it from the claim's status (its devices, and the class
+    and claim configs for it in the order it applies them)."""
+    key = ClaimKey("default", claim["metadata"]["name"], "uid-example")
+    obj = {"metadata": {"uid": key.uid}, "status": {"allocation": allocation}}
+    return parse_allocation(obj, key, node.config().driver_name, node.model)
 
 
 # -- where each example fits, and where it does not (and why) -----------------------------------
@@ -276,6 +322,26 @@ FITS: dict[str, list[Fit]] = {
         Fit(Node("dgx-h100", layout="balanced"), expect=MPS),
         *[Fit(Node(m, "dynamic"), expect=MPS) for m in MIG_DYNAMIC],
     ],
+    "two-gpus-one-numa.yaml": [
+        *[Fit(Node(m)) for m in WHOLE],  # mixed: the A100 pair on NUMA 0 (or the L4s on 1)
+        Fit(Node("dgx-h100", "dynamic")),
+        # free: gpu-3 on socket 0, gpu-6 and gpu-7 on socket 1; the first free GPU is not the one
+        # to take (the constraint check above sees the pair is on one NUMA node)
+        Fit(Node("dgx-h100", busy=("gpu-0", "gpu-1", "gpu-2", "gpu-4", "gpu-5"))),
+    ],
+    "prefer-hopper.yaml": [
+        Fit(Node("dgx-h100"), requests=("gpu/hopper",)),
+        Fit(Node("hgx-h200"), requests=("gpu/hopper",)),
+        Fit(Node("dgx-h100", "dynamic"), requests=("gpu/hopper",)),
+        Fit(Node("mixed"), requests=("gpu/ampere",)),  # an A100 80GB PCIe, not an L4
+        Fit(Node("dgx-a100", layout="none"), requests=("gpu/ampere",)),  # MIG off: whole A100s
+    ],
+    "mig-1g-and-3g.yaml": [
+        Fit(Node("dgx-a100")),  # each GPU: 3g.20gb, 2g.10gb, 2x 1g.5gb
+        Fit(Node("dgx-h100", layout="balanced")),
+        Fit(Node("hgx-h200", layout="balanced")),
+        *[Fit(Node(m, "dynamic")) for m in MIG_DYNAMIC],  # two placements that do not overlap
+    ],
 }
 """Each example that asks for devices, and the nodes it is written for."""
 
@@ -342,6 +408,47 @@ MISFITS: dict[str, list[Misfit]] = {
         Misfit(Node("l40s-pcie"), *NO_MIG),
         Misfit(Node("mixed"), *NO_MIG),
     ],
+    "two-gpus-one-numa.yaml": [
+        Misfit(Node("dgx-a100"), *NO_WHOLE_GPU),
+        # one GPU free on each socket: the constraint, not the count, is why
+        Misfit(
+            Node("l40s-pcie", busy=("gpu-1", "gpu-3")),
+            "constraint",
+            "matchAttribute resource.kubernetes.io/numaNode: 1, but gpu-0 has 0",
+        ),
+    ],
+    "prefer-hopper.yaml": [
+        # neither subrequest: the L40S is Ada Lovelace
+        *[
+            Misfit(Node("l40s-pcie"), "class-selector", f"class {g}.gpu.tessera.dev selector #0")
+            for g in ("hopper", "ampere")
+        ],
+        Misfit(Node("l40s-pcie"), "class-selector", 'architecture="Ada Lovelace"'),
+        Misfit(Node("dgx-a100"), *NO_WHOLE_GPU),  # Ampere, but every GPU is in MIG mode
+        # the mixed server's A100s are taken: the L4s left are Ada Lovelace
+        Misfit(Node("mixed", busy=("gpu-0", "gpu-1")), "allocated", "claim default/busy"),
+    ],
+    "mig-1g-and-3g.yaml": [
+        Misfit(Node("dgx-h100"), *NO_MIG),
+        Misfit(Node("hgx-h200"), *NO_MIG),
+        Misfit(Node("l40s-pcie"), *NO_MIG),
+        Misfit(Node("mixed"), *NO_MIG),
+        Misfit(Node("dgx-h100", layout="all-1g"), "request-selector", 'profile="1g.10gb"'),
+        # gpu-0's 1g devices and every other GPU's 3g are taken: a 1g and a 3g are free, but
+        # never on one GPU
+        Misfit(
+            Node(
+                "dgx-a100",
+                busy=(
+                    "gpu-0-mig-1g5gb-19-2",
+                    "gpu-0-mig-1g5gb-19-3",
+                    *[f"gpu-{i}-mig-3g20gb-9-4" for i in range(1, 8)],
+                ),
+            ),
+            "constraint",
+            "matchAttribute gpu.tessera.dev/parentUUID: GPU-",
+        ),
+    ],
 }
 """Each example on the nodes it is not written for, and the reason it does not fit there."""
 
@@ -382,12 +489,13 @@ def test_each_example_allocates_and_the_driver_takes_its_config(name: str, fit: 
             # the constraint held: the GPU chosen is the one on the NIC's root
             roots = {devices[r["device"]]["attributes"][PCIE_ROOT]["string"] for r in results}
             assert len(roots) == 1, (roots, results)
+        for constraint in claim["spec"]["devices"].get("constraints", []):
+            values = matched_values(constraint, results, devices)
+            assert len(values) == 1, (constraint, values, results)
         written = claim.get("status", {}).get("allocation")
         if written is not None and written["devices"]["results"][0]["pool"] == node.model:
             assert results == written["devices"]["results"], "the example's allocation is stale"
-        key = ClaimKey("default", claim["metadata"]["name"], "uid-example")
-        obj = {"metadata": {"uid": key.uid}, "status": {"allocation": allocation}}
-        taken = parse_allocation(obj, key, config.driver_name, node.model)
+        taken = taken_by_driver(claim, allocation, node)
         assert taken.devices, f"{name} asks this driver for nothing"
         if fit.expect == REFUSED:
             with pytest.raises(ParamsError):
@@ -414,6 +522,149 @@ def test_each_example_fails_elsewhere_with_the_reason_a_user_sees(
     of_kind = [r["text"] for r in reasons if r["kind"] == misfit.kind]
     assert of_kind, f"no {misfit.kind} reason: {sorted({r['kind'] for r in reasons})}"
     assert any(misfit.text in t for t in of_kind), (misfit.text, sorted(set(of_kind))[:3])
+
+
+# -- the DeviceClasses ---------------------------------------------------------------------------
+
+GENERATIONS = {
+    "hopper.gpu.tessera.dev": {"NVIDIA H100 80GB HBM3", "NVIDIA H200"},
+    "ampere.gpu.tessera.dev": {"NVIDIA A100-SXM4-40GB", "NVIDIA A100 80GB PCIe"},
+    "ada.gpu.tessera.dev": {"NVIDIA L40S", "NVIDIA L4"},
+}
+"""Each generation class and the simulated products it is for (by product, not architecture,
+so that the table does not restate the selector)."""
+
+
+def meant_for(class_name: str, device: dict[str, Any]) -> bool:
+    """Whether the class is meant to select the device (a ResourceSlice device)."""
+    kind = device["attributes"]["type"]["string"]
+    if class_name in ("gpu.tessera.dev", "shared-gpu.tessera.dev"):
+        return kind == "gpu"
+    if class_name == "mig.gpu.tessera.dev":
+        return kind == "mig"
+    return (
+        kind == "gpu" and device["attributes"]["productName"]["string"] in GENERATIONS[class_name]
+    )
+
+
+INSTALLED = [d for d in documents(CLASSES) if d["kind"] == "DeviceClass"]
+CLASS_NODES = [
+    *[Node(m, mode) for m in model_names() for mode in ("static", "dynamic")],
+    Node("dgx-a100", layout="none"),  # MIG off: eight whole A100s
+]
+SELECTED_AT_DEFAULTS = {
+    # class: devices selected on dgx-a100, dgx-h100, hgx-h200, l40s-pcie, mixed
+    "gpu.tessera.dev": (0, 8, 8, 4, 4),
+    "mig.gpu.tessera.dev": (32, 0, 0, 0, 0),
+    "shared-gpu.tessera.dev": (0, 8, 8, 4, 4),
+    "hopper.gpu.tessera.dev": (0, 8, 8, 0, 0),
+    "ampere.gpu.tessera.dev": (0, 0, 0, 0, 2),
+    "ada.gpu.tessera.dev": (0, 0, 0, 4, 2),
+}
+
+
+def class_claim(class_name: str, config: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    request = {"name": "gpu", "exactly": {"deviceClassName": class_name}}
+    devices: dict[str, Any] = {"requests": [request]}
+    if config:
+        devices["config"] = config
+    return {"metadata": {"name": "by-class", "namespace": "default"}, "spec": {"devices": devices}}
+
+
+def selected_by(class_name: str, node: Node) -> set[str]:
+    """The devices of the node the class's selectors accept, as the allocator decides: every
+    device it did not reject for its class selector."""
+    _, slices = published(node)
+    e = explain(class_claim(class_name), INSTALLED, slices, [], cel=CelEnvironment())
+    ((alt,),) = [r["alternatives"] for r in e.to_json()["requests"]]
+    devices = alt["devices"]
+    assert len(devices) == len(slice_devices(slices))
+    return {
+        d["device"]
+        for d in devices
+        if d["reason"] is None or d["reason"]["kind"] != "class-selector"
+    }
+
+
+def test_the_installed_classes_are_the_documented_ones() -> None:
+    """Every class in deviceclasses.yaml is in the tables here and in the cookbook; the names
+    users already have (gpu.tessera.dev, mig.gpu.tessera.dev) stay."""
+    names = [c["metadata"]["name"] for c in INSTALLED]
+    assert set(names) == set(SELECTED_AT_DEFAULTS) and len(names) == len(set(names))
+    assert {"gpu.tessera.dev", "mig.gpu.tessera.dev"} <= set(names)
+    cookbook = (ROOT / "docs" / "claims-cookbook.md").read_text()
+    assert all(f"`{n}`" in cookbook for n in names), "document each class in the cookbook"
+
+
+@pytest.mark.parametrize("node", CLASS_NODES, ids=str)
+@pytest.mark.parametrize("class_name", list(SELECTED_AT_DEFAULTS))
+def test_each_class_selects_exactly_the_devices_it_is_for(class_name: str, node: Node) -> None:
+    _, slices = published(node)
+    meant = {n for n, d in slice_devices(slices).items() if meant_for(class_name, d)}
+    assert selected_by(class_name, node) == meant
+
+
+@pytest.mark.parametrize("class_name", list(SELECTED_AT_DEFAULTS))
+def test_each_class_selects_what_the_table_says_on_each_model(class_name: str) -> None:
+    counts = tuple(len(selected_by(class_name, Node(m))) for m in model_names())
+    assert model_names() == ["dgx-a100", "dgx-h100", "hgx-h200", "l40s-pcie", "mixed"]
+    assert counts == SELECTED_AT_DEFAULTS[class_name]
+
+
+SHARED = "shared-gpu.tessera.dev"
+MPS_CONFIG = {
+    "opaque": {
+        "driver": DOMAIN,
+        "parameters": {
+            "apiVersion": "gpu.tessera.dev/v1alpha1",
+            "kind": "GpuConfig",
+            "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": 25}},
+        },
+    }
+}
+
+
+def plan_by_class(node: Node, config: list[dict[str, Any]] | None = None) -> Any:
+    claim = class_claim(SHARED, config)
+    model, slices = published(node)
+    e = explain(claim, INSTALLED, slices, [], cel=CelEnvironment())
+    assert e.ok, e.text()
+    taken = taken_by_driver(claim, e.allocation(), node)
+    assert [c.source for c in taken.configs] == ["FromClass"] + ["FromClaim"] * len(config or [])
+    return plan_claim(taken, model, node.config().sharing_policy())
+
+
+@pytest.mark.parametrize(
+    "node", [*[Node(m) for m in WHOLE], Node("dgx-h100", sharing="time-slicing")], ids=str
+)
+def test_the_shared_class_config_reaches_the_driver_as_time_slicing(node: Node) -> None:
+    """The class's own config (no config in the claim) is what the driver applies: the GPU is
+    time-sliced at the Default interval."""
+    (planned,) = plan_by_class(node).devices
+    assert (planned.sharing, planned.interval) == (TIME_SLICING, "Default")
+
+
+def test_a_claim_config_wins_over_the_shared_class_config() -> None:
+    (planned,) = plan_by_class(Node("dgx-h100"), [MPS_CONFIG]).devices
+    assert (planned.sharing, planned.thread_percentage) == (MPS, 25)
+
+
+def test_the_shared_class_is_refused_under_memory_shares() -> None:
+    with pytest.raises(
+        ParamsError, match="TimeSlicing does not apply under --sharing memory-shares"
+    ):
+        plan_by_class(Node("dgx-h100", sharing="memory-shares"))
+
+
+def test_mps_example_limits_reach_the_driver() -> None:
+    """mps.yaml: half the SMs and 8 GiB per client, over the class's time-slicing."""
+    node = Node("dgx-h100")
+    model, _ = published(node)
+    ((claim, e, _),) = run("mps.yaml", node)
+    plan = plan_claim(taken_by_driver(claim, e.allocation(), node), model)
+    (planned,) = plan.devices
+    assert (planned.sharing, planned.thread_percentage) == (MPS, 50)
+    assert planned.pinned_memory_bytes == 8 * 1024**3
 
 
 # -- the cookbook's attribute table --------------------------------------------------------------
