@@ -34,10 +34,10 @@ needs_kubectl = pytest.mark.skipif(
 
 MONITORING_GROUP = "monitoring.coreos.com"
 """ServiceMonitor, PodMonitor, PrometheusRule: not built-in kinds, so kubernetes-validate has no
-schema for them; tests/deploy/test_monitoring.py (helper monitoring) validates them."""
-OWNED_ELSEWHERE = {"monitoring"}
-"""components/monitoring: rendered and validated here like every component, its own behaviour
-tested in tests/deploy/test_monitoring.py."""
+schema for them; tests/deploy/test_monitoring.py validates them against the operator's CRDs."""
+OWNED_ELSEWHERE = {"monitoring", "monitoring/pod-monitor"}
+"""components/monitoring (and its PodMonitor variant): rendered and validated here like every
+component, their own behaviour tested in tests/deploy/test_monitoring.py."""
 
 COMPONENTS = sorted(p.parent.name for p in COMPONENTS_DIR.glob("*/kustomization.yaml"))
 COMBINATIONS: list[tuple[str, ...]] = [
@@ -48,6 +48,8 @@ COMBINATIONS: list[tuple[str, ...]] = [
     # every feature at once, on either driver layout and sharing mode
     ("container-driver", "dynamic-mig", "memory-shares", "device-taints", "rolling-update"),
     ("dynamic-mig", "time-slicing", "device-taints", "rolling-update", "nfd-node-selector"),
+    # a component inside another one refines it and is rendered with it
+    ("monitoring", "monitoring/pod-monitor"),
 ]
 POD_UID = "4f1b2c3d-5e6f-4a7b-8c9d-0e1f2a3b4c5d"
 DOWNWARD = {"spec.nodeName": "gpu-node-1", "metadata.uid": POD_UID}
@@ -359,10 +361,12 @@ KUSTOMIZATIONS = sorted(p.parent for p in DEPLOY.rglob("kustomization.yaml"))
 @pytest.mark.parametrize("where", KUSTOMIZATIONS, ids=lambda p: str(p.relative_to(DEPLOY)))
 def test_every_kustomization_under_deploy_renders_and_validates(where):
     """The base and the example overlays render themselves; a Component is rendered on the base
-    (COMBINATIONS covers each)."""
+    in one of COMBINATIONS (each is validated there)."""
     kind = yaml.safe_load((where / "kustomization.yaml").read_text())["kind"]
     if kind == "Component":
-        assert where.name in COMPONENTS
+        assert str(where.relative_to(COMPONENTS_DIR)) in {
+            c for combo in COMBINATIONS for c in combo
+        }
         return
     out = subprocess.run(
         [KUBECTL or "kubectl", "kustomize", str(where)],
