@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
@@ -53,7 +54,6 @@ from dra_driver.claims import DirClaimSource, KubeClaimSource
 from dra_driver.devices import DeviceModel, advertised_devices
 from dra_driver.errors import ClaimError, KubeError
 from dra_driver.health import HEALTHY, UNHEALTHY, HealthBoard
-from dra_driver.kube import KubeClient
 from dra_driver.node_events import (
     KubeEventSink,
     LogEventSink,
@@ -73,6 +73,9 @@ from dra_driver.sharing.timeslice import GpuSettings
 from dra_driver.sharing.tools import Tools, find_tool, tool_env
 from dra_driver.slices import SlicePolicy
 from dra_driver.taints import UnhealthyGpu, UnhealthyGpus, with_health
+
+if TYPE_CHECKING:  # imported where kube mode starts (build_agent)
+    from dra_driver.kube import KubeClient
 
 DEFAULT_STATE_DIR = Path("/var/lib/tessera")
 KUBELET_REGISTRY_DIR = Path("/var/lib/kubelet/plugins_registry")
@@ -828,7 +831,13 @@ def _build(
         tls=config.metrics_tls(),
         log=log.getChild("http"),
     )
-    kube = None if config.no_kube else KubeClient.from_config(config.kubeconfig)
+    kube = None
+    if not config.no_kube:
+        # imported here: the kubernetes client costs 0.2 s at start-up, which standalone mode
+        # (--no-kube) need not pay
+        from dra_driver.kube import KubeClient
+
+        kube = KubeClient.from_config(config.kubeconfig)
     store: SliceStore = (
         DirSliceStore(state_dir / "resourceslices", log.getChild("publisher"))
         if kube is None

@@ -51,11 +51,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from agent.logs import Throttle, fields_
 from dra_driver.errors import KubeError
-from dra_driver.kube import STRATEGIC_MERGE_PATCH, KubeClient
+
+if TYPE_CHECKING:  # the kubernetes client (0.2 s to import) loads only in kube mode
+    from dra_driver.kube import KubeClient
 
 NORMAL = "Normal"
 WARNING = "Warning"
@@ -385,6 +387,8 @@ class KubeEventSink:
         return _stored(event, answer)
 
     def patch(self, event: NodeEvent, patch: Mapping[str, Any]) -> NodeEvent:
+        from dra_driver.kube import STRATEGIC_MERGE_PATCH  # loaded already: self._kube is one
+
         answer = self._kube.request(
             "PATCH",
             f"{self._path}/{event.name}",

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import yaml
 
@@ -30,8 +30,10 @@ from agent.fsutil import atomic_write, move_aside
 from agent.logs import fields_
 from dra_driver.devices import DeviceModel
 from dra_driver.errors import KubeConflict, KubeError, KubeMalformed
-from dra_driver.kube import KubeClient
 from dra_driver.slices import SlicePolicy, build_slices, spec_equal
+
+if TYPE_CHECKING:  # the kubernetes client (0.2 s to import) loads only in kube mode
+    from dra_driver.kube import KubeClient
 
 SLICES_PATH = "/apis/resource.k8s.io/v1/resourceslices"
 CONFLICT_RETRIES = 3

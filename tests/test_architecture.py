@@ -65,3 +65,25 @@ def test_nothing_below_the_cli_reads_the_environment(tmp_path):
     (tmp_path / "agent" / "sneaky.py").write_text("import os\nlevel = os.environ.get('X')\n")
     (tmp_path / "dra_driver").mkdir()
     assert environment_readers(tmp_path) == ["agent/sneaky.py"]  # the check can fail
+
+
+HEAVY = {
+    "kubernetes": "the kubernetes client (0.2 s): only kube mode, doctor's API checks, explain",
+    "cel": "the Rust CEL binding with its own CLI (0.3 s): only tessera explain",
+    "celpy": "cel-python's parser: only tessera explain",
+}
+
+
+def test_standalone_start_loads_neither_the_kubernetes_client_nor_cel():
+    """What every `tessera` command and a `--no-kube` agent import: the heavy libraries load only
+    where a mode needs them (each import costs every start, and the kubelet waits on
+    registration)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, agent.cli, agent.daemon, agent.cli.explain;"
+        f"print(sorted(m for m in {sorted(HEAVY)!r} if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", f"loaded at start: {out.stdout.strip()} ({HEAVY})"
