@@ -341,12 +341,7 @@ def answer(data: Inputs, opts: ExplainOptions) -> list[NodeAnswer]:
                 raise _input_error(s, exc) from exc
             allocation = None
             if exp.ok:
-                allocation = dict(exp.allocation())
-                if "nodeSelector" not in allocation:
-                    results = (allocation.get("devices") or {}).get("results") or []
-                    selector = inputs.node_selector(results, slices)
-                    if selector is not None:
-                        allocation["nodeSelector"] = selector
+                allocation = exp.allocation()
                 allocated.append({**s.claim, "status": {"allocation": allocation}})
             elif reason is None:
                 first = exp.first_reason()

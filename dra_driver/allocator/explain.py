@@ -6,7 +6,7 @@ An ``Explanation`` answers in four forms:
 - ``ok`` / ``gave_up``;
 - ``allocation()``: the ``status.allocation`` object the scheduler would write
   (``devices.results`` in request order, ``devices.config`` as upstream copies class and claim
-  configs, ``nodeSelector`` for node-local devices);
+  configs, ``nodeSelector`` as ``inputs.node_selector`` makes it);
 - ``text()``: a few lines a person reads in ten seconds;
 - ``to_json()``: the same for tools, in this shape (``DeviceRef`` is
   ``{"driver", "pool", "device"}``; ``Reason`` is ``{"kind", "text", ...details}``)::
@@ -49,6 +49,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from dra_driver.allocator.inputs import node_selector
 from dra_driver.allocator.model import (
     Claim,
     Device,
@@ -103,7 +104,7 @@ def explain(
     outcome = Search(
         parsed, device_classes, node, state, cel, time_limit_s=time_limit_s, clock=clock
     ).run()
-    return Explanation(parsed, node, outcome, time_limit_s, device_classes)
+    return Explanation(parsed, node, outcome, time_limit_s, device_classes, slices)
 
 
 def _ref(dev: Device) -> dict[str, str]:
@@ -133,12 +134,14 @@ class Explanation:
         outcome: Outcome,
         time_limit_s: float,
         classes: Mapping[str, Any],
+        slices: Sequence[Mapping[str, Any]] = (),
     ) -> None:
         self.claim = claim
         self.node = node
         self.outcome = outcome
         self.time_limit_s = time_limit_s
         self._classes = classes
+        self._slices = slices
         self.ok = outcome.ok
         self.gave_up = outcome.gave_up
 
@@ -176,18 +179,10 @@ class Explanation:
         if config:
             devices["config"] = config
         out: dict[str, Any] = {"devices": devices}
-        nodes = sorted({p.device.node_name for p in self.outcome.picks if p.device.node_name})
-        if nodes:
-            # createNodeSelector: a node-local device pins the claim to the node
-            out["nodeSelector"] = {
-                "nodeSelectorTerms": [
-                    {
-                        "matchFields": [
-                            {"key": "metadata.name", "operator": "In", "values": nodes[:1]}
-                        ]
-                    }
-                ]
-            }
+        # createNodeSelector, for node-local slices and nodeSelector slices alike
+        selector = node_selector(results, self._slices)
+        if selector is not None:
+            out["nodeSelector"] = selector
         return out
 
     def _selected_names(self) -> list[tuple[str, str, str]]:
