@@ -1050,45 +1050,26 @@ def _domain_of(node: _Node | None) -> tuple[str, str] | None:
     return None
 
 
-def _memo_keys(node: _Node, out: list[tuple[str, ...]]) -> bool:
-    """Whether node reads the device only through literal paths (``device.driver``,
-    ``device.attributes["d"].x``, ``device.capacity["d"]["x"]``, ``"x" in
-    device.attributes["d"]``); if so, ``out`` gets the lookup key of each, and the result is a
-    function of the values at those keys alone. Any other use of ``device`` (a whole map passed
-    to a function, a comprehension over it, a computed key) answers False."""
-    if node.kind in ("select", "index"):
-        field = _device_field(node)
-        if field in ("driver", "allowMultipleAllocations"):
-            out.append((field,))
-            return True
-        outer = _domain_of(node.target)
-        name = node.name if node.kind == "select" else _string_key(node.args[0])
-        if outer is not None and name is not None:
-            out.append((*outer, name))
-            return True
-    if node.kind == "op" and node.name == "in" and len(node.args) == 2:
-        key, domain = _string_key(node.args[0]), _domain_of(node.args[1])
-        if key is not None and domain is not None:
-            out.append(("in", *domain, key))
-            return True
-    if node.kind == "ident" and node.name == "device":
-        return False
-    return all(_memo_keys(c, out) for c in (node.target, *node.args) if c is not None)
-
-
 def _references(
     node: _Node, out: dict[str, tuple[str, ...]], domains: set[tuple[str, str]]
-) -> None:
-    """The device values node refers to: path as written -> lookup key."""
+) -> bool:
+    """The device values node refers to: path as written -> lookup key. True when node reads
+    the device only through such literal paths (``device.driver``, ``device.attributes["d"].x``,
+    ``device.capacity["d"]["x"]``, ``"x" in device.attributes["d"]``): its result is then a
+    function of the values at those keys alone. Any other use of ``device`` (a whole map passed
+    to a function, a comprehension over it, a computed key) answers False."""
+    literal = False
     if node.kind == "op" and node.name == "in" and len(node.args) == 2:
         key, tested = _string_key(node.args[0]), _domain_of(node.args[1])
         if key is not None and tested is not None:
             written = f"{json.dumps(key)} in device.{tested[0]}[{json.dumps(tested[1])}]"
             out.setdefault(written, ("in", *tested, key))
+            literal = True
     if node.kind in ("select", "index"):
         field = _device_field(node)
         if field in ("driver", "allowMultipleAllocations"):
             out.setdefault(f"device.{field}", (field,))
+            literal = True
         domain = _domain_of(node)
         if domain is not None:
             domains.add(domain)
@@ -1099,9 +1080,13 @@ def _references(
             written = f"device.{field}[{json.dumps(dom)}]"
             written += f".{name}" if node.kind == "select" else f"[{json.dumps(name)}]"
             out.setdefault(written, (field, dom, name))
+            literal = True
+    closed = not (node.kind == "ident" and node.name == "device")
     for child in (node.target, *node.args):
         if child is not None:
-            _references(child, out, domains)
+            closed = _references(child, out, domains) and closed  # every child is walked
+    # a literal path's own parts (device, device.attributes) are read only through it
+    return literal or closed
 
 
 # -- devices, selectors, the environment --------------------------------------------------------
@@ -1367,9 +1352,8 @@ class CelEnvironment:
             )
         refs: dict[str, tuple[str, ...]] = {}
         domains: set[tuple[str, str]] = set()
-        _references(tree, refs, domains)
-        keys: list[tuple[str, ...]] = []
-        memo = tuple(dict.fromkeys(keys)) if _memo_keys(tree, keys) else None
+        closed = _references(tree, refs, domains)
+        memo = tuple(dict.fromkeys(refs.values())) if closed else None
         selector = Selector(expression, program, cost, refs, domains, memo)
         self._compiled[expression] = selector
         return selector
