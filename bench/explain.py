@@ -20,6 +20,7 @@ import yaml
 from agent.cli import main
 from agent.sim.apiserver import ApiServer
 from bench.common import report, simulated_inventory
+from dra_driver.allocator import inputs
 from dra_driver.allocator.explain import explain
 from dra_driver.celenv import CelEnvironment
 from dra_driver.devices import DevicePolicy, advertised_devices
@@ -57,13 +58,11 @@ def cluster_slices(template: list[dict[str, Any]]) -> dict[str, list[dict[str, A
 
 
 def claim_of(name: str) -> dict[str, Any]:
-    for doc in yaml.safe_load_all((EXAMPLES / name).read_text()):
-        if doc and doc["kind"] == "ResourceClaim":
-            return dict(doc)
-        if doc and doc["kind"] == "ResourceClaimTemplate":
-            return {"apiVersion": doc["apiVersion"], "kind": "ResourceClaim",
-                    "metadata": dict(doc["metadata"]), "spec": doc["spec"]["spec"]}  # fmt: skip
-    raise ValueError(f"{name} has no claim")
+    """The example's (first) claim, as `tessera explain` reads the file (a template's claim
+    is the one a pod would get)."""
+    path = EXAMPLES / name
+    first = inputs.subjects(inputs.parse_documents(path.read_text(), str(path)))[0]
+    return dict(first.claim)
 
 
 def run() -> None:
