@@ -59,10 +59,15 @@ unit: $(STAMP)
 
 test: lint typecheck unit
 
+# The long suites (crash injection, API faults, fuzzing, disk trouble, soak); each records its
+# figures (tests/reliability/report.py) and the run ends with one table of them.
+RELIABILITY_RESULTS := bench/results/reliability
 reliability: $(STAMP)
+	@rm -rf $(RELIABILITY_RESULTS)
 	@echo "test order: random, seed $(SEED) (repeat it with: make reliability SEED=$(SEED))"
 	$(PY) -m pytest -q -m reliability -p randomly --randomly-seed=$(SEED)
 	$(PY) -m pytest -q tests/test_fuzz_decoders.py --hypothesis-profile=reliability -p no:randomly
+	$(PY) -m tests.reliability.summary
 
 bench: $(STAMP)
 	$(PY) -m bench
