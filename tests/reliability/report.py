@@ -5,11 +5,11 @@ Every suite adds what it did to its own record while it runs::
     add("crash-matrix", cases=1, crashes=1)           # counts are summed over calls
     add("api-faults", faults=12, lost=0, details={"requests_per_minute_in_outage": 41.5})
 
-A record is a JSON file ``<results>/<suite>.json`` (``<results>`` is
-``$TESSERA_RELIABILITY_RESULTS`` or ``bench/results/reliability``, which git ignores); ``add``
-merges into it under an exclusive ``flock``, so the tests of one suite may run in several pytest-xdist workers. ``make reliability``
-empties the directory first and prints ``python -m tests.reliability.summary`` last, so the table
-shows exactly that run.
+A record is a JSON file ``<results>/<suite>.json``, where ``<results>`` is
+``$TESSERA_RELIABILITY_RESULTS`` or ``bench/results/reliability`` (git ignores it). ``add`` merges
+into the file under an exclusive ``flock``, so the tests of one suite may run in several
+pytest-xdist workers. ``make reliability`` empties the directory first and prints
+``python -m tests.reliability.summary`` last, so the table shows exactly that run.
 
 The counted fields, every one an integer:
 
