@@ -39,7 +39,7 @@ def main() -> int:
     print(f"\nReliability report ({results_dir()})")
     for line in table(records):
         print(line)
-    total = {c: sum(int(r.get(c, 0)) for r in records) for c in COUNTS}  # type: ignore[call-overload]
+    total = {c: sum(int(r.get(c, 0)) for r in records) for c in COUNTS}
     print("total: " + ", ".join(f"{c} {n}" for c, n in total.items()))
     if total["lost"]:
         print("SOMETHING WAS LOST: see the suites with lost > 0")
