@@ -502,11 +502,19 @@ class CdiWriter:
     ) -> dict[str, Any]:
         """The CDI spec of a claim with ``devices`` (and its MPS daemon's directories): their
         device nodes and the claim's env; the driver's files are in the base spec. Reads the
-        driver root and makes missing MIG capability nodes.
+        driver root and makes missing MIG capability nodes. Checked against the CDI schema.
 
         Raises CdiError for a bad claim UID or device name, a duplicate device, no devices, or a
         MIG device whose capability files are missing (or whose node cannot be made).
         """
+        spec = self._claim_spec(claim_uid, devices, mps)
+        validate_spec(spec)
+        return spec
+
+    def _claim_spec(
+        self, claim_uid: str, devices: Sequence[CdiRequest], mps: MpsEdits | None
+    ) -> dict[str, Any]:
+        """``build_spec`` without the schema check (see ``write_claim``)."""
         _check_claim_uid(claim_uid)
         if not devices:
             raise CdiError(f"claim {claim_uid}: no devices to put in a CDI spec")
@@ -540,7 +548,6 @@ class CdiWriter:
             "devices": cdi_devices,
             "containerEdits": edits,
         }
-        validate_spec(spec)
         return spec
 
     def device_nodes(
@@ -576,6 +583,48 @@ class CdiWriter:
             self.write_base()
         self._atomic(path, spec)
         return path
+
+    def write_claim(
+        self, claim_uid: str, devices: Sequence[CdiRequest], mps: MpsEdits | None = None
+    ) -> Path:
+        """Build and write the claim's spec (``build_spec``, then ``write``) on the prepare
+        path, without checking the result against the JSON schema each time: the builder makes
+        every spec from the same few shapes, which the tests check against the schema (whole
+        GPUs, MIG devices, MPS directories: tests/dra_driver/test_cdi.py); the claim UID and
+        device names are checked as they go in. Raises CdiError as both."""
+        path = self.path(claim_uid)
+        spec = self._claim_spec(claim_uid, devices, mps)
+        if not self.base_path.exists():
+            self.write_base()
+        self._atomic(path, spec)
+        return path
+
+    def remove_many(self, claim_uids: Sequence[str]) -> dict[str, CdiError]:
+        """Delete the specs of several claims, syncing the directory once; returns the claims
+        whose spec could not be removed, with the error. Idempotent."""
+        errors: dict[str, CdiError] = {}
+        removed: list[str] = []
+        for uid in claim_uids:
+            try:
+                path = self.path(uid)
+            except CdiError as exc:
+                errors[uid] = exc
+                continue
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                errors[uid] = CdiError(f"cannot remove CDI spec {path}: {exc.strerror or exc}")
+                continue
+            removed.append(uid)
+        if removed:
+            try:
+                fsync_dir(self.cdi_root)
+            except OSError as exc:
+                error = CdiError(f"cannot sync {self.cdi_root}: {exc.strerror or exc}")
+                errors.update((uid, error) for uid in removed)
+        return errors
 
     def remove(self, claim_uid: str) -> bool:
         """Delete the claim's spec file; True if there was one. Idempotent."""

@@ -1,22 +1,27 @@
-"""Prepare and unprepare claims: the per-claim state machine.
+"""Prepare and unprepare claims: the per-claim state machine, run a kubelet call at a time.
 
-Every prepare is a short fixed sequence (see ``Preparer._prepare_one``):
+The claims of one kubelet call are one batch (``Preparer._prepare_batch``) and share their
+checkpoint writes (group commit):
 
-1. read the claim and compute the plan (``plan.plan_claim``, pure): our devices, their configs,
-   how each is shared;
-2. under the checkpoint lock: a ``PrepareCompleted`` entry is returned unchanged; a
-   ``PrepareStarted`` (or recovered) one is rolled back first; the sharing rule
-   (``plan.conflicts``) is checked; the claim is recorded as ``PrepareStarted`` with its plan
-   (the devices are now reserved);
-3. side effects, under the locks of the claim's GPUs (``sharing.effects``): dynamic MIG devices
-   created, time-slicing and MPS set up, each recorded as it is made; then the CDI spec
-   (idempotent, discoverable by its file name);
-4. under the lock: the entry becomes ``PrepareCompleted``.
+1. each claim is read and planned (``plan.plan_claim``, pure: our devices, their configs, how
+   each is shared); a ``PrepareCompleted`` entry is answered as it is; a ``PrepareStarted`` (or
+   recovered) one is rolled back first;
+2. under the checkpoint lock, each claim is checked against the holders so far
+   (``plan.conflicts``) and recorded as ``PrepareStarted`` with its plan (its devices are now
+   reserved); one write makes the batch's records durable when some claim changes the node
+   (dynamic MIG, time-slicing, MPS): a claim whose only effect is its CDI spec needs no durable
+   start (a crash before it completes leaves a spec the checkpoint does not list, which the
+   next start removes);
+3. each claim's side effects, under the locks of its GPUs (``sharing.effects``): dynamic MIG
+   devices created, time-slicing and MPS set up (an MPS daemon recorded as soon as it runs);
+   then its CDI spec (idempotent, discoverable by its file name);
+4. one write records every claim that got there as ``PrepareCompleted``.
 
-A failure in step 3 undoes what the claim got to before it answers. A crash between any two
-steps is repaired by the next prepare of the claim (the kubelet retries) or by
-``reconcile_on_start``. Claims touching different GPUs run concurrently; the same claim from many
-callers is serialized by a per-claim lock, side effects on one GPU by a per-GPU lock.
+A failure in step 3 undoes what that claim got to before it answers; the others go on. A crash
+between any two steps is repaired by the next prepare of the claim (the kubelet retries) or by
+``reconcile_on_start``. Claims of a batch and of concurrent batches touching different GPUs run
+concurrently; the same claim from many callers is serialized by a per-claim lock, side effects
+on one GPU by a per-GPU lock. Unprepare is batched the same way (``_unprepare_batch``).
 """
 
 from __future__ import annotations
@@ -25,10 +30,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar
@@ -56,6 +61,7 @@ from dra_driver.sharing.effects import Effects, mps_edits
 from dra_driver.sharing.mps import MpsDaemon
 
 T = TypeVar("T")
+R = TypeVar("R")
 CrashHook = Callable[[str], None]
 Observer = Callable[[str, float, str | None], None]
 """``observe(operation, seconds, error reason or None)`` after every claim (for metrics)."""
@@ -115,6 +121,80 @@ class _NodeLeftovers:
         self, uid: str, devices: tuple[PreparedDevice, ...]
     ) -> dict[str, tuple[str, ...]]:
         return self._cdi.device_nodes(uid, _cdi_requests(devices))
+
+
+class _NotRun(Exception):
+    """A claim's step that never began: the agent is stopping."""
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """A claim read and planned (step 1 of its prepare)."""
+
+    claim: ClaimKey
+    plan: ClaimPlan
+    records: tuple[PreparedDevice, ...]
+    changes_node: bool
+    """Whether its prepare changes the node beyond its CDI spec (its start must be durable)."""
+
+
+class _Batch:
+    """The claims of one kubelet call, each with the future its caller waits on."""
+
+    def __init__(
+        self, op: str, claims: list[tuple[ClaimKey, Future[ClaimResult]]], started: float
+    ) -> None:
+        self.op = op
+        self.claims = claims
+        self.started = started
+        self._futures = {c.uid: f for c, f in claims}
+
+    def answer(self, claim: ClaimKey, result: ClaimResult) -> None:
+        """Answer ``claim`` (its first answer counts)."""
+        fut = self._futures[claim.uid]
+        if not fut.done():
+            with suppress(InvalidStateError):  # cancelled meanwhile: the agent is stopping
+                fut.set_result(result)
+
+    def open(self) -> list[tuple[ClaimKey, Future[ClaimResult]]]:
+        return [(c, f) for c, f in self.claims if not f.done()]
+
+
+def _key(entry: ClaimEntry) -> ClaimKey:
+    return ClaimKey(entry.namespace, entry.name, entry.uid)
+
+
+def _with_claims(cp: Checkpoint, entries: Iterable[ClaimEntry]) -> Checkpoint:
+    claims = dict(cp.claims)
+    claims.update((e.uid, e) for e in entries)
+    return Checkpoint(cp.boot_id, claims)
+
+
+def _without_claims(cp: Checkpoint, entries: Iterable[ClaimEntry]) -> Checkpoint:
+    gone = {e.uid for e in entries}
+    return Checkpoint(cp.boot_id, {u: e for u, e in cp.claims.items() if u not in gone})
+
+
+def _by_gpu(
+    entries: Sequence[ClaimEntry], changes_node: Callable[[ClaimEntry], bool]
+) -> list[list[ClaimEntry]]:
+    """The entries to undo in groups that may run concurrently: the claims that share a GPU
+    (transitively) in one group, in their order, when one of them changes the node; all the
+    claims that change nothing on the node in one more group."""
+    plain = [e for e in entries if not changes_node(e)]
+    groups: list[tuple[set[str], list[ClaimEntry]]] = []
+    for e in entries:
+        if not changes_node(e):
+            continue
+        gpus = _gpus(e.devices) or {f"claim:{e.uid}"}
+        touching = [g for g in groups if g[0] & gpus]
+        merged_gpus, merged = set(gpus), []
+        for g in touching:
+            groups.remove(g)
+            merged_gpus |= g[0]
+            merged += g[1]
+        groups.append((merged_gpus, sorted([*merged, e], key=entries.index)))
+    return ([plain] if plain else []) + [g[1] for g in groups]
 
 
 def _shutting_down(claim: ClaimKey) -> ClaimResult:
@@ -216,6 +296,12 @@ class Preparer:
             "prepare": ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prepare"),
             "unprepare": ThreadPoolExecutor(max_workers=workers, thread_name_prefix="unprepare"),
         }
+        """One thread per call being worked on (a batch)."""
+        self._steps = {
+            op: ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"{op}-step")
+            for op in self._pools
+        }
+        """The claims of a batch, concurrently (claim reads, side effects, CDI specs, undo)."""
         self._running: dict[Future[ClaimResult], tuple[ClaimKey, str, float]] = {}
         self._running_lock = threading.Lock()
         self._closed = False
@@ -251,9 +337,16 @@ class Preparer:
         ]
 
     def _commit(self, cp: Checkpoint) -> None:
-        """Save, then adopt: memory never runs ahead of the file. Caller holds _cp_lock."""
+        """Save, then adopt: memory never runs ahead of the file, except for the started
+        records of claims that change nothing on the node (``_start``). Caller holds
+        _cp_lock."""
         self.store.save(cp)
         self._cp = cp
+
+    def _update(self, change: Callable[[Checkpoint], Checkpoint]) -> None:
+        """Commit ``change`` of the checkpoint as it is now."""
+        with self._cp_lock:
+            self._commit(change(self.checkpoint))
 
     # -- start-up ----------------------------------------------------------------------------
     def reconcile_on_start(self) -> None:
@@ -456,55 +549,64 @@ class Preparer:
             return PreparedDevice((), self.pool, name, (), "gpu", "", -1)
         return self._record(uid, PlannedDevice(d, (), None))
 
-    # -- prepare -----------------------------------------------------------------------------
+    # -- calls -------------------------------------------------------------------------------
     def prepare(self, claims: Sequence[ClaimKey]) -> dict[str, ClaimResult]:
-        """Prepare every claim (concurrently); one result per claim UID, errors per claim."""
-        return self._batch(claims, self._prepare_one)
+        """Prepare the claims of one kubelet call together (see ``_prepare_batch``); one result
+        per claim UID, errors per claim."""
+        return self._call("prepare", claims)
 
     def unprepare(self, claims: Sequence[ClaimKey]) -> dict[str, ClaimResult]:
-        return self._batch(claims, self._unprepare_one)
+        return self._call("unprepare", claims)
 
-    def _batch(
-        self, claims: Sequence[ClaimKey], fn: Callable[[ClaimKey], ClaimResult]
-    ) -> dict[str, ClaimResult]:
+    def _call(self, op: str, claims: Sequence[ClaimKey]) -> dict[str, ClaimResult]:
+        """Run one call's claims as one batch in the background and wait for each claim's
+        result until the call's deadline: a claim not done by then is answered with an error
+        while the batch goes on (a retry returns its result)."""
         deadline = time.monotonic() + self.deadline_s
+        unique = list({c.uid: c for c in reversed(claims)}.values())[::-1]  # first of each UID
+        futures = self._submit(op, unique)
+        if futures is None:
+            return {c.uid: _shutting_down(c) for c in unique}
         out: dict[str, ClaimResult] = {}
-        futures: dict[str, tuple[ClaimKey, Future[ClaimResult]]] = {}
-        op = fn.__name__.strip("_").removesuffix("_one")
-        for c in claims:
-            fut = self._submit(op, fn, c)
-            if fut is None:
-                out[c.uid] = _shutting_down(c)
-            else:
-                futures[c.uid] = (c, fut)
-        for uid, (claim, fut) in futures.items():
+        for claim, fut in futures:
             try:
-                out[uid] = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                out[claim.uid] = fut.result(timeout=max(0.0, deadline - time.monotonic()))
             except CancelledError:  # still queued when the agent began to stop
-                out[uid] = _shutting_down(claim)
+                out[claim.uid] = _shutting_down(claim)
             except FutureTimeout:
                 self.observe(op, self.deadline_s, "timeout")
                 self.log.warning(
                     f"{op} not done within its deadline; it goes on in the background",
                     extra=fields_(claim=str(claim), deadline_s=self.deadline_s),
                 )
-                out[uid] = ClaimResult(
+                out[claim.uid] = ClaimResult(
                     error=f"claim {claim}: not done within {self.deadline_s:.0f} s; it goes on in"
                     " the background and a retry returns its result"
                 )
         return out
 
     def _submit(
-        self, op: str, fn: Callable[[ClaimKey], ClaimResult], claim: ClaimKey
-    ) -> Future[ClaimResult] | None:
-        """Run one claim on its operation's pool; None once the preparer is closed."""
+        self, op: str, claims: list[ClaimKey]
+    ) -> list[tuple[ClaimKey, Future[ClaimResult]]] | None:
+        """Start the batch on its operation's pool; one future per claim, answered as soon as
+        that claim is done. None once the preparer is closed."""
+        batch = _Batch(op, [(c, Future()) for c in claims], time.monotonic())
         with self._running_lock:
             if self._closed:
                 return None
-            fut = self._pools[op].submit(self._guard, fn, claim)
-            self._running[fut] = (claim, op, self._clock())
-        fut.add_done_callback(self._finished)
-        return fut
+            now = self._clock()
+            for claim, fut in batch.claims:
+                self._running[fut] = (claim, op, now)
+                fut.add_done_callback(self._finished)
+            runner = self._pools[op].submit(self._run, batch)
+        runner.add_done_callback(partial(self._runner_done, batch))
+        return batch.claims
+
+    def _runner_done(self, batch: _Batch, runner: Future[None]) -> None:
+        """A batch cancelled before it ran (the agent is stopping) cancels its claims."""
+        if runner.cancelled():
+            for _, fut in batch.claims:
+                fut.cancel()
 
     def stuck(self) -> list[str]:
         """The claims whose prepare or unprepare has run longer than the call deadline (a
@@ -520,93 +622,208 @@ class Preparer:
         with self._running_lock:
             self._running.pop(fut, None)
 
-    def _guard(self, fn: Callable[[ClaimKey], ClaimResult], claim: ClaimKey) -> ClaimResult:
-        op = fn.__name__.strip("_").removesuffix("_one")
-        started = time.monotonic()
+    def _run(self, batch: _Batch) -> None:
+        """The batch, on its pool's thread; a bug answers every claim not yet answered."""
         try:
-            result = fn(claim)
-        except TesseraError as exc:
+            if batch.op == "prepare":
+                self._prepare_batch(batch)
+            else:
+                self._unprepare_batch(batch)
+        except Exception as exc:  # last resort: never leave a claim unanswered
+            for claim, _ in batch.open():
+                batch.answer(claim, self._failed(batch, claim, exc))
+        except BaseException as exc:  # not ours to handle: the callers get it
+            for _, fut in batch.open():
+                with suppress(InvalidStateError):
+                    fut.set_exception(exc)
+            raise
+
+    def _failed(self, batch: _Batch, claim: ClaimKey, exc: BaseException) -> ClaimResult:
+        """A claim's error answer, logged and counted: its own message for a TesseraError,
+        "internal error" (with the traceback in the log) for a bug."""
+        seconds = time.monotonic() - batch.started
+        if isinstance(exc, TesseraError):
             reason = getattr(exc, "reason", None) or _snake(type(exc).__name__)
-            self.observe(op, time.monotonic() - started, reason)
+            self.observe(batch.op, seconds, reason)
             self.log.warning(
-                f"{op} failed", extra=fields_(claim=str(claim), error=str(exc), reason=reason)
+                f"{batch.op} failed", extra=fields_(claim=str(claim), error=str(exc), reason=reason)
             )
             return ClaimResult(error=str(exc))
-        except Exception as exc:  # last resort: a bug answers this claim, never the whole call
-            self.observe(op, time.monotonic() - started, "internal_error")
-            self.log.error(
-                f"{op} failed with an internal error",
-                exc_info=exc,
-                extra=fields_(claim=str(claim), error=f"{type(exc).__name__}: {exc}"),
-            )
-            return ClaimResult(
-                error=f"claim {claim}: internal error in the driver ({type(exc).__name__}: {exc});"
-                " see the agent's log"
-            )
-        self.observe(op, time.monotonic() - started, None)
-        return result
+        self.observe(batch.op, seconds, "internal_error")
+        self.log.error(
+            f"{batch.op} failed with an internal error",
+            exc_info=exc,
+            extra=fields_(claim=str(claim), error=f"{type(exc).__name__}: {exc}"),
+        )
+        return ClaimResult(
+            error=f"claim {claim}: internal error in the driver ({type(exc).__name__}: {exc});"
+            " see the agent's log"
+        )
 
-    def _prepare_one(self, claim: ClaimKey) -> ClaimResult:
-        with self.claim_locks.hold(claim.uid):
-            existing = self.checkpoint.claims.get(claim.uid)
-            if (
-                existing is not None
-                and existing.state == PREPARE_COMPLETED
-                and not existing.recovered  # identity unknown: prepared again from the claim
-            ):
-                self._ensure_spec(existing)
-                return ClaimResult(devices=existing.devices)
+    def _succeeded(self, batch: _Batch, claim: ClaimKey, result: ClaimResult) -> None:
+        self.observe(batch.op, time.monotonic() - batch.started, None)
+        batch.answer(claim, result)
+
+    def _each(
+        self, batch: _Batch, items: Sequence[T], fn: Callable[[T], R], finish: bool = True
+    ) -> list[R | BaseException]:
+        """``fn`` of every item, concurrently on the operation's step pool (inline for one
+        item); an exception is returned in the item's place. Once the agent is stopping, an
+        item not yet begun is run inline when ``finish`` (a claim already started finishes)
+        and is ``_NotRun`` otherwise."""
+
+        def outcome(item: T) -> R | BaseException:
             try:
-                obj = self.claims.get(claim.namespace, claim.name)
-            except KubeError as exc:
-                raise ClaimError(f"claim {claim}: cannot read it: {exc}", "api_error") from exc
-            allocation = parse_allocation(obj, claim, self.driver_name, self.pool)
+                return fn(item)
+            except Exception as exc:
+                return exc
+
+        if len(items) <= 1:
+            return [outcome(i) for i in items]
+        futures: list[Future[R | BaseException] | None] = []
+        for item in items:
             try:
-                plan = plan_claim(allocation, self.devices(), self.sharing)
-            except ParamsError as exc:
-                raise ClaimError(
-                    f"claim {claim}: invalid configuration: {exc}", "invalid_config"
-                ) from exc
-            if existing is not None:  # left by a crash, or recovered: roll back first
-                self._roll_back(existing)
-            records = tuple(self._record(claim.uid, p) for p in plan.devices)
-            with self._cp_lock:
-                conflicts(self.checkpoint, claim, self.pool, plan.devices, self.sharing)
-                self._commit(
-                    self.checkpoint.with_claim(
-                        self._entry(claim, PREPARE_STARTED, records, pods=plan.pods)
-                    )
-                )
+                futures.append(self._steps[batch.op].submit(outcome, item))
+            except RuntimeError:  # shut down: the agent is stopping
+                futures.append(None)
+        results: list[R | BaseException] = []
+        for item, fut in zip(items, futures, strict=True):
+            if fut is not None:
+                try:
+                    results.append(fut.result())
+                    continue
+                except CancelledError:
+                    pass
+            results.append(outcome(item) if finish else _NotRun())
+        return results
+
+    # -- prepare -----------------------------------------------------------------------------
+    def _prepare_batch(self, batch: _Batch) -> None:
+        """Prepare a call's claims with one checkpoint write to start them and one to complete
+        them (group commit):
+
+        1. every claim read and planned (concurrently); an already prepared one is answered;
+        2. under the checkpoint lock, each is checked against the holders so far and recorded
+           as ``PrepareStarted`` (the devices are reserved); ONE write makes the records
+           durable, and only when some claim changes the node (dynamic MIG, time-slicing, MPS,
+           a whole GPU taken out of MIG mode): a claim whose only effect is its CDI spec needs
+           no durable start, since a crash before its completion leaves a spec that the
+           checkpoint does not list as completed, which the next start removes;
+        3. each claim's side effects and CDI spec (concurrently, under its GPUs' locks); a
+           failure undoes that claim alone;
+        4. ONE write records them all as ``PrepareCompleted``; then they are answered.
+        """
+        with self.claim_locks.hold_all(c.uid for c, _ in batch.claims):
+            planned: list[_Planned] = []
+            keys = [c for c, _ in batch.claims]
+            plans = self._each(batch, keys, self._plan, finish=False)
+            for claim, outcome in zip(keys, plans, strict=True):
+                if isinstance(outcome, _NotRun):
+                    batch.answer(claim, _shutting_down(claim))
+                elif isinstance(outcome, BaseException):
+                    batch.answer(claim, self._failed(batch, claim, outcome))
+                elif isinstance(outcome, ClaimResult):
+                    self._succeeded(batch, claim, outcome)
+                else:
+                    planned.append(outcome)
+            started = self._start(batch, planned)
+            if not started:
+                return
             self.crash("after-started")
+            made: list[ClaimEntry] = []
+            entries = self._each(batch, started, self._make)
+            for p, entry in zip(started, entries, strict=True):
+                if isinstance(entry, BaseException):
+                    if isinstance(entry, TesseraError):
+                        self._roll_back(self.checkpoint.claims[p.claim.uid], quiet=True)
+                    batch.answer(p.claim, self._failed(batch, p.claim, entry))
+                else:
+                    made.append(entry)
+            if not made:
+                return
             try:
-                entry = self._make(claim, plan, records)
-            except TesseraError:
-                self._roll_back(self.checkpoint.claims[claim.uid], quiet=True)
-                raise
-            with self._cp_lock:
-                self._commit(self.checkpoint.with_claim(entry))
+                self._update(lambda cp: _with_claims(cp, made))
+            except TesseraError as exc:  # e.g. the disk is full: no spec may stay behind
+                for e in made:
+                    self._roll_back(self.checkpoint.claims[e.uid], quiet=True)
+                    batch.answer(_key(e), self._failed(batch, _key(e), exc))
+                return
             self.crash("after-completed")
-            self.log.info(
-                "prepared claim",
-                extra=fields_(claim=str(claim), devices=",".join(d.device for d in entry.devices)),
-            )
-            return ClaimResult(devices=entry.devices)
+            for e in made:
+                self.log.info(
+                    "prepared claim",
+                    extra=fields_(
+                        claim=str(_key(e)), devices=",".join(d.device for d in e.devices)
+                    ),
+                )
+                self._succeeded(batch, _key(e), ClaimResult(devices=e.devices))
 
-    def _make(
-        self, claim: ClaimKey, plan: ClaimPlan, records: tuple[PreparedDevice, ...]
-    ) -> ClaimEntry:
-        """Step 3: the side effects and the CDI spec; the completed entry."""
+    def _plan(self, claim: ClaimKey) -> _Planned | ClaimResult:
+        """Step 1 of one claim: its result when it is prepared already, else its plan (an
+        interrupted or recovered earlier prepare of it rolled back first)."""
+        existing = self.checkpoint.claims.get(claim.uid)
+        if (
+            existing is not None
+            and existing.state == PREPARE_COMPLETED
+            and not existing.recovered  # identity unknown: prepared again from the claim
+        ):
+            self._ensure_spec(existing)
+            return ClaimResult(devices=existing.devices)
+        try:
+            obj = self.claims.get(claim.namespace, claim.name)
+        except KubeError as exc:
+            raise ClaimError(f"claim {claim}: cannot read it: {exc}", "api_error") from exc
+        allocation = parse_allocation(obj, claim, self.driver_name, self.pool)
+        try:
+            plan = plan_claim(allocation, self.devices(), self.sharing)
+        except ParamsError as exc:
+            raise ClaimError(
+                f"claim {claim}: invalid configuration: {exc}", "invalid_config"
+            ) from exc
+        if existing is not None:  # left by a crash, or recovered: roll back first
+            self._roll_back(existing)
+        records = tuple(self._record(claim.uid, p) for p in plan.devices)
+        return _Planned(claim, plan, records, self.effects.changes_node(plan))
+
+    def _start(self, batch: _Batch, planned: list[_Planned]) -> list[_Planned]:
+        """Step 2: reserve the planned claims' devices (each checked against the holders so
+        far, this batch's included) and make the start durable when some claim needs it;
+        returns the claims started, answering the others."""
+        if not planned:
+            return []
+        with self._cp_lock:
+            cp, started = self.checkpoint, []
+            for p in planned:
+                try:
+                    conflicts(cp, p.claim, self.pool, p.plan.devices, self.sharing)
+                except TesseraError as exc:
+                    batch.answer(p.claim, self._failed(batch, p.claim, exc))
+                    continue
+                entry = self._entry(p.claim, PREPARE_STARTED, p.records, pods=p.plan.pods)
+                cp = cp.with_claim(entry)
+                started.append(p)
+            if not any(p.changes_node for p in started):
+                self._cp = cp  # nothing to undo after a crash: see _prepare_batch
+                return started
+            try:
+                self._commit(cp)
+            except TesseraError as exc:
+                for p in started:
+                    batch.answer(p.claim, self._failed(batch, p.claim, exc))
+                return []
+        return started
+
+    def _make(self, p: _Planned) -> ClaimEntry:
+        """Step 3 of one claim: its side effects and its CDI spec; the completed entry (not yet
+        recorded)."""
+        claim, plan = p.claim, p.plan
 
         def save(devices: tuple[PreparedDevice, ...], mps: MpsRecord | None) -> None:
-            with self._cp_lock:
-                self._commit(
-                    self.checkpoint.with_claim(
-                        self._entry(claim, PREPARE_STARTED, devices, pods=plan.pods, mps=mps)
-                    )
-                )
+            entry = self._entry(claim, PREPARE_STARTED, devices, pods=plan.pods, mps=mps)
+            self._update(lambda cp: cp.with_claim(entry))
 
-        with self.gpu_locks.hold_all(_gpus(records)):
-            applied = self.effects.apply(claim, plan, records, save)
+        with self.gpu_locks.hold_all(_gpus(p.records)):
+            applied = self.effects.apply(claim, plan, p.records, save)
         entry = self._entry(
             claim, PREPARE_COMPLETED, applied.devices, pods=plan.pods, mps=applied.mps
         )
@@ -628,6 +845,7 @@ class Preparer:
             try:
                 self.effects.undo(entry, self.checkpoint)
                 self.cdi.remove(entry.uid)
+                self._update(lambda cp: cp.without_claim(entry.uid))
             except TesseraError as exc:
                 self.log.error(
                     "cannot undo a claim's partial prepare; its devices stay held until a retry"
@@ -638,9 +856,6 @@ class Preparer:
                 )
                 if not quiet:
                     raise
-                return
-            with self._cp_lock:
-                self._commit(self.checkpoint.without_claim(entry.uid))
 
     def _undo(self, entry: ClaimEntry, cp: Checkpoint) -> None:
         """At start (nothing runs concurrently): undo the claim's side effects given the claims
@@ -649,10 +864,7 @@ class Preparer:
         self.cdi.remove(entry.uid)
 
     def _write_spec(self, entry: ClaimEntry) -> None:
-        self.cdi.write(
-            entry.uid,
-            self.cdi.build_spec(entry.uid, _cdi_requests(entry.devices), mps_edits(entry.mps)),
-        )
+        self.cdi.write_claim(entry.uid, _cdi_requests(entry.devices), mps_edits(entry.mps))
 
     def _ensure_spec(self, entry: ClaimEntry) -> None:
         """A prepared claim is only prepared with its CDI spec: one deleted since is written
@@ -709,24 +921,75 @@ class Preparer:
         )
 
     # -- unprepare ---------------------------------------------------------------------------
-    def _unprepare_one(self, claim: ClaimKey) -> ClaimResult:
-        """Undo the claim's side effects, then release its record: a failure to undo answers
-        with the error and keeps the record (its devices stay held; the kubelet retries), and a
-        crash in between leaves a record whose undo the retry repeats (every step is
-        idempotent). The CDI spec goes last, also one left by an earlier crash."""
-        with self.claim_locks.hold(claim.uid):
-            entry = self.checkpoint.claims.get(claim.uid)
-            if entry is not None:
-                # the GPUs' locks until the record is gone (see _roll_back)
-                with self.gpu_locks.hold_all(_gpus(entry.devices)):
-                    self.effects.undo(entry, self.checkpoint)
-                    self.crash("after-unprepare-undo")
-                    with self._cp_lock:
-                        self._commit(self.checkpoint.without_claim(claim.uid))
+    def _unprepare_batch(self, batch: _Batch) -> None:
+        """Unprepare a call's claims with one checkpoint write: undo each claim's side effects,
+        then release every undone claim's record in ONE write, then remove their CDI specs
+        (one directory sync). A failure to undo answers that claim with the error and keeps
+        its record (its devices stay held; the kubelet retries), and a crash in between leaves
+        records whose undo the retry repeats (every step is idempotent). The CDI spec goes
+        last, also one an earlier crash left.
+
+        The locks of every GPU the claims hold are kept until their records are gone, and the
+        claims of one GPU are undone one after the other, each seeing the ones before it
+        released: another claim's undo on the same GPU then sees this one either holding the
+        GPU or gone, never gone from the GPU's settings and still recorded (two time-sliced
+        claims unprepared at once must not each leave the interval to the other)."""
+        keys = [c for c, _ in batch.claims]
+        with self.claim_locks.hold_all(c.uid for c in keys):
+            entries = [e for c in keys if (e := self.checkpoint.claims.get(c.uid)) is not None]
+            failed: set[str] = set()
+            released: list[ClaimEntry] = []
+            with self.gpu_locks.hold_all(g for e in entries for g in _gpus(e.devices)):
+                undone: set[str] = set()
+                guard = threading.Lock()
+
+                def undo_group(group: list[ClaimEntry]) -> list[tuple[ClaimEntry, Exception]]:
+                    errors = []
+                    for e in group:
+                        with guard:
+                            rest = self.checkpoint.claims.items()
+                            remaining = Checkpoint(
+                                self.checkpoint.boot_id,
+                                {u: x for u, x in rest if u not in undone},
+                            )
+                        try:
+                            self.effects.undo(e, remaining)
+                        except Exception as exc:
+                            errors.append((e, exc))
+                            continue
+                        self.crash("after-unprepare-undo")
+                        with guard:
+                            undone.add(e.uid)
+                    return errors
+
+                groups = _by_gpu(entries, self.effects.changes_node_of)
+                for outcome in self._each(batch, groups, undo_group):
+                    if isinstance(outcome, BaseException):  # a bug outside undo itself
+                        raise outcome
+                    for e, exc in outcome:
+                        failed.add(e.uid)
+                        batch.answer(_key(e), self._failed(batch, _key(e), exc))
+                released = [e for e in entries if e.uid in undone]
+                if released:
+                    try:
+                        self._update(lambda cp: _without_claims(cp, released))
+                    except TesseraError as exc:
+                        for e in released:
+                            failed.add(e.uid)
+                            batch.answer(_key(e), self._failed(batch, _key(e), exc))
+                        released = []
+            if released:
                 self.crash("after-unprepare-commit")
-                self.log.info("unprepared claim", extra=fields_(claim=str(claim)))
-            self.cdi.remove(claim.uid)
-            return ClaimResult()
+            for e in released:
+                self.log.info("unprepared claim", extra=fields_(claim=str(_key(e))))
+            rest = [c for c in keys if c.uid not in failed]
+            removed = self.cdi.remove_many([c.uid for c in rest])
+            for c in rest:
+                error = removed.get(c.uid)
+                if error is not None:
+                    batch.answer(c, self._failed(batch, c, error))
+                else:
+                    self._succeeded(batch, c, ClaimResult())
 
     def close(self, timeout: float) -> list[str]:
         """Stop taking claims and give the running ones up to ``timeout`` seconds to finish.
@@ -737,7 +1000,7 @@ class Preparer:
         with self._running_lock:
             self._closed = True
             running = list(self._running)
-        for pool in self._pools.values():
+        for pool in [*self._pools.values(), *self._steps.values()]:
             pool.shutdown(wait=False, cancel_futures=True)
         # a queued claim cancelled by the shutdown never counts as done for wait() (only a
         # worker notifies its waiters): wait for the started ones only

@@ -100,6 +100,25 @@ class Effects:
         return {d.parent_uuid: d.gpu_index for d in self.devices().devices}
 
     # -- prepare -----------------------------------------------------------------------------
+    def changes_node(self, plan: ClaimPlan) -> bool:
+        """Whether ``apply`` changes anything on the node for ``plan`` (a MIG device made, a
+        GPU's MIG mode, compute mode or time-slice set, an MPS daemon started): its start must
+        then be recorded durably before, so that a crash can be undone."""
+        for p in plan.devices:
+            if p.dynamic or p.uses_mps or (p.sharing == TIME_SLICING and p.interval is not None):
+                return True
+            if p.device.kind == "gpu" and self.mig is not None and p.device.consumes_counters:
+                return True
+        return False
+
+    @staticmethod
+    def changes_node_of(entry: ClaimEntry) -> bool:
+        """Whether ``undo`` of a recorded claim may change anything on the node (the claims of
+        one GPU that do are undone one after the other)."""
+        return entry.mps is not None or any(
+            d.placement is not None or d.sharing is not None for d in entry.devices
+        )
+
     def apply(
         self,
         claim: ClaimKey,
@@ -110,7 +129,6 @@ class Effects:
         """Make the claim's side effects (the records say what is already done); raises
         SharingError. The caller rolls back with ``undo`` when this fails."""
         by_name = {r.device: r for r in records}
-        created = False
         for p in plan.devices:
             if p.dynamic:
                 mig = self._need(self.mig, p, "dynamic MIG (--mig-mode dynamic)")
@@ -121,12 +139,12 @@ class Effects:
                     gpu_instance_id=inst.gpu_instance_id,
                     compute_instance_id=inst.compute_instance_id,
                 )
-                created = True
             elif p.device.kind == "gpu" and self.mig is not None and p.device.consumes_counters:
                 self.mig.free_whole_gpu(p.device)
         devices = tuple(by_name[r.device] for r in records)
-        if created:
-            save(devices, None)
+        # The new MIG device's UUID and ids are not saved here: a crash before the claim is
+        # completed is undone by the placement its started record holds, and the completed
+        # record has them (one checkpoint write less per dynamic MIG prepare).
         for p in plan.devices:
             if p.sharing == TIME_SLICING and p.interval is not None:
                 settings = self._need(self.settings, p, "time-slicing (nvidia-smi)")

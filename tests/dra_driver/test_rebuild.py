@@ -55,9 +55,9 @@ def opaque(strategy: str, kind: str = "GpuConfig", **fields: Any) -> dict[str, A
 class Node:
     """A simulated node and the agent's files; ``agent()`` is a (re)started preparer."""
 
-    def __init__(self, state: Path) -> None:
+    def __init__(self, state: Path, config: Config | None = None) -> None:
         self.state = state
-        self.config = Config(simulate=MODEL, mig_mode="dynamic", sharing="time-slicing")
+        self.config = config or Config(simulate=MODEL, mig_mode="dynamic", sharing="time-slicing")
         self.source: NodeSource = open_node(self.config, state)
         self.source.nvml.init()
         self.model = advertised_devices(discover(self.source), self.config.device_policy())

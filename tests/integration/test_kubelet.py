@@ -17,6 +17,8 @@ from dra_driver.kubelet_client import KubeletClient, register_like_kubelet
 from dra_driver.params import API_VERSION
 from tests.integration.daemon import DRIVER, Daemon, claim_manifest, write_claims
 from tests.integration.test_daemon import wait_ready
+from tests.integration.test_sharing import sharing_config
+from tests.simnode import sharing
 
 CDI_KIND = f"k8s.{DRIVER}/claim"
 
@@ -255,7 +257,11 @@ def test_kill_during_unprepare_then_retry(short_tmp):
 
 
 def test_orphaned_cdi_specs_and_interrupted_prepares_are_cleaned_at_start(short_tmp):
-    d = Daemon(short_tmp, "dgx-h100").start("--sim-crash-at", "after-cdi")
+    """A whole GPU's prepare has no durable start (its only effect is its CDI spec): a crash
+    after the spec leaves a spec the checkpoint does not list, removed at start like any other
+    orphan; a time-sliced claim's started record is rolled back (the time-slice reset)."""
+    d = Daemon(short_tmp, "dgx-h100", "--sharing", "time-slicing")
+    d.start("--sim-crash-at", "after-cdi")
     ref = gpu_claim(d, "half", "uid-half", "gpu-7")
     try:
         with pytest.raises(KubeletApiError):
@@ -263,11 +269,29 @@ def test_orphaned_cdi_specs_and_interrupted_prepares_are_cleaned_at_start(short_
         d.wait_exit()
         orphan = d.cdi_dir / f"k8s.{DRIVER}-claim_uid-orphan.json"
         orphan.write_text("{}")
-        d.extra = []
+        assert len(d.cdi_files()) == 2 and d.checkpoint()["claims"] == {}
+        d.start()
+        d.wait_log("agent started")
+        removed = {r.get("uid") for r in d.logs if r.get("msg") == "removed orphaned CDI spec"}
+        assert removed == {"uid-half", "uid-orphan"}
+        assert d.cdi_files() == [] and d.checkpoint()["claims"] == {}
+        write_claims(
+            d.state,
+            claim_manifest(
+                "sliced", "uid-sliced", [("gpu", "gpu-6")], "dgx-h100",
+                config=[sharing_config("GpuConfig", "TimeSlicing", interval="Long")],
+            ),
+        )  # fmt: skip
+        d.stop()
+        d.start("--sim-crash-at", "after-cdi")
+        with pytest.raises(KubeletApiError):
+            prepare(d, ClaimRef("default", "sliced", "uid-sliced"))
+        d.wait_exit()
+        assert d.checkpoint()["claims"]["uid-sliced"]["state"] == "PrepareStarted"
         d.start()
         d.wait_log("rolled back an interrupted prepare")
-        d.wait_log("removed orphaned CDI spec")
         assert d.cdi_files() == [] and d.checkpoint()["claims"] == {}
+        assert sharing(d.state / "sim", d.model).gpus[6].timeslice == 0
     finally:
         d.kill()
 

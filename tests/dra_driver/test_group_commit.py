@@ -1,0 +1,171 @@
+"""Group commit: the claims of one kubelet call share their checkpoint writes, and keep their
+own errors (``Preparer._prepare_batch`` and ``_unprepare_batch``), on a simulated node through
+the real tools (NVML's MIG calls over the simulator, simulated nvidia-smi)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent.config import Config
+from dra_driver.cdi import validate_spec
+from dra_driver.checkpoint import PREPARE_COMPLETED, Checkpoint
+from dra_driver.claims import ClaimKey
+from dra_driver.errors import CheckpointError, SharingError
+from dra_driver.prepare import Preparer
+from dra_driver.sharing.effects import Applied
+from tests.dra_driver.test_rebuild import MODEL, Node, opaque
+from tests.simnode import mig_instances, reap_mps_daemons, sharing
+
+
+class Writes:
+    """Counts the checkpoint writes of a preparer (and what each wrote)."""
+
+    def __init__(self, agent: Preparer) -> None:
+        self.saved: list[Checkpoint] = []
+        save = agent.store.save
+
+        def counting(cp: Checkpoint) -> None:
+            save(cp)
+            self.saved.append(cp)
+
+        agent.store.save = counting  # type: ignore[method-assign]
+
+    def __len__(self) -> int:
+        return len(self.saved)
+
+
+def _node(tmp_path: Path, config: Config) -> Iterator[Node]:
+    n = Node(tmp_path, config)
+    yield n
+    reap_mps_daemons(n.sim, MODEL)
+    n.source.nvml.shutdown()
+
+
+@pytest.fixture
+def static_node(tmp_path: Path) -> Iterator[Node]:
+    yield from _node(tmp_path, Config(simulate=MODEL))
+
+
+@pytest.fixture
+def dynamic_node(tmp_path: Path) -> Iterator[Node]:
+    yield from _node(tmp_path, Config(simulate=MODEL, mig_mode="dynamic", sharing="time-slicing"))
+
+
+def errors(results: dict[str, object]) -> dict[str, str]:
+    return {uid: r.error for uid, r in results.items()}  # type: ignore[attr-defined]
+
+
+def specs(node: Node) -> set[str]:
+    return {
+        p.name.split("claim_", 1)[1].removesuffix(".json")
+        for p in (node.state / "cdi").glob("*-claim_*.json")
+    }
+
+
+def test_a_call_of_whole_gpus_is_one_checkpoint_write_each_way(static_node):
+    keys = [static_node.claim(f"c{i}", f"gpu-{i}") for i in range(6)]
+    agent = static_node.agent()
+    writes = Writes(agent)
+    assert errors(agent.prepare(keys)) == {k.uid: "" for k in keys}
+    # nothing to undo after a crash but the CDI specs: no durable start, one completion
+    assert len(writes) == 1
+    assert {e.state for e in writes.saved[0].claims.values()} == {PREPARE_COMPLETED}
+    assert specs(static_node) == {k.uid for k in keys}
+    for uid in specs(static_node):  # what the prepare path writes is what the schema allows
+        validate_spec(json.loads(static_node.spec_path(ClaimKey("", "", uid)).read_text()))
+    assert errors(agent.prepare(keys)) == {k.uid: "" for k in keys}  # the kubelet again
+    assert len(writes) == 1
+    assert errors(agent.unprepare(keys)) == {k.uid: "" for k in keys}
+    assert len(writes) == 2 and writes.saved[-1].claims == {}
+    assert specs(static_node) == set()
+    agent.close(5)
+
+
+def test_claims_that_change_the_node_are_started_durably_once_for_the_call(dynamic_node):
+    long = opaque("TimeSlicing", interval="Long")
+    keys = [
+        dynamic_node.claim("m0", dynamic_node.placement(0, "1g.10gb", 0)),
+        dynamic_node.claim("m1", dynamic_node.placement(0, "2g.20gb", 2)),
+        dynamic_node.claim("m2", dynamic_node.placement(1, "3g.40gb", 0)),
+        dynamic_node.claim("t0", "gpu-2", config=long),
+        dynamic_node.claim("t1", "gpu-2", config=long),
+    ]
+    agent = dynamic_node.agent()
+    writes = Writes(agent)
+    assert errors(agent.prepare(keys)) == {k.uid: "" for k in keys}
+    assert len(writes) == 2  # every claim started in one write, completed in one
+    started, completed = writes.saved
+    assert set(started.claims) == set(completed.claims) == {k.uid for k in keys}
+    assert all(e.state == "PrepareStarted" for e in started.claims.values())
+    placements = {d.placement for e in started.claims.values() for d in e.devices}
+    assert len([p for p in placements if p is not None]) == 3  # recorded before they were made
+    assert all(d.mig_uuid for k in keys[:3] for d in completed.claims[k.uid].devices)
+    assert len(mig_instances(dynamic_node.sim, MODEL, 0)) == 2
+    assert sharing(dynamic_node.sim, MODEL).gpus[2].timeslice == 3
+    assert errors(agent.unprepare(keys)) == {k.uid: "" for k in keys}
+    assert len(writes) == 3 and writes.saved[-1].claims == {}
+    assert mig_instances(dynamic_node.sim, MODEL, 0) == ()
+    assert sharing(dynamic_node.sim, MODEL).gpus[2].timeslice == 0  # the last sharer reset it
+    assert specs(dynamic_node) == set()
+    agent.close(5)
+
+
+def test_each_claim_of_a_call_keeps_its_own_error(static_node):
+    first = static_node.claim("first", "gpu-0")
+    rival = static_node.claim("rival", "gpu-0")  # the same GPU, in the same call
+    fine = static_node.claim("fine", "gpu-1")
+    missing = ClaimKey("jobs", "missing", "uid-missing")
+    agent = static_node.agent()
+    result = errors(agent.prepare([first, rival, missing, fine]))
+    assert result[first.uid] == result[fine.uid] == ""
+    assert "gpu-0" in result[rival.uid] and "jobs/first" in result[rival.uid]
+    assert "missing" in result[missing.uid] and "not found" in result[missing.uid]
+    assert set(agent.checkpoint.claims) == {first.uid, fine.uid} == specs(static_node)
+    agent.close(5)
+
+
+def test_a_claim_whose_side_effects_fail_is_undone_alone(dynamic_node):
+    good = dynamic_node.claim("good", dynamic_node.placement(0, "1g.10gb", 0))
+    bad = dynamic_node.claim("bad", dynamic_node.placement(1, "1g.10gb", 0))
+    agent = dynamic_node.agent()
+    apply = agent.effects.apply
+
+    def failing(claim: ClaimKey, *args: object) -> Applied:
+        applied = apply(claim, *args)  # type: ignore[arg-type]
+        if claim.uid == bad.uid:  # its MIG device is made, then something fails
+            raise SharingError("the GPU fell off the bus")
+        return applied
+
+    agent.effects.apply = failing  # type: ignore[method-assign]
+    result = errors(agent.prepare([good, bad]))
+    assert result == {good.uid: "", bad.uid: "the GPU fell off the bus"}
+    assert set(agent.checkpoint.claims) == {good.uid} == specs(dynamic_node)
+    assert len(mig_instances(dynamic_node.sim, MODEL, 0)) == 1
+    assert mig_instances(dynamic_node.sim, MODEL, 1) == ()  # the failed claim's undone
+    agent.effects.apply = apply  # type: ignore[method-assign]
+    assert errors(agent.prepare([good, bad])) == {good.uid: "", bad.uid: ""}  # the retry
+    assert errors(agent.unprepare([good, bad])) == {good.uid: "", bad.uid: ""}
+    agent.close(5)
+
+
+def test_a_failed_completion_write_answers_every_claim_and_the_retry_succeeds(static_node):
+    keys = [static_node.claim(f"c{i}", f"gpu-{i}") for i in range(3)]
+    agent = static_node.agent()
+    save = agent.store.save
+
+    def full(cp: Checkpoint) -> None:
+        raise CheckpointError("cannot write checkpoint: No space left on device")
+
+    agent.store.save = full  # type: ignore[method-assign]
+    result = errors(agent.prepare(keys))
+    assert all("No space left on device" in e for e in result.values()), result
+    assert specs(static_node) == set()  # no spec of a claim the kubelet was told failed
+    agent.store.save = save  # type: ignore[method-assign]
+    assert errors(agent.prepare(keys)) == {k.uid: "" for k in keys}
+    assert agent.store.load().checkpoint.claims.keys() == {k.uid for k in keys}
+    assert specs(static_node) == {k.uid for k in keys}
+    agent.close(5)
