@@ -49,7 +49,7 @@ from dra_driver.checkpoint import (
 )
 from dra_driver.claims import ClaimIndex, ClaimKey, ClaimSource, parse_allocation
 from dra_driver.devices import AdvertisedDevice, DeviceModel
-from dra_driver.errors import CdiError, ClaimError, KubeError, ParamsError
+from dra_driver.errors import CdiError, CheckpointError, ClaimError, KubeError, ParamsError
 from dra_driver.plan import ClaimPlan, PlannedDevice, SharingPolicy, conflicts, plan_claim
 from dra_driver.rebuild import Rebuilt, Unrecovered, decide
 from dra_driver.sharing.effects import Effects, mps_edits
@@ -580,11 +580,11 @@ class Preparer:
             self.crash("after-started")
             try:
                 entry = self._make(claim, plan, records)
+                with self._cp_lock:  # a completion that cannot be written leaves no spec behind
+                    self._commit(self.checkpoint.with_claim(entry))
             except TesseraError:
                 self._roll_back(self.checkpoint.claims[claim.uid], quiet=True)
                 raise
-            with self._cp_lock:
-                self._commit(self.checkpoint.with_claim(entry))
             self.crash("after-completed")
             self.log.info(
                 "prepared claim",
@@ -721,8 +721,14 @@ class Preparer:
                 with self.gpu_locks.hold_all(_gpus(entry.devices)):
                     self.effects.undo(entry, self.checkpoint)
                     self.crash("after-unprepare-undo")
-                    with self._cp_lock:
-                        self._commit(self.checkpoint.without_claim(claim.uid))
+                    try:
+                        with self._cp_lock:
+                            self._commit(self.checkpoint.without_claim(claim.uid))
+                    except CheckpointError as exc:
+                        raise CheckpointError(
+                            f"claim {claim}: its release cannot be recorded ({exc}): it stays"
+                            " prepared, its devices held, until the kubelet's retry succeeds"
+                        ) from exc
                 self.crash("after-unprepare-commit")
                 self.log.info("unprepared claim", extra=fields_(claim=str(claim)))
             self.cdi.remove(claim.uid)
