@@ -62,20 +62,23 @@ class Disk:
         self.filler = self.path / "filler"
 
     def fill(self, leave_pages: int = 0) -> None:
-        """Take every free page but ``leave_pages`` (tmpfs counts whole pages)."""
-        fd = os.open(self.filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        try:
-            while True:
-                os.write(fd, b"\0" * PAGE)
-        except OSError as exc:
-            assert exc.errno == 28, exc
-        finally:
-            os.close(fd)
-        size = self.filler.stat().st_size
-        assert size >= leave_pages * PAGE, "the disk was nearly full already"
-        os.truncate(self.filler, size - leave_pages * PAGE)
-        st = os.statvfs(self.path)
-        assert st.f_bfree == leave_pages, (st.f_bfree, leave_pages)
+        """Take every free page but ``leave_pages`` (tmpfs counts whole pages). Filled again
+        when a page came or went meanwhile (the agent saves its energy state now and then)."""
+        for _ in range(5):
+            fd = os.open(self.filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                while True:
+                    os.write(fd, b"\0" * PAGE)
+            except OSError as exc:
+                assert exc.errno == 28, exc
+            finally:
+                os.close(fd)
+            size = self.filler.stat().st_size
+            assert size >= leave_pages * PAGE, "the disk was nearly full already"
+            os.truncate(self.filler, size - leave_pages * PAGE)
+            if os.statvfs(self.path).f_bfree == leave_pages:
+                return
+        raise AssertionError(f"{self.path}: cannot leave exactly {leave_pages} pages free")
 
     def free(self) -> None:
         self.filler.unlink(missing_ok=True)
@@ -108,9 +111,10 @@ class Mounts:
             pytest.skip("disk trouble needs mount(8) to make a small tmpfs; there is none here")
         done = _run("mount", "-t", "tmpfs", "-o", f"size={size},mode=0750", "tmpfs", str(path))
         if done.returncode != 0:
+            why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[0]
             pytest.skip(
-                "disk trouble needs a small tmpfs, and mounting one was refused"
-                f" ({done.stderr.strip()}; uid {os.geteuid()}): run as root, or with CAP_SYS_ADMIN"
+                f"disk trouble needs a small tmpfs, and mounting one was refused ({why};"
+                f" uid {os.geteuid()}): run as root, or with CAP_SYS_ADMIN"
             )
         self.paths.append(path)
         return Disk(path)
@@ -136,7 +140,9 @@ class Node:
     state: Disk
     cdi: Path
     cdi_disk: Disk | None = None
-    told: dict[str, set[str]] = field(default_factory=lambda: {"prepared": set()})
+    told_prepared: set[str] = field(default_factory=set)
+    """The claims the kubelet was last told are prepared (a prepare answered without error, not
+    unprepared since)."""
 
     @property
     def checkpoint_file(self) -> Path:
@@ -186,7 +192,7 @@ def call(node: Node, op: str, refs: Sequence[ClaimRef]) -> dict[str, dict[str, A
     assert set(claims) == {r.uid for r in refs}, "every claim of the call is answered"
     for uid, a in claims.items():
         if not a["error"]:
-            (node.told["prepared"].add if op == "prepare" else node.told["prepared"].discard)(uid)
+            (node.told_prepared.add if op == "prepare" else node.told_prepared.discard)(uid)
     return claims
 
 
@@ -199,7 +205,8 @@ def ok(node: Node, op: str, *refs: ClaimRef) -> None:
 
 
 def temp_files(*directories: Path) -> list[str]:
-    return sorted(str(p) for d in directories if d.is_dir() for p in d.rglob(".*.tmp"))
+    """Temporary files of ``atomic_write`` (``.<name>.<random>.tmp``) in ``directories``."""
+    return sorted(str(p) for d in directories if d.is_dir() for p in d.glob(".*.tmp"))
 
 
 def problems(node: Node) -> list[str]:
@@ -210,7 +217,8 @@ def problems(node: Node) -> list[str]:
     except (OSError, CheckpointError) as exc:
         return [f"checkpoint unreadable: {exc}"]
     state = node.daemon.state
-    found += [f"temporary file left: {p}" for p in temp_files(state, node.cdi)]
+    left = temp_files(state, state / "resourceslices", node.cdi)
+    found += [f"temporary file left: {p}" for p in left]
     completed = {u for u, e in cp.claims.items() if e.state == PREPARE_COMPLETED}
     specs = {
         p.name.split("-claim_", 1)[1].removesuffix(".json") for p in node.cdi.glob("*-claim_*")
@@ -222,7 +230,7 @@ def problems(node: Node) -> list[str]:
     found += [f"claim {u} prepared without its CDI spec" for u in sorted(completed - specs)]
     found += [
         f"claim {u} told prepared, not in the checkpoint"
-        for u in sorted(node.told["prepared"] - completed)
+        for u in sorted(node.told_prepared - completed)
     ]
     holders: dict[str, list[str]] = {}
     for uid, entry in cp.claims.items():
@@ -540,9 +548,9 @@ def test_disk_storm(short_tmp: Path, mounts: Mounts) -> None:
                     )
                 ), answers
             found = problems(node)
-            assert found == [] and prepared(node) == node.told["prepared"], (kind, answers, found)
+            assert found == [] and prepared(node) == node.told_prepared, (kind, answers, found)
         node.state.free()
-        held = sorted(node.told["prepared"])
+        held = sorted(node.told_prepared)
         ok(node, "unprepare", *[r for r in (ref(i) for i in range(8)) if r.uid in held])
         ok(node, "unprepare", *[r for r in (other(i) for i in range(8)) if r.uid in held])
         ok(node, "prepare", *[ref(i) for i in range(8)])
