@@ -477,7 +477,7 @@ class Agent:
         ]
         if not problems:
             return True, "writable"
-        return False, "; ".join(problems) + ": claims cannot be prepared or unprepared"
+        return False, "; ".join(problems) + ": claims that need a write there fail"
 
     def _claims_moving(self) -> tuple[bool, str]:
         """Not ready while a prepare or unprepare is stuck past the kubelet's deadline."""
