@@ -24,7 +24,7 @@ from agent.config import Config
 from agent.discovery.inventory import NodeInventory
 from agent.driverfiles.discover import find_cdi_hook, make_char_device, under
 from agent.errors import ConfigError, TesseraError
-from agent.fsutil import ensure_dir, remove_temp_files
+from agent.fsutil import disk_trouble, ensure_dir, remove_temp_files
 from agent.hotplug import DevicesChanged, EventSource, Rediscovery, inventory_change, open_udev
 from agent.http import HttpEndpoint, HttpLimits, Readiness
 from agent.logs import fields_
@@ -182,6 +182,7 @@ class Agent:
         self.http.liveness.add("sockets", self._sockets_intact)
         self.http.liveness.add("state-dir", self._state_dir_intact)
         self.readiness.add("claims", self._claims_moving)
+        self.readiness.add("disk", self._disk_writable)
         self.readiness.add("unrecovered-claims", self._claims_accounted_for)
         self.readiness.add("kubelet", self._registered)
         self.readiness.add(
@@ -456,6 +457,27 @@ class Agent:
         if self.lock.intact():
             return True, "intact"
         return False, f"{self.state_dir} was deleted or replaced while the agent runs"
+
+    def _disk_writable(self) -> tuple[bool, str]:
+        """Not ready while the checkpoint or a CDI spec cannot be written (a read-only or full
+        disk): every prepare and unprepare fails until the disk is fixed, which a restart does
+        not do (so /healthz passes). The check follows the disk: ready again once there is room."""
+        checkpoint = self.preparer.store.path
+        try:
+            size = checkpoint.stat().st_size
+        except OSError:
+            size = 0
+        problems = [
+            p
+            for p in (
+                disk_trouble(checkpoint.parent, size),
+                disk_trouble(self.preparer.cdi.cdi_root),
+            )
+            if p is not None
+        ]
+        if not problems:
+            return True, "writable"
+        return False, "; ".join(problems) + ": claims that need a write there fail"
 
     def _claims_moving(self) -> tuple[bool, str]:
         """Not ready while a prepare or unprepare is stuck past the kubelet's deadline."""

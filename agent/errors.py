@@ -61,6 +61,24 @@ class StateDirNotHeld(TesseraError):
         )
 
 
+class StateDirLost(StateDirNotHeld):
+    """A write to the state directory was refused: the directory (with the lock file in it) was
+    deleted or replaced while the agent runs, so the lock no longer keeps a second agent out of
+    it. Nothing is written there until a restart takes the directory again (``/healthz`` fails
+    its ``state-dir`` check so that the kubelet restarts the agent).
+
+    ``path`` is the lock file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        TesseraError.__init__(
+            self,
+            f"the state directory was deleted or replaced while the agent runs ({path} is no"
+            " longer the lock file this agent holds): nothing is written there until the agent"
+            " restarts and takes it again",
+        )
+
+
 class DecodeError(TesseraError):
     """Bytes that do not decode within their limits (size, nesting, integer length, YAML
     aliases); the message names what was read and why. Callers turn it into their own error."""

@@ -1,7 +1,9 @@
-"""Crash-safe file writes: temp file in the same directory, fsync, rename, fsync the directory."""
+"""Crash-safe file writes: temp file in the same directory, fsync, rename, fsync the directory;
+and whether a directory's file system can take a write at all (``disk_trouble``)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import stat
@@ -77,6 +79,41 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o640, dir_mode: int = 0o7
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+DISK_HEADROOM_BYTES = 64 * 1024
+"""The room ``disk_trouble`` asks for beyond the caller's own need: a CDI spec or a small state
+file, with their temporary copies."""
+
+
+def disk_trouble(directory: Path, need: int = 0) -> str | None:
+    """Why a file of ``need`` bytes (plus ``DISK_HEADROOM_BYTES``) cannot be written atomically
+    in ``directory`` now, or None when it can: the file system is read-only, or has too little
+    space or no inode left (what a write would fail with, ``EROFS`` or ``ENOSPC``). A directory
+    that does not exist is judged by the nearest one above it (where it would be created).
+    Space counts what this process may use: root may use the blocks a file system reserves."""
+    path = directory
+    while True:
+        try:
+            st = os.statvfs(path)
+            break
+        except FileNotFoundError:
+            if path == path.parent:
+                return f"cannot check {directory}: no such directory"
+            path = path.parent
+        except OSError as exc:
+            return f"cannot check {directory}: {exc.strerror or exc}"
+    if st.f_flag & os.ST_RDONLY:
+        return f"{directory}: {os.strerror(errno.EROFS)}"
+    free = (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
+    wanted = need + DISK_HEADROOM_BYTES
+    if free < wanted:
+        return (
+            f"{directory}: {os.strerror(errno.ENOSPC)} ({free} bytes free, a write needs {wanted})"
+        )
+    if st.f_files and not (st.f_ffree if os.geteuid() == 0 else st.f_favail):
+        return f"{directory}: {os.strerror(errno.ENOSPC)} (no free inode)"
+    return None
 
 
 def socket_identity(path: Path) -> SocketIdentity | None:

@@ -8,9 +8,10 @@ into the file so that another agent can say who holds it.
 A rolling update hands the directory over through this lock: the new agent waits for it
 (:meth:`StateLock.acquire` with ``wait=True``, ended early by a stop event) while the old one
 finishes its calls and then releases it. Every write that must never come from two processes at
-once runs inside :meth:`StateLock.guard`, which refuses when the lock is not held and keeps
-:meth:`StateLock.release` waiting until the write is done: such a file is only ever written by
-the one process the kernel lets hold the lock.
+once runs inside :meth:`StateLock.guard`, which refuses when the lock is not held (or the
+directory was deleted or replaced since it was taken) and keeps :meth:`StateLock.release`
+waiting until the write is done: such a file is only ever written by the one process the kernel
+lets hold the lock, at the lock file's path.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.errors import ConfigError, StateDirInUse, StateDirNotHeld
+from agent.errors import ConfigError, StateDirInUse, StateDirLost, StateDirNotHeld
 
 LOCK_FILE = "agent.lock"
 POLL_S = 0.05
@@ -129,10 +130,15 @@ class StateLock:
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
         """Hold off :meth:`release` for the length of a write to the state directory; raise
-        StateDirNotHeld when the lock is not ours (never taken, or handed over already)."""
+        StateDirNotHeld when the lock is not ours (never taken, or handed over already), and
+        StateDirLost when the directory was deleted or replaced since we took it (the lock file
+        at its path is not ours: another agent could take that one, and a write would recreate
+        the directory behind the lock's back)."""
         with self._writing:
             if self._fd is None:
                 raise StateDirNotHeld(str(self.path))
+            if not self.intact():
+                raise StateDirLost(str(self.path))
             yield
 
     def release(self) -> None:

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -615,6 +616,8 @@ class CdiWriter:
             except FileNotFoundError:
                 continue
             except OSError as exc:
+                if not os.path.lexists(path):  # as in remove
+                    continue
                 errors[uid] = CdiError(f"cannot remove CDI spec {path}: {exc.strerror or exc}")
                 continue
             removed.append(uid)
@@ -634,6 +637,8 @@ class CdiWriter:
         except FileNotFoundError:
             return False
         except OSError as exc:
+            if not os.path.lexists(path):  # a read-only file system says so before ENOENT
+                return False
             raise CdiError(f"cannot remove CDI spec {path}: {exc.strerror or exc}") from exc
         try:
             fsync_dir(path.parent)

@@ -15,7 +15,26 @@ TesseraError
 
 from __future__ import annotations
 
+import errno
+
 from agent.errors import TesseraError
+
+DISK_REASONS = {errno.ENOSPC: "disk_full", errno.EDQUOT: "disk_full", errno.EROFS: "disk_read_only"}
+"""The file-system errors a metric names by themselves (``tessera_prepare_errors_total{reason}``):
+the operator's fix is the disk, not the claim."""
+
+
+def disk_reason(exc: BaseException) -> str | None:
+    """``disk_full`` or ``disk_read_only`` when the file-system error behind ``exc`` (its chain
+    of ``raise ... from``) is one of ``DISK_REASONS``; None otherwise."""
+    cause: BaseException | None = exc
+    for _ in range(8):  # a chain is a few links long; never loop on a cycle
+        if cause is None:
+            return None
+        if isinstance(cause, OSError) and cause.errno in DISK_REASONS:
+            return DISK_REASONS[cause.errno]
+        cause = cause.__cause__
+    return None
 
 
 class KubeError(TesseraError):
@@ -81,7 +100,14 @@ class KubeletApiError(TesseraError):
 
 
 class CheckpointError(TesseraError):
-    """The driver's checkpoint file could not be read or written (the message names the file)."""
+    """The driver's checkpoint file could not be read or written (the message names the file).
+
+    ``reason``: ``disk_full`` or ``disk_read_only`` when the disk said so (``disk_reason``),
+    else None (the metric then names the class)."""
+
+    @property
+    def reason(self) -> str | None:
+        return disk_reason(self)
 
 
 class CheckpointCorrupt(CheckpointError):
@@ -105,7 +131,13 @@ class CheckpointTooNew(CheckpointError):
 
 
 class CdiError(TesseraError):
-    """A CDI spec could not be built, validated, written or removed (the message says why)."""
+    """A CDI spec could not be built, validated, written or removed (the message says why).
+
+    ``reason`` as CheckpointError's."""
+
+    @property
+    def reason(self) -> str | None:
+        return disk_reason(self)
 
 
 class SharingError(TesseraError):

@@ -54,7 +54,7 @@ from dra_driver.checkpoint import (
 )
 from dra_driver.claims import ClaimIndex, ClaimKey, ClaimSource, parse_allocation
 from dra_driver.devices import AdvertisedDevice, DeviceModel
-from dra_driver.errors import CdiError, ClaimError, KubeError, ParamsError
+from dra_driver.errors import CdiError, CheckpointError, ClaimError, KubeError, ParamsError
 from dra_driver.plan import ClaimPlan, PlannedDevice, SharingPolicy, conflicts, plan_claim
 from dra_driver.rebuild import Rebuilt, Unrecovered, decide
 from dra_driver.sharing.effects import Effects, mps_edits
@@ -841,18 +841,32 @@ class Preparer:
         then sees this one either holding the GPU or gone, never gone in the settings and
         still there in the checkpoint (two time-sliced claims unprepared at once must not
         each leave the interval to the other)."""
+        claim = f"{entry.namespace}/{entry.name}"
         with self.gpu_locks.hold_all(_gpus(entry.devices)):
             try:
                 self.effects.undo(entry, self.checkpoint)
                 self.cdi.remove(entry.uid)
-                self._update(lambda cp: cp.without_claim(entry.uid))
             except TesseraError as exc:
                 self.log.error(
                     "cannot undo a claim's partial prepare; its devices stay held until a retry"
                     " succeeds",
-                    extra=fields_(
-                        claim=f"{entry.namespace}/{entry.name}", uid=entry.uid, error=str(exc)
-                    ),
+                    extra=fields_(claim=claim, uid=entry.uid, error=str(exc)),
+                )
+                if not quiet:
+                    raise
+                return
+            try:
+                self._update(lambda cp: cp.without_claim(entry.uid))
+            except TesseraError as exc:
+                # Undone, but the checkpoint cannot say so (a full disk): forget it here all the
+                # same. A started record left in the file is rolled back again at the next start
+                # (undo is idempotent), and any write before that (every claim that changes the
+                # node writes its start first) rewrites the file without it.
+                with self._cp_lock:
+                    self._cp = self.checkpoint.without_claim(entry.uid)
+                self.log.warning(
+                    "undid a claim's partial prepare; the checkpoint cannot record it yet",
+                    extra=fields_(claim=claim, uid=entry.uid, error=str(exc)),
                 )
                 if not quiet:
                     raise
@@ -973,10 +987,16 @@ class Preparer:
                 if released:
                     try:
                         self._update(lambda cp: _without_claims(cp, released))
-                    except TesseraError as exc:
+                    except CheckpointError as exc:  # e.g. the disk is full
                         for e in released:
                             failed.add(e.uid)
-                            batch.answer(_key(e), self._failed(batch, _key(e), exc))
+                            kept = CheckpointError(
+                                f"claim {_key(e)}: its release cannot be recorded ({exc}): it"
+                                " stays prepared, its devices held, until the kubelet's retry"
+                                " succeeds"
+                            )
+                            kept.__cause__ = exc
+                            batch.answer(_key(e), self._failed(batch, _key(e), kept))
                         released = []
             if released:
                 self.crash("after-unprepare-commit")

@@ -28,6 +28,7 @@ from agent.doctor.hostfs import (
 )
 from agent.doctor.runtime import RuntimeCdi, read_containerd, read_crio
 from agent.doctor.verdict import Verdict, fail, ok, skip, warn
+from agent.fsutil import disk_trouble
 from agent.statelock import LOCK_FILE
 
 """Finds the toolkit's hook binary on the host (its host path) given the host root."""
@@ -42,8 +43,16 @@ def writable_dir(
     fix_other = f"or choose another directory with {flag}"
     if path.is_dir():
         problem = probe_write(path)
-        if problem is None:
+        full = disk_trouble(path) if problem is None else None  # an empty file fits a full disk
+        if problem is None and full is None:
             return ok(check, f"{path} is writable", subject=subject)
+        if full is not None:
+            return fail(
+                check,
+                f"{full}: the agent's writes there fail",
+                f"free space on the file system that holds {path} (df -h {path}) {fix_other}",
+                subject=subject,
+            )
         return fail(
             check,
             f"{path} is not writable: {problem}",

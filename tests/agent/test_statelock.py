@@ -7,11 +7,13 @@ open file description, and each StateLock opens the file itself."""
 from __future__ import annotations
 
 import os
+import shutil
 import threading
+from pathlib import Path
 
 import pytest
 
-from agent.errors import StateDirInUse, StateDirNotHeld
+from agent.errors import StateDirInUse, StateDirLost, StateDirNotHeld
 from agent.statelock import Holder, StateLock
 
 
@@ -101,6 +103,30 @@ def test_writes_under_the_guard_only_while_the_lock_is_ours(tmp_path):
     lock.release()
     with pytest.raises(StateDirNotHeld), lock.guard():  # handed over already
         pytest.fail("the guard let a write through after the release")
+
+
+def test_no_write_once_the_state_directory_was_deleted_or_replaced(tmp_path: Path) -> None:
+    """Another agent could lock the file now at the path: a write there (which would recreate
+    the directory) is refused until a restart takes the directory again."""
+    state = tmp_path / "state"
+    state.mkdir()
+    lock = StateLock(state)
+    lock.acquire()
+    shutil.rmtree(state)
+    with pytest.raises(StateDirLost) as refused, lock.guard():
+        pytest.fail("the guard let a write through into a deleted state directory")
+    assert isinstance(refused.value, StateDirNotHeld) and refused.value.temporary
+    assert "deleted or replaced while the agent runs" in str(refused.value)
+    state.mkdir()
+    (state / "agent.lock").write_text("")  # replaced: a file the lock is not on
+    with pytest.raises(StateDirLost), lock.guard():
+        pytest.fail("the guard let a write through past a replaced lock file")
+    lock.release()
+    again = StateLock(state)  # the restart
+    again.acquire()
+    with again.guard():
+        pass
+    again.release()
 
 
 def test_release_waits_for_a_write_in_progress(tmp_path):

@@ -90,6 +90,16 @@ def test_a_file_in_place_of_a_directory_fails_with_the_flag_in_the_fix(tmp_path)
     assert v.status == "fail" and "a file is in the way" in v.detail and "--cdi-root" in v.fix
 
 
+def test_a_full_directory_fails_though_an_empty_file_still_fits(tmp_path, monkeypatch):
+    """A full disk still takes an empty file (the write probe): the free space says it."""
+    full = os.statvfs_result((4096, 4096, 1000, 0, 0, 1000, 100, 100, 0, 255))
+    monkeypatch.setattr(os, "statvfs", lambda path: full)
+    v = writable_dir("state-dir", tmp_path, "--state-dir")
+    assert v.status == "fail"
+    assert v.detail.startswith(f"{tmp_path}: No space left on device (0 bytes free")
+    assert f"df -h {tmp_path}" in v.fix
+
+
 def test_a_missing_directory_passes_when_the_agent_can_create_it(tmp_path):
     v = check_state_dir(tmp_path / "a" / "b")
     assert v.status == "ok" and "the agent creates it" in v.detail

@@ -6,11 +6,13 @@ test_cdi_driver_files.py."""
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
 import stat
 from pathlib import Path
 from typing import Any
+from unittest.mock import ANY
 
 import pytest
 
@@ -423,3 +425,24 @@ def test_claim_uids(writer: CdiWriter, cdi_root: Path) -> None:
     writer.remove(UID)
     assert writer.claim_uids() == {UID2}
     assert (cdi_root / strangers[0]).exists()
+
+
+def test_removing_a_spec_on_a_read_only_file_system(
+    writer: CdiWriter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """unlink says EROFS before ENOENT on a read-only file system: a spec that is not there is
+    removed all the same (a failed prepare's rollback must not hold its GPU for it), one that
+    is there is an error naming it."""
+    writer.write(UID, writer.build_spec(UID, [CdiRequest("gpu-0", 0)]))
+
+    def read_only(self: Path, missing_ok: bool = False) -> None:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    with pytest.raises(CdiError, match="cannot remove CDI spec .*: Read-only file system"):
+        writer.remove(UID)
+    assert writer.remove_many([UID, "other-uid"]) == {UID: ANY}
+    assert writer.remove("other-uid") is False
+    monkeypatch.undo()
+    assert writer.remove_many([UID, "other-uid"]) == {}
+    assert not writer.path(UID).exists()
