@@ -439,7 +439,7 @@ def test_removing_a_spec_on_a_read_only_file_system(
         raise OSError(errno.EROFS, "Read-only file system")
 
     monkeypatch.setattr(Path, "unlink", read_only)
-    with pytest.raises(CdiError, match="cannot remove CDI spec .*: Read-only file system"):
+    with pytest.raises(CdiError, match=r"cannot remove CDI spec .*: Read-only file system"):
         writer.remove(UID)
     assert writer.remove_many([UID, "other-uid"]) == {UID: ANY}
     assert writer.remove("other-uid") is False
