@@ -302,6 +302,11 @@ class Effects:
             if d.sharing == TIME_SLICING and d.interval is not None and self.settings is not None:
                 self.settings.compute_mode(d.gpu_uuid, "DEFAULT")
                 self.settings.timeslice(d.gpu_uuid, d.interval)
+            if d.kind == "gpu" and d.sharing in (MPS, MEMORY_SHARE) and self.settings is not None:
+                # as _start_mps sets it: an unprepare cut short after its undo, or a GPU reset
+                # while the agent was down, left the GPU in another mode
+                mode = "DEFAULT" if d.sharing == MEMORY_SHARE else "EXCLUSIVE_PROCESS"
+                self.settings.compute_mode(d.gpu_uuid, mode)
         if entry.mps is None or self.mps is None:
             return entry
         daemon = _daemon(entry.uid, entry.mps)
