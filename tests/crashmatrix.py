@@ -226,10 +226,9 @@ class Outcome:
         return [*self.failures, *self.lost]
 
 
-def run_cell(tmp: Path, mode_name: str, point: str, shape: str) -> Outcome:
+def run_cell(tmp: Path, mode: Mode, point: str, shape: str) -> Outcome:
     """Run one cell of the matrix in directory ``tmp`` (see the module docstring)."""
-    mode = BY_NAME[mode_name]
-    out = Outcome(mode_name, point, shape)
+    out = Outcome(mode.name, point, shape)
     unreachable = point in mode.unreachable
     occurrence = BATCH_OCCURRENCE if shape == "batch" and not unreachable else 1
     passes = _run(tmp / "node", mode, mode.claims(shape), point, occurrence, out)
@@ -238,12 +237,12 @@ def run_cell(tmp: Path, mode_name: str, point: str, shape: str) -> Outcome:
         _run(tmp / "node-once", mode, mode.claims(shape), point, 1, out)
     if out.fired_in is None and not unreachable:
         out.failures.append(
-            f"{point} never fired in {mode_name} ({shape}; passed {passes} times): a point the"
+            f"{point} never fired in {mode.name} ({shape}; passed {passes} times): a point the"
             " mode reaches, or list it in the mode's unreachable points"
         )
     if out.fired_in is not None and unreachable:
         out.failures.append(
-            f"{point} fired in {out.fired_in} in {mode_name} but is listed as unreachable there"
+            f"{point} fired in {out.fired_in} in {mode.name} but is listed as unreachable there"
         )
     return out
 

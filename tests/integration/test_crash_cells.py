@@ -17,7 +17,7 @@ from tests.crashmatrix import BY_NAME, MODES, POINTS, SHAPES, cells, run_cell
 def test_a_crash_inside_a_batch_leaves_a_node_the_retries_make_whole(
     short_tmp: Path, mode: str, point: str
 ) -> None:
-    out = run_cell(short_tmp, mode, point, "batch")
+    out = run_cell(short_tmp, BY_NAME[mode], point, "batch")
     assert out.problems == [], "\n".join(out.problems)
     assert out.fired_in == "prepare" and out.crashes == 1
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.crashmatrix import MODES, POINTS, cells, run_cell, save_cell
+from tests.crashmatrix import BY_NAME, MODES, POINTS, cells, run_cell, save_cell
 from tests.reliability.report import add
 
 pytestmark = pytest.mark.reliability
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.reliability
     ("mode", "point", "shape"), [pytest.param(*c, id="/".join(c)) for c in cells()]
 )
 def test_crash_matrix(short_tmp: Path, mode: str, point: str, shape: str) -> None:
-    out = run_cell(short_tmp, mode, point, shape)
+    out = run_cell(short_tmp, BY_NAME[mode], point, shape)
     save_cell(out)
     add(
         "crash-matrix",
