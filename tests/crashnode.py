@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 
 from agent.nvml.facade import Nvml
 from agent.nvml.types import MigInstance
@@ -98,7 +99,7 @@ def node_violations(d: Daemon, baseline: MigLayout) -> list[str]:
     return out
 
 
-def _cdi_violations(d: Daemon, claims: dict[str, ClaimEntry]) -> list[str]:
+def _cdi_violations(d: Daemon, claims: Mapping[str, ClaimEntry]) -> list[str]:
     out = []
     want = {uid for uid, e in claims.items() if e.state == PREPARE_COMPLETED and e.devices}
     have = spec_uids(d)
@@ -139,7 +140,7 @@ def _cdi_violations(d: Daemon, claims: dict[str, ClaimEntry]) -> list[str]:
     return out
 
 
-def _holder_violations(claims: dict[str, ClaimEntry]) -> list[str]:
+def _holder_violations(claims: Mapping[str, ClaimEntry]) -> list[str]:
     out = []
     holders: dict[tuple[str, str], list[tuple[str, str | None, str | None]]] = defaultdict(list)
     for uid, e in sorted(claims.items()):
@@ -164,7 +165,7 @@ def _holder_violations(claims: dict[str, ClaimEntry]) -> list[str]:
     return out
 
 
-def _mig_violations(d: Daemon, claims: dict[str, ClaimEntry], baseline: MigLayout) -> list[str]:
+def _mig_violations(d: Daemon, claims: Mapping[str, ClaimEntry], baseline: MigLayout) -> list[str]:
     out = []
     held: dict[int, list[tuple[int, int]]] = defaultdict(list)
     recorded: dict[tuple[int, int, int], str | None] = {}
@@ -188,7 +189,7 @@ def _mig_violations(d: Daemon, claims: dict[str, ClaimEntry], baseline: MigLayou
     return out
 
 
-def _mps_violations(d: Daemon, claims: dict[str, ClaimEntry]) -> list[str]:
+def _mps_violations(d: Daemon, claims: Mapping[str, ClaimEntry]) -> list[str]:
     out = []
     running = {x.pid: x for x in mps_daemons(d.state / "sim", d.model)}
     recorded = {e.mps.pid: (uid, e) for uid, e in claims.items() if e.mps is not None}
@@ -212,7 +213,7 @@ def _mps_violations(d: Daemon, claims: dict[str, ClaimEntry]) -> list[str]:
     return out
 
 
-def _gpu_setting_violations(d: Daemon, claims: dict[str, ClaimEntry]) -> list[str]:
+def _gpu_setting_violations(d: Daemon, claims: Mapping[str, ClaimEntry]) -> list[str]:
     out = []
     sliced: dict[str, set[str]] = defaultdict(set)
     exclusive: set[str] = set()

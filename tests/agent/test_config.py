@@ -213,7 +213,7 @@ def test_cleanup_on_exit_would_delete_the_successors_slices():
                          "TESSERA_CLEANUP_ON_EXIT": "1"})  # fmt: skip
 
 
-def test_sim_crash_at_takes_a_point_and_an_occurrence():
+def test_sim_crash_at_takes_a_point_and_an_occurrence() -> None:
     sim = {"TESSERA_SIMULATE": "dgx-h100"}
     assert load_config({}, sim).sim_crash_at is None
     first = load_config({"sim_crash_at": "after-cdi"}, sim).sim_crash_at
@@ -239,7 +239,7 @@ def test_sim_crash_at_takes_a_point_and_an_occurrence():
         ("after-cdi:1234567890", "is not POINT:N with N a whole number >= 1"),
     ],
 )
-def test_a_bad_crash_point_is_refused_naming_the_known_ones(raw, message):
+def test_a_bad_crash_point_is_refused_naming_the_known_ones(raw: str, message: str) -> None:
     with pytest.raises(ConfigError) as e:
         load_config({"sim_crash_at": raw}, {"TESSERA_SIMULATE": "dgx-h100"})
     assert str(e.value).startswith(f"--sim-crash-at: {raw!r} {message}")
@@ -247,6 +247,6 @@ def test_a_bad_crash_point_is_refused_naming_the_known_ones(raw, message):
         assert ", ".join(CRASH_POINTS) in str(e.value)
 
 
-def test_sim_crash_at_needs_simulate():
+def test_sim_crash_at_needs_simulate() -> None:
     with pytest.raises(ConfigError, match="only allowed with --simulate"):
         load_config({"sim_crash_at": "after-cdi:2"}, {})

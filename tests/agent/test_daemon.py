@@ -186,7 +186,7 @@ class Kills:
         self.calls += 1
 
 
-def test_the_crash_hook_kills_at_the_first_pass_of_its_point_and_only_there():
+def test_the_crash_hook_kills_at_the_first_pass_of_its_point_and_only_there() -> None:
     kills = Kills()
     hook = crash_hook(CrashAt("after-cdi"), kill=kills)
     hook("after-started")
@@ -198,7 +198,9 @@ def test_the_crash_hook_kills_at_the_first_pass_of_its_point_and_only_there():
     assert kills.calls == 1
 
 
-def test_the_crash_hook_kills_at_the_nth_pass_and_logs_the_ones_before(caplog):
+def test_the_crash_hook_kills_at_the_nth_pass_and_logs_the_ones_before(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     kills = Kills()
     log = logging.getLogger("tessera.test.crash")
     hook = crash_hook(CrashAt("after-gi-create", 3), log, kill=kills)
@@ -215,7 +217,7 @@ def test_the_crash_hook_kills_at_the_nth_pass_and_logs_the_ones_before(caplog):
     ]
 
 
-def test_the_crash_hook_counts_each_pass_once_across_threads():
+def test_the_crash_hook_counts_each_pass_once_across_threads() -> None:
     """The claims of a batch reach a point on several threads: exactly one of them kills, at
     exactly the armed occurrence."""
     kills = Kills()
@@ -235,7 +237,7 @@ def test_the_crash_hook_counts_each_pass_once_across_threads():
     assert kills.calls == 1
 
 
-def test_an_unarmed_crash_hook_does_nothing():
+def test_an_unarmed_crash_hook_does_nothing() -> None:
     kills = Kills()
     hook = crash_hook(None, kill=kills)
     for point in CRASH_POINTS:
