@@ -177,6 +177,41 @@ def port(raw: str) -> int:
     return value
 
 
+@dataclass(frozen=True)
+class CrashAt:
+    """Where ``--sim-crash-at`` kills the daemon: the ``occurrence``-th time (1: the first) this
+    process reaches ``point`` (the claims of one call run concurrently, so a point is reached once
+    per claim of a batch, or once per call where the claims share that step)."""
+
+    point: str
+    occurrence: int = 1
+
+    def __str__(self) -> str:
+        return self.point if self.occurrence == 1 else f"{self.point}:{self.occurrence}"
+
+
+OCCURRENCE = re.compile(r"[0-9]{1,9}")
+
+
+def crash_at(raw: str) -> CrashAt:
+    """``POINT`` or ``POINT:N``: a crash point of prepare or unprepare and, optionally, which time
+    it is reached (N >= 1)."""
+    point, sep, count = raw.partition(":")
+    if point not in CRASH_POINTS:
+        raise ValueError(
+            "does not name a crash point (POINT or POINT:N); POINT is one of "
+            + ", ".join(CRASH_POINTS)
+        )
+    if not sep:
+        return CrashAt(point)
+    if not OCCURRENCE.fullmatch(count) or int(count) < 1:
+        raise ValueError(
+            "is not POINT:N with N a whole number >= 1 (the N-th time the point is reached, e.g."
+            f" {point}:3)"
+        )
+    return CrashAt(point, int(count))
+
+
 def host_port(raw: str) -> str:
     """``HOST:PORT`` (``[::1]:9400`` for IPv6), kept as text."""
     _host, sep, number_ = raw.rpartition(":")
@@ -528,12 +563,15 @@ class Config:
         groups=("daemon",),
         metavar="SECONDS",
     )
-    sim_crash_at: str | None = setting(
+    sim_crash_at: CrashAt | None = setting(
         None,
         "Fault injection, --simulate only: the daemon kills itself (SIGKILL) when a prepare or"
-        " unprepare reaches this point; for crash-safety tests.",
+        " unprepare reaches POINT, one of " + ", ".join(CRASH_POINTS) + "; with POINT:N, the"
+        " N-th time this process reaches it (N >= 1; a crash inside a batch of claims, e.g."
+        " after-cdi:3 after the third claim's CDI spec). For crash-safety tests.",
         groups=("daemon",),
-        choices=CRASH_POINTS,
+        metavar="POINT[:N]",
+        parse=crash_at,
     )
     http_max_connections: int = setting(
         64,

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
-from agent.config import Config
+from agent.config import Config, CrashAt
 from agent.discovery.inventory import NodeInventory
 from agent.driverfiles.discover import find_cdi_hook, make_char_device, under
 from agent.errors import ConfigError, TesseraError
@@ -890,7 +890,7 @@ def _build(
     driver_version = source.nvml.system().driver_version
     devices = CurrentDevices()
     prepare_log = log.getChild("prepare")
-    crash = crash_hook(config.sim_crash_at)
+    crash = crash_hook(config.sim_crash_at, log.getChild("sim"))
     preparer = Preparer(
         driver_name=config.driver_name,
         pool=source.hostname,
@@ -1110,11 +1110,41 @@ def sharing_effects(
     )
 
 
-def crash_hook(point: str | None) -> Callable[[str], None]:
-    """Simulation fault injection: SIGKILL ourselves when prepare reaches ``point``."""
+def kill_self() -> None:
+    """SIGKILL this process: no handler, no clean-up, as a crash would end it."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def crash_hook(
+    at: CrashAt | None,
+    log: logging.Logger | None = None,
+    kill: Callable[[], None] = kill_self,
+) -> Callable[[str], None]:
+    """Simulation fault injection (``--sim-crash-at``): ``kill`` (SIGKILL ourselves) the
+    ``at.occurrence``-th time prepare or unprepare reaches ``at.point`` in this process.
+
+    The claims of a call run on several threads, so the count is kept under a lock: each
+    occurrence is counted once, and exactly one caller kills. The passes before it are logged
+    (``passed a crash point``), so a test can tell a point reached fewer times than it armed
+    from one never reached."""
+    if at is None:
+        return lambda reached: None
+    lock = threading.Lock()
+    passed = 0
 
     def hook(reached: str) -> None:
-        if reached == point:
-            os.kill(os.getpid(), signal.SIGKILL)
+        nonlocal passed
+        if reached != at.point:
+            return
+        with lock:
+            passed += 1
+            occurrence = passed
+        if occurrence == at.occurrence:
+            kill()
+        elif occurrence < at.occurrence and log is not None:
+            log.info(
+                "passed a crash point",
+                extra=fields_(point=at.point, occurrence=occurrence, fires_at=at.occurrence),
+            )
 
     return hook

@@ -3,8 +3,19 @@ from pathlib import Path
 import pytest
 
 from agent.cli import build_parser
-from agent.config import Config, dest, env_name, flag_name, load_config, settings, settings_of
+from agent.config import (
+    Config,
+    CrashAt,
+    crash_at,
+    dest,
+    env_name,
+    flag_name,
+    load_config,
+    settings,
+    settings_of,
+)
 from agent.errors import ConfigError
+from dra_driver.prepare import CRASH_POINTS
 
 
 def test_defaults_are_pinned():
@@ -200,3 +211,42 @@ def test_cleanup_on_exit_would_delete_the_successors_slices():
     with pytest.raises(ConfigError, match="--cleanup-on-exit and --rolling-update"):
         load_config({}, {"TESSERA_ROLLING_UPDATE": "1", "TESSERA_POD_UID": POD_UID,
                          "TESSERA_CLEANUP_ON_EXIT": "1"})  # fmt: skip
+
+
+def test_sim_crash_at_takes_a_point_and_an_occurrence() -> None:
+    sim = {"TESSERA_SIMULATE": "dgx-h100"}
+    assert load_config({}, sim).sim_crash_at is None
+    first = load_config({"sim_crash_at": "after-cdi"}, sim).sim_crash_at
+    assert first == CrashAt("after-cdi", 1) and str(first) == "after-cdi"
+    third = load_config({}, {**sim, "TESSERA_SIM_CRASH_AT": "after-gi-create:3"}).sim_crash_at
+    assert third == CrashAt("after-gi-create", 3) and str(third) == "after-gi-create:3"
+    for point in CRASH_POINTS:  # every point the driver has can be armed
+        assert crash_at(point) == CrashAt(point) and crash_at(f"{point}:2") == CrashAt(point, 2)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ("after-nothing", "does not name a crash point (POINT or POINT:N); POINT is one of "),
+        ("after-nothing:2", "does not name a crash point"),
+        ("", "does not name a crash point"),
+        ("after-cdi:0", "is not POINT:N with N a whole number >= 1"),
+        ("after-cdi:-1", "is not POINT:N with N a whole number >= 1"),
+        ("after-cdi:", "is not POINT:N with N a whole number >= 1"),
+        ("after-cdi:two", "is not POINT:N with N a whole number >= 1"),
+        ("after-cdi:2:3", "is not POINT:N with N a whole number >= 1"),
+        ("after-cdi:\u00b2", "is not POINT:N with N a whole number >= 1"),  # int() refuses it
+        ("after-cdi:1234567890", "is not POINT:N with N a whole number >= 1"),
+    ],
+)
+def test_a_bad_crash_point_is_refused_naming_the_known_ones(raw: str, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config({"sim_crash_at": raw}, {"TESSERA_SIMULATE": "dgx-h100"})
+    assert str(e.value).startswith(f"--sim-crash-at: {raw!r} {message}")
+    if "crash point" in message:
+        assert ", ".join(CRASH_POINTS) in str(e.value)
+
+
+def test_sim_crash_at_needs_simulate() -> None:
+    with pytest.raises(ConfigError, match="only allowed with --simulate"):
+        load_config({"sim_crash_at": "after-cdi:2"}, {})

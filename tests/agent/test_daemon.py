@@ -8,8 +8,9 @@ import threading
 
 import pytest
 
-from agent.config import Config
-from agent.daemon import build_agent
+from agent.config import Config, CrashAt
+from agent.daemon import build_agent, crash_hook
+from dra_driver.prepare import CRASH_POINTS
 
 
 def config(state_dir) -> Config:
@@ -173,3 +174,72 @@ def test_every_rediscovery_takes_the_start_s_one_path_and_reports_only_changes(s
     finally:
         stop.set()
         agent.stop()
+
+
+class Kills:
+    """A fake kill: counts the calls instead of ending the test process."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+
+
+def test_the_crash_hook_kills_at_the_first_pass_of_its_point_and_only_there() -> None:
+    kills = Kills()
+    hook = crash_hook(CrashAt("after-cdi"), kill=kills)
+    hook("after-started")
+    hook("after-completed")
+    assert kills.calls == 0
+    hook("after-cdi")
+    assert kills.calls == 1
+    hook("after-cdi")  # in the real daemon there is no second time; here: no second kill
+    assert kills.calls == 1
+
+
+def test_the_crash_hook_kills_at_the_nth_pass_and_logs_the_ones_before(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    kills = Kills()
+    log = logging.getLogger("tessera.test.crash")
+    hook = crash_hook(CrashAt("after-gi-create", 3), log, kill=kills)
+    with caplog.at_level(logging.INFO, logger="tessera.test.crash"):
+        for point in ["after-gi-create", "after-ci-create", "after-gi-create", "after-cdi"]:
+            hook(point)
+        assert kills.calls == 0
+        hook("after-gi-create")
+        assert kills.calls == 1
+    passes = [r for r in caplog.records if r.getMessage() == "passed a crash point"]
+    assert [r.fields for r in passes] == [  # type: ignore[attr-defined]
+        {"point": "after-gi-create", "occurrence": 1, "fires_at": 3},
+        {"point": "after-gi-create", "occurrence": 2, "fires_at": 3},
+    ]
+
+
+def test_the_crash_hook_counts_each_pass_once_across_threads() -> None:
+    """The claims of a batch reach a point on several threads: exactly one of them kills, at
+    exactly the armed occurrence."""
+    kills = Kills()
+    hook = crash_hook(CrashAt("after-started", 50), kill=kills)
+    start = threading.Barrier(8)
+
+    def claim() -> None:
+        start.wait()
+        for _ in range(25):
+            hook("after-started")
+
+    threads = [threading.Thread(target=claim) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert kills.calls == 1
+
+
+def test_an_unarmed_crash_hook_does_nothing() -> None:
+    kills = Kills()
+    hook = crash_hook(None, kill=kills)
+    for point in CRASH_POINTS:
+        hook(point)
+    assert kills.calls == 0
