@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import random
+import threading
 
 import pytest
 import yaml
@@ -154,3 +155,118 @@ def test_temporary_failures_back_off_exponentially_then_recover(tmp_path, h100):
 def test_backoff_is_capped():
     b = Backoff(base=0.5, cap=30.0, rng=random.Random(3))
     assert all(15.0 <= b.delay(n) <= 30.0 for n in range(8, 40))
+
+
+class Counting(Scripted):
+    """A scripted store that counts the rounds the publisher starts (each begins with a list)."""
+
+    def __init__(self, path, faults):
+        super().__init__(path, faults)
+        self.lists = 0
+
+    def list(self):
+        self.lists += 1
+        return super().list()
+
+
+def too_many_requests(seconds: float | None) -> KubeError:
+    return KubeError(429, "TooManyRequests", "", "POST", "/x", retry_after=seconds)
+
+
+def test_a_retry_after_longer_than_the_backoff_holds_the_next_round(tmp_path, h100, inventory):
+    store = Counting(tmp_path, [too_many_requests(7.0)])
+    p = publisher(store, h100)
+    assert p.step(0.0) == 7.0  # the server's 7 s, not the first backoff step (at most 0.5 s)
+    assert store.lists == 1 and not p.ready
+    # a device change and a watch event during the wait start nothing early
+    p.set_devices(advertised_devices(inventory("dgx-h100", "all-1g"), DevicePolicy()))
+    p.poke()
+    assert p.step(6.9) == pytest.approx(0.1)
+    assert store.lists == 1
+    assert p.step(7.0) == 600.0 and p.ready and store.lists == 2
+    (obj,) = store.list()[0]
+    assert len(obj["spec"]["devices"]) == 56  # the change waited for the retry, and made it
+
+
+def test_a_backoff_longer_than_the_retry_after_wins(tmp_path, h100):
+    faults = [KubeError(503, "ServiceUnavailable", "", "POST", "/x") for _ in range(5)]
+    faults.append(too_many_requests(1.0))
+    p = publisher(Scripted(tmp_path, faults), h100)
+    now = 0.0
+    for _ in range(5):
+        now += p.step(now)
+    expected = Backoff(rng=random.Random(1))
+    for n in range(1, 6):
+        expected.delay(n)  # the same random draws as the five backoffs so far
+    sixth = expected.delay(6)
+    assert p.step(now) == pytest.approx(sixth) and sixth >= 8.0  # 16 s with jitter, not 1 s
+    assert p.stats.errors == 6
+
+
+def test_a_device_change_during_a_backoff_waits_for_it(tmp_path, h100, inventory):
+    store = Counting(tmp_path, [KubeError(503, "ServiceUnavailable", "", "POST", "/x")] * 2)
+    p = publisher(store, h100)
+    first = p.step(0.0)
+    p.set_devices(advertised_devices(inventory("dgx-h100", "all-1g"), DevicePolicy()))
+    assert p.step(first / 2) == pytest.approx(first / 2) and store.lists == 1
+    second = p.step(first)
+    assert store.lists == 2 and second >= 0.5  # the second step of the backoff
+    assert p.step(first + second) == 600.0 and p.ready
+
+
+class RecordingStop(threading.Event):
+    """A stop event whose waits return at once: each timeout is recorded, and it is set after
+    ``waits`` of them (the loop then ends). No time passes."""
+
+    def __init__(self, waits: int) -> None:
+        super().__init__()
+        self.waits: list[float] = []
+        self._limit = waits
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits.append(float(timeout or 0.0))
+        if len(self.waits) >= self._limit:
+            self.set()
+        return self.is_set()
+
+
+class Watching(DirSliceStore):
+    """A watchable store whose watches play scripted outcomes: an exception, or a list of
+    events, in order."""
+
+    watchable = True
+
+    def __init__(self, path, outcomes):
+        super().__init__(path)
+        self.outcomes = list(outcomes)
+        self.watches: list[str] = []
+
+    def watch(self, resource_version, timeout_s):
+        self.watches.append(resource_version)
+        outcome = self.outcomes.pop(0) if self.outcomes else []
+        if isinstance(outcome, Exception):
+            raise outcome
+        return iter(outcome)
+
+
+def test_the_watch_waits_out_a_retry_after(tmp_path, h100):
+    store = Watching(
+        tmp_path, [too_many_requests(5.0), KubeError(0, "ConnectionError", "", "WATCH", "/x")]
+    )
+    p = publisher(store, h100)
+    stop = RecordingStop(waits=2)
+    p.watch_loop(stop)
+    assert stop.waits[0] == 5.0  # the server's wait, not the first backoff step
+    assert 0.5 <= stop.waits[1] <= 1.0  # then the backoff's second step
+    assert len(store.watches) == 2
+
+
+def test_a_watch_that_keeps_expiring_is_backed_off_after_the_first_relist(tmp_path, h100):
+    expired = [{"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired"}}]
+    store = Watching(tmp_path, [expired, expired, expired])
+    p = publisher(store, h100)
+    p._list_rv = "41"
+    stop = RecordingStop(waits=2)
+    p.watch_loop(stop)
+    assert store.watches == ["41", "", ""]  # the first 410 starts over at once, from a new list
+    assert 0.25 <= stop.waits[0] <= 0.5 and 0.5 <= stop.waits[1] <= 1.0
