@@ -462,6 +462,8 @@ class Handler(BaseHTTPRequestHandler):
             except ApiError as exc:
                 self._event("ERROR", exc.status())
                 return
+            if ctx.faults.cuts != cuts:  # nothing that happened after the cut reaches the client
+                raise _Cut
             for event in events:
                 seen = event_for(event, selection)
                 if seen is not None:

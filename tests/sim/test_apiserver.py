@@ -630,11 +630,14 @@ def test_the_request_log_stamps_each_request_when_it_arrived() -> None:
     assert not server.requests[0].watch
 
 
-def _raw_watch_in_thread(server: ApiServer) -> tuple[queue.Queue[str], threading.Thread]:
+def _raw_watch_in_thread(
+    server: ApiServer, received: bytearray | None = None
+) -> tuple[queue.Queue[str], threading.Thread]:
     """Watch slices in a thread; once open, how the stream ended goes to the queue: "ended
-    cleanly", or the name of the error the client saw."""
+    cleanly", or the name of the error the client saw. What it received goes to ``received``."""
     outcome: queue.Queue[str] = queue.Queue()
     seen = len([r for r in server.requests if r.watch])
+    data = bytearray() if received is None else received
 
     def run() -> None:
         with server.api_client(retries=False) as api_client:
@@ -642,8 +645,8 @@ def _raw_watch_in_thread(server: ApiServer) -> tuple[queue.Queue[str], threading
                 watch=True, timeout_seconds=600, _preload_content=False
             )
             try:
-                for _ in resp.stream(64):
-                    pass
+                for chunk in resp.stream(64):
+                    data.extend(chunk)
                 outcome.put("ended cleanly")
             except urllib3.exceptions.HTTPError as exc:
                 outcome.put(type(exc).__name__)
@@ -692,10 +695,13 @@ def test_an_outage_of_dropped_connections(server: ApiServer, strict_api: client.
 def test_cut_watches_ends_open_streams_mid_stream_and_new_ones_stay_open(
     server: ApiServer,
 ) -> None:
-    outcome, thread = _raw_watch_in_thread(server)
+    received = bytearray()
+    outcome, thread = _raw_watch_in_thread(server, received)
     server.faults.cut_watches()
+    server.put_object("resourceslices", slice_body("made-after-the-cut"))
     thread.join(30)
     assert not thread.is_alive() and outcome.get_nowait() != "ended cleanly"
+    assert b"made-after-the-cut" not in received  # the cut stream sends nothing newer
     events, after = _watch_in_thread(server, timeout_seconds=600)
     server.put_object("resourceslices", slice_body("after-the-cut"))
     assert events.get(timeout=30) == "after-the-cut"
