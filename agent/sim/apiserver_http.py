@@ -460,6 +460,8 @@ class Handler(BaseHTTPRequestHandler):
             try:
                 events, current = ctx.store.wait_events(rt, cursor, wait)
             except ApiError as exc:
+                if ctx.faults.cuts != cuts:
+                    raise _Cut from None
                 self._event("ERROR", exc.status())
                 return
             if ctx.faults.cuts != cuts:  # nothing that happened after the cut reaches the client
