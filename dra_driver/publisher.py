@@ -428,22 +428,31 @@ class Publisher:
             self.on_taints_dropped()
 
     def step(self, now: float) -> float:
-        """Reconcile if due (devices changed, drift seen, resync or retry time reached)."""
+        """Reconcile if due (devices changed, drift seen, resync or retry time reached); the
+        seconds from its return until the next round is due. Waits count from the end of the
+        round: ``now`` plus the time it took on the publisher's clock (a Retry-After of 2 s on
+        a round's last request holds the next round 2 s from that answer, not from the round's
+        start)."""
         with self._lock:
             due = (self._dirty or now >= self._next_at) and now >= self._hold_until
             if due:
                 self._dirty = False
+        end = now
         if due and self._model is not None:
+            started = self.clock()
             try:
                 self.reconcile()
             except KubeError as exc:
-                self._failed(now, exc, exc.temporary)
+                end = now + max(0.0, self.clock() - started)
+                self._failed(end, exc, exc.temporary)
             except Exception as exc:  # last resort: a bug must not end publishing for good
-                self._failed(now, exc, None)
+                end = now + max(0.0, self.clock() - started)
+                self._failed(end, exc, None)
             else:
+                end = now + max(0.0, self.clock() - started)
                 self._failures = 0
-                self._next_at = now + self.resync_interval
-        return max(0.0, float(self._next_at) - now)
+                self._next_at = end + self.resync_interval
+        return max(0.0, float(self._next_at) - end)
 
     def retry_in(self, exc: Exception, failures: int) -> float:
         """Seconds to wait after the ``failures``-th failure in a row: the backoff, or the

@@ -30,6 +30,8 @@ def a100_dynamic(inventory):
 
 
 def publisher(store, model, **kw) -> Publisher:
+    """A publisher whose own clock stands still: ``step(now)`` is the only time that passes."""
+    kw.setdefault("clock", lambda: 0.0)
     p = Publisher(store, POLICY, LOG, backoff=Backoff(rng=random.Random(1)), **kw)
     p.set_devices(model)
     return p
@@ -186,6 +188,23 @@ def test_a_retry_after_longer_than_the_backoff_holds_the_next_round(tmp_path, h1
     assert p.step(7.0) == 600.0 and p.ready and store.lists == 2
     (obj,) = store.list()[0]
     assert len(obj["spec"]["devices"]) == 56  # the change waited for the retry, and made it
+
+
+def test_the_wait_counts_from_the_failure_not_from_the_start_of_the_round(tmp_path, h100):
+    """A round that took 0.5 s before its 429: the Retry-After of 2 s counts from the 429."""
+    clock = [0.0]
+
+    class SlowList(Counting):
+        def list(self):
+            clock[0] += 0.5  # the list takes half a second; the create then fails
+            return super().list()
+
+    store = SlowList(tmp_path, [too_many_requests(2.0)])
+    p = publisher(store, h100, clock=lambda: clock[0])
+    assert p.step(0.0) == 2.0  # from the end of the round, at 0.5
+    assert p.step(2.4) == pytest.approx(0.1) and store.lists == 1
+    assert p.step(2.5) == 600.0  # the resync, from the end of this round (at 3.0)
+    assert p.ready and store.lists == 2
 
 
 def test_a_backoff_longer_than_the_retry_after_wins(tmp_path, h100):
