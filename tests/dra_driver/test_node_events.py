@@ -288,7 +288,9 @@ class Waits(threading.Event):
 @pytest.mark.parametrize(
     ("retry_after", "waits"), [(None, [1.0, 4.0]), (2.0, [2.0, 4.0]), (10.0, [10.0, 10.0])]
 )
-def test_a_retry_waits_the_longer_of_its_delay_and_the_servers_retry_after(retry_after, waits):
+def test_a_retry_waits_the_longer_of_its_delay_and_the_servers_retry_after(
+    retry_after: float | None, waits: list[float]
+) -> None:
     sink = FakeSink()
     rec = recorder(sink, retry_delays=(1.0, 4.0))
     busy = KubeError(429, "TooManyRequests", "busy", "POST", "/events", retry_after=retry_after)

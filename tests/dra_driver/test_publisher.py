@@ -6,14 +6,18 @@ import copy
 import logging
 import random
 import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
-from dra_driver.devices import DevicePolicy, advertised_devices
+from dra_driver.devices import DeviceModel, DevicePolicy, advertised_devices
 from dra_driver.errors import KubeConflict, KubeError
 from dra_driver.publisher import Backoff, DirSliceStore, Publisher, plan_changes
 from dra_driver.slices import SlicePolicy
+from tests.dra_driver.conftest import Inventory
 
 LOG = logging.getLogger("test.publisher")
 POLICY = SlicePolicy(driver_name="gpu.tessera.dev", node_name="node-a")
@@ -162,11 +166,11 @@ def test_backoff_is_capped():
 class Counting(Scripted):
     """A scripted store that counts the rounds the publisher starts (each begins with a list)."""
 
-    def __init__(self, path, faults):
+    def __init__(self, path: Path, faults: list[Exception]) -> None:
         super().__init__(path, faults)
         self.lists = 0
 
-    def list(self):
+    def list(self) -> tuple[list[dict[str, Any]], str]:
         self.lists += 1
         return super().list()
 
@@ -175,7 +179,9 @@ def too_many_requests(seconds: float | None) -> KubeError:
     return KubeError(429, "TooManyRequests", "", "POST", "/x", retry_after=seconds)
 
 
-def test_a_retry_after_longer_than_the_backoff_holds_the_next_round(tmp_path, h100, inventory):
+def test_a_retry_after_longer_than_the_backoff_holds_the_next_round(
+    tmp_path: Path, h100: DeviceModel, inventory: Inventory
+) -> None:
     store = Counting(tmp_path, [too_many_requests(7.0)])
     p = publisher(store, h100)
     assert p.step(0.0) == 7.0  # the server's 7 s, not the first backoff step (at most 0.5 s)
@@ -190,12 +196,14 @@ def test_a_retry_after_longer_than_the_backoff_holds_the_next_round(tmp_path, h1
     assert len(obj["spec"]["devices"]) == 56  # the change waited for the retry, and made it
 
 
-def test_the_wait_counts_from_the_failure_not_from_the_start_of_the_round(tmp_path, h100):
+def test_the_wait_counts_from_the_failure_not_from_the_start_of_the_round(
+    tmp_path: Path, h100: DeviceModel
+) -> None:
     """A round that took 0.5 s before its 429: the Retry-After of 2 s counts from the 429."""
     clock = [0.0]
 
     class SlowList(Counting):
-        def list(self):
+        def list(self) -> tuple[list[dict[str, Any]], str]:
             clock[0] += 0.5  # the list takes half a second; the create then fails
             return super().list()
 
@@ -207,7 +215,7 @@ def test_the_wait_counts_from_the_failure_not_from_the_start_of_the_round(tmp_pa
     assert p.ready and store.lists == 2
 
 
-def test_a_backoff_longer_than_the_retry_after_wins(tmp_path, h100):
+def test_a_backoff_longer_than_the_retry_after_wins(tmp_path: Path, h100: DeviceModel) -> None:
     faults = [KubeError(503, "ServiceUnavailable", "", "POST", "/x") for _ in range(5)]
     faults.append(too_many_requests(1.0))
     p = publisher(Scripted(tmp_path, faults), h100)
@@ -222,7 +230,9 @@ def test_a_backoff_longer_than_the_retry_after_wins(tmp_path, h100):
     assert p.stats.errors == 6
 
 
-def test_a_device_change_during_a_backoff_waits_for_it(tmp_path, h100, inventory):
+def test_a_device_change_during_a_backoff_waits_for_it(
+    tmp_path: Path, h100: DeviceModel, inventory: Inventory
+) -> None:
     store = Counting(tmp_path, [KubeError(503, "ServiceUnavailable", "", "POST", "/x")] * 2)
     p = publisher(store, h100)
     first = p.step(0.0)
@@ -255,12 +265,12 @@ class Watching(DirSliceStore):
 
     watchable = True
 
-    def __init__(self, path, outcomes):
+    def __init__(self, path: Path, outcomes: list[Any]) -> None:
         super().__init__(path)
         self.outcomes = list(outcomes)
         self.watches: list[str] = []
 
-    def watch(self, resource_version, timeout_s):
+    def watch(self, resource_version: str, timeout_s: int) -> Iterator[dict[str, Any]]:
         self.watches.append(resource_version)
         outcome = self.outcomes.pop(0) if self.outcomes else []
         if isinstance(outcome, Exception):
@@ -268,7 +278,7 @@ class Watching(DirSliceStore):
         return iter(outcome)
 
 
-def test_the_watch_waits_out_a_retry_after(tmp_path, h100):
+def test_the_watch_waits_out_a_retry_after(tmp_path: Path, h100: DeviceModel) -> None:
     store = Watching(
         tmp_path, [too_many_requests(5.0), KubeError(0, "ConnectionError", "", "WATCH", "/x")]
     )
@@ -280,7 +290,9 @@ def test_the_watch_waits_out_a_retry_after(tmp_path, h100):
     assert len(store.watches) == 2
 
 
-def test_a_watch_that_keeps_expiring_is_backed_off_after_the_first_relist(tmp_path, h100):
+def test_a_watch_that_keeps_expiring_is_backed_off_after_the_first_relist(
+    tmp_path: Path, h100: DeviceModel
+) -> None:
     expired = [{"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired"}}]
     store = Watching(tmp_path, [expired, expired, expired])
     p = publisher(store, h100)
