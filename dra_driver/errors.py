@@ -44,7 +44,7 @@ class KubeError(TesseraError):
         self.temporary = status in (0, 408, 429) or status >= 500
         super().__init__(f"{method} {path}: {status} {reason}: {message}")
 
-    def wait(self, backoff: float) -> float:
+    def retry_delay(self, backoff: float) -> float:
         """How long to wait before the next attempt: ``backoff``, or the server's Retry-After
         when that is longer."""
         return backoff if self.retry_after is None else max(backoff, self.retry_after)

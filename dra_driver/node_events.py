@@ -631,7 +631,7 @@ class NodeEventRecorder:
                 return self._send(decision)
             except KubeError as exc:
                 if exc.temporary and attempt < len(self._retry_delays) and not stop.is_set():
-                    stop.wait(exc.wait(self._retry_delays[attempt]))
+                    stop.wait(exc.retry_delay(self._retry_delays[attempt]))
                     continue
                 self._throttle(
                     logging.WARNING,

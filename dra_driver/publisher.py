@@ -458,7 +458,7 @@ class Publisher:
         """Seconds to wait after the ``failures``-th failure in a row: the backoff, or the
         server's Retry-After when ``exc`` carries a longer one."""
         delay = self.backoff.delay(failures)
-        return exc.wait(delay) if isinstance(exc, KubeError) else delay
+        return exc.retry_delay(delay) if isinstance(exc, KubeError) else delay
 
     def _failed(self, now: float, exc: Exception, temporary: bool | None) -> None:
         """Count, log and back off; ``temporary`` None marks an unexpected error (logged with

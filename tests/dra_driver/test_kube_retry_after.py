@@ -50,8 +50,8 @@ def test_retry_after_follows_client_go_and_is_bounded(
 
 def test_the_longer_of_the_backoff_and_the_servers_wait_is_waited() -> None:
     asked = KubeError(429, "TooManyRequests", "", "GET", "/x", retry_after=5.0)
-    assert asked.wait(0.5) == 5.0 and asked.wait(12.0) == 12.0
-    assert KubeError(503, "ServiceUnavailable", "", "GET", "/x").wait(0.5) == 0.5
+    assert asked.retry_delay(0.5) == 5.0 and asked.retry_delay(12.0) == 12.0
+    assert KubeError(503, "ServiceUnavailable", "", "GET", "/x").retry_delay(0.5) == 0.5
 
 
 @pytest.fixture
