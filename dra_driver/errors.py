@@ -38,15 +38,35 @@ def disk_reason(exc: BaseException) -> str | None:
 
 
 class KubeError(TesseraError):
-    """An API-server request failed. ``status`` is the HTTP status (0: no response at all)."""
+    """An API-server request failed. ``status`` is the HTTP status (0: no response at all).
 
-    def __init__(self, status: int, reason: str, message: str, method: str, path: str) -> None:
+    ``retry_after`` is how many seconds the server asked us to wait before trying again (its
+    ``Retry-After`` on a 429 or 5xx, already checked and bounded by ``dra_driver.kube``), or
+    None when it asked nothing: whoever retries waits at least that long, and never less than
+    its own backoff."""
+
+    def __init__(
+        self,
+        status: int,
+        reason: str,
+        message: str,
+        method: str,
+        path: str,
+        *,
+        retry_after: float | None = None,
+    ) -> None:
         self.status = status
         self.reason = reason
         self.method = method
         self.path = path
+        self.retry_after = retry_after
         self.temporary = status in (0, 408, 429) or status >= 500
         super().__init__(f"{method} {path}: {status} {reason}: {message}")
+
+    def retry_delay(self, backoff: float) -> float:
+        """How long to wait before the next attempt: ``backoff``, or the server's Retry-After
+        when that is longer."""
+        return backoff if self.retry_after is None else max(backoff, self.retry_after)
 
 
 class KubeConflict(KubeError):

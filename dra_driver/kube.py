@@ -4,6 +4,9 @@ Objects stay plain dicts (exactly what the API server stores), so fields this cl
 not model survive a read-modify-write. Every failure becomes ``dra_driver.errors.KubeError`` (with
 ``temporary`` set for 429, 5xx and lost connections) or ``KubeConflict`` for 409.
 
+A 429 or 5xx that asks for a wait (``Retry-After``) carries it on the error as ``retry_after``
+(see :func:`retry_after`); the callers that retry wait at least that long.
+
 What comes back is untrusted input: a body that is not a JSON object, one larger than
 ``MAX_BODY_BYTES``, a watch line that does not parse, is longer than ``MAX_BODY_BYTES`` or is not
 a ``{"type": str, "object": {...}}`` event raises ``KubeMalformed`` (temporary: retried with
@@ -13,6 +16,7 @@ backoff like a 503), never anything else.
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -35,6 +39,54 @@ STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 """The patch type client-go's event recorder sends (built-in types only; CRDs answer 415)."""
 MAX_BODY_BYTES = 64 * 1024 * 1024
 """The largest answer (or watch line) taken: a node's slices or one claim are far smaller."""
+MAX_RETRY_AFTER_S = 60.0
+"""The longest wait a server's Retry-After can impose; a longer one is cut to this. Twice the
+publisher's backoff cap (30 s): the API server's own answers ask for 1 s (priority and fairness,
+max-in-flight), so a server asking for minutes is more likely broken than busy, and the agent
+must not stop publishing for longer than its own backoff would on a dead server."""
+_SECONDS = re.compile(r"\+?[0-9]+")
+
+
+def retry_after(status: int, header: str | None, details: Any = None) -> float | None:
+    """How many seconds a failed answer asks the client to wait before it tries again, or None
+    when it asks nothing. ``header`` is its ``Retry-After``, ``details`` its Status ``details``.
+
+    client-go's rules (kubernetes/client-go ``rest/with_retry.go`` ``checkWait``, and
+    ``rest/request.go`` ``retryAfterSeconds``): only a 429 or a 5xx can ask for a wait; the
+    header counts only as whole seconds (``strconv.Atoi``): an HTTP date, a fraction or text is
+    no request at all; and the next attempt waits the longer of the client's own backoff and
+    the server's wait (``withRetry.Before``: ``delay = max(backoff.CalculateBackoff(url),
+    retryAfter.Wait)``, kubernetes/kubernetes#108302). apimachinery's ``SuggestsClientDelay``
+    (``pkg/api/errors``) reads the same wait from ``details.retryAfterSeconds`` of the Status,
+    which the server fills in with the header: used here when the header is missing.
+
+    Ours on top: a negative or zero wait is no request (client-go's ``max`` has the same
+    effect), and a wait above :data:`MAX_RETRY_AFTER_S` (client-go takes any ``int``, bounded
+    only by its ten retries; Atoi fails on more than 19 digits) is cut to it. Pure."""
+    if status != 429 and status < 500:
+        return None
+    seconds: float | None = None
+    if header is not None:
+        text = header.strip()
+        if _SECONDS.fullmatch(text):
+            digits = text.lstrip("+")
+            seconds = MAX_RETRY_AFTER_S if len(digits) > 9 else float(int(digits))
+    elif isinstance(details, dict):
+        value = details.get("retryAfterSeconds")
+        if isinstance(value, int) and not isinstance(value, bool):
+            seconds = float(value)
+    if seconds is None or seconds <= 0:
+        return None
+    return min(seconds, MAX_RETRY_AFTER_S)
+
+
+def _header(headers: Any, name: str) -> str | None:
+    """One header of a response (None when absent or not text)."""
+    try:
+        value = headers.get(name) if headers is not None else None
+    except AttributeError:  # not a mapping: no headers to read
+        return None
+    return value if isinstance(value, str) else None
 
 
 class KubeClient:
@@ -109,19 +161,25 @@ class KubeClient:
         try:
             resp = self._api.call_api(*params, _request_timeout=timeout or self._timeout)
         except ApiException as exc:
-            raise KubeError(int(exc.status or 0), str(exc.reason), "", method, path) from exc
+            code = int(exc.status or 0)
+            wait = retry_after(code, _header(exc.headers, "Retry-After"))
+            raise KubeError(code, str(exc.reason), "", method, path, retry_after=wait) from exc
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise KubeError(0, "ConnectionError", str(exc), method, path) from exc
         if not 200 <= resp.status < 300:
             raw = _read(resp, method, path)
+            details = None
             try:
                 status = _json_object(raw, method, path)  # a Status object, if well formed
                 message = str(status.get("message", ""))[:1000]
                 reason = str(status.get("reason", resp.reason))[:100]
+                details = status.get("details")
             except KubeMalformed:
                 message, reason = raw.decode(errors="replace")[:200], str(resp.reason)
+            header = _header(getattr(resp.response, "headers", None), "Retry-After")
+            wait = retry_after(resp.status, header, details)
             cls = KubeConflict if resp.status == 409 else KubeError
-            raise cls(resp.status, reason, message, method, path)
+            raise cls(resp.status, reason, message, method, path, retry_after=wait)
         return resp
 
     def request(

@@ -34,7 +34,9 @@ The rules are client-go's event recorder's (``tools/record/events_cache.go`` and
 
 Where we differ: client-go retries only lost connections (12 tries, 10 s apart, blocking its
 queue); here every temporary failure (no answer, 429, 5xx) is retried after each of
-``retry_delays`` (1 s, 4 s) unless the agent is stopping, then counted as failed. Any other
+``retry_delays`` (1 s, 4 s), or after the server's Retry-After when it asks for longer (client-go's
+``rest/with_retry.go``: the longer of backoff and Retry-After; ``KubeError.retry_after``), unless
+the agent is stopping, then counted as failed. Any other
 refusal (403, 409, 422) is logged, rate-limited, and counted. At shutdown what is still queued is
 written for at most ``flush_timeout`` seconds, each request bounded by the sink's timeout.
 """
@@ -629,7 +631,7 @@ class NodeEventRecorder:
                 return self._send(decision)
             except KubeError as exc:
                 if exc.temporary and attempt < len(self._retry_delays) and not stop.is_set():
-                    stop.wait(self._retry_delays[attempt])
+                    stop.wait(exc.retry_delay(self._retry_delays[attempt]))
                     continue
                 self._throttle(
                     logging.WARNING,

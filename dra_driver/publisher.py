@@ -4,7 +4,10 @@
 says what to create, update and delete; nothing when nothing changed. ``Publisher`` applies plans:
 on start, whenever the devices change, when a watch shows someone else touched our slices, and
 every resync interval. Conflicts (409) re-read and retry at once; temporary failures (429, 5xx,
-lost connections) back off exponentially with jitter, capped.
+lost connections) back off exponentially with jitter, capped, and at least as long as the
+server's Retry-After asked (``KubeError.retry_after``, client-go's rule). While backing off,
+nothing starts a round early: a device change or a watch event is published when the wait is
+over, so a failing server sees at most one attempt per backoff step.
 
 Stores: ``KubeSliceStore`` (the API server; only slices with our driver and node, selected by
 field selectors) and ``DirSliceStore`` (standalone: YAML files in a directory).
@@ -340,6 +343,9 @@ class Publisher:
         self._dirty = False
         self._failures = 0
         self._next_at = 0.0
+        self._hold_until = 0.0
+        """After a failure, no round starts before this (the backoff, or the server's
+        Retry-After), whatever asks for one."""
         self._list_rv = ""
         self._wake = threading.Event()
         self.taints_dropped = False
@@ -422,21 +428,37 @@ class Publisher:
             self.on_taints_dropped()
 
     def step(self, now: float) -> float:
-        """Reconcile if due (devices changed, drift seen, resync or retry time reached)."""
+        """Reconcile if due (devices changed, drift seen, resync or retry time reached); the
+        seconds from its return until the next round is due. Waits count from the end of the
+        round: ``now`` plus the time it took on the publisher's clock (a Retry-After of 2 s on
+        a round's last request holds the next round 2 s from that answer, not from the round's
+        start)."""
         with self._lock:
-            due = self._dirty or now >= self._next_at
-            self._dirty = False
+            due = (self._dirty or now >= self._next_at) and now >= self._hold_until
+            if due:
+                self._dirty = False
+        end = now
         if due and self._model is not None:
+            started = self.clock()
             try:
                 self.reconcile()
             except KubeError as exc:
-                self._failed(now, exc, exc.temporary)
+                end = now + max(0.0, self.clock() - started)
+                self._failed(end, exc, exc.temporary)
             except Exception as exc:  # last resort: a bug must not end publishing for good
-                self._failed(now, exc, None)
+                end = now + max(0.0, self.clock() - started)
+                self._failed(end, exc, None)
             else:
+                end = now + max(0.0, self.clock() - started)
                 self._failures = 0
-                self._next_at = now + self.resync_interval
-        return max(0.0, float(self._next_at) - now)
+                self._next_at = end + self.resync_interval
+        return max(0.0, float(self._next_at) - end)
+
+    def retry_in(self, exc: Exception, failures: int) -> float:
+        """Seconds to wait after the ``failures``-th failure in a row: the backoff, or the
+        server's Retry-After when ``exc`` carries a longer one."""
+        delay = self.backoff.delay(failures)
+        return exc.retry_delay(delay) if isinstance(exc, KubeError) else delay
 
     def _failed(self, now: float, exc: Exception, temporary: bool | None) -> None:
         """Count, log and back off; ``temporary`` None marks an unexpected error (logged with
@@ -444,11 +466,13 @@ class Publisher:
         self._failures += 1
         self.stats.errors += 1
         self.stats.last_error = str(exc) or type(exc).__name__
-        delay = self.backoff.delay(self._failures)
-        self._next_at = now + delay
+        delay = self.retry_in(exc, self._failures)
         with self._lock:
+            self._next_at = self._hold_until = now + delay
             self._dirty = False
         fields = fields_(error=self.stats.last_error, retry_in_s=round(delay, 2))
+        if isinstance(exc, KubeError) and exc.retry_after is not None:
+            fields["fields"]["retry_after_s"] = exc.retry_after
         if temporary is None:
             self.log.error(
                 "publishing ResourceSlices failed unexpectedly, will retry",
@@ -475,17 +499,20 @@ class Publisher:
         """Watch our slices; any change we did not expect triggers a reconcile (a thread)."""
         failures = 0
         while not stop.is_set() and self.store.watchable:
-            started, events = self.clock(), 0
+            started, events, expired = self.clock(), 0, False
             try:
                 for event in self.store.watch(self._list_rv, timeout_s):
                     if stop.is_set():
                         return
-                    failures, events = 0, events + 1
+                    events += 1
                     obj = event.get("object") or {}
                     if event.get("type") == "ERROR":
-                        self._list_rv = ""  # too old (410): start over from a fresh list
+                        # too old (410): start over from a fresh list, at once the first time
+                        failures, expired = failures + 1, True
+                        self._list_rv = ""
                         self.poke()
                         break
+                    failures = 0
                     meta = obj.get("metadata")
                     self._list_rv = (
                         str(meta.get("resourceVersion", "")) if isinstance(meta, dict) else ""
@@ -495,9 +522,12 @@ class Publisher:
             except KubeError as exc:
                 failures += 1
                 self.log.info("slice watch interrupted", extra=fields_(error=str(exc)))
-                stop.wait(self.backoff.delay(failures))
+                stop.wait(self.retry_in(exc, failures))
                 continue
-            if events == 0 and self.clock() - started < 1.0:
+            if expired and failures > 1:
+                # a server that answers every watch with an error must not make us spin either
+                stop.wait(self.backoff.delay(failures - 1))
+            elif events == 0 and self.clock() - started < 1.0:
                 failures += 1  # a server that ends streams at once must not make us spin
                 stop.wait(self.backoff.delay(failures))
 

@@ -120,8 +120,18 @@ def method_not_allowed(method: str, what: str) -> ApiError:
     )
 
 
-def injected(kind: str, path: str) -> ApiError:
-    """The error answer of an injected fault kind ``"409"``, ``"429"``, ``"500"`` or ``"503"``."""
+def _retry_after(value: str | None) -> tuple[dict[str, Any], dict[str, str]]:
+    """The Status details and headers of an answer asking for a wait of ``value`` (as written;
+    the details carry it only when it is a number, as the server fills them in)."""
+    if value is None:
+        return {}, {}
+    details = {"retryAfterSeconds": int(value)} if value.isdigit() and len(value) < 10 else {}
+    return details, {"Retry-After": value}
+
+
+def injected(kind: str, path: str, retry_after: str | None = None) -> ApiError:
+    """The error answer of an injected fault kind ``"409"``, ``"429"``, ``"500"`` or ``"503"``;
+    ``retry_after`` is its Retry-After header (a 429 has ``1`` unless told otherwise)."""
     if kind == "409":
         return ApiError(
             409,
@@ -129,18 +139,27 @@ def injected(kind: str, path: str) -> ApiError:
             f"Operation cannot be fulfilled on {path}: the object has been modified; please"
             " apply your changes to the latest version and try again",
         )
+    details, headers = _retry_after(retry_after)
     if kind == "429":
+        if retry_after is None:
+            details, headers = _retry_after("1")
         return ApiError(
             429,
             "TooManyRequests",
             "the server has received too many requests and has asked us to try again later",
-            details={"retryAfterSeconds": 1},
-            headers={"Retry-After": "1"},
+            details=details,
+            headers=headers,
         )
     if kind == "500":
-        return internal("injected fault")
+        error = internal("injected fault")
+        error.details, error.headers = details or None, headers
+        return error
     if kind == "503":
         return ApiError(
-            503, "ServiceUnavailable", "the server is currently unable to handle the request"
+            503,
+            "ServiceUnavailable",
+            "the server is currently unable to handle the request",
+            details=details or None,
+            headers=headers,
         )
     raise ValueError(f"not an error fault kind: {kind!r}")

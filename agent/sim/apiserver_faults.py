@@ -2,13 +2,23 @@
 
 A test arms faults with :meth:`FaultInjector.add`; the next ``times`` requests that match (method,
 path regex, optionally query regex) get the fault instead of (``"409"``, ``"429"``, ``"500"``,
-``"503"``, ``"drop"``) or before (``"slow:<seconds>"``) their normal answer. Malformed answers a
-broken proxy or server could send, each with status 200: ``"garbage"`` (a body that is not
-JSON), ``"array"`` (a JSON array where an object belongs), ``"bad-line"`` (a chunked stream, as a
-watch answers, whose one line is not JSON).
+``"503"``, ``"drop"``) or before (``"slow:<seconds>"``: a response that hangs, which a client with
+a shorter read timeout sees as a timeout) their normal answer. A ``429`` carries ``Retry-After:
+1``, as the API server's own (priority and fairness, max-in-flight); ``"429:<value>"``,
+``"500:<value>"`` and ``"503:<value>"`` carry ``Retry-After: <value>`` instead, taken as written
+(a number of seconds, or anything else a broken server might send). Malformed answers a broken
+proxy or server could send, each with status 200: ``"garbage"`` (a body that is not JSON),
+``"array"`` (a JSON array where an object belongs), ``"bad-line"`` (a chunked stream, as a watch
+answers, whose one line is not JSON).
 
-:class:`RequestLog` records ``(method, path, query, status)`` for every request; status 0 means the
-connection was dropped without an answer.
+Beyond single requests: :meth:`FaultInjector.start_outage` answers *every* request with one kind
+(``"503"``, ``"drop"``, ...) until :meth:`FaultInjector.end_outage`, and cuts the open watches
+as it starts; :meth:`FaultInjector.cut_watches` alone ends every open watch stream mid-stream (the
+connection closed without the stream's last chunk, as when a server or a proxy dies).
+
+:class:`RequestLog` records ``(method, path, query, status, at)`` for every request; status 0
+means the connection was dropped without an answer, ``at`` is when the request arrived (the
+server's monotonic clock).
 """
 
 from __future__ import annotations
@@ -23,8 +33,14 @@ from urllib.parse import parse_qsl
 from agent.sim.apiserver_types import resource_of
 
 ERROR_KINDS = ("409", "429", "500", "503")
+RETRY_AFTER_KINDS = ("429", "500", "503")
+"""Error kinds that may carry their own Retry-After: ``"429:<value>"``."""
 MALFORMED_KINDS = ("garbage", "array", "bad-line")
 WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+TRUE = frozenset({"1", "t", "T", "true", "TRUE", "True"})
+"""What a boolean query parameter (``watch``) counts as true (Go's ``strconv.ParseBool``)."""
+_HEADER_VALUE = re.compile(r"[!-~]{1,64}")
+"""What a Retry-After value of a fault may be: 1-64 visible ASCII characters (no spaces)."""
 
 
 @dataclass
@@ -42,6 +58,14 @@ class Fault:
         """Seconds a ``slow:<seconds>`` fault waits (0 for the other kinds)."""
         return float(self.kind.split(":", 1)[1]) if self.kind.startswith("slow:") else 0.0
 
+    @property
+    def error(self) -> tuple[str, str | None] | None:
+        """``(status code, Retry-After or None for the default)`` of an error kind, else None."""
+        code, _, retry_after = self.kind.partition(":")
+        if code not in ERROR_KINDS:
+            return None
+        return code, retry_after or None
+
     def matches(self, method: str, path: str, query: str) -> bool:
         if self.method is not None and self.method != method:
             return False
@@ -54,6 +78,9 @@ def check_kind(kind: str) -> None:
     """Raise ValueError unless ``kind`` is a fault kind."""
     if kind in ERROR_KINDS or kind in MALFORMED_KINDS or kind == "drop":
         return
+    code, _, retry_after = kind.partition(":")
+    if code in RETRY_AFTER_KINDS and _HEADER_VALUE.fullmatch(retry_after):
+        return
     if kind.startswith("slow:"):
         try:
             seconds = float(kind[5:])
@@ -63,7 +90,7 @@ def check_kind(kind: str) -> None:
             return
     raise ValueError(
         f"unknown fault kind {kind!r}: use one of {', '.join(ERROR_KINDS + MALFORMED_KINDS)},"
-        " drop, slow:<seconds>"
+        " drop, slow:<seconds>, or 429:<retry-after> (also 500: and 503:)"
     )
 
 
@@ -73,6 +100,8 @@ class FaultInjector:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._faults: list[Fault] = []
+        self._outage: Fault | None = None
+        self._cuts = 0
 
     def add(
         self,
@@ -102,9 +131,43 @@ class FaultInjector:
             self._faults.append(fault)
         return fault
 
-    def take(self, method: str, path: str, query: str) -> Fault | None:
-        """Consume and return the first armed fault matching the request, or None."""
+    def start_outage(self, kind: str = "503") -> None:
+        """From now on answer every request with ``kind`` (armed faults wait), until
+        :meth:`end_outage`; open watches are cut, as a server that goes down cuts them."""
+        check_kind(kind)
         with self._lock:
+            self._outage = Fault(None, None, None, kind, 1)
+        self.cut_watches()
+
+    def end_outage(self) -> None:
+        """Answer normally again (armed faults apply again)."""
+        with self._lock:
+            self._outage = None
+
+    @property
+    def outage(self) -> str | None:
+        """The kind every request is answered with now, or None when there is no outage."""
+        with self._lock:
+            return self._outage.kind if self._outage is not None else None
+
+    def cut_watches(self) -> None:
+        """End every open watch stream now, without its last chunk (the client sees the
+        connection lost mid-stream); watches opened afterwards are not affected."""
+        with self._lock:
+            self._cuts += 1
+
+    @property
+    def cuts(self) -> int:
+        """How many times the watches were cut: a stream ends when this changes under it."""
+        with self._lock:
+            return self._cuts
+
+    def take(self, method: str, path: str, query: str) -> Fault | None:
+        """The outage's fault while there is one; else consume and return the first armed
+        fault matching the request, or None."""
+        with self._lock:
+            if self._outage is not None:
+                return self._outage
             for fault in self._faults:
                 if fault.matches(method, path, query):
                     fault.remaining -= 1
@@ -119,8 +182,10 @@ class FaultInjector:
             return list(self._faults)
 
     def clear(self) -> None:
+        """Disarm every fault and end an outage."""
         with self._lock:
             self._faults.clear()
+            self._outage = None
 
     def __len__(self) -> int:
         with self._lock:
@@ -128,12 +193,19 @@ class FaultInjector:
 
 
 class RequestRecord(NamedTuple):
-    """One request: method, URL path, raw query string, HTTP status (0: dropped)."""
+    """One request: method, URL path, raw query string, HTTP status (0: dropped), and when it
+    arrived (seconds on the server's monotonic clock)."""
 
     method: str
     path: str
     query: str
     status: int
+    at: float = 0.0
+
+    @property
+    def watch(self) -> bool:
+        """A watch request (``watch=true``, or the legacy ``/watch/`` paths)."""
+        return self.method == "GET" and (self.params.get("watch") in TRUE or "/watch/" in self.path)
 
     @property
     def params(self) -> dict[str, str]:

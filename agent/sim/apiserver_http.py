@@ -28,6 +28,7 @@ from agent.sim.apiserver_access import REVIEW_PATHS, AccessRules, review, verb_o
 from agent.sim.apiserver_errors import ApiError
 from agent.sim.apiserver_faults import (
     MALFORMED_KINDS,
+    TRUE,
     FaultInjector,
     RequestLog,
     RequestRecord,
@@ -44,7 +45,7 @@ from agent.sim.apiserver_store import Obj, Store
 
 log = logging.getLogger(__name__)
 
-_TRUE = frozenset({"1", "t", "T", "true", "TRUE", "True"})
+_TRUE = TRUE
 _POLL = 0.25  # how often an idle watch checks whether its client went away
 
 
@@ -65,6 +66,10 @@ class Context:
     stopping: threading.Event = field(default_factory=threading.Event)
     watch_count: int = 0
     watch_done: threading.Condition = field(default_factory=threading.Condition)
+
+
+class _Cut(Exception):
+    """The test cut the open watches (``FaultInjector.cut_watches``)."""
 
 
 class HttpServer(ThreadingHTTPServer):
@@ -192,7 +197,7 @@ class Handler(BaseHTTPRequestHandler):
     def _record(self, status: int) -> None:
         self._responded = True
         self.server.ctx.requests.append(
-            RequestRecord(self._method, self._path, self._query, status)
+            RequestRecord(self._method, self._path, self._query, status, self._arrived)
         )
 
     def _read_body(self) -> bytes:
@@ -245,10 +250,11 @@ class Handler(BaseHTTPRequestHandler):
         self._send_json(error.code, error.status(), error.headers)
 
     def _serve(self, method: str) -> None:
+        ctx = self.server.ctx
+        self._arrived = ctx.monotonic()
         url = urlsplit(self.path)
         self._method, self._path, self._query = method, url.path, url.query
         self._responded = False
-        ctx = self.server.ctx
         try:
             body = self._read_body()
         except (ValueError, OSError):
@@ -266,8 +272,8 @@ class Handler(BaseHTTPRequestHandler):
             elif fault.kind in MALFORMED_KINDS:
                 self._send_malformed(fault.kind)
                 return
-            else:
-                self._send_error(err.injected(fault.kind, url.path))
+            elif (error := fault.error) is not None:
+                self._send_error(err.injected(error[0], url.path, retry_after=error[1]))
                 return
         try:
             self._dispatch(method, url.path, _params(url.query), body)
@@ -400,6 +406,11 @@ class Handler(BaseHTTPRequestHandler):
         try:
             self._stream(rt, selection, cursor, initial, error, deadline, bookmarks, params)
             self.wfile.write(b"0\r\n\r\n")
+        except _Cut:  # hang up without the last chunk: the client sees the stream broken
+            self.close_connection = True
+            with contextlib.suppress(OSError):
+                self.wfile.flush()
+                self.connection.shutdown(socket.SHUT_RDWR)
         except OSError:
             self.close_connection = True
         finally:
@@ -421,6 +432,7 @@ class Handler(BaseHTTPRequestHandler):
         params: dict[str, str],
     ) -> None:
         ctx = self.server.ctx
+        cuts = ctx.faults.cuts
 
         def bookmark(rv: int, annotations: dict[str, str] | None = None) -> None:
             meta: Obj = {"resourceVersion": str(rv)}
@@ -439,6 +451,8 @@ class Handler(BaseHTTPRequestHandler):
             bookmark(cursor, {"k8s.io/initial-events-end": "true"})
         next_bookmark = ctx.monotonic() + ctx.bookmark_interval
         while not ctx.store.closed:
+            if ctx.faults.cuts != cuts:
+                raise _Cut
             now = ctx.monotonic()
             if now >= deadline:
                 return
@@ -446,8 +460,12 @@ class Handler(BaseHTTPRequestHandler):
             try:
                 events, current = ctx.store.wait_events(rt, cursor, wait)
             except ApiError as exc:
+                if ctx.faults.cuts != cuts:
+                    raise _Cut from None
                 self._event("ERROR", exc.status())
                 return
+            if ctx.faults.cuts != cuts:  # nothing that happened after the cut reaches the client
+                raise _Cut
             for event in events:
                 seen = event_for(event, selection)
                 if seen is not None:

@@ -187,8 +187,7 @@ def recorder(sink: Any, clock: Clock | None = None, **kw: Any) -> NodeEventRecor
         logging.getLogger("test.node-events"),
         node_uid=UID,
         clock=clock or Clock(),
-        retry_delays=(0.0,),
-        **kw,
+        **{"retry_delays": (0.0,), **kw},
     )
 
 
@@ -272,6 +271,35 @@ def test_a_temporary_failure_is_retried():
     rec.record(WARNING, "GpuUnhealthy", "GPU 1 is unhealthy")
     rec.drain()
     assert [c[0] for c in sink.calls] == ["create"] and rec.stats.failed == 0
+
+
+class Waits(threading.Event):
+    """A stop event that is never set and whose waits return at once, recording each timeout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits: list[float] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits.append(float(timeout or 0.0))
+        return False
+
+
+@pytest.mark.parametrize(
+    ("retry_after", "waits"), [(None, [1.0, 4.0]), (2.0, [2.0, 4.0]), (10.0, [10.0, 10.0])]
+)
+def test_a_retry_waits_the_longer_of_its_delay_and_the_servers_retry_after(
+    retry_after: float | None, waits: list[float]
+) -> None:
+    sink = FakeSink()
+    rec = recorder(sink, retry_delays=(1.0, 4.0))
+    busy = KubeError(429, "TooManyRequests", "busy", "POST", "/events", retry_after=retry_after)
+    sink.fail = [busy, busy]
+    rec.record(WARNING, "GpuUnhealthy", "GPU 1 is unhealthy")
+    stop = Waits()
+    rec.drain(stop)
+    assert stop.waits == waits
+    assert [c[0] for c in sink.calls] == ["create"] and rec.stats.recorded == 1
 
 
 def test_the_loop_writes_as_events_come_and_stops_when_asked():

@@ -5,14 +5,19 @@ from __future__ import annotations
 import copy
 import logging
 import random
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
-from dra_driver.devices import DevicePolicy, advertised_devices
+from dra_driver.devices import DeviceModel, DevicePolicy, advertised_devices
 from dra_driver.errors import KubeConflict, KubeError
 from dra_driver.publisher import Backoff, DirSliceStore, Publisher, plan_changes
 from dra_driver.slices import SlicePolicy
+from tests.dra_driver.conftest import Inventory
 
 LOG = logging.getLogger("test.publisher")
 POLICY = SlicePolicy(driver_name="gpu.tessera.dev", node_name="node-a")
@@ -29,6 +34,8 @@ def a100_dynamic(inventory):
 
 
 def publisher(store, model, **kw) -> Publisher:
+    """A publisher whose own clock stands still: ``step(now)`` is the only time that passes."""
+    kw.setdefault("clock", lambda: 0.0)
     p = Publisher(store, POLICY, LOG, backoff=Backoff(rng=random.Random(1)), **kw)
     p.set_devices(model)
     return p
@@ -154,3 +161,143 @@ def test_temporary_failures_back_off_exponentially_then_recover(tmp_path, h100):
 def test_backoff_is_capped():
     b = Backoff(base=0.5, cap=30.0, rng=random.Random(3))
     assert all(15.0 <= b.delay(n) <= 30.0 for n in range(8, 40))
+
+
+class Counting(Scripted):
+    """A scripted store that counts the rounds the publisher starts (each begins with a list)."""
+
+    def __init__(self, path: Path, faults: list[Exception]) -> None:
+        super().__init__(path, faults)
+        self.lists = 0
+
+    def list(self) -> tuple[list[dict[str, Any]], str]:
+        self.lists += 1
+        return super().list()
+
+
+def too_many_requests(seconds: float | None) -> KubeError:
+    return KubeError(429, "TooManyRequests", "", "POST", "/x", retry_after=seconds)
+
+
+def test_a_retry_after_longer_than_the_backoff_holds_the_next_round(
+    tmp_path: Path, h100: DeviceModel, inventory: Inventory
+) -> None:
+    store = Counting(tmp_path, [too_many_requests(7.0)])
+    p = publisher(store, h100)
+    assert p.step(0.0) == 7.0  # the server's 7 s, not the first backoff step (at most 0.5 s)
+    assert store.lists == 1 and not p.ready
+    # a device change and a watch event during the wait start nothing early
+    p.set_devices(advertised_devices(inventory("dgx-h100", "all-1g"), DevicePolicy()))
+    p.poke()
+    assert p.step(6.9) == pytest.approx(0.1)
+    assert store.lists == 1
+    assert p.step(7.0) == 600.0 and p.ready and store.lists == 2
+    (obj,) = store.list()[0]
+    assert len(obj["spec"]["devices"]) == 56  # the change waited for the retry, and made it
+
+
+def test_the_wait_counts_from_the_failure_not_from_the_start_of_the_round(
+    tmp_path: Path, h100: DeviceModel
+) -> None:
+    """A round that took 0.5 s before its 429: the Retry-After of 2 s counts from the 429."""
+    clock = [0.0]
+
+    class SlowList(Counting):
+        def list(self) -> tuple[list[dict[str, Any]], str]:
+            clock[0] += 0.5  # the list takes half a second; the create then fails
+            return super().list()
+
+    store = SlowList(tmp_path, [too_many_requests(2.0)])
+    p = publisher(store, h100, clock=lambda: clock[0])
+    assert p.step(0.0) == 2.0  # from the end of the round, at 0.5
+    assert p.step(2.4) == pytest.approx(0.1) and store.lists == 1
+    assert p.step(2.5) == 600.0  # the resync, from the end of this round (at 3.0)
+    assert p.ready and store.lists == 2
+
+
+def test_a_backoff_longer_than_the_retry_after_wins(tmp_path: Path, h100: DeviceModel) -> None:
+    faults = [KubeError(503, "ServiceUnavailable", "", "POST", "/x") for _ in range(5)]
+    faults.append(too_many_requests(1.0))
+    p = publisher(Scripted(tmp_path, faults), h100)
+    now = 0.0
+    for _ in range(5):
+        now += p.step(now)
+    expected = Backoff(rng=random.Random(1))
+    for n in range(1, 6):
+        expected.delay(n)  # the same random draws as the five backoffs so far
+    sixth = expected.delay(6)
+    assert p.step(now) == pytest.approx(sixth) and sixth >= 8.0  # 16 s with jitter, not 1 s
+    assert p.stats.errors == 6
+
+
+def test_a_device_change_during_a_backoff_waits_for_it(
+    tmp_path: Path, h100: DeviceModel, inventory: Inventory
+) -> None:
+    store = Counting(tmp_path, [KubeError(503, "ServiceUnavailable", "", "POST", "/x")] * 2)
+    p = publisher(store, h100)
+    first = p.step(0.0)
+    p.set_devices(advertised_devices(inventory("dgx-h100", "all-1g"), DevicePolicy()))
+    assert p.step(first / 2) == pytest.approx(first / 2) and store.lists == 1
+    second = p.step(first)
+    assert store.lists == 2 and second >= 0.5  # the second step of the backoff
+    assert p.step(first + second) == 600.0 and p.ready
+
+
+class RecordingStop(threading.Event):
+    """A stop event whose waits return at once: each timeout is recorded, and it is set after
+    ``waits`` of them (the loop then ends). No time passes."""
+
+    def __init__(self, waits: int) -> None:
+        super().__init__()
+        self.waits: list[float] = []
+        self._limit = waits
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits.append(float(timeout or 0.0))
+        if len(self.waits) >= self._limit:
+            self.set()
+        return self.is_set()
+
+
+class Watching(DirSliceStore):
+    """A watchable store whose watches play scripted outcomes: an exception, or a list of
+    events, in order."""
+
+    watchable = True
+
+    def __init__(self, path: Path, outcomes: list[Any]) -> None:
+        super().__init__(path)
+        self.outcomes = list(outcomes)
+        self.watches: list[str] = []
+
+    def watch(self, resource_version: str, timeout_s: int) -> Iterator[dict[str, Any]]:
+        self.watches.append(resource_version)
+        outcome = self.outcomes.pop(0) if self.outcomes else []
+        if isinstance(outcome, Exception):
+            raise outcome
+        return iter(outcome)
+
+
+def test_the_watch_waits_out_a_retry_after(tmp_path: Path, h100: DeviceModel) -> None:
+    store = Watching(
+        tmp_path, [too_many_requests(5.0), KubeError(0, "ConnectionError", "", "WATCH", "/x")]
+    )
+    p = publisher(store, h100)
+    stop = RecordingStop(waits=2)
+    p.watch_loop(stop)
+    assert stop.waits[0] == 5.0  # the server's wait, not the first backoff step
+    assert 0.5 <= stop.waits[1] <= 1.0  # then the backoff's second step
+    assert len(store.watches) == 2
+
+
+def test_a_watch_that_keeps_expiring_is_backed_off_after_the_first_relist(
+    tmp_path: Path, h100: DeviceModel
+) -> None:
+    expired = [{"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired"}}]
+    store = Watching(tmp_path, [expired, expired, expired])
+    p = publisher(store, h100)
+    p._list_rv = "41"
+    stop = RecordingStop(waits=2)
+    p.watch_loop(stop)
+    assert store.watches == ["41", "", ""]  # the first 410 starts over at once, from a new list
+    assert 0.25 <= stop.waits[0] <= 0.5 and 0.5 <= stop.waits[1] <= 1.0

@@ -595,6 +595,128 @@ def test_fault_matching(server: ApiServer) -> None:
     assert server.faults.take("PUT", "/api/v1/nodes/n1", "dryRun=All") is None
 
 
+@pytest.mark.parametrize(
+    ("kind", "header", "details"),
+    [("429", "1", {"retryAfterSeconds": 1}), ("429:7", "7", {"retryAfterSeconds": 7}),
+     ("503:2", "2", {"retryAfterSeconds": 2}), ("500:soon", "soon", None), ("503", None, None)],
+)  # fmt: skip
+def test_error_faults_carry_the_retry_after_they_are_given(
+    server: ApiServer, strict_api: client.ApiClient, kind: str, header: str | None, details: Any
+) -> None:
+    server.faults.add("GET", "nodes", kind)
+    with pytest.raises(ApiException) as exc:
+        client.CoreV1Api(strict_api).list_node()
+    assert exc.value.status == int(kind.split(":")[0])
+    assert exc.value.headers.get("Retry-After") == header
+    assert status_of(exc.value).get("details") == details
+
+
+@pytest.mark.parametrize("kind", ["429:", "429:a b", "409:5", "404:1", "slow:x"])
+def test_a_retry_after_is_only_for_429_and_5xx_and_one_word(server: ApiServer, kind: str) -> None:
+    with pytest.raises(ValueError):
+        server.faults.add(None, None, kind)
+
+
+def test_the_request_log_stamps_each_request_when_it_arrived() -> None:
+    clock = FakeMonotonic()
+    with ApiServer(monotonic=clock) as server, server.api_client(retries=False) as api_client:
+        core = client.CoreV1Api(api_client)
+        core.list_node()
+        clock.t += 2.5
+        server.faults.add("GET", "nodes", "429")
+        with pytest.raises(ApiException):
+            core.list_node()
+    assert [(r.status, r.at) for r in server.requests] == [(200, 1000.0), (429, 1002.5)]
+    assert not server.requests[0].watch
+
+
+def _raw_watch_in_thread(
+    server: ApiServer, received: bytearray | None = None
+) -> tuple[queue.Queue[str], threading.Thread]:
+    """Watch slices in a thread; once open, how the stream ended goes to the queue: "ended
+    cleanly", or the name of the error the client saw. What it received goes to ``received``."""
+    outcome: queue.Queue[str] = queue.Queue()
+    seen = len([r for r in server.requests if r.watch])
+    data = bytearray() if received is None else received
+
+    def run() -> None:
+        with server.api_client(retries=False) as api_client:
+            resp = client.ResourceV1Api(api_client).list_resource_slice(
+                watch=True, timeout_seconds=600, _preload_content=False
+            )
+            try:
+                for chunk in resp.stream(64):
+                    data.extend(chunk)
+                outcome.put("ended cleanly")
+            except urllib3.exceptions.HTTPError as exc:
+                outcome.put(type(exc).__name__)
+            finally:
+                resp.release_conn()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while len([r for r in server.requests if r.watch]) == seen:  # until the watch is open
+        assert time.monotonic() < deadline, "the watch did not open"
+        time.sleep(0.01)
+    return outcome, thread
+
+
+def test_an_outage_answers_everything_until_it_ends_and_cuts_open_watches(
+    server: ApiServer, strict_api: client.ApiClient
+) -> None:
+    rapi = client.ResourceV1Api(strict_api)
+    armed = server.faults.add("POST", "resourceslices", "500")
+    outcome, thread = _raw_watch_in_thread(server)
+    server.faults.start_outage("503")
+    assert server.faults.outage == "503"
+    thread.join(30)  # the open watch was cut, not ended: the client sees the stream broken
+    assert not thread.is_alive() and outcome.get_nowait() != "ended cleanly"
+    for call in (rapi.list_resource_slice, client.CoreV1Api(strict_api).list_namespace):
+        with pytest.raises(ApiException) as exc:
+            call()
+        assert exc.value.status == 503
+    assert server.faults.pending() == [armed]  # an outage does not use up armed faults
+    server.faults.end_outage()
+    assert server.faults.outage is None
+    assert rapi.list_resource_slice().items == []
+    assert [r.status for r in server.requests] == [200, 503, 503, 200]
+
+
+def test_an_outage_of_dropped_connections(server: ApiServer, strict_api: client.ApiClient) -> None:
+    server.faults.start_outage("drop")
+    with pytest.raises(urllib3.exceptions.ProtocolError):
+        client.CoreV1Api(strict_api).list_node()
+    server.faults.clear()  # ends the outage too
+    assert client.CoreV1Api(strict_api).list_node().items == []
+    assert [r.status for r in server.requests] == [0, 200]
+
+
+def test_cut_watches_ends_open_streams_mid_stream_and_new_ones_stay_open(
+    server: ApiServer,
+) -> None:
+    received = bytearray()
+    outcome, thread = _raw_watch_in_thread(server, received)
+    server.faults.cut_watches()
+    server.put_object("resourceslices", slice_body("made-after-the-cut"))
+    thread.join(30)
+    assert not thread.is_alive() and outcome.get_nowait() != "ended cleanly"
+    assert b"made-after-the-cut" not in received  # the cut stream sends nothing newer
+    events, after = _watch_in_thread(server, timeout_seconds=600)
+    server.put_object("resourceslices", slice_body("after-the-cut"))
+    assert events.get(timeout=30) == "after-the-cut"
+    server.stop()  # ends the new one cleanly
+    after.join(30)
+    assert not after.is_alive()
+
+
+def test_stop_ends_a_watch_cleanly_unlike_a_cut(server: ApiServer) -> None:
+    outcome, thread = _raw_watch_in_thread(server)
+    server.stop()
+    thread.join(30)
+    assert outcome.get_nowait() == "ended cleanly"
+
+
 # ---------------------------------------------------------------------------------- validation
 
 
