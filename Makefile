@@ -65,7 +65,7 @@ RELIABILITY_RESULTS := bench/results/reliability
 reliability: $(STAMP)
 	@rm -rf $(RELIABILITY_RESULTS)
 	@echo "test order: random, seed $(SEED) (repeat it with: make reliability SEED=$(SEED))"
-	$(PY) -m pytest -q -m reliability -p randomly --randomly-seed=$(SEED)
+	$(PY) -m pytest -q -m reliability -p randomly --randomly-seed=$(SEED) -n 2
 	$(PY) -m pytest -q tests/test_fuzz_decoders.py --hypothesis-profile=reliability -p no:randomly
 	$(PY) -m tests.reliability.summary
 
