@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from dra_driver import params
 from dra_driver.checkpoint import Checkpoint, ClaimEntry, PreparedDevice
-from dra_driver.claims import Allocation, ClaimKey, configs_for
+from dra_driver.claims import Allocation, ClaimKey, configs_for, shown
 from dra_driver.devices import AdvertisedDevice, DeviceModel
 from dra_driver.errors import ClaimError, ParamsError
 
@@ -159,7 +159,7 @@ def _check_limit_keys(planned: Sequence[PlannedDevice]) -> None:
             for key, _ in p.config.sharing.per_device_pinned_memory_limit_bytes:
                 if key not in names:
                     raise ParamsError(
-                        f"sharing.mps.perDevicePinnedMemoryLimit: {key!r} is not a device of"
+                        f"sharing.mps.perDevicePinnedMemoryLimit: {shown(key)} is not a device of"
                         f" this claim; its devices: {', '.join(sorted(n for n in names if n))}"
                     )
 
@@ -191,7 +191,7 @@ def plan_claim(
             dev = model.device(name)
         except KeyError:
             raise ClaimError(
-                f"claim {allocation.claim}: device {name!r} is not advertised by this node",
+                f"claim {allocation.claim}: device {shown(name)} is not advertised by this node",
                 "unknown_device",
             ) from None
         config = None
