@@ -196,11 +196,13 @@ class DraService:
         """The request's claims the preparer may see, and the answers of those refused here.
 
         The kubelet's request is input like any other: a call naming more than
-        MAX_CLAIMS_PER_CALL claims is refused whole (INVALID_ARGUMENT); a claim whose UID (and,
-        to prepare, namespace and name) Kubernetes could not have made is answered with an error
-        naming the field and the value (``claims[2].uid: '../x' is not a claim UID ...``); a
-        claim named twice is taken once, and one UID given to two different claims answers that
-        UID with an error naming both (the answer is keyed by UID: one of them would be lost)."""
+        MAX_CLAIMS_PER_CALL claims is refused whole (INVALID_ARGUMENT); a claim whose UID,
+        namespace or name Kubernetes could not have made is answered with an error naming the
+        field and the value (``claims[2].uid: '../x' is not a claim UID ...``), to prepare and
+        to unprepare alike (the preparer makes file names of UIDs and logs the names); a claim
+        named twice is taken once, and one UID given to two different claims answers that UID
+        with an error naming both (the answer is keyed by UID: one of them would be lost). The
+        first refusal of a UID is its answer."""
         claims = request.claims
         if len(claims) > MAX_CLAIMS_PER_CALL:
             self.throttle(
@@ -221,6 +223,11 @@ class DraService:
             key = ClaimKey(c.namespace, c.name, c.uid)
             if key.uid in refused:
                 continue
+            try:
+                check_claim_key(key, f"claims[{i}]")
+            except ClaimError as exc:
+                refused[key.uid] = ClaimResult(error=f"claim refused: {exc}")
+                continue
             if key.uid in first:
                 j, other = first[key.uid]
                 if other != key:
@@ -229,11 +236,6 @@ class DraService:
                         f" name different claims ({other.namespace}/{other.name} and"
                         f" {key.namespace}/{key.name}); neither is taken"
                     )
-                continue
-            try:
-                check_claim_key(key, f"claims[{i}]", names=op == "prepare")
-            except ClaimError as exc:
-                refused[key.uid] = ClaimResult(error=f"claim refused: {exc}")
                 continue
             first[key.uid] = (i, key)
         for result in refused.values():

@@ -270,14 +270,19 @@ def test_a_claim_kubernetes_could_not_have_made_is_refused_at_the_door(
     assert preparer.observed == [("prepare", "invalid_claim")]
 
 
-def test_unprepare_checks_only_the_uid_the_claim_is_found_by():
+def test_unprepare_is_checked_as_prepare_is():
     preparer = Recorder()
     answers = call(
-        dra(preparer), "Unprepare", ("Old_Namespace", "n", "uid-1"), ("default", "n", "../x")
+        dra(preparer),
+        "Unprepare",
+        ("default", "n", "uid-1"),
+        ("default", "n", "../x"),
+        ("default", "n" * 100_000, "uid-2"),
     )
     assert answers["uid-1"] == ""
     assert "claims[1].uid: '../x' is not a claim UID" in answers["../x"]
-    assert preparer.given == [[ClaimKey("Old_Namespace", "n", "uid-1")]]
+    assert "claims[2].name: 'nnnn" in answers["uid-2"] and len(answers["uid-2"]) < 400
+    assert preparer.given == [[ClaimKey("default", "n", "uid-1")]]
 
 
 def test_a_claim_named_twice_is_taken_once_and_one_uid_for_two_claims_is_refused():
@@ -290,12 +295,16 @@ def test_a_claim_named_twice_is_taken_once_and_one_uid_for_two_claims_is_refused
         ("default", "b", "uid-b"),
         ("other", "b", "uid-b"),
         ("default", "b", "uid-b"),
+        ("default", "c", "uid-c"),
+        ("default", "c" * 300, "uid-c"),  # the first refusal of a UID is its answer
+        ("default", "c2", "uid-c"),
     )
     assert answers["uid-a"] == ""
     assert answers["uid-b"] == (
         "claims[2] and claims[3] have the same UID 'uid-b' but name different claims"
         " (default/b and other/b); neither is taken"
     )
+    assert answers["uid-c"].startswith("claim refused: claims[6].name: 'ccc")
     assert preparer.given == [[ClaimKey("default", "a", "uid-a")]]
 
 
