@@ -663,6 +663,11 @@ class HttpEndpoint:
             """Parses and answers one request already read by the loop (``request`` is the
             raw bytes and the response writer)."""
 
+            # what a request is until its line names a valid version: the stdlib's HTTP/0.9
+            # answers a bad version (HTTP/2.0, HTCPCP/1.0) or a two-word line with a bare body,
+            # no status line a client could read; every answer here has one
+            default_request_version = "HTTP/1.0"
+
             def setup(self) -> None:
                 raw, writer = self.request
                 self.rfile = io.BytesIO(raw)
