@@ -204,7 +204,8 @@ def _kind(value: Any) -> str:
 
 
 def _bad(key: ClaimKey | str, path: str, problem: str) -> ClaimError:
-    return ClaimError(f"claim {key}: {path}: {problem}", "invalid_claim")
+    where = f"{path}: " if path else ""  # the claim itself is not an object
+    return ClaimError(f"claim {key}: {where}{problem}", "invalid_claim")
 
 
 def _node_allowed(selector: _Fields | None, node: str) -> bool:
@@ -250,7 +251,9 @@ def parse_allocation(obj: Any, key: ClaimKey, driver: str, node: str) -> Allocat
         )
     if not _node_allowed(allocation.obj_or_none("nodeSelector"), node):
         raise ClaimError(
-            f"claim {key} is allocated to another node, not {node!r}", reason="other_node"
+            f"claim {key} is allocated to another node (status.allocation.nodeSelector), not"
+            f" {node!r}",
+            reason="other_node",
         )
     devices = allocation.obj_or_none("devices") or _Fields({}, "status.allocation.devices", key)
     results = []

@@ -72,10 +72,11 @@ def test_config_precedence_class_first_claim_wins_later_wins_request_scoped():
         (
             claim([result()], node_selector={"nodeSelectorTerms": [{"matchFields": [
                 {"key": "metadata.name", "operator": "In", "values": ["node-b"]}]}]}),
-            "allocated to another node",
+            "allocated to another node (status.allocation.nodeSelector), not 'node-a'",
         ),
+        ([], "claim default/c1 (uid-1): expected an object, got a list"),
     ],
-    ids=["uid-mismatch", "not-allocated", "other-pool", "other-node-selector"],
+    ids=["uid-mismatch", "not-allocated", "other-pool", "other-node-selector", "not-an-object"],
 )  # fmt: skip
 def test_bad_claims(obj, needle):
     with pytest.raises(ClaimError) as e:
