@@ -281,6 +281,7 @@ def test_a_failing_handler_is_a_500_and_one_json_record_not_a_traceback(capsys):
         (b"GET /healthz HTTP/2.0\r\n\r\n", b"505"),
         (b"GET /healthz HTTP/1.1x\r\n\r\n", b"400"),
         (b"POST /healthz\r\n\r\n", b"400"),  # HTTP/0.9 knows only GET
+        (b"GET /healthz HTTP/0.9\r\n" + b"X: y\r\n" * 150 + b"\r\n", b"431"),
     ],
 )
 def test_bad_requests_get_an_error_status_and_one_warning(request_bytes, status):
@@ -293,9 +294,10 @@ def test_bad_requests_get_an_error_status_and_one_warning(request_bytes, status)
         records.wait("HTTP request refused")
 
 
-def test_an_http_0_9_request_is_answered_with_a_status_line():
+@pytest.mark.parametrize("line", [b"GET /healthz", b"GET /healthz HTTP/0.9"])
+def test_an_http_0_9_request_is_answered_with_a_status_line(line):
     with serving() as (ep, _), connect(ep) as s:
-        s.sendall(b"GET /healthz\r\n\r\n")
+        s.sendall(line + b"\r\n\r\n")
         answer = read_all(s)
         assert answer.startswith(b"HTTP/1.0 200 ") and answer.endswith(b"\r\n\r\nok\n")
 
