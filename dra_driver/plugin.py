@@ -72,6 +72,8 @@ STALE_AFTER_S = 10.0
 younger one may belong to an agent between bind and listen)."""
 UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+MAX_REGISTRATION_ERROR = 1000
+"""Characters of the kubelet's registration error kept (for the log and /readyz)."""
 MAX_CLAIMS_PER_CALL = 1024
 """Claims one NodePrepareResources or NodeUnprepareResources call may name (the kubelet sends
 the claims of one pod); a call naming more is refused with INVALID_ARGUMENT, so a request of
@@ -162,13 +164,17 @@ class RegistrationService(registration_pb2_grpc.RegistrationServicer):
         )
 
     def NotifyRegistrationStatus(self, request: Any, context: Any) -> Any:
+        # the kubelet's reason goes into a log record and /readyz: kept to a few lines
+        error = request.error
+        if len(error) > MAX_REGISTRATION_ERROR:
+            error = f"{error[:MAX_REGISTRATION_ERROR]}... ({len(request.error)} characters)"
         self.plugin.registered = bool(request.plugin_registered)
-        self.plugin.registration_error = request.error or None
+        self.plugin.registration_error = error or None
         if request.plugin_registered:
             self.plugin.log.info("registered with the kubelet")
         else:
             self.plugin.log.error(
-                "the kubelet refused the registration", extra=fields_(reason=request.error)
+                "the kubelet refused the registration", extra=fields_(reason=error)
             )
         return registration_pb2.RegistrationStatusResponse()
 

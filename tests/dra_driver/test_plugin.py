@@ -366,3 +366,21 @@ def test_a_request_that_does_not_decode_is_invalid_argument_and_never_a_tracebac
     refused = [r for r in caplog.records if "does not decode" in r.getMessage()]
     assert len(refused) == 1  # six refusals, one record within the interval
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
+def test_the_kubelets_registration_error_is_kept_to_a_few_lines(short_tmp, caplog):
+    """The kubelet's reason for refusing the registration goes into the log and /readyz: a
+    megabyte of it stays a thousand characters."""
+    from dra_driver.kubeletapi import registration_pb2
+    from dra_driver.plugin import RegistrationService
+
+    plugin = server(short_tmp, None)
+    with caplog.at_level(logging.ERROR):
+        RegistrationService(plugin).NotifyRegistrationStatus(
+            registration_pb2.RegistrationStatus(plugin_registered=False, error="e" * 1_000_000),
+            None,
+        )
+    assert plugin.registered is False
+    assert plugin.registration_error == "e" * 1000 + "... (1000000 characters)"
+    (record,) = caplog.records
+    assert record.fields["reason"] == plugin.registration_error  # type: ignore[attr-defined]
