@@ -15,7 +15,9 @@ The checks, for every case and again at the end of a door:
   (``outside``), and no file named with ``ESCAPE`` (the tail of every path-like string the
   suites send) exists anywhere a path could lead (``escaped``);
 - **the daemon still serving at the end** (``DaemonDoor.still_serving``): ``GetInfo`` on the
-  registration socket, a good claim prepared and unprepared, ``/healthz`` answering 200.
+  registration socket, a good claim prepared and unprepared, nothing left held (no claim in
+  the checkpoint, no CDI spec: the cases release what they prepare), ``/healthz`` answering
+  200; and it stops cleanly on SIGTERM (``close_door``).
 """
 
 from __future__ import annotations
@@ -242,6 +244,9 @@ class DaemonDoor:
                 released = k.unprepare([GOOD])["claims"][GOOD.uid]["error"]
                 if released:
                     problems.append(f"the good claim did not unprepare: {released}")
+            held = sorted(d.checkpoint()["claims"])
+            if held or d.cdi_files():
+                problems.append(f"claims left held: {held}, CDI specs left: {d.cdi_files()}")
             with urllib.request.urlopen(d.metrics_url("/healthz"), timeout=10) as r:
                 if r.status != 200:
                     problems.append(f"/healthz answered {r.status}")
