@@ -42,6 +42,9 @@ from tests.reliability.doors import (
 )
 from tests.reliability.report import add
 
+# a failing case of huge generated values is still worth reporting in full
+pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")
+
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 REAL = [ClaimRef("fuzz", f"fz-{i}", f"uid-fz-{i}") for i in range(4)]
@@ -62,10 +65,6 @@ def door() -> Iterator[DaemonDoor]:
         yield d
     finally:
         close_door(d)
-
-
-# a failing case of huge generated values is still worth reporting in full
-pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")
 
 
 @pytest.fixture(scope="module")
@@ -244,9 +243,7 @@ def not_requests(draw: st.DrawFn) -> tuple[Any, str, str, bytes]:
     return module, method, op, data
 
 
-def raw_case(door: DaemonDoor) -> Any:
-    channel = grpc.insecure_channel(f"unix://{door.daemon.dra_socket}")
-
+def raw_case(door: DaemonDoor, channel: grpc.Channel) -> Any:
     @given(not_requests())
     def case(sent: tuple[Any, str, str, bytes]) -> None:
         module, method, op, data = sent
@@ -272,7 +269,8 @@ def raw_case(door: DaemonDoor) -> Any:
 
 
 def test_bytes_that_are_not_a_request(door, kubelet):
-    fast(30)(raw_case(door))()
+    with grpc.insecure_channel(f"unix://{door.daemon.dra_socket}") as channel:
+        fast(30)(raw_case(door, channel))()
     release(door, kubelet)
     end(door, record=False)
 
@@ -280,7 +278,8 @@ def test_bytes_that_are_not_a_request(door, kubelet):
 @pytest.mark.reliability
 @pytest.mark.timeout(1800)
 def test_bytes_that_are_not_a_request_long(door, kubelet):
-    long(1500)(raw_case(door))()
+    with grpc.insecure_channel(f"unix://{door.daemon.dra_socket}") as channel:
+        long(1500)(raw_case(door, channel))()
     release(door, kubelet)
     end(door, record=True)
 
@@ -306,14 +305,13 @@ def test_calls_of_every_size(door, kubelet, op, claims, uid_chars, request):
     None of it costs the daemon anything but the call."""
     refs = [ClaimRef("default", f"c{i}", f"u{i}".ljust(uid_chars, "x")) for i in range(claims)]
     send = kubelet.prepare if op == "prepare" else kubelet.unprepare
-    if claims > MAX_CLAIMS or uid_chars > 16 * 1024 * 1024:
+    if uid_chars > 16 * 1024 * 1024:  # sent by a client that sends more than the kubelet's
+        assert over_the_limit(door, op, refs) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    elif claims > MAX_CLAIMS:
         with pytest.raises(KubeletApiError) as e:
             send(refs)
-        if claims > MAX_CLAIMS:
-            assert e.value.code == "INVALID_ARGUMENT"
-            assert f"the call names {claims} claims; at most {MAX_CLAIMS} are taken" in str(e.value)
-        else:
-            assert e.value.code == "RESOURCE_EXHAUSTED"
+        assert e.value.code == "INVALID_ARGUMENT"
+        assert f"the call names {claims} claims; at most {MAX_CLAIMS} are taken" in str(e.value)
     else:
         answer = send(refs)["claims"]
         assert len(answer) == claims
@@ -328,6 +326,26 @@ def test_calls_of_every_size(door, kubelet, op, claims, uid_chars, request):
     door.check()
     if request.node.get_closest_marker("reliability"):
         add("bad-input", cases=1, details={"grpc_sizes_cases_total": 1}, rerun=RERUN)
+
+
+def over_the_limit(door: DaemonDoor, op: str, refs: list[ClaimRef]) -> grpc.StatusCode:
+    """The status of a call larger than the DRA socket takes (16 MiB), sent by a client that
+    sends up to 64 MiB."""
+    name = "Prepare" if op == "prepare" else "Unprepare"
+    data = getattr(dra_v1_pb2, f"Node{name}ResourcesRequest")(
+        claims=[dra_v1_pb2.Claim(namespace=r.namespace, name=r.name, uid=r.uid) for r in refs]
+    ).SerializeToString()
+    options = [("grpc.max_send_message_length", 64 * 1024 * 1024)]
+    with grpc.insecure_channel(f"unix://{door.daemon.dra_socket}", options=options) as channel:
+        call = channel.unary_unary(
+            f"/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/Node{name}Resources",
+            request_serializer=lambda b: b,
+            response_deserializer=lambda b: b,
+        )
+        with pytest.raises(grpc.RpcError) as e:
+            call(data, timeout=60)
+    code: grpc.StatusCode = e.value.code()
+    return code
 
 
 def test_the_registration_socket_answers_whatever_it_is_sent(door, kubelet):
@@ -354,5 +372,6 @@ def test_the_registration_socket_answers_whatever_it_is_sent(door, kubelet):
         door.count("registration")
         door.check()
 
-    case()
+    with channel:
+        case()
     end(door, record=False)
