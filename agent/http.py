@@ -663,6 +663,20 @@ class HttpEndpoint:
             """Parses and answers one request already read by the loop (``request`` is the
             raw bytes and the response writer)."""
 
+            _version = "HTTP/1.0"
+
+            @property
+            def request_version(self) -> str:
+                return self._version
+
+            @request_version.setter
+            def request_version(self, version: str) -> None:
+                # http.server answers an HTTP/0.9 request (a two-word line, "HTTP/0.9", and a
+                # line whose version is bad, which it takes for 0.9 until it knows better) with
+                # a bare body: no status line a client could read, even for its errors (400,
+                # 431, 505). Every answer here has its status line.
+                self._version = "HTTP/1.0" if version == "HTTP/0.9" else version
+
             def setup(self) -> None:
                 raw, writer = self.request
                 self.rfile = io.BytesIO(raw)

@@ -40,6 +40,23 @@ CLAIM_READ_TIMEOUT = (5.0, 15.0)
 """(connect, read) seconds for reading one claim: well inside the kubelet's 45 s."""
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+CLAIM_UID = DNS_LABEL
+"""What a claim UID may be: it names the claim's CDI spec file and MPS directory, which accept a
+lower-case DNS label (a Kubernetes UID, a UUID, is one)."""
+SHOWN_CHARS = 60
+"""Of a value put in an error message, at most this many characters are shown."""
+MAX_LISTED_FILES = 10
+"""A claim that is not found names at most this many unreadable claim files."""
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """``value`` as Python writes it (quoted, control characters escaped), a long string cut to
+    ``limit`` characters with its length: an untrusted value in a message stays one short,
+    printable line."""
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value)} characters)"
+    text = repr(value)
+    return text if len(text) <= limit + 2 else f"{text[:limit]}... ({len(text)} characters)"
 
 
 @dataclass(frozen=True)
@@ -103,6 +120,31 @@ class Allocation:
     """UIDs of the pods the claim is reserved for (``status.reservedFor``)."""
 
 
+def check_claim_key(key: ClaimKey, where: str, *, names: bool = True) -> None:
+    """Raise ClaimError (``invalid_claim``) unless ``key``, as the kubelet sent it, names a claim
+    Kubernetes could have: the UID a lower-case DNS label (it becomes a file name), and with
+    ``names`` the namespace a DNS label and the name a DNS subdomain. ``where`` is the claim's
+    place in the request (``claims[3]``); the message names the field and shows the value."""
+    problems = []
+    if not CLAIM_UID.fullmatch(key.uid):
+        problems.append(
+            f"{where}.uid: {shown(key.uid)} is not a claim UID (a lower-case DNS label: at most 63"
+            " of a-z, 0-9 and '-', starting and ending alphanumeric)"
+        )
+    if names and not DNS_LABEL.fullmatch(key.namespace):
+        problems.append(
+            f"{where}.namespace: {shown(key.namespace)} is not a DNS label (at most 63 of a-z, 0-9"
+            " and '-', starting and ending alphanumeric)"
+        )
+    if names and (len(key.name) > 253 or not DNS_SUBDOMAIN.fullmatch(key.name)):
+        problems.append(
+            f"{where}.name: {shown(key.name)} is not a DNS subdomain (at most 253 of a-z, 0-9, '-'"
+            " and '.')"
+        )
+    if problems:
+        raise ClaimError("; ".join(problems), "invalid_claim")
+
+
 class _Fields:
     """Typed access to one object of the claim, every problem a ClaimError naming the path."""
 
@@ -162,7 +204,8 @@ def _kind(value: Any) -> str:
 
 
 def _bad(key: ClaimKey | str, path: str, problem: str) -> ClaimError:
-    return ClaimError(f"claim {key}: {path}: {problem}", "invalid_claim")
+    where = f"{path}: " if path else ""  # the claim itself is not an object
+    return ClaimError(f"claim {key}: {where}{problem}", "invalid_claim")
 
 
 def _node_allowed(selector: _Fields | None, node: str) -> bool:
@@ -196,7 +239,7 @@ def parse_allocation(obj: Any, key: ClaimKey, driver: str, node: str) -> Allocat
     uid = meta.get("uid")
     if uid != key.uid:
         raise ClaimError(
-            f"claim {key.namespace}/{key.name} has UID {uid!r}, the kubelet asked for"
+            f"claim {key.namespace}/{key.name} has UID {shown(uid)}, the kubelet asked for"
             f" {key.uid!r} (the claim was deleted and re-created?)",
             reason="uid_mismatch",
         )
@@ -208,7 +251,9 @@ def parse_allocation(obj: Any, key: ClaimKey, driver: str, node: str) -> Allocat
         )
     if not _node_allowed(allocation.obj_or_none("nodeSelector"), node):
         raise ClaimError(
-            f"claim {key} is allocated to another node, not {node!r}", reason="other_node"
+            f"claim {key} is allocated to another node (status.allocation.nodeSelector), not"
+            f" {node!r}",
+            reason="other_node",
         )
     devices = allocation.obj_or_none("devices") or _Fields({}, "status.allocation.devices", key)
     results = []
@@ -219,8 +264,8 @@ def parse_allocation(obj: Any, key: ClaimKey, driver: str, node: str) -> Allocat
         name = r.text("device")
         if pool != node:
             raise ClaimError(
-                f"claim {key}: device {name!r} is allocated from pool {pool!r}, which is another"
-                f" node's (this node is {node!r})",
+                f"claim {key}: {r.path}: device {shown(name)} is allocated from pool"
+                f" {shown(pool)}, which is another node's (this node is {node!r})",
                 reason="other_node",
             )
         results.append(
@@ -275,7 +320,7 @@ def _consumed_memory(result: _Fields) -> int | None:
     except QuantityError as exc:
         raise _bad(result.key, where, str(exc)) from exc
     if value < 0:
-        raise _bad(result.key, where, f"{text!r} is negative")
+        raise _bad(result.key, where, f"{shown(text)} is negative")
     return value
 
 
@@ -476,9 +521,12 @@ class DirClaimSource:
                 return doc
         hint = ""
         if broken:
+            listed = sorted(broken.items())[:MAX_LISTED_FILES]
             hint = "; unreadable claim files: " + "; ".join(
-                f"{n}: {why}" for n, why in sorted(broken.items())
+                f"{n if n.isprintable() else shown(n)}: {why}" for n, why in listed
             )
+            if len(broken) > MAX_LISTED_FILES:
+                hint += f"; and {len(broken) - MAX_LISTED_FILES} more"
         raise ClaimError(
             f"claim {namespace}/{name} not found in {self.directory}{hint}", "not_found"
         )

@@ -174,8 +174,9 @@ def _got(value: Any) -> str:
 
 
 def _field_name(key: Any) -> str:
-    """A field name as written (``turbo``); a key YAML made a number or null as JSON (``1``)."""
-    text = key if isinstance(key, str) else _show(key)
+    """A field name as written (``turbo``); a key YAML made a number or null, or one with
+    characters that do not print, as JSON (``1``, ``"a\\u001e"``)."""
+    text = key if isinstance(key, str) and key.isprintable() else _show(key)
     return text if len(text) <= 60 else text[:57] + "..."
 
 

@@ -42,8 +42,10 @@ import grpc
 
 from agent.errors import ConfigError
 from agent.fsutil import SocketIdentity, accepts_connections, ensure_dir, socket_identity
+from agent.grpcguard import MalformedRequests
 from agent.logs import Throttle, fields_
-from dra_driver.claims import ClaimKey
+from dra_driver.claims import ClaimKey, check_claim_key
+from dra_driver.errors import ClaimError
 from dra_driver.health import HealthBoard
 from dra_driver.kubeletapi import (
     dra_v1_pb2,
@@ -70,6 +72,12 @@ STALE_AFTER_S = 10.0
 younger one may belong to an agent between bind and listen)."""
 UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+MAX_REGISTRATION_ERROR = 1000
+"""Characters of the kubelet's registration error kept (for the log and /readyz)."""
+MAX_CLAIMS_PER_CALL = 1024
+"""Claims one NodePrepareResources or NodeUnprepareResources call may name (the kubelet sends
+the claims of one pod); a call naming more is refused with INVALID_ARGUMENT, so a request of
+16 MiB cannot queue hundreds of thousands of claims or ask for an answer too large to send."""
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE),
     ("grpc.max_send_message_length", MAX_MESSAGE),
@@ -156,13 +164,17 @@ class RegistrationService(registration_pb2_grpc.RegistrationServicer):
         )
 
     def NotifyRegistrationStatus(self, request: Any, context: Any) -> Any:
+        # the kubelet's reason goes into a log record and /readyz: kept to a few lines
+        error = request.error
+        if len(error) > MAX_REGISTRATION_ERROR:
+            error = f"{error[:MAX_REGISTRATION_ERROR]}... ({len(request.error)} characters)"
         self.plugin.registered = bool(request.plugin_registered)
-        self.plugin.registration_error = request.error or None
+        self.plugin.registration_error = error or None
         if request.plugin_registered:
             self.plugin.log.info("registered with the kubelet")
         else:
             self.plugin.log.error(
-                "the kubelet refused the registration", extra=fields_(reason=request.error)
+                "the kubelet refused the registration", extra=fields_(reason=error)
             )
         return registration_pb2.RegistrationStatusResponse()
 
@@ -171,16 +183,77 @@ class DraService:
     """DRAPlugin for one API version; the message classes come from that version's module."""
 
     def __init__(
-        self, pb2: ModuleType, preparer: Preparer, gate: Gate, handover_wait: float
+        self,
+        pb2: ModuleType,
+        preparer: Preparer,
+        gate: Gate,
+        handover_wait: float,
+        throttle: Throttle | None = None,
     ) -> None:
         self.pb2 = pb2
         self.preparer = preparer
         self.gate = gate
         self.handover_wait = handover_wait
+        self.throttle = throttle or Throttle(preparer.log, LOG_INTERVAL)
 
-    @staticmethod
-    def _keys(request: Any) -> list[ClaimKey]:
-        return [ClaimKey(c.namespace, c.name, c.uid) for c in request.claims]
+    def _admit(
+        self, request: Any, context: Any, op: str
+    ) -> tuple[list[ClaimKey], dict[str, ClaimResult]]:
+        """The request's claims the preparer may see, and the answers of those refused here.
+
+        The kubelet's request is input like any other: a call naming more than
+        MAX_CLAIMS_PER_CALL claims is refused whole (INVALID_ARGUMENT); a claim whose UID,
+        namespace or name Kubernetes could not have made is answered with an error naming the
+        field and the value (``claims[2].uid: '../x' is not a claim UID ...``), to prepare and
+        to unprepare alike (the preparer makes file names of UIDs and logs the names); a claim
+        named twice is taken once, and one UID given to two different claims answers that UID
+        with an error naming both (the answer is keyed by UID: one of them would be lost). The
+        first refusal of a UID is its answer."""
+        claims = request.claims
+        if len(claims) > MAX_CLAIMS_PER_CALL:
+            self.throttle(
+                logging.WARNING,
+                f"{op}-too-many-claims",
+                f"{op} call refused: too many claims",
+                claims=len(claims),
+                max_claims=MAX_CLAIMS_PER_CALL,
+            )
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the call names {len(claims)} claims; at most {MAX_CLAIMS_PER_CALL} are taken in"
+                " one call",
+            )
+        first: dict[str, tuple[int, ClaimKey]] = {}
+        refused: dict[str, ClaimResult] = {}
+        for i, c in enumerate(claims):
+            key = ClaimKey(c.namespace, c.name, c.uid)
+            if key.uid in refused:
+                continue
+            try:
+                check_claim_key(key, f"claims[{i}]")
+            except ClaimError as exc:
+                refused[key.uid] = ClaimResult(error=f"claim refused: {exc}")
+                continue
+            if key.uid in first:
+                j, other = first[key.uid]
+                if other != key:
+                    refused[key.uid] = ClaimResult(
+                        error=f"claims[{j}] and claims[{i}] have the same UID {key.uid!r} but"
+                        f" name different claims ({other.namespace}/{other.name} and"
+                        f" {key.namespace}/{key.name}); neither is taken"
+                    )
+                continue
+            first[key.uid] = (i, key)
+        for result in refused.values():
+            self.preparer.observe(op, 0.0, "invalid_claim")
+            self.throttle(
+                logging.WARNING,
+                f"{op}-invalid-claim",
+                f"{op} failed: the kubelet's request names an invalid claim",
+                error=result.error,
+                reason="invalid_claim",
+            )
+        return [k for _, k in first.values() if k.uid not in refused], refused
 
     def _device(self, d: Any) -> Any:
         device = self.pb2.Device(
@@ -196,9 +269,9 @@ class DraService:
         return device
 
     def NodePrepareResources(self, request: Any, context: Any) -> Any:
-        keys = self._keys(request)
+        keys, invalid = self._admit(request, context, "prepare")
         refused = self.gate.refused(keys, context, self.handover_wait)
-        results: dict[str, ClaimResult] = (
+        results: dict[str, ClaimResult] = invalid | (
             {uid: ClaimResult(error=e) for uid, e in refused.items()}
             if refused
             else self.preparer.prepare(keys)
@@ -211,9 +284,9 @@ class DraService:
         return resp
 
     def NodeUnprepareResources(self, request: Any, context: Any) -> Any:
-        keys = self._keys(request)
+        keys, invalid = self._admit(request, context, "unprepare")
         refused = self.gate.refused(keys, context, self.handover_wait)
-        results = (
+        results = invalid | (
             {uid: ClaimResult(error=e) for uid, e in refused.items()}
             if refused
             else self.preparer.unprepare(keys)
@@ -376,23 +449,39 @@ class PluginServer:
         self.registration_error: str | None = None
         self._bound: dict[Path, SocketIdentity | None] = {}
         self._stop = threading.Event()
-        self._reg = grpc.server(ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
+        self.throttle = Throttle(log, LOG_INTERVAL)
+        guard = MalformedRequests(self._malformed)
+        self._reg = grpc.server(
+            ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS, interceptors=[guard]
+        )
         self._dra = grpc.server(
             ThreadPoolExecutor(max_workers=max_workers + health_streams, thread_name_prefix="dra"),
             options=GRPC_OPTIONS,
+            interceptors=[guard],
         )
         registration_pb2_grpc.add_RegistrationServicer_to_server(
             RegistrationService(self), self._reg
         )
         dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(
-            DraService(dra_v1_pb2, preparer, self.gate, handover_wait), self._dra
+            DraService(dra_v1_pb2, preparer, self.gate, handover_wait, self.throttle), self._dra
         )
         dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(
-            DraService(dra_v1beta1_pb2, preparer, self.gate, handover_wait), self._dra
+            DraService(dra_v1beta1_pb2, preparer, self.gate, handover_wait, self.throttle),
+            self._dra,
         )
         health_v1alpha1_pb2_grpc.add_DRAResourceHealthServicer_to_server(
             HealthService(health, self._stop, resend_interval, health_streams, log, self.gate),
             self._dra,
+        )
+
+    def _malformed(self, method: str, error: str) -> None:
+        """A request that does not decode (``agent.grpcguard``): one rate-limited warning."""
+        self.throttle(
+            logging.WARNING,
+            "malformed-request",
+            "kubelet plugin request refused: it does not decode",
+            method=method,
+            error=error,
         )
 
     @property

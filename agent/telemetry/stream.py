@@ -33,6 +33,7 @@ import grpc
 
 from agent.errors import ConfigError
 from agent.fsutil import SocketIdentity, ensure_dir, socket_identity
+from agent.grpcguard import MalformedRequests
 from agent.logs import Throttle, fields_
 from agent.telemetry.api import telemetry_pb2 as pb
 from agent.telemetry.api import telemetry_pb2_grpc as pb_grpc
@@ -304,6 +305,7 @@ class TelemetryServer:
             ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"telemetry-{name}"),
             options=[("grpc.max_concurrent_streams", self.limits.streams_per_connection)],
             maximum_concurrent_rpcs=threads + QUEUED_CALLS,
+            interceptors=[MalformedRequests(self._malformed)],
         )
         watchers = Watchers(self.limits.max_watchers)
         service = TelemetryService(
@@ -311,6 +313,16 @@ class TelemetryServer:
         )
         pb_grpc.add_TelemetryServicer_to_server(service, server)
         return _Listener(name, server, watchers)
+
+    def _malformed(self, method: str, error: str) -> None:
+        """A request that does not decode (``agent.grpcguard``): one rate-limited warning."""
+        self.throttle(
+            logging.WARNING,
+            "malformed-request",
+            "telemetry request refused: it does not decode",
+            method=method,
+            error=error,
+        )
 
     def watchers(self) -> dict[str, int]:
         """Watchers open now, by listener."""

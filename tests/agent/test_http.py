@@ -278,14 +278,28 @@ def test_a_failing_handler_is_a_500_and_one_json_record_not_a_traceback(capsys):
         (b"GET / HTTP/1.1\r\nContent-Length: 999999999\r\n\r\n", b"413"),
         (b"GET / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", b"411"),
         (b"GET / HTTP/1.1\r\nContent-Length: -1\r\n\r\n", b"400"),
+        (b"GET /healthz HTTP/2.0\r\n\r\n", b"505"),
+        (b"GET /healthz HTTP/1.1x\r\n\r\n", b"400"),
+        (b"POST /healthz\r\n\r\n", b"400"),  # HTTP/0.9 knows only GET
+        (b"GET /healthz HTTP/0.9\r\n" + b"X: y\r\n" * 150 + b"\r\n", b"431"),
     ],
 )
 def test_bad_requests_get_an_error_status_and_one_warning(request_bytes, status):
+    """Every refusal has a status line, also for a line whose version is not one (the stdlib
+    would answer those as HTTP/0.9: a bare HTML body)."""
     with serving() as (ep, records), connect(ep) as s:
         s.sendall(request_bytes)
-        answer = read_all(s)  # an unknown protocol gets the stdlib's HTTP/0.9 answer: no head
-        assert answer.startswith(b"HTTP/1.0 " + status) or b"Error code: " + status in answer
+        answer = read_all(s)
+        assert answer.startswith(b"HTTP/1.0 " + status), answer[:100]
         records.wait("HTTP request refused")
+
+
+@pytest.mark.parametrize("line", [b"GET /healthz", b"GET /healthz HTTP/0.9"])
+def test_an_http_0_9_request_is_answered_with_a_status_line(line):
+    with serving() as (ep, _), connect(ep) as s:
+        s.sendall(line + b"\r\n\r\n")
+        answer = read_all(s)
+        assert answer.startswith(b"HTTP/1.0 200 ") and answer.endswith(b"\r\n\r\nok\n")
 
 
 def test_raise_descriptor_limit_raises_the_soft_limit_to_the_hard_one():

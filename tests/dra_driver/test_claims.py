@@ -1,7 +1,13 @@
 import pytest
 import yaml
 
-from dra_driver.claims import ClaimKey, DirClaimSource, configs_for, parse_allocation
+from dra_driver.claims import (
+    ClaimKey,
+    DirClaimSource,
+    check_claim_key,
+    configs_for,
+    parse_allocation,
+)
 from dra_driver.errors import ClaimError
 
 DRIVER, NODE = "gpu.tessera.dev", "node-a"
@@ -66,10 +72,11 @@ def test_config_precedence_class_first_claim_wins_later_wins_request_scoped():
         (
             claim([result()], node_selector={"nodeSelectorTerms": [{"matchFields": [
                 {"key": "metadata.name", "operator": "In", "values": ["node-b"]}]}]}),
-            "allocated to another node",
+            "allocated to another node (status.allocation.nodeSelector), not 'node-a'",
         ),
+        ([], "claim default/c1 (uid-1): expected an object, got a list"),
     ],
-    ids=["uid-mismatch", "not-allocated", "other-pool", "other-node-selector"],
+    ids=["uid-mismatch", "not-allocated", "other-pool", "other-node-selector", "not-an-object"],
 )  # fmt: skip
 def test_bad_claims(obj, needle):
     with pytest.raises(ClaimError) as e:
@@ -156,3 +163,54 @@ def test_claim_files_are_found_by_uid(tmp_path):
     (tmp_path / "broken.yaml").write_text("a: [")
     src = DirClaimSource(tmp_path)
     assert set(src.by_uid({"uid-2", "uid-3"})) == {"uid-2"}
+
+
+def test_a_missing_claim_names_at_most_ten_unreadable_files_each_printable(tmp_path):
+    """A directory of thousands of broken files must not make every answer megabytes long (the
+    kubelet's answer holds one per claim), and a file name with a newline stays one line."""
+    for i in range(25):
+        (tmp_path / f"broken-{i:02d}.yaml").write_text("a: [")
+    (tmp_path / "a\nb.yaml").write_text("a: [")
+    with pytest.raises(ClaimError) as e:
+        DirClaimSource(tmp_path).get("default", "c2")
+    message = str(e.value)
+    assert message.isprintable() and len(message) < 2000
+    assert "'a\\nb.yaml': " in message  # sorted first, shown escaped
+    assert "broken-08.yaml: " in message and "broken-09.yaml" not in message
+    assert message.endswith("; and 16 more")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "shown"),
+    [
+        ("device", "d" * 5000, "'" + "d" * 60 + "'... (5000 characters)"),
+        ("pool", "p\x00\n", "'p\\x00\\n'"),
+    ],
+)
+def test_untrusted_values_in_errors_are_escaped_and_cut_short(field, value, shown):
+    r = result()
+    r[field] = value
+    with pytest.raises(ClaimError) as e:
+        plan_or_parse(claim([r]))
+    assert shown in str(e.value) and str(e.value).isprintable() and len(str(e.value)) < 400
+
+
+def plan_or_parse(obj):
+    from dra_driver.devices import DeviceModel
+    from dra_driver.plan import plan_claim
+
+    return plan_claim(parse_allocation(obj, KEY, DRIVER, NODE), DeviceModel((), ()))
+
+
+def test_a_claim_key_is_checked_field_by_field():
+    check_claim_key(ClaimKey("default", "my.claim-1", "0b6c7e1a-1111-2222-3333-444455556666"), "c")
+    with pytest.raises(ClaimError) as e:
+        check_claim_key(ClaimKey("Default", "a_b", "../x"), "claims[4]")
+    assert str(e.value) == (
+        "claims[4].uid: '../x' is not a claim UID (a lower-case DNS label: at most 63 of a-z,"
+        " 0-9 and '-', starting and ending alphanumeric); claims[4].namespace: 'Default' is not"
+        " a DNS label (at most 63 of a-z, 0-9 and '-', starting and ending alphanumeric);"
+        " claims[4].name: 'a_b' is not a DNS subdomain (at most 253 of a-z, 0-9, '-' and '.')"
+    )
+    assert e.value.reason == "invalid_claim"
+    check_claim_key(ClaimKey("Default", "a_b", "uid-1"), "c", names=False)  # the UID only

@@ -142,6 +142,8 @@ ERRORS = [
      "apiVersion, kind, sharing"),
     ("unknown-int-key", {**gpu(), 1: 2, "x": 3}, P, "unknown field(s) 1, x;",
      "apiVersion, kind, sharing"),
+    ("unknown-key-not-printable", {**gpu(), "a\x1e\nb": 1}, P,
+     'unknown field(s) "a\\u001e\\nb";', "apiVersion, kind, sharing"),
     ("sharing-kind", gpu("Exclusive"), S, 'a string: "Exclusive"', "expected an object"),
     ("sharing-null", {**gpu(), "sharing": None}, S, "null", "expected an object"),
     ("sharing-unknown", gpu({"strateg": "MPS"}), S, "unknown field(s) strateg;",

@@ -142,6 +142,37 @@ def test_negative_interval_is_refused(served):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+@pytest.mark.parametrize(("method", "devices_field"), [("Snapshot", 1), ("Watch", 2)])
+def test_a_request_that_does_not_decode_is_invalid_argument_and_one_warning(
+    served, caplog, method, devices_field
+):
+    """Bytes that are not the method's message: INVALID_ARGUMENT naming the message type, one
+    rate-limited warning and no traceback (grpc itself would log one at ERROR every time)."""
+    _, target = served
+    name = f"/{pb.DESCRIPTOR.services_by_name['Telemetry'].full_name}/{method}"
+    with grpc.insecure_channel(target) as channel, caplog.at_level(logging.WARNING):
+        raw = (channel.unary_unary if method == "Snapshot" else channel.unary_stream)(
+            name, request_serializer=lambda b: b, response_deserializer=lambda b: b
+        )
+        not_utf8 = bytes([devices_field << 3 | 2, 3, 0xFF, 0xFE, 0xFD])  # devices: ["\xff\xfe\xfd"]
+        for garbage in (b"\xff\xff\xff", not_utf8):
+            with pytest.raises(grpc.RpcError) as e:
+                answer = raw(garbage, timeout=5)
+                if method == "Watch":
+                    next(answer)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "does not decode" in str(e.value.details())
+            assert "Request" in str(e.value.details())  # the message type it is not
+        assert api_still_answers(channel)
+    refused = [r for r in caplog.records if "does not decode" in r.getMessage()]
+    assert len(refused) == 1 and refused[0].levelno == logging.WARNING  # the second: throttled
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
+def api_still_answers(channel: grpc.Channel) -> bool:
+    return len(pb_grpc.TelemetryStub(channel).Snapshot(pb.SnapshotRequest(), timeout=5).gpus) > 0
+
+
 def test_top_once_renders_a_frame(served):
     _, target = served
     out = io.StringIO()
