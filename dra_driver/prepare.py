@@ -764,6 +764,16 @@ class Preparer:
         existing = self.checkpoint.claims.get(claim.uid)
         if (
             existing is not None
+            and not existing.recovered  # recovered: its names are not known
+            and (existing.namespace, existing.name) != (claim.namespace, claim.name)
+        ):
+            raise ClaimError(
+                f"claim {claim}: UID {claim.uid!r} is prepared as"
+                f" {existing.namespace}/{existing.name}",
+                "uid_mismatch",
+            )
+        if (
+            existing is not None
             and existing.state == PREPARE_COMPLETED
             and not existing.recovered  # identity unknown: prepared again from the claim
         ):

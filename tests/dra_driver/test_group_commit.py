@@ -169,3 +169,16 @@ def test_a_failed_completion_write_answers_every_claim_and_the_retry_succeeds(st
     assert agent.store.load().checkpoint.claims.keys() == {k.uid for k in keys}
     assert specs(static_node) == {k.uid for k in keys}
     agent.close(5)
+
+
+def test_a_prepared_uid_asked_for_under_other_names_is_refused_naming_its_claim(static_node):
+    held = static_node.claim("held", "gpu-0")
+    agent = static_node.agent()
+    assert errors(agent.prepare([held])) == {held.uid: ""}
+    impostor = ClaimKey("other", "name", held.uid)
+    (error,) = errors(agent.prepare([impostor])).values()
+    assert error == (
+        f"claim {impostor}: UID {held.uid!r} is prepared as {held.namespace}/{held.name}"
+    )
+    assert errors(agent.prepare([held])) == {held.uid: ""}  # its own names still get it
+    agent.close(5)

@@ -117,8 +117,8 @@ def valid(ref: ClaimRef) -> bool:
 
 def expected(op: str, refs: list[ClaimRef], prepared: dict[str, str]) -> dict[str, tuple[str, Any]]:
     """uid -> (outcome, detail) by the rules of the module docstring; ``prepared``: the UIDs
-    prepared now, with their device (a prepare of a prepared UID answers what it got, whatever
-    the names: see docs/reliability.md on this)."""
+    prepared now, with their device (a prepare of a prepared UID under other names is refused,
+    naming the claim that holds it)."""
     out: dict[str, tuple[str, Any]] = {}
     first: dict[str, tuple[int, ClaimRef]] = {}
     for i, ref in enumerate(refs):
@@ -136,7 +136,8 @@ def expected(op: str, refs: list[ClaimRef], prepared: dict[str, str]) -> dict[st
         if op == "unprepare":
             out[ref.uid] = ("ok", None)
         elif ref.uid in prepared:
-            out[ref.uid] = ("prepared", prepared[ref.uid])
+            owner = next(r for r in REAL if r.uid == ref.uid)  # only REAL claims get prepared
+            out[ref.uid] = ("prepared", prepared[ref.uid]) if owner == ref else ("held", owner)
         elif ref in REAL:
             out[ref.uid] = ("prepared", f"gpu-{REAL.index(ref)}")
         elif any((r.namespace, r.name) == (ref.namespace, ref.name) for r in REAL):
@@ -168,6 +169,8 @@ def one_call(door: DaemonDoor, kubelet: KubeletClient, api: str, op: str, refs: 
         elif outcome == "same-uid":
             j, i = detail
             assert error.startswith(f"claims[{j}] and claims[{i}] have the same UID")
+        elif outcome == "held":
+            assert f"UID {uid!r} is prepared as {detail.namespace}/{detail.name}" in error
         elif outcome == "uid-mismatch":
             assert "has UID 'uid-fz-" in error and f"the kubelet asked for {uid!r}" in error
         else:
