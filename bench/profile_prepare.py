@@ -3,8 +3,9 @@
 A real ``tessera run --simulate`` daemon on the benchmark's 64-GPU node (bench/prepare.py) runs
 under py-spy (sampling at 1 kHz, every thread); the kubelet client prepares and unprepares
 ``--batch`` claims ``--runs`` times. The samples taken in the agent's prepare threads are
-summed by what they were doing, each sample counted once, in the first bucket that matches
-its stack from the innermost frame out:
+summed by what they were doing (a thread waiting for work or for another thread is not
+counted), each sample once, in the first bucket that matches its stack from the innermost frame
+out:
 
 - durable writes: ``atomic_write`` (file fsync, rename, directory fsync) and ``fsync_dir``;
 - checkpoint encoding: ``checkpoint.encode`` (canonical JSON, checksum);
@@ -42,6 +43,9 @@ BUCKETS = (
     ("claim read and plan", ("parse_allocation", "plan_claim", "ClaimSource", ".get (dra")),
 )
 WORKER_THREADS = ("prepare", "unprepare")
+IDLE = ("_worker (concurrent/futures/thread.py", "Condition.wait ", "Event.wait ")
+"""Innermost frames of a thread that waits (py-spy counts a pool worker blocked on its queue
+as active): a pool thread with nothing to do, a batch waiting for its claims' steps."""
 
 
 def classify(stack: list[str]) -> str:
@@ -60,6 +64,8 @@ def summarize(raw: Path, op: str) -> tuple[int, dict[str, int]]:
         frames = stack_text.split(";")
         thread = frames[0]
         if f": {op}" not in thread or (op == "prepare" and ": unprepare" in thread):
+            continue
+        if any(frames[-1].startswith(idle) for idle in IDLE):
             continue
         counts[classify(frames[1:])] += int(n)
     return sum(counts.values()), dict(counts)
