@@ -9,10 +9,11 @@ claims per device; 8 threads, one per device, each preparing and unprepareing it
 turn). All 56 devices are held at times, and /metrics carries up to 64 claims' series (released
 claims are still reported for a while).
 
-Phases: a warm-up (a tenth as many cycles, and at least one resync of the ResourceSlices,
-``--resync-interval 10``: the publisher's first full re-read is a one-off step of the heap), then
-the clients stop and the daemon is left idle for ``QUIET_S``: the *start* figures (RSS, fds,
-threads); then the cycles under the same load, idle again: the *end* figures. Goals
+Phases: a warm-up under the same load (a tenth as many cycles, at least one resync of the
+ResourceSlices, ``--resync-interval 10``: the publisher's first full re-read is a one-off step of
+the heap; and until the thread count is stable, see ``warm_up``), then the clients stop and the
+daemon is left idle for ``QUIET_S``: the *start* figures (RSS, fds, threads); then the 10,000
+cycles under the same load, idle again: the *end* figures. Goals
 (issue 15): steady RSS <= 80 MiB (the most seen after the warm-up), growth < 2 MiB (end - start),
 open fds and threads flat (end = start)."""
 
@@ -50,10 +51,15 @@ SNAPSHOT_PAUSE_S = 0.2
 @dataclass(frozen=True)
 class Plan:
     cycles: int
+    """Measured cycles, after the warm-up."""
+    chunk: int
+    """Warm-up cycles between two looks at the thread count."""
 
 
-FULL = Plan(10_000)
-QUICK = Plan(800)
+FULL = Plan(10_000, 250)
+QUICK = Plan(800, 100)
+STABLE_CHUNKS = 3
+"""The warm-up ends once the thread count has not changed over this many chunks."""
 
 
 def device(gpu: int, start: int) -> str:
@@ -211,6 +217,27 @@ def load(soak: Soak, metrics: str, telemetry: str) -> Iterator[None]:
         raise errors[0]
 
 
+def warm_up(soak: Soak, k: KubeletClient, turns: list[tuple[Claim, Claim]], plan: Plan) -> None:
+    """A tenth as many cycles as will be measured, at least one resync of the slices, and then
+    chunks until the daemon's thread count has stayed the same for ``STABLE_CHUNKS`` chunks: its
+    thread pools (gRPC servers, prepare workers) grow lazily, up to their bounds, to what the
+    load's concurrency needs, which is not a leak; at most half as many cycles as measured."""
+    cycle(soak, k, turns, max(plan.cycles // 10, len(turns)))
+    counts = [soak.ps.num_threads()]
+    while soak.cycles < plan.cycles // 2 and (
+        time.monotonic() - soak.t0 < RESYNC_S * 1.5
+        or len(counts) <= STABLE_CHUNKS
+        or len(set(counts[-STABLE_CHUNKS - 1 :])) > 1
+    ):
+        cycle(soak, k, turns, plan.chunk)
+        counts.append(soak.ps.num_threads())
+
+
+def rss_at(samples: list[Sample], cycles: int) -> int:
+    """The RSS sampled nearest to ``cycles`` cycles."""
+    return min(samples, key=lambda s: abs(s.cycles - cycles)).rss
+
+
 def quiet(soak: Soak) -> Sample:
     """The daemon after ``QUIET_S`` without clients (connections closed, threads idle)."""
     time.sleep(QUIET_S)
@@ -240,14 +267,11 @@ def _soak(
     metrics = f"http://127.0.0.1:{port}/metrics"
     telemetry = target(None, daemon.state)
     refs = [c.ref for c in held]
-    warmup = max(plan.cycles // 10, len(turns))
     with KubeletClient(daemon.socket) as k:
         check(k.prepare(refs), refs)
         first = soak.sample()
         with load(soak, metrics, telemetry):
-            cycle(soak, k, turns, warmup)
-            while time.monotonic() - soak.t0 < RESYNC_S * 1.5:  # at least one resync
-                cycle(soak, k, turns, len(turns))
+            warm_up(soak, k, turns, plan)
         start = quiet(soak)
         warm_cycles = soak.cycles
         with load(soak, metrics, telemetry):
@@ -277,6 +301,9 @@ def _soak(
         ("RSS: claims prepared / start / end / most after warm-up",
          f"{first.rss / MIB:.1f} / {start.rss / MIB:.1f} / {end.rss / MIB:.1f} /"
          f" {steady / MIB:.1f} MiB"),
+        ("RSS through the measured cycles, every fifth (under load)",
+         " / ".join(f"{rss_at(measured_samples, warm_cycles + plan.cycles * k // 5) / MIB:.1f}"
+                    for k in range(1, 6)) + " MiB"),
         ("open fds: start / end", f"{start.fds} / {end.fds}"),
         ("threads: start / end", f"{start.threads} / {end.threads}"),
         ("daemon CPU over the run", f"{cpu.user + cpu.system:.0f} s"),
