@@ -36,7 +36,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 DRIVER = "gpu.tessera.dev"
 FSYNC_FLOOR = (
     "two fsync'd small-file writes (file + directory) in the daemon's state directory,"
-    " interleaved with the calls"
+    " interleaved with the calls; the figure's percentile of them"
 )
 
 
