@@ -14,13 +14,16 @@ figure (:class:`Goal`; the constructors below); ``met`` is None without one.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -213,21 +216,39 @@ def render(figures: Sequence[Figure]) -> list[str]:
     return lines
 
 
-def markdown(figures: Sequence[Figure]) -> list[str]:
-    """The same table in Markdown (for docs/performance.md)."""
+def markdown(figures: Sequence[Figure] | Sequence[dict[str, Any]]) -> list[str]:
+    """The same table in Markdown (for docs/performance.md), from figures or their JSON."""
     lines = [
         "| benchmark | figure | value | floor | ratio | goal | met? |",
         "|---|---|--:|--:|--:|---|---|",
     ]
     for f in figures:
-        floor = "-" if f.floor is None else number(f.floor, f.unit)
-        ratio = "-" if f.ratio is None else f"{f.ratio:.2f}x"
-        goal = f.goal.text if f.goal else "-"
+        d = f.to_json() if isinstance(f, Figure) else f
+        unit = str(d["unit"])
+        floor = "-" if d["floor"] is None else number(float(d["floor"]), unit)
+        ratio = "-" if d["ratio"] is None else f"{float(d['ratio']):.2f}x"
         lines.append(
-            f"| {f.benchmark} | {f.name} | {number(f.value, f.unit)} | {floor} | {ratio} |"
-            f" {goal} | {met_text(f.met)} |"
+            f"| {d['benchmark']} | {d['name']} | {number(float(d['value']), unit)} | {floor} |"
+            f" {ratio} | {d['goal'] or '-'} | {met_text(d['met'])} |"
         )
     return lines
+
+
+def main(argv: Sequence[str]) -> int:
+    """``python -m bench.table [RESULTS_JSON]``: the table of a run (default the last whole run,
+    ``bench/results.json``) in Markdown, with its date, machine and load."""
+    path = Path(argv[0]) if argv else Path(__file__).resolve().parent / "results.json"
+    doc = json.loads(path.read_text())
+    m = doc["machine"]
+    before, after = m["load_average_before"][0], m["load_average_after"][0]
+    print(
+        f"{doc['started']}, {'QUICK, ' if doc['quick'] else ''}{m['cpus']} CPUs, wall time"
+        f" {doc['wall_s'] / 60:.1f} min, 1-minute load average {before:.2f} before and"
+        f" {after:.2f} after; goals met: {doc['goals']['met']} of {doc['goals']['total']}"
+    )
+    print()
+    print("\n".join(markdown(doc["figures"])))
+    return 0
 
 
 # -- results.json -----------------------------------------------------------------------------
@@ -264,3 +285,7 @@ def results(
         "figures": [f.to_json() for f in figures],
         "goals": {"met": sum(goals), "missed": len(goals) - sum(goals), "total": len(goals)},
     }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

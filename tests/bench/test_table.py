@@ -137,6 +137,33 @@ def test_the_markdown_table():
     assert lines[2] == "| prepare | prepare p50 | 3.10 ms | 1.00 ms | 3.10x | <= 3x floor | NO |"
 
 
+def test_the_markdown_table_of_a_results_json(tmp_path, capsys):
+    from bench.table import main as table_main
+
+    doc = results(
+        figures(),
+        quick=False,
+        started=0.0,
+        wall_s=450.0,
+        benchmarks={},
+        machine_info={
+            "cpus": 2,
+            "load_average_before": [1.5, 1, 1],
+            "load_average_after": [2, 1, 1],
+        },
+    )
+    assert markdown(doc["figures"]) == markdown(figures())
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(doc))
+    assert table_main([str(path)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == (
+        "1970-01-01T00:00:00Z, 2 CPUs, wall time 7.5 min, 1-minute load average 1.50 before and"
+        " 2.00 after; goals met: 2 of 4"
+    )
+    assert printed[2:] == markdown(figures())
+
+
 def test_results_json_shape():
     doc = results(
         figures(),
