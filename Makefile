@@ -69,8 +69,9 @@ reliability: $(STAMP)
 	$(PY) -m pytest -q tests/test_fuzz_decoders.py --hypothesis-profile=reliability -p no:randomly
 	$(PY) -m tests.reliability.summary
 
+# One table of every benchmark's figures (docs/performance.md); QUICK=1: fewer repeats, a look.
 bench: $(STAMP)
-	$(PY) -m bench
+	$(PY) -m bench $(if $(QUICK),--quick)
 
 # On a GPU node: the real GPUs against the simulator's model of them, reading only (exit 0 same,
 # 1 different, 2 cannot run; docs/troubleshooting.md). Without a GPU: ARGS='--simulate dgx-h100'.

@@ -1,31 +1,83 @@
-"""Prepare/unprepare latency through the kubelet gRPC socket (a real daemon subprocess), single
-claim and a batch of 64, next to the floor measured in the same run: two fsync'd small file writes
-in the same directory (what a prepare must at least do: checkpoint + CDI spec)."""
+"""Prepare and unprepare through the kubelet gRPC socket of a real daemon (``tessera run
+--simulate``, standalone claims), per sharing mode, each next to its floor measured in the same
+run and in turn with every call, so load from elsewhere weighs on both alike:
+
+- whole GPU: a synthetic 64-GPU node (64 L4 cards); floor: two fsync'd small-file writes in the
+  same directory (what a prepare must at least do: the checkpoint and the CDI spec);
+- static MIG: the dgx-a100 in its all-1g layout (56 MIG devices), a claim of an existing MIG
+  device; floor: the two writes;
+- dynamic MIG: the dgx-a100 with ``--mig-mode dynamic``, claims of GPU 0's 1g.5gb placements in
+  turn; floor: the two writes plus the simulator's own create of that placement (``MigControl``
+  over the simulated NVML, no daemon; destroy for unprepare);
+- MPS: a claim with an MPS config on a whole dgx-h100 GPU; floor: the two writes plus the
+  simulator's tools starting the control daemon with its settings, as a prepare does (compute
+  mode, daemon started, answered, configured; stopped again for unprepare), without the daemon.
+
+Goals (issue 15): prepare p50 <= 3x and p99 <= 5x the floor in every mode, each percentile
+against the same percentile of the floor (interleaved samples: on a quiet machine the floor's
+p99 is about its p50, on a shared one the disk's fsync tail shows in both, and the p99 compared
+with the floor's p50 is in the detail); 64 claims in one call <= 1/4 of 64 x the single
+prepare's p50 (whole GPUs). Unprepare is reported next to its floor without a goal."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from agent.fsutil import atomic_write
-from bench.common import ms, percentile, report, timings
-from dra_driver.kubelet_calls import ClaimRef
+from bench import floors
+from bench.common import (
+    FSYNC_FLOOR,
+    Claim,
+    Daemon,
+    check,
+    claim,
+    ms,
+    percentile,
+    report,
+    scratch,
+    simulated_inventory,
+    stat,
+    two_fsync_writes,
+)
+from bench.table import Figure, measured, ratio_at_most
+from dra_driver.devices import AdvertisedDevice, DevicePolicy, advertised_devices
 from dra_driver.kubelet_client import KubeletClient
 
-DRIVER = "gpu.tessera.dev"
+NAME = "prepare"
 NODE = "bench-64"
 GPUS = 64
-SINGLE_RUNS = 60
-BATCH_RUNS = 10
+P50_GOAL = 3.0
+P99_GOAL = 5.0
+BATCH_GOAL = 0.25
+MPS_CONFIG: dict[str, Any] = {
+    "apiVersion": "gpu.tessera.dev/v1alpha1",
+    "kind": "GpuConfig",
+    "sharing": {
+        "strategy": "MPS",
+        "mps": {"activeThreadPercentage": 50, "pinnedMemoryLimit": "8Gi"},
+    },
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How many repeats, and calls per repeat."""
+
+    repeats: int
+    calls: dict[str, int]
+    """Prepare + unprepare pairs per repeat, by mode."""
+    batches: int
+    """64-claim prepare + unprepare pairs per repeat."""
+
+
+FULL = Plan(3, {"whole GPU": 100, "static MIG": 100, "dynamic MIG": 40, "MPS": 12}, 5)
+QUICK = Plan(2, {"whole GPU": 30, "static MIG": 30, "dynamic MIG": 10, "MPS": 3}, 2)
 
 
 def model_64() -> dict[str, Any]:
@@ -55,110 +107,260 @@ def model_64() -> dict[str, Any]:
     }
 
 
-def claim(i: int) -> dict[str, Any]:
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {"name": f"c{i}", "namespace": "default", "uid": f"uid-{i:04d}"},
-        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "x"}}]}},
-        "status": {
-            "allocation": {
-                "devices": {
-                    "results": [
-                        {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": f"gpu-{i}"}
-                    ]
-                }
-            }
-        },
-    }
+# -- what each mode adds to the floor -----------------------------------------------------------
+
+Extra = Callable[[Claim], tuple[float, float]]
+"""The simulator's own cost of a claim's change, bare: (for prepare, for unprepare) seconds."""
 
 
-def floor(directory: Path, runs: int) -> dict[str, float]:
-    def two_writes() -> None:
-        atomic_write(directory / "a.json", b'{"checkpoint": 1}' * 20)
-        atomic_write(directory / "b.json", b'{"cdi": 1}' * 40)
-
-    return timings(two_writes, runs)
+def no_extra(_: Claim) -> tuple[float, float]:
+    return 0.0, 0.0
 
 
-def run() -> None:
-    tmp = Path(tempfile.mkdtemp(prefix="tb-", dir="/tmp"))
-    try:
-        _run(tmp)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    daemon: Callable[[], Daemon]
+    claims: list[Claim]
+    extra: Extra
+    floor_how: str
 
 
-def _run(tmp: Path) -> None:
-    model_file = tmp / "bench-64.yaml"
+def mig_devices(model: str, profile: str) -> tuple[str, list[AdvertisedDevice]]:
+    """The node name and GPU 0's placements of ``profile`` in dynamic mode."""
+    with simulated_inventory(model) as inv:
+        devices = advertised_devices(inv, DevicePolicy(mig_mode="dynamic")).devices
+        pool = inv.hostname
+    found = [
+        d
+        for d in devices
+        if d.kind == "mig"
+        and d.gpu_minor == 0
+        and str(dict(d.attributes)["profile"]["string"]) == profile
+    ]
+    return pool, found
+
+
+def modes(tmp: Path, stack: ExitStack, reaper: floors.Reaper) -> list[Mode]:
+    """The four modes; the bare simulators their floors need are entered on ``stack``."""
+    model_file = tmp / f"{NODE}.yaml"
     model_file.write_text(yaml.safe_dump(model_64()))
-    state = tmp / "s"
-    (state / "resourceclaims").mkdir(parents=True)
-    (state / "resourceclaims" / "claims.yaml").write_text(
-        yaml.safe_dump_all([claim(i) for i in range(GPUS)])
-    )
-    tessera = os.path.join(os.path.dirname(sys.executable), "tessera")
-    proc = subprocess.Popen(
-        [tessera, "run", "--simulate", str(model_file), "--state-dir", str(state), "--no-kube",
-         "--metrics-address", "127.0.0.1:0", "--log-level", "warning"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    sock = state / "kubelet" / "plugins" / DRIVER / "dra.sock"
-    try:
-        deadline = time.monotonic() + 60
-        while not sock.exists():
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("daemon did not start")
-            time.sleep(0.05)
-        refs = [ClaimRef("default", f"c{i}", f"uid-{i:04d}") for i in range(GPUS)]
-        with KubeletClient(sock) as k:
-            k.prepare(refs[:1])  # warm up
-            k.unprepare(refs[:1])
-            prep, unprep = [], []
-            for _ in range(SINGLE_RUNS):
-                t0 = time.perf_counter()
-                r = k.prepare(refs[:1])
-                prep.append(time.perf_counter() - t0)
-                assert r["claims"]["uid-0000"]["error"] == "", r
-                t0 = time.perf_counter()
-                k.unprepare(refs[:1])
-                unprep.append(time.perf_counter() - t0)
-            bprep, bunprep = [], []
-            for _ in range(BATCH_RUNS):
-                t0 = time.perf_counter()
-                r = k.prepare(refs)
-                bprep.append(time.perf_counter() - t0)
-                assert not any(c["error"] for c in r["claims"].values()), r
-                t0 = time.perf_counter()
-                k.unprepare(refs)
-                bunprep.append(time.perf_counter() - t0)
-        fl = floor(state, 200)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
+    whole = [claim(f"g{i}", f"gpu-{i}") for i in range(GPUS)]
 
-    def stat(xs: list[float]) -> dict[str, float]:
-        return {"p50_s": percentile(xs, 50), "p99_s": percentile(xs, 99), "runs": len(xs)}
+    static = [claim(f"s{i}", f"gpu-0-mig-1g5gb-19-{i}") for i in range(7)]
 
-    data = {
-        "floor_two_fsync_writes": fl,
-        "prepare_single": stat(prep),
-        "unprepare_single": stat(unprep),
-        "prepare_batch64": stat(bprep),
-        "unprepare_batch64": stat(bunprep),
-    }
-    f50 = fl["p50_s"]
-    rows = [("floor: two fsync'd writes, p50 / p99", f"{ms(f50)} / {ms(fl['p99_s'])}")]
-    for key, label in [
-        ("prepare_single", "prepare, 1 claim"),
-        ("unprepare_single", "unprepare, 1 claim"),
-        ("prepare_batch64", "prepare, 64 claims in one call"),
-        ("unprepare_batch64", "unprepare, 64 claims in one call"),
-    ]:
-        s = data[key]
-        ratio = s["p50_s"] / f50
-        data[key]["ratio_to_floor_p50"] = ratio
-        rows.append(
-            (f"{label}: p50 / p99", f"{ms(s['p50_s'])} / {ms(s['p99_s'])}  ({ratio:.1f}x floor)")
+    pool, placements = mig_devices("dgx-a100", "1g.5gb")
+    by_name = {d.name: d for d in placements}
+    dynamic = [claim(f"d{i}", d.name) for i, d in enumerate(placements)]
+    mig = stack.enter_context(floors.bare_mig(tmp / "bare-mig", "dgx-a100"))
+
+    def mig_extra(c: Claim) -> tuple[float, float]:
+        create, gi = mig.create(by_name[c.device])
+        return create, mig.destroy(gi)
+
+    with simulated_inventory("dgx-h100") as inv:
+        h100 = inv.hostname
+    mps_claims = [claim("mps", "gpu-0", config=MPS_CONFIG)]
+    mps = stack.enter_context(floors.bare_mps(tmp / "bare-mps", "dgx-h100"))
+
+    def mps_extra(_: Claim) -> tuple[float, float]:
+        return mps.start_stop()
+
+    def start(model: str, pool: str, claims: list[Claim], *extra: str) -> Callable[[], Daemon]:
+        return lambda: Daemon(tmp, model, pool, claims, *extra, started=reaper.started)
+
+    return [
+        Mode("whole GPU", start(str(model_file), NODE, whole), whole, no_extra, FSYNC_FLOOR),
+        Mode(
+            "static MIG",
+            start("dgx-a100", "dgx-a100", static, "--sim-mig-layout", "all-1g"),
+            static,
+            no_extra,
+            FSYNC_FLOOR,
+        ),
+        Mode(
+            "dynamic MIG",
+            start("dgx-a100", pool, dynamic, "--mig-mode", "dynamic"),
+            dynamic,
+            mig_extra,
+            "the two fsync'd writes + the simulator's own create of the MIG placement"
+            " (MigControl, no daemon; destroy for unprepare), in turn; the figure's percentile",
+        ),
+        Mode(
+            "MPS",
+            start("dgx-h100", h100, mps_claims),
+            mps_claims,
+            mps_extra,
+            "the two fsync'd writes + the simulator's tools starting the MPS control daemon with"
+            " its settings, no daemon (stop for unprepare), in turn; the figure's percentile",
+        ),
+    ]
+
+
+# -- measuring ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Round:
+    """One repeat of one mode: every call's seconds and the floor taken after it."""
+
+    prepare: list[float]
+    unprepare: list[float]
+    floor_prepare: list[float]
+    floor_unprepare: list[float]
+
+    def p(self, what: str, q: float) -> float:
+        values: list[float] = getattr(self, what)
+        return percentile(values, q)
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: stat(getattr(self, k)) for k in self.__dataclass_fields__}
+
+
+def one_round(k: KubeletClient, mode: Mode, calls: int, writes: Callable[[], float]) -> Round:
+    r = Round([], [], [], [])
+    for i in range(calls):
+        c = mode.claims[i % len(mode.claims)]
+        t0 = time.perf_counter()
+        check(k.prepare([c.ref]), [c.ref])
+        t1 = time.perf_counter()
+        check(k.unprepare([c.ref]), [c.ref])
+        t2 = time.perf_counter()
+        extra_prepare, extra_unprepare = mode.extra(c)
+        r.prepare.append(t1 - t0)
+        r.unprepare.append(t2 - t1)
+        r.floor_prepare.append(writes() + extra_prepare)
+        r.floor_unprepare.append(writes() + extra_unprepare)
+    return r
+
+
+def batch_round(
+    k: KubeletClient, claims: list[Claim], batches: int
+) -> tuple[list[float], list[float]]:
+    refs = [c.ref for c in claims]
+    prep, unprep = [], []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        check(k.prepare(refs), refs)
+        t1 = time.perf_counter()
+        check(k.unprepare(refs), refs)
+        prep.append(t1 - t0)
+        unprep.append(time.perf_counter() - t1)
+    return prep, unprep
+
+
+def run(quick: bool) -> list[Figure]:
+    plan = QUICK if quick else FULL
+    with scratch("tb-") as tmp, floors.Reaper().running() as reaper, ExitStack() as stack:
+        all_modes = modes(tmp, stack, reaper)
+        rounds: dict[str, list[Round]] = {}
+        batches: list[dict[str, Any]] = []
+        leftovers = 0
+        for mode in all_modes:
+            daemon = mode.daemon()
+            try:
+                writes = two_fsync_writes(daemon.state)
+                with KubeletClient(daemon.socket) as k:
+                    one_round(k, mode, 1, writes)  # warm up
+                    for _ in range(plan.repeats):
+                        rounds.setdefault(mode.name, []).append(
+                            one_round(k, mode, plan.calls[mode.name], writes)
+                        )
+                        if mode.name == "whole GPU":
+                            prep, unprep = batch_round(k, mode.claims, plan.batches)
+                            batches.append({"prepare": prep, "unprepare": unprep})
+            finally:
+                daemon.stop()
+                leftovers += floors.kill_mps_daemons(daemon.state)
+        return _figures(all_modes, rounds, batches, leftovers)
+
+
+def _figures(
+    all_modes: list[Mode],
+    rounds: dict[str, list[Round]],
+    batches: list[dict[str, Any]],
+    leftovers: int,
+) -> list[Figure]:
+    figures: list[Figure] = []
+    rows: list[tuple[str, str]] = []
+    for mode in all_modes:
+        rs = rounds[mode.name]
+        for q, goal in ((50, P50_GOAL), (99, P99_GOAL)):
+            figures.append(
+                measured(
+                    NAME,
+                    f"prepare p{q}, {mode.name}",
+                    "ms",
+                    [1000 * r.p("prepare", q) for r in rs],
+                    [1000 * r.p("floor_prepare", q) for r in rs],
+                    floor_how=mode.floor_how,
+                    goal=ratio_at_most(goal),
+                )
+            )
+        figures.append(
+            measured(
+                NAME,
+                f"unprepare p50, {mode.name}",
+                "ms",
+                [1000 * r.p("unprepare", 50) for r in rs],
+                [1000 * r.p("floor_unprepare", 50) for r in rs],
+                floor_how=mode.floor_how,
+            )
         )
-    report("prepare", "Prepare through the kubelet socket (bench/prepare.py)", rows, data)
+        for r in rs:
+            rows.append(
+                (
+                    f"{mode.name}: prepare / unprepare / floor, p50 (p99)",
+                    f"{ms(r.p('prepare', 50))} ({ms(r.p('prepare', 99))}) / "
+                    f"{ms(r.p('unprepare', 50))} ({ms(r.p('unprepare', 99))}) / "
+                    f"{ms(r.p('floor_prepare', 50))} ({ms(r.p('floor_prepare', 99))})"
+                    f" over {len(r.prepare)} calls; prepare p99 / floor p50"
+                    f" {r.p('prepare', 99) / r.p('floor_prepare', 50):.1f}x",
+                )
+            )
+    whole = rounds["whole GPU"]
+    how = f"{GPUS} x the single call's p50, same repeat"
+    figures.append(
+        measured(
+            NAME,
+            f"prepare, {GPUS} claims in one call",
+            "ms",
+            [1000 * percentile(b["prepare"], 50) for b in batches],
+            [GPUS * 1000 * r.p("prepare", 50) for r in whole],
+            floor_how=how,
+            goal=ratio_at_most(BATCH_GOAL),
+        )
+    )
+    figures.append(
+        measured(
+            NAME,
+            f"unprepare, {GPUS} claims in one call",
+            "ms",
+            [1000 * percentile(b["unprepare"], 50) for b in batches],
+            [GPUS * 1000 * r.p("unprepare", 50) for r in whole],
+            floor_how=how,
+        )
+    )
+    for b in batches:
+        rows.append(
+            (
+                f"{GPUS} whole GPUs in one call: prepare / unprepare, p50",
+                f"{ms(percentile(b['prepare'], 50))} / {ms(percentile(b['unprepare'], 50))}"
+                f" over {len(b['prepare'])} calls",
+            )
+        )
+    rows.append(("MPS daemons left running after unprepare, killed", str(leftovers)))
+    report(
+        NAME,
+        "Prepare through the kubelet socket, per mode (bench/prepare.py)",
+        rows,
+        {
+            "rounds": {m: [r.to_json() for r in rs] for m, rs in rounds.items()},
+            "batch64": [{k: stat(v) for k, v in b.items()} for b in batches],
+            "leftover_mps_daemons_killed": leftovers,
+        },
+        figures,
+    )
+    if leftovers:
+        raise RuntimeError(f"{leftovers} MPS daemons were left running after unprepare")
+    return figures

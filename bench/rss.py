@@ -1,110 +1,330 @@
-"""Daemon memory: RSS of a `tessera run --simulate dgx-a100` (56 MIG devices, all-1g) after
-BENCH_RSS_SECONDS (default 600 s = 10 minutes) at the default 1 s telemetry interval, with claims
-prepared and /metrics scraped every 15 s, like a Prometheus server would."""
+"""Memory soak: a ``tessera run --simulate dgx-a100 --sim-mig-layout all-1g`` (56 MIG devices)
+with 64 claims, through 10,000 prepare + unprepare cycles over the kubelet socket while
+``/metrics`` is scraped and telemetry gRPC clients watch, reconnect and take snapshots; the
+daemon's RSS, open file descriptors and threads sampled throughout (psutil, its PID).
+
+The 64 claims: the node has 56 MIG devices, each held by one claim at a time, so 48 claims stay
+prepared for the whole run (six MIG devices of every GPU) and 16 take turns on the other 8 (two
+claims per device; 8 threads, one per device, each preparing and unprepareing its two claims in
+turn). All 56 devices are held at times, and /metrics carries up to 64 claims' series (released
+claims are still reported for a while).
+
+Phases: a warm-up under the same load (a tenth as many cycles, at least one resync of the
+ResourceSlices, ``--resync-interval 10``: the publisher's first full re-read is a one-off step of
+the heap; and until the thread count is stable, see ``warm_up``), then the clients stop and the
+daemon is left idle for ``QUIET_S``: the *start* figures (RSS, fds, threads); then the 10,000
+cycles under the same load, idle again: the *end* figures. Goals
+(issue 15): steady RSS <= 80 MiB (the most seen after the warm-up), growth < 2 MiB (end - start),
+open fds and threads flat (end = start)."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
+import contextlib
+import socket
+import threading
 import time
 import urllib.request
-from pathlib import Path
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import psutil
-import yaml
 
-from bench.common import report
-from dra_driver.kubelet_calls import ClaimRef
+from agent.telemetry.top import TopClient, target
+from bench.common import Claim, Daemon, check, claim, report, scratch
+from bench.table import Figure, at_most, below, equal_to, measured
 from dra_driver.kubelet_client import KubeletClient
 
-DRIVER = "gpu.tessera.dev"
+NAME = "rss"
+MIB = 1024 * 1024
+GPUS = 8
+RESYNC_S = 10.0
+QUIET_S = 3.0
+SAMPLE_S = 0.5
+SCRAPERS = 2
+SCRAPE_PAUSE_S = 0.1
+WATCHERS = 4
+SAMPLES_PER_WATCH = 3
+SNAPSHOT_PAUSE_S = 0.2
 
 
-def _claims(state: Path) -> list[ClaimRef]:
-    docs, refs = [], []
-    for gpu in range(8):
-        for start in range(7):
-            i = gpu * 7 + start
-            dev = f"gpu-{gpu}-mig-1g5gb-19-{start}"
-            docs.append({
-                "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-                "metadata": {"name": f"c{i}", "namespace": "default", "uid": f"uid-{i:03d}"},
-                "spec": {"devices": {"requests": [
-                    {"name": "mig", "exactly": {"deviceClassName": "x"}}]}},
-                "status": {"allocation": {"devices": {"results": [
-                    {"request": "mig", "driver": DRIVER, "pool": "dgx-a100", "device": dev}]}}},
-            })  # fmt: skip
-            refs.append(ClaimRef("default", f"c{i}", f"uid-{i:03d}"))
-    (state / "resourceclaims").mkdir(parents=True)
-    (state / "resourceclaims" / "claims.yaml").write_text(yaml.safe_dump_all(docs))
-    return refs
+@dataclass(frozen=True)
+class Plan:
+    cycles: int
+    """Measured cycles, after the warm-up."""
+    chunk: int
+    """Warm-up cycles between two looks at the thread count."""
 
 
-def run() -> None:
-    seconds = float(os.environ.get("BENCH_RSS_SECONDS", "600"))
-    tmp = Path(tempfile.mkdtemp(prefix="tr-", dir="/tmp"))
-    state = tmp / "s"
-    refs = _claims(state)
-    tessera = os.path.join(os.path.dirname(sys.executable), "tessera")
-    proc = subprocess.Popen(
-        [tessera, "run", "--simulate", "dgx-a100", "--sim-mig-layout", "all-1g",
-         "--state-dir", str(state), "--no-kube", "--metrics-address", "127.0.0.1:19409",
-         "--log-level", "warning"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        sock = state / "kubelet" / "plugins" / DRIVER / "dra.sock"
-        while not sock.exists():
-            if proc.poll() is not None:
-                raise RuntimeError("daemon did not start")
-            time.sleep(0.1)
-        with KubeletClient(sock) as k:
-            res = k.prepare(refs)
-        assert not any(c["error"] for c in res["claims"].values()), res
-        ps = psutil.Process(proc.pid)
-        rss_start = ps.memory_info().rss
-        samples = [(0.0, rss_start)]
-        t0 = time.monotonic()
-        while (elapsed := time.monotonic() - t0) < seconds:
-            with urllib.request.urlopen("http://127.0.0.1:19409/metrics", timeout=10) as r:
-                r.read()
-            samples.append((elapsed, ps.memory_info().rss))
-            time.sleep(min(15.0, max(0.0, seconds - elapsed)))
-        rss_end = ps.memory_info().rss
-        samples.append((time.monotonic() - t0, rss_end))
-        cpu = ps.cpu_times()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
-        shutil.rmtree(tmp, ignore_errors=True)
-    mib = 1024 * 1024
-    rows = [
-        ("run length", f"{seconds:.0f} s at 1 s telemetry interval, 56 MIG devices, 56 claims"),
-        ("RSS after start (claims prepared)", f"{rss_start / mib:.1f} MiB"),
-        (f"RSS after {seconds:.0f} s", f"{rss_end / mib:.1f} MiB"),
-        ("peak RSS seen", f"{max(r for _, r in samples) / mib:.1f} MiB"),
-        (
-            "RSS at 1/3, 2/3 of the run",
-            " / ".join(
-                f"{samples[min(len(samples) - 1, len(samples) * k // 3)][1] / mib:.1f} MiB"
-                for k in (1, 2)
-            ),
-        ),
-        ("daemon CPU over the run", f"{(cpu.user + cpu.system) / seconds:.1%} of one core"),
+FULL = Plan(10_000, 250)
+QUICK = Plan(800, 100)
+STABLE_CHUNKS = 3
+"""The warm-up ends once the thread count has not changed over this many chunks."""
+
+
+def device(gpu: int, start: int) -> str:
+    return f"gpu-{gpu}-mig-1g5gb-19-{start}"
+
+
+def claims() -> tuple[list[Claim], list[tuple[Claim, Claim]]]:
+    """48 claims held throughout, and two claims for each of the 8 devices that take turns."""
+    held = [claim(f"h{g}-{s}", device(g, s)) for g in range(GPUS) for s in range(6)]
+    turns = [(claim(f"t{g}-a", device(g, 6)), claim(f"t{g}-b", device(g, 6))) for g in range(GPUS)]
+    return held, turns
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class Sample:
+    elapsed: float
+    cycles: int
+    rss: int
+    fds: int
+    threads: int
+
+
+@dataclass
+class Soak:
+    """The running soak's counters and samples, shared by its threads."""
+
+    ps: Any
+    t0: float = field(default_factory=time.monotonic)
+    cycles: int = 0
+    scrapes: int = 0
+    watches: int = 0
+    samples_watched: int = 0
+    snapshots: int = 0
+    samples: list[Sample] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def sample(self) -> Sample:
+        s = Sample(
+            time.monotonic() - self.t0,
+            self.cycles,
+            self.ps.memory_info().rss,
+            self.ps.num_fds(),
+            self.ps.num_threads(),
+        )
+        with self.lock:
+            self.samples.append(s)
+        return s
+
+    def count(self, what: str, n: int = 1) -> None:
+        with self.lock:
+            setattr(self, what, getattr(self, what) + n)
+
+
+def cycler(soak: Soak, k: KubeletClient, pair: tuple[Claim, Claim], cycles: int) -> None:
+    for i in range(cycles):
+        ref = pair[i % 2].ref
+        check(k.prepare([ref]), [ref])
+        check(k.unprepare([ref]), [ref])
+        soak.count("cycles")
+
+
+def cycle(soak: Soak, k: KubeletClient, turns: list[tuple[Claim, Claim]], cycles: int) -> None:
+    """``cycles`` prepare + unprepare cycles, spread over one thread per device."""
+    share = [cycles // len(turns) + (i < cycles % len(turns)) for i in range(len(turns))]
+    errors: list[BaseException] = []
+
+    def one(pair: tuple[Claim, Claim], n: int) -> None:
+        try:
+            cycler(soak, k, pair, n)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=one, args=(p, n), name=f"cycler-{i}")
+        for i, (p, n) in enumerate(zip(turns, share, strict=True))
     ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+@contextlib.contextmanager
+def load(soak: Soak, metrics: str, telemetry: str) -> Iterator[None]:
+    """Scrapers of /metrics, Watch clients that reconnect after a few samples, a Snapshot poller,
+    and the RSS sampler, until the block ends."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def guarded(fn: Any) -> Any:
+        def body() -> None:
+            try:
+                fn()
+            except BaseException as exc:
+                errors.append(exc)
+                stop.set()
+
+        return body
+
+    def scrape() -> None:
+        while not stop.is_set():
+            with urllib.request.urlopen(metrics, timeout=30) as r:
+                r.read()
+            soak.count("scrapes")
+            stop.wait(SCRAPE_PAUSE_S)
+
+    def watch() -> None:
+        while not stop.is_set():
+            client = TopClient(telemetry, timeout=30)
+            try:
+                taken = 0
+                for _ in client.watch(0):
+                    taken += 1
+                    if taken >= SAMPLES_PER_WATCH or stop.is_set():
+                        break
+            finally:
+                client.close()
+            soak.count("watches")
+            soak.count("samples_watched", taken)
+
+    def snapshots() -> None:
+        client = TopClient(telemetry, timeout=30)
+        try:
+            while not stop.is_set():
+                client.snapshot()
+                soak.count("snapshots")
+                stop.wait(SNAPSHOT_PAUSE_S)
+        finally:
+            client.close()
+
+    def sampler() -> None:
+        while not stop.wait(SAMPLE_S):
+            soak.sample()
+
+    workers = [scrape] * SCRAPERS + [watch] * WATCHERS + [snapshots, sampler]
+    threads = [threading.Thread(target=guarded(w), name=w.__name__) for w in workers]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    if errors:
+        raise errors[0]
+
+
+def warm_up(soak: Soak, k: KubeletClient, turns: list[tuple[Claim, Claim]], plan: Plan) -> None:
+    """A tenth as many cycles as will be measured, at least one resync of the slices, and then
+    chunks until the daemon's thread count has stayed the same for ``STABLE_CHUNKS`` chunks: its
+    thread pools (gRPC servers, prepare workers) grow lazily, up to their bounds, to what the
+    load's concurrency needs, which is not a leak; at most half as many cycles as measured."""
+    cycle(soak, k, turns, max(plan.cycles // 10, len(turns)))
+    counts = [soak.ps.num_threads()]
+    while soak.cycles < plan.cycles // 2 and (
+        time.monotonic() - soak.t0 < RESYNC_S * 1.5
+        or len(counts) <= STABLE_CHUNKS
+        or len(set(counts[-STABLE_CHUNKS - 1 :])) > 1
+    ):
+        cycle(soak, k, turns, plan.chunk)
+        counts.append(soak.ps.num_threads())
+
+
+def rss_at(samples: list[Sample], cycles: int) -> int:
+    """The RSS sampled nearest to ``cycles`` cycles."""
+    return min(samples, key=lambda s: abs(s.cycles - cycles)).rss
+
+
+def quiet(soak: Soak) -> Sample:
+    """The daemon after ``QUIET_S`` without clients (connections closed, threads idle)."""
+    time.sleep(QUIET_S)
+    return soak.sample()
+
+
+def run(quick: bool) -> list[Figure]:
+    plan = QUICK if quick else FULL
+    held, turns = claims()
+    port = free_port()
+    with scratch("tr-") as tmp:
+        daemon = Daemon(
+            tmp, "dgx-a100", "dgx-a100", [*held, *(c for p in turns for c in p)],
+            "--sim-mig-layout", "all-1g", "--resync-interval", str(RESYNC_S),
+            metrics_address=f"127.0.0.1:{port}",
+        )  # fmt: skip
+        try:
+            return _soak(daemon, held, turns, plan, port)
+        finally:
+            daemon.stop()
+
+
+def _soak(
+    daemon: Daemon, held: list[Claim], turns: list[tuple[Claim, Claim]], plan: Plan, port: int
+) -> list[Figure]:
+    soak = Soak(psutil.Process(daemon.pid))
+    metrics = f"http://127.0.0.1:{port}/metrics"
+    telemetry = target(None, daemon.state)
+    refs = [c.ref for c in held]
+    with KubeletClient(daemon.socket) as k:
+        check(k.prepare(refs), refs)
+        first = soak.sample()
+        with load(soak, metrics, telemetry):
+            warm_up(soak, k, turns, plan)
+        start = quiet(soak)
+        warm_cycles = soak.cycles
+        with load(soak, metrics, telemetry):
+            cycle(soak, k, turns, plan.cycles)
+        end = quiet(soak)
+        check(k.unprepare(refs), refs)
+    cpu = soak.ps.cpu_times()
+    measured_samples = [s for s in soak.samples if s.cycles >= warm_cycles]
+    steady = max(s.rss for s in measured_samples)
+    span = end.elapsed - start.elapsed
+    figures = [
+        measured(NAME, "steady RSS, dgx-a100, 56 MIG devices, 64 claims (the most after the"
+                 " warm-up)", "MiB", [steady / MIB], goal=at_most(80, "MiB")),
+        measured(NAME, f"RSS growth over {soak.cycles - warm_cycles:,} prepare/unprepare cycles",
+                 "MiB", [(end.rss - start.rss) / MIB], goal=below(2, "MiB")),
+        measured(NAME, "open fds, end - start (idle, after the cycles)", "count",
+                 [end.fds - start.fds], goal=equal_to(0)),
+        measured(NAME, "threads, end - start (idle, after the cycles)", "count",
+                 [end.threads - start.threads], goal=equal_to(0)),
+    ]  # fmt: skip
+    rows = [
+        ("cycles (prepare + unprepare of one claim), 8 threads", f"{soak.cycles:,}"
+         f" ({warm_cycles:,} of them warm-up), {span:.0f} s after the warm-up,"
+         f" {(soak.cycles - warm_cycles) / span:.0f} cycles/s"),
+        ("load alongside", f"{soak.scrapes:,} /metrics scrapes, {soak.watches:,} Watch streams"
+         f" ({soak.samples_watched:,} samples), {soak.snapshots:,} Snapshots"),
+        ("RSS: claims prepared / start / end / most after warm-up",
+         f"{first.rss / MIB:.1f} / {start.rss / MIB:.1f} / {end.rss / MIB:.1f} /"
+         f" {steady / MIB:.1f} MiB"),
+        ("RSS through the measured cycles, every fifth (under load)",
+         " / ".join(f"{rss_at(measured_samples, warm_cycles + plan.cycles * k // 5) / MIB:.1f}"
+                    for k in range(1, 6)) + " MiB"),
+        ("open fds: start / end", f"{start.fds} / {end.fds}"),
+        ("threads: start / end", f"{start.threads} / {end.threads}"),
+        ("daemon CPU over the run", f"{cpu.user + cpu.system:.0f} s"),
+    ]  # fmt: skip
     report(
-        "rss",
-        "Daemon memory over time (bench/rss.py)",
+        NAME,
+        "Daemon memory, descriptors and threads under churn (bench/rss.py)",
         rows,
         {
-            "seconds": seconds,
-            "rss_start_bytes": rss_start,
-            "rss_end_bytes": rss_end,
-            "rss_samples": samples,
+            "cycles": soak.cycles,
+            "warmup_cycles": warm_cycles,
+            "scrapes": soak.scrapes,
+            "watch_streams": soak.watches,
+            "samples_watched": soak.samples_watched,
+            "snapshots": soak.snapshots,
+            "first": first.__dict__,
+            "start": start.__dict__,
+            "end": end.__dict__,
             "cpu_seconds": cpu.user + cpu.system,
+            "samples": [s.__dict__ for s in soak.samples],
         },
+        figures,
     )
+    return figures

@@ -32,8 +32,13 @@ from agent.telemetry.gpuinfo import gpu_info
 from agent.telemetry.metrics import DriverMetrics, Exposition, SnapshotCollector
 from agent.telemetry.sampler import Sampler
 from bench.common import ms, percentile, report
+from bench.table import Figure, measured
 from dra_driver.checkpoint import PREPARE_COMPLETED, ClaimEntry, PreparedDevice
 
+NAME = "telemetry"
+REPEATS, SERIAL, WORKERS, PER_WORKER, TICKS = 3, 300, 20, 30, 100
+QUICK_REPEATS, QUICK_SERIAL, QUICK_PER_WORKER, QUICK_TICKS = 2, 100, 10, 30
+STATIC_FLOOR = "the same bytes served as a static response by the same HTTP server, in turn"
 LOG = logging.getLogger("bench.telemetry")
 LOG.addHandler(logging.NullHandler())
 LOG.propagate = False
@@ -119,15 +124,20 @@ def scrape_stats(url: str, serial: int, workers: int, per_worker: int) -> dict[s
     }
 
 
+def medians(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each statistic's median over the repeats."""
+    return {k: statistics.median(x[k] for x in runs) for k in runs[0]}
+
+
 def serve(body: Callable[[], tuple[bytes, str]]) -> HttpEndpoint:
     ep = HttpEndpoint("127.0.0.1", 0, Readiness(), metrics=body)
     ep.start()
     return ep
 
 
-def run() -> None:
+def run(quick: bool) -> list[Figure]:
     with tempfile.TemporaryDirectory(prefix="tt-", dir="/tmp") as tmp:
-        _run(Path(tmp))
+        return _run(Path(tmp), quick)
 
 
 def _sampler(src: Any, nvml: Nvml, inv: Any, state: Path, holders: Callable[[], Any]) -> Sampler:
@@ -141,7 +151,12 @@ def _sampler(src: Any, nvml: Nvml, inv: Any, state: Path, holders: Callable[[], 
     )
 
 
-def _run(tmp: Path) -> None:
+def _run(tmp: Path, quick: bool) -> list[Figure]:
+    repeats, serial, per_worker, ticks = (
+        (QUICK_REPEATS, QUICK_SERIAL, QUICK_PER_WORKER, QUICK_TICKS)
+        if quick
+        else (REPEATS, SERIAL, PER_WORKER, TICKS)
+    )
     # -- /metrics render ----------------------------------------------------------------------
     src = open_node(Config(simulate="dgx-a100", sim_mig_layout="all-1g"), tmp / "a100")
     src.nvml.init()
@@ -164,9 +179,13 @@ def _run(tmp: Path) -> None:
     static = serve(lambda: (body, CONTENT_TYPE_LATEST))
     try:
         url = "http://{}:{}/metrics"
-        r = scrape_stats(url.format(*rendered.address), 300, 20, 30)
-        m = scrape_stats(url.format(*live.address), 300, 20, 30)
-        f = scrape_stats(url.format(*static.address), 300, 20, 30)
+        runs: dict[str, list[dict[str, float]]] = {"rendered": [], "live": [], "static": []}
+        for _ in range(repeats):  # in turn, so load from elsewhere weighs on all three
+            for name, ep in (("rendered", rendered), ("live", live), ("static", static)):
+                runs[name].append(
+                    scrape_stats(url.format(*ep.address), serial, WORKERS, per_worker)
+                )
+        r, m, f = (medians(runs[name]) for name in ("rendered", "live", "static"))
     finally:
         rendered.stop()
         live.stop()
@@ -187,7 +206,7 @@ def _run(tmp: Path) -> None:
         for _ in range(5):
             smp.tick()
         timed.cpu = 0.0
-        ticks, total = 100, 0.0
+        total = 0.0
         per_tick = []
         for _ in range(ticks):
             before_sim, t0 = timed.cpu, time.thread_time()
@@ -204,6 +223,20 @@ def _run(tmp: Path) -> None:
             "fraction_of_core_at_1s": statistics.fmean(per_tick) / 1.0,
         }
 
+    figures = [
+        measured(NAME, f"/metrics p50, one scraper (dgx-a100 all-1g, {series} series)", "ms",
+                 [1000 * x["serial_p50_s"] for x in runs["live"]],
+                 [1000 * x["serial_p50_s"] for x in runs["static"]], floor_how=STATIC_FLOOR),
+        measured(NAME, f"/metrics p50, {WORKERS} concurrent scrapers", "ms",
+                 [1000 * x["concurrent_p50_s"] for x in runs["live"]],
+                 [1000 * x["concurrent_p50_s"] for x in runs["static"]],
+                 floor_how=STATIC_FLOOR),
+    ]  # fmt: skip
+    for model, c in cpu.items():
+        figures.append(
+            measured(NAME, f"sampler CPU per tick, {model} (the simulator's excluded)", "ms",
+                     [1000 * c["sampler_cpu_s"]])
+        )  # fmt: skip
     rows = [
         ("dgx-a100 all-1g: series / bytes", f"{series} / {len(body)}"),
         ("render every scrape: serial p50 / p99",
@@ -231,9 +264,11 @@ def _run(tmp: Path) -> None:
         {
             "series": series,
             "bytes": len(body),
-            "render_every_scrape": r,
-            "metrics": m,
-            "floor": f,
+            "render_every_scrape": runs["rendered"],
+            "metrics": runs["live"],
+            "floor": runs["static"],
             "sampler_cpu": cpu,
         },
+        figures,
     )
+    return figures
