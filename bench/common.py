@@ -196,8 +196,10 @@ class Daemon:
         *extra: str,
         metrics_address: str = "127.0.0.1:0",
         started: Callable[[int], None] | None = None,
+        wrap: Sequence[str] = (),
     ) -> None:
-        """``started``: told the daemon's PID (a reaper must leave it to its Popen)."""
+        """``started``: told the daemon's PID (a reaper must leave it to its Popen); ``wrap``:
+        a command the daemon runs under (a profiler: ``py-spy record ... --``)."""
         name = Path(model).stem
         self.state = tmp / f"{name}-{len(list(tmp.iterdir()))}"
         (self.state / "resourceclaims").mkdir(parents=True)
@@ -207,7 +209,8 @@ class Daemon:
         self.claims = list(claims)
         self.log: IO[str] = (self.state.parent / f"{self.state.name}.log").open("w")
         self.proc = subprocess.Popen(
-            [tessera(), "run", "--simulate", model, "--state-dir", str(self.state), "--no-kube",
+            [*wrap, tessera(), "run", "--simulate", model, "--state-dir", str(self.state),
+             "--no-kube",
              "--metrics-address", metrics_address, "--log-level", "warning", *extra],
             stdout=subprocess.DEVNULL, stderr=self.log,
         )  # fmt: skip

@@ -21,19 +21,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import shutil
 import signal
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import yaml
 
-from bench.prepare import DRIVER, GPUS, claim, model_64
-from dra_driver.kubelet_calls import ClaimRef
+from bench.common import Daemon, claim, scratch
+from bench.prepare import GPUS, NODE, model_64
 from dra_driver.kubelet_client import KubeletClient
 
 BUCKETS = (
@@ -80,45 +76,27 @@ def main(argv: list[str]) -> int:
     if not Path(spy).exists():
         print("py-spy is not installed: pip install py-spy (it is in the test extra)")
         return 2
-    tmp = Path(tempfile.mkdtemp(prefix="tpp-", dir="/tmp"))
-    try:
-        model_file = tmp / "bench-64.yaml"
+    with scratch("tpp-") as tmp:
+        model_file = tmp / f"{NODE}.yaml"
         model_file.write_text(yaml.safe_dump(model_64()))
-        state = tmp / "s"
-        (state / "resourceclaims").mkdir(parents=True)
-        (state / "resourceclaims" / "claims.yaml").write_text(
-            yaml.safe_dump_all([claim(i) for i in range(GPUS)])
-        )
+        claims = [claim(f"c{i}", f"gpu-{i}") for i in range(args.batch)]
         raw = tmp / "profile.txt"
-        tessera = os.path.join(os.path.dirname(sys.executable), "tessera")
-        proc = subprocess.Popen(
-            [spy, "record", "-r", "1000", "-f", "raw", "-o", str(raw), "--threads", "--",
-             tessera, "run", "--simulate", str(model_file), "--state-dir", str(state),
-             "--no-kube", "--metrics-address", "127.0.0.1:0", "--log-level", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        sock = state / "kubelet" / "plugins" / DRIVER / "dra.sock"
-        deadline = time.monotonic() + 60
-        while not sock.exists():
-            if time.monotonic() > deadline or proc.poll() is not None:
-                print("the daemon did not start under py-spy (ptrace not permitted?)")
-                return 2
-            time.sleep(0.05)
-        refs = [ClaimRef("default", f"c{i}", f"uid-{i:04d}") for i in range(args.batch)]
-        with KubeletClient(sock) as k:
+        record = [spy, "record", "-r", "1000", "-f", "raw", "-o", str(raw), "--threads", "--"]
+        daemon = Daemon(tmp, str(model_file), NODE, claims, wrap=record)
+        refs = [c.ref for c in claims]
+        with KubeletClient(daemon.socket) as k:
             for _ in range(args.runs):
                 k.prepare(refs)
                 k.unprepare(refs)
-        proc.send_signal(signal.SIGINT)  # py-spy passes it on and writes its file
-        proc.wait(120)
+        daemon.proc.send_signal(signal.SIGINT)  # py-spy stops the daemon and writes its file
+        daemon.proc.wait(120)
+        daemon.stop(unprepare=False)
         for op in WORKER_THREADS:
             total, buckets = summarize(raw, op)
             print(f"\n{op}: {total} samples at 1 kHz in its threads, {args.runs} calls of"
                   f" {args.batch} claim(s): {total / args.runs:.2f} ms per call")  # fmt: skip
             for name, n in sorted(buckets.items(), key=lambda kv: -kv[1]):
                 print(f"  {n / max(total, 1) * 100:5.1f} %  {name}")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 

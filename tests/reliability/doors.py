@@ -293,6 +293,19 @@ def bad_line(line: str) -> bool:
     )
 
 
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+"""A Kubernetes DNS label and subdomain: the names the kubelet's door lets through."""
+
+
+def end(door: DaemonDoor, record: bool) -> None:
+    serving, outside, out = door.finish(record)
+    assert not serving, serving
+    assert not outside, f"written outside the state directory: {outside}"
+    assert not out, f"a path left its directory: {out}"
+    door.check()
+
+
 def open_door(
     name: str, *extra: str, own: tuple[str, ...] = (), itemize: tuple[str, ...] = ()
 ) -> DaemonDoor:

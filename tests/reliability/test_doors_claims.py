@@ -37,11 +37,14 @@ from dra_driver.kubelet_client import KubeletClient
 from dra_driver.plan import SharingPolicy, plan_claim
 from tests.reliability.claim_strategies import DRIVER, claim_objects, device_model, tame_claims
 from tests.reliability.doors import (
+    DNS_LABEL,
+    DNS_SUBDOMAIN,
     MODEL,
     RERUN,
     DaemonDoor,
     clear,
     close_door,
+    end,
     fast,
     hostile_text,
     long,
@@ -51,8 +54,6 @@ from tests.reliability.doors import (
 # a failing case of huge generated values is still worth reporting in full
 pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")
 
-DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 POLICIES = [
     SharingPolicy(),
     SharingPolicy(mode="time-slicing"),
@@ -204,14 +205,6 @@ def file_case(door: DaemonDoor, kubelet: KubeletClient) -> Any:
         door.check()
 
     return case
-
-
-def end(door: DaemonDoor, record: bool) -> None:
-    serving, outside, out = door.finish(record)
-    assert not serving, serving
-    assert not outside, f"written outside the state directory: {outside}"
-    assert not out, f"a path left its directory: {out}"
-    door.check()
 
 
 def test_claim_files_prepare_or_are_refused_clearly(door, kubelet):

@@ -13,7 +13,6 @@ INVALID_ARGUMENT. `make test` runs a few cases; `make reliability` thousands.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,11 +27,14 @@ from dra_driver.kubelet_client import KubeletClient
 from dra_driver.kubeletapi import dra_v1_pb2, dra_v1beta1_pb2, registration_pb2
 from tests.integration.daemon import claim_manifest, write_claims
 from tests.reliability.doors import (
+    DNS_LABEL,
+    DNS_SUBDOMAIN,
     MODEL,
     RERUN,
     DaemonDoor,
     clear,
     close_door,
+    end,
     fast,
     hostile_text,
     long,
@@ -45,8 +47,6 @@ from tests.reliability.report import add
 # a failing case of huge generated values is still worth reporting in full
 pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")
 
-DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 REAL = [ClaimRef("fuzz", f"fz-{i}", f"uid-fz-{i}") for i in range(4)]
 """Claims in the claim files, on gpu-0..gpu-3: a generated call may name them."""
 MODULES = {"v1": dra_v1_pb2, "v1beta1": dra_v1beta1_pb2}
@@ -193,14 +193,6 @@ def calls_case(door: DaemonDoor, kubelet: KubeletClient) -> Any:
         one_call(door, kubelet, *call)
 
     return case
-
-
-def end(door: DaemonDoor, record: bool) -> None:
-    serving, outside, out = door.finish(record)
-    assert not serving, serving
-    assert not outside, f"written outside the state directory: {outside}"
-    assert not out, f"a path left its directory: {out}"
-    door.check()
 
 
 def test_generated_kubelet_calls(door, kubelet):

@@ -32,6 +32,7 @@ from tests.reliability.doors import (
     ESCAPE,
     DaemonDoor,
     close_door,
+    end,
     fast,
     hostile_text,
     long,
@@ -181,14 +182,6 @@ def raw_case(door: DaemonDoor) -> Any:
         door.check()
 
     return case
-
-
-def end(door: DaemonDoor, record: bool) -> None:
-    serving, outside, out = door.finish(record)
-    assert not serving, serving
-    assert not outside, f"written outside the state directory: {outside}"
-    assert not out, f"a path left its directory: {out}"
-    door.check()
 
 
 def test_generated_http_requests(door):
