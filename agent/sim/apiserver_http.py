@@ -395,6 +395,7 @@ class Handler(BaseHTTPRequestHandler):
             if exc.code != 410:
                 raise
             cursor, initial, error = 0, [], exc
+        cuts = ctx.faults.cuts  # before the watch is seen as open: a cut after that reaches it
         self._record(200)
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -404,7 +405,7 @@ class Handler(BaseHTTPRequestHandler):
         with ctx.watch_done:
             ctx.watch_count += 1
         try:
-            self._stream(rt, selection, cursor, initial, error, deadline, bookmarks, params)
+            self._stream(rt, selection, cursor, initial, error, deadline, bookmarks, params, cuts)
             self.wfile.write(b"0\r\n\r\n")
         except _Cut:  # hang up without the last chunk: the client sees the stream broken
             self.close_connection = True
@@ -430,9 +431,10 @@ class Handler(BaseHTTPRequestHandler):
         deadline: float,
         bookmarks: bool,
         params: dict[str, str],
+        cuts: int,
     ) -> None:
+        """``cuts``: the faults' cut count when the watch opened (a cut since ends it)."""
         ctx = self.server.ctx
-        cuts = ctx.faults.cuts
 
         def bookmark(rv: int, annotations: dict[str, str] | None = None) -> None:
             meta: Obj = {"resourceVersion": str(rv)}
