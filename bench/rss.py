@@ -5,17 +5,18 @@ daemon's RSS, open file descriptors and threads sampled throughout (psutil, its 
 
 The 64 claims: the node has 56 MIG devices, each held by one claim at a time, so 48 claims stay
 prepared for the whole run (six MIG devices of every GPU) and 16 take turns on the other 8 (two
-claims per device; 8 threads, one per device, each preparing and unprepareing its two claims in
+claims per device; 8 threads, one per device, each preparing and unpreparing its two claims in
 turn). All 56 devices are held at times, and /metrics carries up to 64 claims' series (released
 claims are still reported for a while).
 
-Phases: a warm-up under the same load (a tenth as many cycles, at least one resync of the
-ResourceSlices, ``--resync-interval 10``: the publisher's first full re-read is a one-off step of
-the heap; and until the thread count is stable, see ``warm_up``), then the clients stop and the
-daemon is left idle for ``QUIET_S``: the *start* figures (RSS, fds, threads); then the 10,000
-cycles under the same load, idle again: the *end* figures. Goals
-(issue 15): steady RSS <= 80 MiB (the most seen after the warm-up), growth < 2 MiB (end - start),
-open fds and threads flat (end = start)."""
+Phases: a warm-up under twice the load (twice the clients, and as many threads again making
+idempotent kubelet calls beside the cyclers), for a tenth as many cycles, at least one resync of
+the ResourceSlices (``--resync-interval 10``) and until the thread count is stable (see
+``warm_up``); then the clients stop and the daemon is left idle for ``QUIET_S``: the *start*
+figures (RSS, fds, threads). Then the 10,000 cycles under the measured load (2 scrapers, 4
+watchers, 1 Snapshot poller), and idle again: the *end* figures. Goals (issue 15): steady RSS
+<= 80 MiB (the most seen after the warm-up), growth < 2 MiB (end - start), open fds and threads
+flat (end = start)."""
 
 from __future__ import annotations
 
@@ -24,21 +25,27 @@ import socket
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 import psutil
 
-from agent.telemetry.top import TopClient, target
+from agent.telemetry.api import telemetry_pb2 as pb
+from agent.telemetry.api import telemetry_pb2_grpc as pb_grpc
+from agent.telemetry.top import target
 from bench.common import Claim, Daemon, check, claim, report, scratch
 from bench.table import Figure, at_most, below, equal_to, measured
+from dra_driver.kubelet_calls import ClaimRef
 from dra_driver.kubelet_client import KubeletClient
 
 NAME = "rss"
 MIB = 1024 * 1024
 GPUS = 8
 RESYNC_S = 10.0
+"""The slices' resync runs this often (default 600 s): a full re-read, so the soak sees many and
+the warm-up at least one (the first is a one-off step of the heap)."""
 QUIET_S = 3.0
 SAMPLE_S = 0.5
 SCRAPERS = 2
@@ -46,6 +53,7 @@ SCRAPE_PAUSE_S = 0.1
 WATCHERS = 4
 SAMPLES_PER_WATCH = 3
 SNAPSHOT_PAUSE_S = 0.2
+IDEMPOTENT_PAUSE_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -151,10 +159,31 @@ def cycle(soak: Soak, k: KubeletClient, turns: list[tuple[Claim, Claim]], cycles
         raise errors[0]
 
 
+def telemetry_client(target: str) -> tuple[grpc.Channel, Any]:
+    """A channel of its own (its own connection, as separate client processes have; channels
+    of one process otherwise share one, and its per-connection stream limit) and its stub."""
+    channel = grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+    return channel, pb_grpc.TelemetryStub(channel)  # type: ignore[no-untyped-call]
+
+
+@dataclass(frozen=True)
+class Load:
+    """Who calls the daemon besides the cyclers; ``extra``: idempotent kubelet calls."""
+
+    metrics: str
+    telemetry: str
+    times: int = 1
+    """Scrapers, watchers and Snapshot pollers are ``times`` as many."""
+    extra: tuple[tuple[KubeletClient, ClaimRef, ClaimRef], ...] = ()
+    """Threads that prepare a claim already prepared and unprepare one never prepared, in a
+    loop: the same pools as the cyclers' calls, changing nothing."""
+
+
 @contextlib.contextmanager
-def load(soak: Soak, metrics: str, telemetry: str) -> Iterator[None]:
+def load(soak: Soak, spec: Load) -> Iterator[None]:
     """Scrapers of /metrics, Watch clients that reconnect after a few samples, a Snapshot poller,
-    and the RSS sampler, until the block ends."""
+    the ``extra`` callers and the RSS sampler, until the block ends."""
+    metrics, telemetry = spec.metrics, spec.telemetry
     stop = threading.Event()
     errors: list[BaseException] = []
 
@@ -177,33 +206,50 @@ def load(soak: Soak, metrics: str, telemetry: str) -> Iterator[None]:
 
     def watch() -> None:
         while not stop.is_set():
-            client = TopClient(telemetry, timeout=30)
+            channel, stub = telemetry_client(telemetry)
+            call = stub.Watch(pb.WatchRequest(interval_seconds=0))
             try:
                 taken = 0
-                for _ in client.watch(0):
+                for _ in call:
                     taken += 1
                     if taken >= SAMPLES_PER_WATCH or stop.is_set():
                         break
             finally:
-                client.close()
+                call.cancel()
+                channel.close()
             soak.count("watches")
             soak.count("samples_watched", taken)
 
     def snapshots() -> None:
-        client = TopClient(telemetry, timeout=30)
+        channel, stub = telemetry_client(telemetry)
         try:
             while not stop.is_set():
-                client.snapshot()
+                stub.Snapshot(pb.SnapshotRequest(), timeout=30)
                 soak.count("snapshots")
                 stop.wait(SNAPSHOT_PAUSE_S)
         finally:
-            client.close()
+            channel.close()
 
     def sampler() -> None:
         while not stop.wait(SAMPLE_S):
             soak.sample()
 
-    workers = [scrape] * SCRAPERS + [watch] * WATCHERS + [snapshots, sampler]
+    def idempotent(k: KubeletClient, held: ClaimRef, ghost: ClaimRef) -> Callable[[], None]:
+        def calls() -> None:
+            while not stop.is_set():
+                check(k.prepare([held]), [held])
+                check(k.unprepare([ghost]), [ghost])
+                stop.wait(IDEMPOTENT_PAUSE_S)
+
+        return calls
+
+    workers = [
+        *[scrape] * (SCRAPERS * spec.times),
+        *[watch] * (WATCHERS * spec.times),
+        *[snapshots] * spec.times,
+        *(idempotent(*e) for e in spec.extra),
+        sampler,
+    ]
     threads = [threading.Thread(target=guarded(w), name=w.__name__) for w in workers]
     for t in threads:
         t.start()
@@ -219,9 +265,11 @@ def load(soak: Soak, metrics: str, telemetry: str) -> Iterator[None]:
 
 def warm_up(soak: Soak, k: KubeletClient, turns: list[tuple[Claim, Claim]], plan: Plan) -> None:
     """A tenth as many cycles as will be measured, at least one resync of the slices, and then
-    chunks until the daemon's thread count has stayed the same for ``STABLE_CHUNKS`` chunks: its
-    thread pools (gRPC servers, prepare workers) grow lazily, up to their bounds, to what the
-    load's concurrency needs, which is not a leak; at most half as many cycles as measured."""
+    chunks until the daemon's thread count has stayed the same for ``STABLE_CHUNKS`` chunks (at
+    most half as many cycles as measured). The warm-up's load is twice the measured one (see
+    ``_soak``): the daemon's thread pools (gRPC servers, prepare and unprepare workers) grow
+    lazily, up to their bounds, to the most concurrent calls they have seen, which is not a leak;
+    after the warm-up they hold what the measured load can need."""
     cycle(soak, k, turns, max(plan.cycles // 10, len(turns)))
     counts = [soak.ps.num_threads()]
     while soak.cycles < plan.cycles // 2 and (
@@ -270,11 +318,18 @@ def _soak(
     with KubeletClient(daemon.socket) as k:
         check(k.prepare(refs), refs)
         first = soak.sample()
-        with load(soak, metrics, telemetry):
+        ghosts = [ClaimRef("default", f"ghost-{i}", f"uid-ghost-{i}") for i in range(len(turns))]
+        double = Load(
+            metrics,
+            telemetry,
+            times=2,
+            extra=tuple((k, h.ref, g) for h, g in zip(held, ghosts, strict=False)),
+        )
+        with load(soak, double):
             warm_up(soak, k, turns, plan)
         start = quiet(soak)
         warm_cycles = soak.cycles
-        with load(soak, metrics, telemetry):
+        with load(soak, Load(metrics, telemetry)):
             cycle(soak, k, turns, plan.cycles)
         end = quiet(soak)
         check(k.unprepare(refs), refs)
