@@ -563,7 +563,10 @@ class Preparer:
         result until the call's deadline: a claim not done by then is answered with an error
         while the batch goes on (a retry returns its result)."""
         deadline = time.monotonic() + self.deadline_s
-        unique = list({c.uid: c for c in reversed(claims)}.values())[::-1]  # first of each UID
+        first: dict[str, ClaimKey] = {}  # a UID named twice is one claim (its first naming)
+        for c in claims:
+            first.setdefault(c.uid, c)
+        unique = list(first.values())
         futures = self._submit(op, unique)
         if futures is None:
             return {c.uid: _shutting_down(c) for c in unique}
