@@ -77,7 +77,7 @@ class Plan:
 
 
 FULL = Plan(3, {"whole GPU": 100, "static MIG": 100, "dynamic MIG": 40, "MPS": 12}, 5)
-QUICK = Plan(2, {"whole GPU": 30, "static MIG": 30, "dynamic MIG": 10, "MPS": 3}, 2)
+QUICK = Plan(2, {"whole GPU": 30, "static MIG": 30, "dynamic MIG": 10, "MPS": 2}, 2)
 
 
 def model_64() -> dict[str, Any]:

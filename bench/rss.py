@@ -43,9 +43,6 @@ from dra_driver.kubelet_client import KubeletClient
 NAME = "rss"
 MIB = 1024 * 1024
 GPUS = 8
-RESYNC_S = 10.0
-"""The slices' resync runs this often (default 600 s): a full re-read, so the soak sees many and
-the warm-up at least one (the first is a one-off step of the heap)."""
 QUIET_S = 3.0
 SAMPLE_S = 0.5
 SCRAPERS = 2
@@ -62,10 +59,13 @@ class Plan:
     """Measured cycles, after the warm-up."""
     chunk: int
     """Warm-up cycles between two looks at the thread count."""
+    resync_s: float
+    """The slices' resync runs this often (default 600 s): a full re-read, so the soak sees many
+    and the warm-up at least one (the first is a one-off step of the heap)."""
 
 
-FULL = Plan(10_000, 250)
-QUICK = Plan(800, 100)
+FULL = Plan(10_000, 250, 10.0)
+QUICK = Plan(500, 100, 4.0)
 STABLE_CHUNKS = 3
 """The warm-up ends once the thread count has not changed over this many chunks."""
 
@@ -273,7 +273,7 @@ def warm_up(soak: Soak, k: KubeletClient, turns: list[tuple[Claim, Claim]], plan
     cycle(soak, k, turns, max(plan.cycles // 10, len(turns)))
     counts = [soak.ps.num_threads()]
     while soak.cycles < plan.cycles // 2 and (
-        time.monotonic() - soak.t0 < RESYNC_S * 1.5
+        time.monotonic() - soak.t0 < plan.resync_s * 1.5
         or len(counts) <= STABLE_CHUNKS
         or len(set(counts[-STABLE_CHUNKS - 1 :])) > 1
     ):
@@ -299,7 +299,7 @@ def run(quick: bool) -> list[Figure]:
     with scratch("tr-") as tmp:
         daemon = Daemon(
             tmp, "dgx-a100", "dgx-a100", [*held, *(c for p in turns for c in p)],
-            "--sim-mig-layout", "all-1g", "--resync-interval", str(RESYNC_S),
+            "--sim-mig-layout", "all-1g", "--resync-interval", str(plan.resync_s),
             metrics_address=f"127.0.0.1:{port}",
         )  # fmt: skip
         try:

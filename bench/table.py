@@ -171,12 +171,19 @@ def met_text(met: bool | None) -> str:
     return {True: "yes", False: "NO", None: "-"}[met]
 
 
-def render(figures: Sequence[Figure]) -> list[str]:
-    """The table's lines: one row per figure, then the legend of the floors."""
+def floor_legend(figures: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """How each floor was measured, by its mark (``[a]``, ``[b]``, ...) in order of appearance."""
     legend: dict[str, str] = {}
     for f in figures:
-        if f.floor is not None and f.floor_how and f.floor_how not in legend.values():
-            legend[f"[{chr(ord('a') + len(legend))}]"] = f.floor_how
+        how = f["floor_how"]
+        if f["floor"] is not None and how and how not in legend.values():
+            legend[f"[{chr(ord('a') + len(legend))}]"] = how
+    return legend
+
+
+def render(figures: Sequence[Figure]) -> list[str]:
+    """The table's lines: one row per figure, then the legend of the floors."""
+    legend = floor_legend([f.to_json() for f in figures])
     mark = {how: key for key, how in legend.items()}
     header = ["benchmark", "figure", "value", "floor", "ratio", "goal", "met?"]
     rows = []
@@ -222,10 +229,15 @@ def markdown(figures: Sequence[Figure] | Sequence[dict[str, Any]]) -> list[str]:
         "| benchmark | figure | value | floor | ratio | goal | met? |",
         "|---|---|--:|--:|--:|---|---|",
     ]
-    for f in figures:
-        d = f.to_json() if isinstance(f, Figure) else f
+    docs = [f.to_json() if isinstance(f, Figure) else f for f in figures]
+    mark = {how: key for key, how in floor_legend(docs).items()}
+    for d in docs:
         unit = str(d["unit"])
-        floor = "-" if d["floor"] is None else number(float(d["floor"]), unit)
+        floor = "-"
+        if d["floor"] is not None:
+            floor = number(float(d["floor"]), unit)
+            if d["floor_how"]:
+                floor += f" {mark[d['floor_how']]}"
         ratio = "-" if d["ratio"] is None else f"{float(d['ratio']):.2f}x"
         lines.append(
             f"| {d['benchmark']} | {d['name']} | {number(float(d['value']), unit)} | {floor} |"
@@ -248,6 +260,9 @@ def main(argv: Sequence[str]) -> int:
     )
     print()
     print("\n".join(markdown(doc["figures"])))
+    print()
+    for key, how in floor_legend(doc["figures"]).items():
+        print(f"- {key} {how}")
     return 0
 
 

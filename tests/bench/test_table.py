@@ -134,7 +134,10 @@ def test_the_markdown_table():
     lines = markdown(figures())
     assert lines[0].startswith("| benchmark | figure | value |")
     assert len(lines) == 2 + 5
-    assert lines[2] == "| prepare | prepare p50 | 3.10 ms | 1.00 ms | 3.10x | <= 3x floor | NO |"
+    assert (
+        lines[2] == "| prepare | prepare p50 | 3.10 ms | 1.00 ms [a] | 3.10x | <= 3x floor | NO |"
+    )
+    assert "| 0.3 s [b] |" in lines[4] and "| - | - |" in lines[-1]
 
 
 def test_the_markdown_table_of_a_results_json(tmp_path, capsys):
@@ -161,7 +164,9 @@ def test_the_markdown_table_of_a_results_json(tmp_path, capsys):
         "1970-01-01T00:00:00Z, 2 CPUs, wall time 7.5 min, 1-minute load average 1.50 before and"
         " 2.00 after; goals met: 2 of 4"
     )
-    assert printed[2:] == markdown(figures())
+    table = markdown(figures())
+    assert printed[2 : 2 + len(table)] == table
+    assert printed[2 + len(table) :] == ["", "- [a] two fsync'd writes", "- [b] python -c import"]
 
 
 def test_results_json_shape():
