@@ -15,7 +15,6 @@ timeout of 1 s so that slow cases are quick.
 from __future__ import annotations
 
 import contextlib
-import resource
 import socket
 import struct
 import threading
@@ -28,6 +27,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.integration.test_network import (  # noqa: F401 (a fixture, used by name)
+    enough_descriptors_here,
+    http_address,
+)
 from tests.reliability.doors import (
     ESCAPE,
     DaemonDoor,
@@ -63,20 +66,8 @@ def door() -> Iterator[DaemonDoor]:
         close_door(d)
 
 
-@pytest.fixture(autouse=True)
-def enough_descriptors_here() -> Iterator[None]:
-    """This test process holds hundreds of sockets at once."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = 4096 if hard == resource.RLIM_INFINITY else min(hard, 4096)
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-    yield
-    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
-
 def address(door: DaemonDoor) -> tuple[str, int]:
-    host, port = door.daemon.metrics_url("").split("://", 1)[1].rsplit(":", 1)
-    return host, int(port)
+    return http_address(door.daemon)
 
 
 # -- generated requests ------------------------------------------------------------------------
