@@ -45,7 +45,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -199,6 +199,15 @@ class Checkpoint:
     def without_claim(self, uid: str) -> Checkpoint:
         """A copy without the claim ``uid`` (an equal copy when it is not there)."""
         return Checkpoint(self.boot_id, {k: v for k, v in self.claims.items() if k != uid})
+
+    def with_claims(self, entries: Iterable[ClaimEntry]) -> Checkpoint:
+        """``with_claim`` of every entry, in one copy (a batch's claims)."""
+        return Checkpoint(self.boot_id, {**self.claims, **{e.uid: e for e in entries}})
+
+    def without_claims(self, uids: Iterable[str]) -> Checkpoint:
+        """``without_claim`` of every UID, in one copy (a batch's claims)."""
+        gone = set(uids)
+        return Checkpoint(self.boot_id, {k: v for k, v in self.claims.items() if k not in gone})
 
     def holder_of(self, pool: str, device: str) -> ClaimEntry | None:
         """The claim (in any state) that holds ``device`` of ``pool``; the lowest UID if several."""

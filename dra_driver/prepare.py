@@ -164,17 +164,6 @@ def _key(entry: ClaimEntry) -> ClaimKey:
     return ClaimKey(entry.namespace, entry.name, entry.uid)
 
 
-def _with_claims(cp: Checkpoint, entries: Iterable[ClaimEntry]) -> Checkpoint:
-    claims = dict(cp.claims)
-    claims.update((e.uid, e) for e in entries)
-    return Checkpoint(cp.boot_id, claims)
-
-
-def _without_claims(cp: Checkpoint, entries: Iterable[ClaimEntry]) -> Checkpoint:
-    gone = {e.uid for e in entries}
-    return Checkpoint(cp.boot_id, {u: e for u, e in cp.claims.items() if u not in gone})
-
-
 def _by_gpu(
     entries: Sequence[ClaimEntry], changes_node: Callable[[ClaimEntry], bool]
 ) -> list[list[ClaimEntry]]:
@@ -745,7 +734,7 @@ class Preparer:
             if not made:
                 return
             try:
-                self._update(lambda cp: _with_claims(cp, made))
+                self._update(lambda cp: cp.with_claims(made))
             except TesseraError as exc:  # e.g. the disk is full: no spec may stay behind
                 for e in made:
                     self._roll_back(self.checkpoint.claims[e.uid], quiet=True)
@@ -974,11 +963,7 @@ class Preparer:
                     errors = []
                     for e in group:
                         with guard:
-                            rest = self.checkpoint.claims.items()
-                            remaining = Checkpoint(
-                                self.checkpoint.boot_id,
-                                {u: x for u, x in rest if u not in undone},
-                            )
+                            remaining = self.checkpoint.without_claims(undone)
                         try:
                             self.effects.undo(e, remaining)
                         except Exception as exc:
@@ -999,7 +984,7 @@ class Preparer:
                 released = [e for e in entries if e.uid in undone]
                 if released:
                     try:
-                        self._update(lambda cp: _without_claims(cp, released))
+                        self._update(lambda cp: cp.without_claims(e.uid for e in released))
                     except CheckpointError as exc:  # e.g. the disk is full
                         for e in released:
                             failed.add(e.uid)
