@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from agent.errors import ConfigError
-from agent.telemetry.health import parse_xids
+from agent.telemetry.gpu_health import parse_xids
 from agent.tls import TlsFiles
-from dra_driver.devices import SHARING_MODES, DevicePolicy
+from dra_driver.device_model import SHARING_MODES, DevicePolicy
 from dra_driver.errors import QuantityError
-from dra_driver.plan import SharingPolicy
-from dra_driver.prepare import CRASH_POINTS
+from dra_driver.kubeletplugin.plan import SharingPolicy
+from dra_driver.kubeletplugin.prepare import CRASH_POINTS
 from dra_driver.quantity import parse_bytes
 
 ENV_PREFIX = "TESSERA_"

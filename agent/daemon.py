@@ -36,8 +36,8 @@ from agent.statelock import StateLock
 from agent.supervisor import Deadline, Supervisor
 from agent.telemetry.energy import EnergyAccounting
 from agent.telemetry.faults import FaultStore
+from agent.telemetry.gpu_health import GpuHealth, application_xids
 from agent.telemetry.gpuinfo import gpu_info
-from agent.telemetry.health import GpuHealth, application_xids
 from agent.telemetry.metrics import (
     AgentCollector,
     AgentStatus,
@@ -48,13 +48,10 @@ from agent.telemetry.metrics import (
 from agent.telemetry.owners import ProcessPods
 from agent.telemetry.sampler import Sampler
 from agent.telemetry.stream import TelemetryLimits, TelemetryServer
-from dra_driver.cdi import CdiWriter
-from dra_driver.checkpoint import CheckpointStore
-from dra_driver.claims import DirClaimSource, KubeClaimSource
-from dra_driver.devices import DeviceModel, advertised_devices
-from dra_driver.errors import ClaimError, KubeError
-from dra_driver.health import HEALTHY, UNHEALTHY, HealthBoard
-from dra_driver.node_events import (
+from dra_driver.advertise.publisher import DirSliceStore, KubeSliceStore, Publisher, SliceStore
+from dra_driver.advertise.slices import SlicePolicy
+from dra_driver.advertise.taints import UnhealthyGpu, UnhealthyGpus, with_health
+from dra_driver.cluster.node_events import (
     KubeEventSink,
     LogEventSink,
     NodeEventRecorder,
@@ -63,19 +60,22 @@ from dra_driver.node_events import (
     gpu_health,
     gpu_removed,
 )
-from dra_driver.plugin import PluginServer
-from dra_driver.prepare import Preparer
-from dra_driver.publisher import DirSliceStore, KubeSliceStore, Publisher, SliceStore
-from dra_driver.sharing.effects import Effects
-from dra_driver.sharing.mig import DynamicMig
+from dra_driver.device_model import DeviceModel, advertised_devices
+from dra_driver.errors import ClaimError, KubeError
+from dra_driver.kubeletplugin.cdi import CdiWriter
+from dra_driver.kubeletplugin.checkpoint import CheckpointStore
+from dra_driver.kubeletplugin.claims import DirClaimSource, KubeClaimSource
+from dra_driver.kubeletplugin.effects import Effects
+from dra_driver.kubeletplugin.health_stream import HEALTHY, UNHEALTHY, HealthBoard
+from dra_driver.kubeletplugin.prepare import Preparer
+from dra_driver.kubeletplugin.server import PluginServer
+from dra_driver.sharing.dynamic_mig import DynamicMig
 from dra_driver.sharing.mps import MpsControl
+from dra_driver.sharing.node_tools import Tools, find_tool, tool_env
 from dra_driver.sharing.timeslice import GpuSettings
-from dra_driver.sharing.tools import Tools, find_tool, tool_env
-from dra_driver.slices import SlicePolicy
-from dra_driver.taints import UnhealthyGpu, UnhealthyGpus, with_health
 
 if TYPE_CHECKING:  # imported where kube mode starts (build_agent)
-    from dra_driver.kube import KubeClient
+    from dra_driver.cluster.kube import KubeClient
 
 DEFAULT_STATE_DIR = Path("/var/lib/tessera")
 KUBELET_REGISTRY_DIR = Path("/var/lib/kubelet/plugins_registry")
@@ -314,7 +314,8 @@ class Agent:
     def publish_devices(self) -> None:
         """Publish the current devices as health has them: the kubelet's health stream marks
         every device of an unhealthy GPU, and the slices taint or withdraw them
-        (``--device-taints``; dra_driver/taints.py). Prepare keeps reading the full model. Call
+        (``--device-taints``; dra_driver/advertise/taints.py). Prepare keeps reading the full
+        model. Call
         after the devices or the health changed; writes nothing when nothing did."""
         with self._publish_lock:
             model = self.devices.get()
@@ -857,7 +858,7 @@ def _build(
     if not config.no_kube:
         # imported here: the kubernetes client costs 0.2 s at start-up, which standalone mode
         # (--no-kube) need not pay
-        from dra_driver.kube import KubeClient
+        from dra_driver.cluster.kube import KubeClient
 
         kube = KubeClient.from_config(config.kubeconfig)
     store: SliceStore = (

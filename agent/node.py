@@ -18,7 +18,7 @@ from agent.discovery.sysfs import read_sysfs
 from agent.discovery.topology import normalize_bus_id
 from agent.nvml.errors import NvmlGpuLost, NvmlInvalidArgument, NvmlNotFound
 from agent.nvml.facade import Nvml
-from agent.nvml.loader import NvmlLibrary, load_nvml
+from agent.nvml.loader import NvmlLibrary, open_real_nvml
 from agent.nvml.types import GpuDevice
 
 
@@ -62,11 +62,10 @@ def real_node(
 ) -> NodeSource:
     """This machine: pynvml (not yet initialized, its library loaded from the driver root when
     found there), ``/sys`` and ``/proc`` unless told otherwise."""
-    import pynvml
-
     root = driver_root or Path("/")
+    nvml, library = open_real_nvml(root)
     return NodeSource(
-        nvml=Nvml(pynvml),
+        nvml=nvml,
         sysfs_root=sysfs_root or Path("/sys"),
         hostname=node_name or socket.gethostname(),
         model=None,
@@ -75,7 +74,7 @@ def real_node(
         boot_time=read_boot_time(),
         proc_root=proc_root or Path("/proc"),
         host_driver_root=host_driver_root,
-        nvml_library=load_nvml(pynvml, root),
+        nvml_library=library,
     )
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from bench.common import DRIVER, report, scratch, tessera
 from bench.table import Figure, floor_plus, measured
 from dra_driver.errors import KubeletApiError
-from dra_driver.kubelet_client import KubeletClient
+from dra_driver.testkubelet.client import KubeletClient
 
 NAME = "coldstart"
 MODEL = "dgx-h100"

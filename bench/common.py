@@ -28,8 +28,8 @@ from agent.discovery.inventory import NodeInventory
 from agent.fsutil import atomic_write
 from agent.node import discover
 from bench.table import Figure
-from dra_driver.kubelet_calls import ClaimRef
-from dra_driver.kubelet_client import KubeletClient
+from dra_driver.testkubelet.calls import ClaimRef
+from dra_driver.testkubelet.client import KubeletClient
 
 RESULTS = Path(__file__).resolve().parent / "results"
 """The detailed results, one JSON file per benchmark (git ignores the directory)."""

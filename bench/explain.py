@@ -21,11 +21,11 @@ from agent.cli import main
 from agent.sim.apiserver import ApiServer
 from bench.common import report, simulated_inventory
 from bench.table import Figure, below, measured
-from dra_driver.allocator import inputs
-from dra_driver.allocator.explain import explain
-from dra_driver.celenv import CelEnvironment
-from dra_driver.devices import DevicePolicy, advertised_devices
-from dra_driver.slices import SlicePolicy, build_slices
+from dra_driver.advertise.slices import SlicePolicy, build_slices
+from dra_driver.device_model import DevicePolicy, advertised_devices
+from dra_driver.scheduler import inputs
+from dra_driver.scheduler.celenv import CelEnvironment
+from dra_driver.scheduler.explanation import explain
 
 NAME = "explain"
 DRIVER = "gpu.tessera.dev"

@@ -20,12 +20,12 @@ import psutil
 from agent.config import Config
 from agent.daemon import open_node
 from agent.nvml.mig import MigControl
-from dra_driver.devices import AdvertisedDevice
+from dra_driver.device_model import AdvertisedDevice
 from dra_driver.quantity import parse_bytes
-from dra_driver.sharing.mig import DynamicMig
+from dra_driver.sharing.dynamic_mig import DynamicMig
 from dra_driver.sharing.mps import MpsControl, MpsSettings
+from dra_driver.sharing.node_tools import Tools, find_tool, tool_env
 from dra_driver.sharing.timeslice import GpuSettings
-from dra_driver.sharing.tools import Tools, find_tool, tool_env
 
 PR_SET_CHILD_SUBREAPER = 36
 LOG = logging.getLogger("bench.floors")

@@ -46,8 +46,8 @@ from bench.common import (
     two_fsync_writes,
 )
 from bench.table import Figure, measured, ratio_at_most
-from dra_driver.devices import AdvertisedDevice, DevicePolicy, advertised_devices
-from dra_driver.kubelet_client import KubeletClient
+from dra_driver.device_model import AdvertisedDevice, DevicePolicy, advertised_devices
+from dra_driver.testkubelet.client import KubeletClient
 
 NAME = "prepare"
 NODE = "bench-64"

@@ -30,11 +30,11 @@ import yaml
 
 from bench.common import Daemon, claim, scratch
 from bench.prepare import GPUS, NODE, model_64
-from dra_driver.kubelet_client import KubeletClient
+from dra_driver.testkubelet.client import KubeletClient
 
 BUCKETS = (
     ("durable writes (fsync, rename, directory fsync)", ("atomic_write", "fsync_dir")),
-    ("checkpoint encoding", ("encode (dra_driver/checkpoint.py",)),
+    ("checkpoint encoding", ("encode (dra_driver/kubeletplugin/checkpoint.py",)),
     ("CDI spec building", ("CdiWriter._claim_spec", "CdiWriter.build_spec", "validate_spec")),
     ("claim read and plan", ("parse_allocation", "plan_claim", "ClaimSource", ".get (dra")),
 )

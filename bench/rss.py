@@ -37,8 +37,8 @@ from agent.telemetry.api import telemetry_pb2_grpc as pb_grpc
 from agent.telemetry.top import target
 from bench.common import Claim, Daemon, check, claim, report, scratch
 from bench.table import Figure, at_most, below, equal_to, measured
-from dra_driver.kubelet_calls import ClaimRef
-from dra_driver.kubelet_client import KubeletClient
+from dra_driver.testkubelet.calls import ClaimRef
+from dra_driver.testkubelet.client import KubeletClient
 
 NAME = "rss"
 MIB = 1024 * 1024

@@ -44,8 +44,8 @@ from bench.common import (
     stat,
 )
 from bench.table import Figure, measured, ratio_at_most
-from dra_driver.devices import AdvertisedDevice, DevicePolicy, advertised_devices
-from dra_driver.kubelet_client import KubeletClient
+from dra_driver.device_model import AdvertisedDevice, DevicePolicy, advertised_devices
+from dra_driver.testkubelet.client import KubeletClient
 
 NAME = "sharing"
 MIG_MODELS = ("dgx-a100", "dgx-h100")

@@ -33,7 +33,7 @@ from agent.telemetry.metrics import DriverMetrics, Exposition, SnapshotCollector
 from agent.telemetry.sampler import Sampler
 from bench.common import ms, percentile, report
 from bench.table import Figure, measured
-from dra_driver.checkpoint import PREPARE_COMPLETED, ClaimEntry, PreparedDevice
+from dra_driver.kubeletplugin.checkpoint import PREPARE_COMPLETED, ClaimEntry, PreparedDevice
 
 NAME = "telemetry"
 REPEATS, SERIAL, WORKERS, PER_WORKER, TICKS = 3, 300, 20, 30, 100

@@ -41,7 +41,7 @@ class KubeError(TesseraError):
     """An API-server request failed. ``status`` is the HTTP status (0: no response at all).
 
     ``retry_after`` is how many seconds the server asked us to wait before trying again (its
-    ``Retry-After`` on a 429 or 5xx, already checked and bounded by ``dra_driver.kube``), or
+    ``Retry-After`` on a 429 or 5xx, already checked and bounded by ``dra_driver.cluster.kube``), or
     None when it asked nothing: whoever retries waits at least that long, and never less than
     its own backoff."""
 

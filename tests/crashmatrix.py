@@ -18,7 +18,8 @@ only once (a step the claims of a call share, as a group commit makes) is armed 
 ``POINT`` in a fresh node; the cell says so. Points a mode never reaches are checked with the
 batch only (it takes every path the single claim takes), armed as ``POINT``.
 
-The points come from ``dra_driver.prepare.CRASH_POINTS`` (and a list ``sharing.effects`` may
+The points come from ``dra_driver.kubeletplugin.prepare.CRASH_POINTS`` (and a list
+``sharing.effects`` may
 export), so a new point is in the matrix without an edit here: it is expected to fire in every
 mode until it is listed as unreachable for some.
 
@@ -34,11 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import dra_driver.sharing.effects as effects_module
+import dra_driver.kubeletplugin.effects as effects_module
 from dra_driver.errors import KubeletApiError
-from dra_driver.kubelet_calls import ClaimRef
-from dra_driver.kubelet_client import KubeletClient
-from dra_driver.prepare import CRASH_POINTS
+from dra_driver.kubeletplugin.prepare import CRASH_POINTS
+from dra_driver.testkubelet.calls import ClaimRef
+from dra_driver.testkubelet.client import KubeletClient
 from tests.crashnode import MigLayout, leftovers, load_checkpoint, mig_layout, node_violations
 from tests.integration.daemon import Daemon, claim_manifest, write_claims
 from tests.integration.test_sharing import sharing_config

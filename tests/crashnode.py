@@ -13,11 +13,11 @@ from agent.nvml.facade import Nvml
 from agent.nvml.types import MigInstance
 from agent.sim.nvml import FakeNvml
 from agent.sim.sharing import COMPUTE_MODE_DEFAULT, COMPUTE_MODE_EXCLUSIVE_PROCESS
-from dra_driver.cdi import validate_spec
-from dra_driver.checkpoint import PREPARE_COMPLETED, Checkpoint, ClaimEntry, decode
 from dra_driver.errors import CheckpointCorrupt, CheckpointTooNew
-from dra_driver.params import INTERVALS
-from dra_driver.plan import MEMORY_SHARE, MPS, TIME_SLICING
+from dra_driver.kubeletplugin.cdi import validate_spec
+from dra_driver.kubeletplugin.checkpoint import PREPARE_COMPLETED, Checkpoint, ClaimEntry, decode
+from dra_driver.kubeletplugin.params import INTERVALS
+from dra_driver.kubeletplugin.plan import MEMORY_SHARE, MPS, TIME_SLICING
 from tests.integration.daemon import DRIVER, Daemon
 from tests.simnode import mps_daemons, node_model, sharing
 

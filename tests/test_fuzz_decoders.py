@@ -27,15 +27,8 @@ from agent.errors import DecodeError
 from agent.telemetry.energy import decode_state
 from agent.telemetry.faults import decode_faults
 from agent.telemetry.owners import pod_uid, start_time
-from dra_driver import params
-from dra_driver.checkpoint import (
-    Checkpoint,
-    ClaimEntry,
-    PreparedDevice,
-    decode,
-    encode,
-)
-from dra_driver.claims import ClaimKey, DirClaimSource, parse_allocation
+from dra_driver.advertise.publisher import slice_list
+from dra_driver.cluster.kube import _event, _json_object
 from dra_driver.errors import (
     CheckpointCorrupt,
     CheckpointTooNew,
@@ -44,8 +37,15 @@ from dra_driver.errors import (
     ParamsError,
     QuantityError,
 )
-from dra_driver.kube import _event, _json_object
-from dra_driver.publisher import slice_list
+from dra_driver.kubeletplugin import params
+from dra_driver.kubeletplugin.checkpoint import (
+    Checkpoint,
+    ClaimEntry,
+    PreparedDevice,
+    decode,
+    encode,
+)
+from dra_driver.kubeletplugin.claims import ClaimKey, DirClaimSource, parse_allocation
 from dra_driver.quantity import parse_bytes, parse_quantity
 
 DRIVER, NODE = "gpu.tessera.dev", "node-a"
@@ -500,7 +500,7 @@ def _l40s_model() -> Any:
     from agent.config import Config
     from agent.daemon import open_node
     from agent.node import discover
-    from dra_driver.devices import DevicePolicy, advertised_devices
+    from dra_driver.device_model import DevicePolicy, advertised_devices
 
     source = open_node(Config(simulate="l40s-pcie", node_name=NODE), Path(tempfile.mkdtemp()))
     source.nvml.init()
@@ -511,9 +511,9 @@ def _l40s_model() -> Any:
 
 
 def _rebuild(obj: Any) -> Any:
-    from dra_driver.cdi import SpecEvidence
-    from dra_driver.plan import SharingPolicy
-    from dra_driver.rebuild import decide
+    from dra_driver.kubeletplugin.cdi import SpecEvidence
+    from dra_driver.kubeletplugin.plan import SharingPolicy
+    from dra_driver.kubeletplugin.rebuild import decide
 
     spec = SpecEvidence("uid-1", ("gpu-0",), 0.0, (("gpu-0", ("/dev/nvidia0",)),))
     return decide(
@@ -538,7 +538,7 @@ def _rebuild(obj: Any) -> Any:
 
 
 def test_the_fuzzed_claim_starts_rebuildable():
-    from dra_driver.rebuild import Rebuilt
+    from dra_driver.kubeletplugin.rebuild import Rebuilt
 
     assert isinstance(_rebuild(VALID_CLAIM), Rebuilt)
 
@@ -546,7 +546,7 @@ def test_the_fuzzed_claim_starts_rebuildable():
 @FUZZ
 @given(st.one_of(json_values, mutated(VALID_CLAIM)))
 def test_a_rebuild_from_any_claim_object_is_rebuilt_or_unrecovered_never_an_exception(obj):
-    from dra_driver.rebuild import REASONS, Rebuilt
+    from dra_driver.kubeletplugin.rebuild import REASONS, Rebuilt
 
     outcome = _rebuild(obj)
     if isinstance(outcome, Rebuilt):

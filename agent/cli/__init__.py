@@ -34,7 +34,7 @@ from agent.cli.framework import (
     invoke,
 )
 from agent.cli.framework import build_parser as build_tree_parser
-from agent.cli.node import node_session, published_slices
+from agent.cli.node_commands import node_session, published_slices
 from agent.config import Config, host_port, seconds, setting
 from agent.node import discover
 from agent.tls import TlsFiles

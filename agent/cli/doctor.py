@@ -47,7 +47,7 @@ def cmd_doctor(inv: Invocation) -> int:
     from agent.daemon import DEFAULT_STATE_DIR, agent_paths, cdi_hook, host_root, open_node
     from agent.doctor import Facts, diagnose
     from agent.doctor.verdict import exit_code, to_json, to_table
-    from dra_driver.kube import KubeClient
+    from dra_driver.cluster.kube import KubeClient
 
     config = inv.get(Config)
     opts = inv.get(DoctorOptions)

@@ -6,10 +6,10 @@
                     [--allocated FILE|DIR ...] [-o text|json] [--write]
     tessera explain CLAIM.yaml|NAMESPACE/NAME --kubeconfig FILE [-o text|json]
 
-The claims to explain come from CLAIM (``dra_driver.allocator.inputs.subjects``); the devices from
+The claims to explain come from CLAIM (``dra_driver.scheduler.inputs.subjects``); the devices from
 ResourceSlice files, the slices ``tessera slices --simulate`` prints (the same code path,
-``agent.cli.node.published_slices``), or the API server; the allocator
-(``dra_driver.allocator.explain``) answers per node. Exit 0: the claims fit (on at least one
+``agent.cli.node_commands.published_slices``), or the API server; the allocator
+(``dra_driver.scheduler.explanation``) answers per node. Exit 0: the claims fit (on at least one
 node), 1: they do not, 2: malformed input (file, document, field path) or a failed read.
 ``--write`` (standalone) fills the claim file's ``status.allocation`` as the scheduler would.
 docs/explain.md describes flags, output and exit codes.
@@ -28,12 +28,12 @@ from typing import Any
 import yaml
 
 from agent.cli.framework import EXIT_ERROR, Command, Invocation, Uses
-from agent.cli.node import published_slices
+from agent.cli.node_commands import published_slices
 from agent.config import REQUIRED, Config, seconds, setting
 from agent.errors import ConfigError
 from agent.fsutil import atomic_write
-from dra_driver.allocator import inputs
-from dra_driver.allocator.inputs import Document, DocumentError, Subject
+from dra_driver.scheduler import inputs
+from dra_driver.scheduler.inputs import Document, DocumentError, Subject
 
 EXIT_FITS, EXIT_NO_FIT = 0, 1
 JSON_VERSION = 1
@@ -205,10 +205,10 @@ def _no_subjects(source: str) -> DocumentError:
 
 
 class Cluster:
-    """The reads of cluster mode, through dra_driver.kube.KubeClient."""
+    """The reads of cluster mode, through dra_driver.cluster.kube.KubeClient."""
 
     def __init__(self, kubeconfig: Path) -> None:
-        from dra_driver.kube import KubeClient
+        from dra_driver.cluster.kube import KubeClient
 
         self.kube = KubeClient.from_config(kubeconfig)
 
@@ -318,8 +318,8 @@ def answer(data: Inputs, opts: ExplainOptions) -> list[NodeAnswer]:
     # imported here, not at the top: the CEL libraries cost 0.3 s to import (the Rust
     # binding's package loads its own CLI, prompt_toolkit and rich), which every other
     # tessera command would pay
-    from dra_driver.allocator.explain import explain
-    from dra_driver.celenv import CelEnvironment
+    from dra_driver.scheduler.celenv import CelEnvironment
+    from dra_driver.scheduler.explanation import explain
 
     cel = CelEnvironment()
     classes = list(data.classes.values())

@@ -23,7 +23,7 @@ from typing import IO, Any
 
 from agent.cli.framework import Command, Invocation, Uses
 from agent.config import REQUIRED, positive_int, seconds, setting
-from dra_driver.kubelet_calls import APIS, KUBELET_CALL_TIMEOUT, REGISTRATION_TIMEOUT, ClaimRef
+from dra_driver.testkubelet.calls import APIS, KUBELET_CALL_TIMEOUT, REGISTRATION_TIMEOUT, ClaimRef
 
 _WARNING = (
     "For debugging on a node. Careful: these are real calls, so prepare and unprepare really "
@@ -105,7 +105,7 @@ def _dump(data: Any, out: IO[str]) -> None:
 
 
 def cmd_info(inv: Invocation) -> int:
-    from dra_driver.kubelet_client import register_like_kubelet  # gRPC only when called
+    from dra_driver.testkubelet.client import register_like_kubelet  # gRPC only when called
 
     opts = inv.get(InfoOptions)
     result = register_like_kubelet(opts.socket, timeout=opts.timeout)
@@ -114,7 +114,7 @@ def cmd_info(inv: Invocation) -> int:
 
 
 def _call(inv: Invocation, command: str) -> int:
-    from dra_driver.kubelet_client import KubeletClient
+    from dra_driver.testkubelet.client import KubeletClient
 
     opts = inv.get(CallOptions)
     with KubeletClient(opts.socket, timeout=opts.timeout) as client:
@@ -130,7 +130,7 @@ def _call(inv: Invocation, command: str) -> int:
 
 
 def cmd_health(inv: Invocation) -> int:
-    from dra_driver.kubelet_client import KubeletClient
+    from dra_driver.testkubelet.client import KubeletClient
 
     opts = inv.get(HealthOptions)
     seen = 0

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.doctor.api import api_checks
+from agent.doctor.cluster_api import api_checks
 from agent.doctor.gpu import check_driver, gpu_checks, loaded_nvml, skipped_gpu_checks
 from agent.doctor.host import (
     check_cdi_dir,
@@ -45,7 +45,7 @@ from agent.doctor.host import (
 )
 from agent.doctor.verdict import Verdict
 from agent.node import NodeSource
-from dra_driver.kube import KubeClient
+from dra_driver.cluster.kube import KubeClient
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from agent.node import NodeSource
 from agent.nvml.errors import DriverNotFoundError
 from agent.nvml.mig import mode_switch_needs_reset
 from agent.nvml.types import GpuDevice, SystemInfo
-from dra_driver.cdi import CAPS_DIR, CONTROL_NODES, CdiWriter, read_caps_minor
 from dra_driver.errors import CdiError
+from dra_driver.kubeletplugin.cdi import CAPS_DIR, CONTROL_NODES, CdiWriter, read_caps_minor
 
 NV_MAJOR = 195
 NV_CTL_MINOR = 255

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Protocol
 
 from agent.driverfiles.discover import NVML_SONAME, find_library, under
+from agent.nvml.facade import Nvml
 
 
 class PynvmlModule(Protocol):
@@ -70,3 +71,11 @@ def load_nvml(module: PynvmlModule, driver_root: Path) -> NvmlLibrary:
         except OSError as exc:
             return NvmlLibrary(None, f"{path} from the driver root does not load: {exc}")
     return NvmlLibrary(path, f"found under the driver root {driver_root}")
+
+
+def open_real_nvml(driver_root: Path) -> tuple[Nvml, NvmlLibrary]:
+    """This machine's NVML: the pynvml module (not yet initialized) behind the facade, its
+    library loaded from ``driver_root`` when found there. The one place pynvml is imported."""
+    import pynvml
+
+    return Nvml(pynvml), load_nvml(pynvml, driver_root)

@@ -4,7 +4,7 @@
 
     with ApiServer() as server:
         kubernetes.config.load_kube_config(config_file=str(server.kubeconfig(tmp_path)))
-        ...                                   # or: api = server.api_client()
+        ...                                   # or: api_client(server) in tests/apiclient.py
         server.faults.add("POST", r"/resourceslices$", "429")
         assert server.rejected == []
 
@@ -37,7 +37,6 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 import yaml
 
@@ -219,20 +218,6 @@ class ApiServer:
         }
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         return path
-
-    def api_client(self, retries: int | bool | None = None) -> Any:
-        """A ``kubernetes.client.ApiClient`` for this server (close it when done).
-
-        ``retries`` is urllib3's: None keeps its default (3 retries of connection errors and of
-        429/503 answers carrying Retry-After on idempotent methods); False or 0 lets every
-        failure through to the caller.
-        """
-        from kubernetes import client  # the kubernetes client is only needed by this helper
-
-        config = client.Configuration()
-        config.host = self.url
-        config.retries = retries
-        return client.ApiClient(config)
 
     # ------------------------------------------------------------------------------- inspection
 

@@ -27,7 +27,7 @@ Simulator controls (not pynvml functions): ``reset_gpu(index)``, ``apply_mig_lay
 and MPS daemons (``sharing_state``, ``set_timeslice``, ``record_mps_daemon``, …, see
 :class:`agent.sim.nvml_sharing.SharingCalls`); the load and faults
 (``set_load``, ``add_process``, ``inject_xid``, ``lose_gpu``, ``reload_driver``, …, see
-:class:`agent.sim.telemetry.TelemetryBase`), driven by the ``clock`` keyword (default
+:class:`agent.sim.telemetry_base.TelemetryBase`), driven by the ``clock`` keyword (default
 ``time.monotonic``). MIG calls are in :mod:`agent.sim.nvml_mig`; telemetry calls in
 :mod:`agent.sim.telemetry_calls`; events and GPM in :mod:`agent.sim.telemetry_events`. The MIG
 state lives in ``<state_dir>/nvml-state.json``, the load, counters and faults in

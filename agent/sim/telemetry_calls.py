@@ -20,7 +20,7 @@ from agent.sim import telemetry_model as tm
 from agent.sim.mig import nvml_error
 from agent.sim.model import GpuSlot
 from agent.sim.nvlink import nvlink_table
-from agent.sim.telemetry import NOT_MIG, TelemetryBase
+from agent.sim.telemetry_base import NOT_MIG, TelemetryBase
 from agent.sim.telemetry_state import SimGpu
 
 _UI: int = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT

@@ -24,7 +24,7 @@ from agent.sim import handles
 from agent.sim import telemetry_model as tm
 from agent.sim.handles import Ref
 from agent.sim.mig import nvml_error
-from agent.sim.telemetry import (
+from agent.sim.telemetry_base import (
     EVENT_SET_TAG,
     GPM_SAMPLE_TAG,
     NOT_MIG,

@@ -1,6 +1,6 @@
 """Sticky GPU faults that survive a restart of the agent: ``<state-dir>/faults.json``.
 
-A fatal XID holds a GPU unhealthy until a recovery is observed (:mod:`agent.telemetry.health`).
+A fatal XID holds a GPU unhealthy until a recovery is observed (:mod:`agent.telemetry.gpu_health`).
 NVML delivers an XID event once, to the process that was listening, so an agent that restarts
 (an upgrade, a crash, a rolling update's handover) would otherwise see a GPU that took a double
 bit error as healthy again. The fatal XIDs that hold GPUs now are written here on every change

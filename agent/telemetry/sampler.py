@@ -13,7 +13,7 @@ A read that raises (anything) never stops the others: that GPU's sample for the 
 ``lost=True`` with the error in ``errors``. Failures are logged when a GPU starts and stops failing,
 not every tick.
 
-**Health** (rules in :mod:`agent.telemetry.health`, kept per GPU UUID): a GPU is unhealthy while
+**Health** (rules in :mod:`agent.telemetry.gpu_health`, kept per GPU UUID): a GPU is unhealthy while
 its reads fail (``gpu-lost``) and after a fatal XID (``xid-<n>``) until a recovery is observed
 (it answers again after failed reads, or ``observe_reset(uuid)``) and a probe of a few good reads
 passes. Application XIDs (the built-in ones plus the configured list) and XIDs in neither set
@@ -39,8 +39,7 @@ from agent.logs import fields_
 from agent.nvml.samples import GpuSample, XidEvent
 from agent.telemetry.attribution import ClaimHolder, Holders
 from agent.telemetry.energy import EnergyAccounting
-from agent.telemetry.gpuinfo import GpuInfo
-from agent.telemetry.health import (
+from agent.telemetry.gpu_health import (
     APPLICATION_XIDS,
     FATAL_XIDS,
     PROBE_READS,
@@ -48,6 +47,7 @@ from agent.telemetry.health import (
     HealthTracker,
     xid_kind,
 )
+from agent.telemetry.gpuinfo import GpuInfo
 from agent.telemetry.snapshot import GpuTelemetry, Snapshot
 
 __all__ = ["APPLICATION_XIDS", "FATAL_XIDS", "Sampler", "Subscription"]

@@ -9,8 +9,8 @@ On a GPU node it reads NVML (:mod:`bench.gpu_check.probe`), runs ``tessera disco
 ``tessera slices`` and ``tessera doctor`` (:mod:`bench.gpu_check.steps`), builds the simulated
 twin of the node (:mod:`bench.gpu_check.reference`), probes it the same way, and compares: the
 NVML facts, and the devices the driver advertises (``agent.node.discover`` and
-``dra_driver.devices.advertised_devices``, static and dynamic MIG, on both sides). It prints one
-line per difference: path, real value, simulated value.
+``dra_driver.device_model.advertised_devices``, static and dynamic MIG, on both sides). It prints
+one line per difference: path, real value, simulated value.
 
 Exit codes: 0 no difference; 1 differences (or ``tessera discover``/``slices`` failed on the
 node); 2 it cannot run (no NVIDIA driver, ...), or the GPUs' state changed while it ran.
@@ -56,7 +56,7 @@ from bench.gpu_check.reference import (
     sim_indices,
 )
 from bench.gpu_check.steps import Step
-from dra_driver.devices import DevicePolicy, advertised_devices
+from dra_driver.device_model import DevicePolicy, advertised_devices
 
 EXIT_SAME, EXIT_DIFFERENT, EXIT_CANNOT_RUN = 0, 1, 2
 BUDGET_S = 300.0

@@ -5,7 +5,7 @@ differs under each fact's rule (:mod:`bench.gpu_check.probe`: value, kind, units
 difference in whether something exists (a profile, a device), its own facts are not listed again.
 The same difference on several GPUs is one line, ``gpu[0,1,2].…``.
 
-:func:`advertised_facts` turns a :class:`~dra_driver.devices.DeviceModel` into facts: which
+:func:`advertised_facts` turns a :class:`~dra_driver.device_model.DeviceModel` into facts: which
 devices, and per device its attribute names and types, capacity names and the counters it
 consumes. Values are not compared there: every value the driver advertises comes from an NVML
 fact compared at its source (the probe), and one difference is reported once.
@@ -27,7 +27,7 @@ from bench.gpu_check.probe import (
     Json,
     is_marker,
 )
-from dra_driver.devices import DeviceModel
+from dra_driver.device_model import DeviceModel
 
 ABSENT = "<absent>"
 UNITS_FACTOR = 10.0

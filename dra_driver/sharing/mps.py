@@ -41,7 +41,7 @@ import psutil
 from agent.fsutil import ensure_dir
 from agent.logs import fields_
 from dra_driver.errors import SharingError, ToolError
-from dra_driver.sharing.tools import Tools, check_uuid
+from dra_driver.sharing.node_tools import Tools, check_uuid
 
 PID_FILE = "nvidia-cuda-mps-control.pid"
 CONTROL_SOCKET = "control"

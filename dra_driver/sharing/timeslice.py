@@ -12,7 +12,7 @@ Both are idempotent, so a prepare that crashed after setting them simply sets th
 
 from __future__ import annotations
 
-from dra_driver.sharing.tools import Tools, check_uuid
+from dra_driver.sharing.node_tools import Tools, check_uuid
 
 INTERVALS = {"Default": 0, "Short": 1, "Medium": 2, "Long": 3}
 COMPUTE_MODES = ("DEFAULT", "EXCLUSIVE_PROCESS")

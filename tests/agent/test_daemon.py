@@ -10,7 +10,7 @@ import pytest
 
 from agent.config import Config, CrashAt
 from agent.daemon import build_agent, crash_hook
-from dra_driver.prepare import CRASH_POINTS
+from dra_driver.kubeletplugin.prepare import CRASH_POINTS
 
 
 def config(state_dir) -> Config:
@@ -77,10 +77,10 @@ def test_a_rolling_update_successor_serves_at_once_and_takes_the_state_dir_when_
     error, and takes the directory over when the first stops."""
     from dataclasses import replace
 
-    from dra_driver.checkpoint import Checkpoint
     from dra_driver.errors import CheckpointError
-    from dra_driver.kubelet_calls import ClaimRef
-    from dra_driver.kubelet_client import KubeletClient
+    from dra_driver.kubeletplugin.checkpoint import Checkpoint
+    from dra_driver.testkubelet.calls import ClaimRef
+    from dra_driver.testkubelet.client import KubeletClient
 
     old_uid, new_uid = (
         "0a1b2c3d-0000-4000-8000-00000000000a",

@@ -53,8 +53,8 @@ def test_every_logger_of_the_process_comes_out_as_json():
     escape a thread all use the one format (a bare text line would break a log pipeline)."""
     buf = io.StringIO()
     configure_logging("json", "info", buf)
-    logging.getLogger("dra_driver.checkpoint").warning("checkpoint is corrupt")
-    logging.getLogger("dra_driver.checkpoint").info("converted")
+    logging.getLogger("dra_driver.kubeletplugin.checkpoint").warning("checkpoint is corrupt")
+    logging.getLogger("dra_driver.kubeletplugin.checkpoint").info("converted")
     logging.getLogger("urllib3.connectionpool").warning("Retrying connection")
     logging.getLogger("urllib3.connectionpool").info("chatter")  # libraries: warnings and up
     logging.getLogger("grpc._server").error("exception calling application")
@@ -70,8 +70,8 @@ def test_every_logger_of_the_process_comes_out_as_json():
     t.join()
     recs = lines(buf)
     assert [(r["logger"], r["msg"]) for r in recs[:4]] == [
-        ("dra_driver.checkpoint", "checkpoint is corrupt"),
-        ("dra_driver.checkpoint", "converted"),
+        ("dra_driver.kubeletplugin.checkpoint", "checkpoint is corrupt"),
+        ("dra_driver.kubeletplugin.checkpoint", "converted"),
         ("urllib3.connectionpool", "Retrying connection"),
         ("grpc._server", "exception calling application"),
     ]

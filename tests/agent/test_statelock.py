@@ -158,8 +158,8 @@ def test_release_waits_for_a_write_in_progress(tmp_path):
 
 
 def test_the_checkpoint_is_written_only_by_the_holder_of_the_state_directory(tmp_path):
-    from dra_driver.checkpoint import Checkpoint, CheckpointStore
     from dra_driver.errors import CheckpointError
+    from dra_driver.kubeletplugin.checkpoint import Checkpoint, CheckpointStore
 
     lock = StateLock(tmp_path)
     path = tmp_path / "checkpoint.json"

@@ -12,9 +12,9 @@ import yaml
 
 from agent.cli import main
 from agent.sim.model import model_names
-from dra_driver.claims import ClaimKey, parse_allocation
-from dra_driver.kubelet_calls import ClaimRef
-from dra_driver.kubelet_client import KubeletClient
+from dra_driver.kubeletplugin.claims import ClaimKey, parse_allocation
+from dra_driver.testkubelet.calls import ClaimRef
+from dra_driver.testkubelet.client import KubeletClient
 from tests.integration.daemon import DRIVER, Daemon
 
 ROOT = Path(__file__).resolve().parents[2]

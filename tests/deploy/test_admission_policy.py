@@ -16,9 +16,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from agent.cli.node import slices_for
+from agent.cli.node_commands import slices_for
 from agent.config import Config
-from dra_driver.devices import DeviceModel
+from dra_driver.device_model import DeviceModel
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICY_FILE = ROOT / "deploy" / "daemonset" / "admission-policy.yaml"

@@ -16,18 +16,18 @@ from typing import Any
 import pytest
 import yaml
 
-from agent.cli.node import advertise, slices_for
+from agent.cli.node_commands import advertise, slices_for
 from agent.config import Config
 from agent.daemon import open_node
 from agent.discovery.inventory import NodeInventory
 from agent.node import discover
 from agent.sim.model import model_names
-from dra_driver.allocator.explain import Explanation, explain
-from dra_driver.celenv import CelEnvironment
-from dra_driver.claims import Allocation, ClaimKey, parse_allocation
-from dra_driver.devices import AdvertisedDevice, DeviceModel
+from dra_driver.device_model import AdvertisedDevice, DeviceModel
 from dra_driver.errors import ParamsError
-from dra_driver.plan import MEMORY_SHARE, MPS, TIME_SLICING, plan_claim
+from dra_driver.kubeletplugin.claims import Allocation, ClaimKey, parse_allocation
+from dra_driver.kubeletplugin.plan import MEMORY_SHARE, MPS, TIME_SLICING, plan_claim
+from dra_driver.scheduler.celenv import CelEnvironment
+from dra_driver.scheduler.explanation import Explanation, explain
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "deploy" / "daemonset" / "examples"

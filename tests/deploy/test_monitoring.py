@@ -374,7 +374,7 @@ def test_every_runbook_says_what_it_means_how_to_confirm_and_what_to_do():
 
 
 def test_the_fatal_xid_alert_knows_the_agents_fatal_xids():
-    from agent.telemetry.health import FATAL_XIDS
+    from agent.telemetry.gpu_health import FATAL_XIDS
 
     [xid_alert] = [a for a in alerts() if a["alert"] == "TesseraGpuFatalXid"]
     for m in re.finditer(r'xid=~"([^"]+)"', xid_alert["expr"]):

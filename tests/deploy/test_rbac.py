@@ -36,14 +36,14 @@ import pynvml
 import yaml
 
 from agent.cli import main
-from agent.doctor.api import AGENT_ACCESS
+from agent.doctor.cluster_api import AGENT_ACCESS
 from agent.sim.apiserver import ApiServer
 from agent.sim.apiserver_access import verb_of
 from agent.sim.apiserver_faults import RequestRecord
 from agent.sim.apiserver_types import RESOURCES, resolve
 from agent.sim.nvml import FakeNvml
-from dra_driver.kubelet_calls import ClaimRef
-from dra_driver.kubelet_client import KubeletClient
+from dra_driver.testkubelet.calls import ClaimRef
+from dra_driver.testkubelet.client import KubeletClient
 from tests.integration.daemon import Daemon, claim_manifest
 from tests.simnode import node_model
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agent.doctor.api import AGENT_ACCESS, api_checks
+from agent.doctor.cluster_api import AGENT_ACCESS, api_checks
 from agent.doctor.verdict import Verdict
 from agent.errors import ConfigError
 from agent.sim.apiserver import ApiServer
-from dra_driver.kube import KubeClient
+from dra_driver.cluster.kube import KubeClient
 
 ROOT = Path(__file__).resolve().parents[2]
 

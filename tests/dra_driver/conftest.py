@@ -14,7 +14,7 @@ from agent.config import Config
 from agent.daemon import open_node
 from agent.discovery.inventory import NodeInventory
 from agent.node import discover
-from dra_driver.devices import AdvertisedDevice, DeviceModel
+from dra_driver.device_model import AdvertisedDevice, DeviceModel
 
 Inventory = Callable[..., NodeInventory]
 

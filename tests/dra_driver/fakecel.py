@@ -1,4 +1,5 @@
-"""A stand-in for dra_driver.celenv in the allocator's tests: compile() maps a few expression
+"""A stand-in for dra_driver.scheduler.celenv in the allocator's tests: compile() maps a few
+expression
 strings to Python predicates over the device's API-form attributes (until the real CEL lands)."""
 
 from __future__ import annotations

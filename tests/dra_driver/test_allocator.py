@@ -1,4 +1,4 @@
-"""The allocator (dra_driver.allocator): claims x devices with the allocations and the reasons a
+"""The allocator (dra_driver.scheduler): claims x devices with the allocations and the reasons a
 user reads, one behaviour of the scheduler's structured allocator per case."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from dra_driver.allocator.explain import Explanation, explain
-from dra_driver.allocator.model import InputError
-from dra_driver.celenv import CelEnvironment
+from dra_driver.scheduler.celenv import CelEnvironment
+from dra_driver.scheduler.domain import InputError
+from dra_driver.scheduler.explanation import Explanation, explain
 from tests.dra_driver.allocator_helpers import (
     DRIVER,
     allocated,

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import yaml
 
-from dra_driver.allocator.explain import explain
-from dra_driver.celenv import CelEnvironment
-from dra_driver.devices import DevicePolicy, advertised_devices
-from dra_driver.slices import SlicePolicy, build_slices
+from dra_driver.advertise.slices import SlicePolicy, build_slices
+from dra_driver.device_model import DevicePolicy, advertised_devices
+from dra_driver.scheduler.celenv import CelEnvironment
+from dra_driver.scheduler.explanation import explain
 from tests.dra_driver.conftest import Inventory
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "daemonset"

@@ -13,8 +13,8 @@ from typing import Any
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from dra_driver.allocator.explain import explain
-from dra_driver.celenv import CelEnvironment
+from dra_driver.scheduler.celenv import CelEnvironment
+from dra_driver.scheduler.explanation import explain
 from tests.dra_driver.allocator_helpers import DRIVER, allocated, claim, dev, klass, rslice
 
 A = f'device.attributes["{DRIVER}"]'

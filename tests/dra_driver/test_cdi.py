@@ -18,8 +18,8 @@ import pytest
 
 from agent.sim.driverroot import caps_minor, make_device_node, write_driver_root
 from agent.sim.model import load_model
-from dra_driver.cdi import CDI_VERSION, CdiRequest, CdiWriter, validate_spec
 from dra_driver.errors import CdiError
+from dra_driver.kubeletplugin.cdi import CDI_VERSION, CdiRequest, CdiWriter, validate_spec
 
 DRIVER = "gpu.tessera.dev"
 UID = "7f3c2a1e-9b8d-4c6f-a5e4-3d2c1b0a9f8e"
@@ -344,7 +344,7 @@ def test_packaged_schema_is_the_reference_copy() -> None:
     stay a verbatim copy of the CDI project's schema."""
     from importlib import resources
 
-    base = resources.files("dra_driver").joinpath("cdi_schema")
+    base = resources.files("dra_driver.kubeletplugin").joinpath("cdi_schema")
     schema = json.loads(base.joinpath("schema.json").read_text())
     defs = json.loads(base.joinpath("defs.json").read_text())
     assert schema["$schema"] == "http://json-schema.org/draft-07/schema#"

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from dra_driver.celenv import (
+from dra_driver.scheduler.celenv import (
     COST_LIMIT,
     MAX_EXPRESSION_CHARS,
     CelCompileError,

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from dra_driver.checkpoint import (
+from dra_driver.errors import CheckpointCorrupt, CheckpointError, CheckpointTooNew
+from dra_driver.kubeletplugin.checkpoint import (
     CHECKPOINT_VERSION,
     MIGRATIONS,
     PREPARE_COMPLETED,
@@ -24,7 +25,6 @@ from dra_driver.checkpoint import (
     decode,
     encode,
 )
-from dra_driver.errors import CheckpointCorrupt, CheckpointError, CheckpointTooNew
 
 BOOT = "6f1c3c1e-4e1a-4b8a-9d51-0c1f6f1b2a3d"
 OTHER_BOOT = "0b7e1a2c-9f3d-4c5e-8a6b-7d8e9f0a1b2c"
@@ -444,7 +444,7 @@ def test_claim_key_must_match_uid() -> None:
 
 
 def test_sharing_records_are_written_as_version_2_and_read_back(store: CheckpointStore, path: Path):
-    from dra_driver.checkpoint import MpsRecord
+    from dra_driver.kubeletplugin.checkpoint import MpsRecord
 
     mig = PreparedDevice(
         ("mig",), "node-a", "gpu-0-mig-1g10gb-19-3", ("k8s.x/claim=u-d",), "mig", "GPU-0", 0,

@@ -1,14 +1,14 @@
 import pytest
 import yaml
 
-from dra_driver.claims import (
+from dra_driver.errors import ClaimError
+from dra_driver.kubeletplugin.claims import (
     ClaimKey,
     DirClaimSource,
     check_claim_key,
     configs_for,
     parse_allocation,
 )
-from dra_driver.errors import ClaimError
 
 DRIVER, NODE = "gpu.tessera.dev", "node-a"
 KEY = ClaimKey("default", "c1", "uid-1")
@@ -120,7 +120,7 @@ def test_dir_source_sees_edited_files(tmp_path):
     ids=["ns-dots", "name-path", "ns-upper", "name-long", "name-space", "ns-empty", "name-nul"],
 )  # fmt: skip
 def test_claim_names_are_checked_before_they_reach_a_url(namespace, name):
-    from dra_driver.claims import KubeClaimSource
+    from dra_driver.kubeletplugin.claims import KubeClaimSource
 
     class NoCalls:
         def request(self, *args, **kwargs):
@@ -132,8 +132,8 @@ def test_claim_names_are_checked_before_they_reach_a_url(namespace, name):
 
 def test_claims_are_found_by_uid_across_namespaces_in_pages_of_the_api(tmp_path):
     from agent.sim.apiserver import ApiServer
-    from dra_driver.claims import KubeClaimSource
-    from dra_driver.kube import KubeClient
+    from dra_driver.cluster.kube import KubeClient
+    from dra_driver.kubeletplugin.claims import KubeClaimSource
 
     with ApiServer() as server:
         for i, ns in enumerate(("a", "b", "c", "d", "e")):
@@ -196,8 +196,8 @@ def test_untrusted_values_in_errors_are_escaped_and_cut_short(field, value, show
 
 
 def plan_or_parse(obj):
-    from dra_driver.devices import DeviceModel
-    from dra_driver.plan import plan_claim
+    from dra_driver.device_model import DeviceModel
+    from dra_driver.kubeletplugin.plan import plan_claim
 
     return plan_claim(parse_allocation(obj, KEY, DRIVER, NODE), DeviceModel((), ()))
 

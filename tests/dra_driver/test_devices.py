@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from agent.sim.model import model_names
-from dra_driver.devices import (
+from dra_driver.device_model import (
     GIB,
     AdvertisedDevice,
     DeviceModel,

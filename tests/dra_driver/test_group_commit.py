@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from agent.config import Config
-from dra_driver.cdi import validate_spec
-from dra_driver.checkpoint import PREPARE_COMPLETED, Checkpoint
-from dra_driver.claims import ClaimKey
 from dra_driver.errors import CheckpointError, SharingError
-from dra_driver.prepare import Preparer
-from dra_driver.sharing.effects import Applied
+from dra_driver.kubeletplugin.cdi import validate_spec
+from dra_driver.kubeletplugin.checkpoint import PREPARE_COMPLETED, Checkpoint
+from dra_driver.kubeletplugin.claims import ClaimKey
+from dra_driver.kubeletplugin.effects import Applied
+from dra_driver.kubeletplugin.prepare import Preparer
 from tests.dra_driver.test_rebuild import MODEL, Node, opaque
 from tests.simnode import mig_instances, reap_mps_daemons, sharing
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dra_driver.health import HEALTHY, UNHEALTHY, HealthBoard
+from dra_driver.kubeletplugin.health_stream import HEALTHY, UNHEALTHY, HealthBoard
 
 
 class Clock:

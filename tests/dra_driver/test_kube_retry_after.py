@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from agent.sim.apiserver import ApiServer
+from dra_driver.cluster.kube import MAX_RETRY_AFTER_S, KubeClient, retry_after
 from dra_driver.errors import KubeError
-from dra_driver.kube import MAX_RETRY_AFTER_S, KubeClient, retry_after
+from tests.apiclient import api_client
 
 
 @pytest.mark.parametrize(
@@ -57,7 +58,7 @@ def test_the_longer_of_the_backoff_and_the_servers_wait_is_waited() -> None:
 @pytest.fixture
 def kube() -> Iterator[tuple[ApiServer, KubeClient]]:
     with ApiServer() as server:
-        client = KubeClient(server.api_client(retries=False))
+        client = KubeClient(api_client(server, retries=False))
         try:
             yield server, client
         finally:

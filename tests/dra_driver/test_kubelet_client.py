@@ -25,8 +25,6 @@ import pytest
 from agent.cli import main
 from agent.errors import TesseraError
 from dra_driver.errors import KubeletApiError
-from dra_driver.kubelet_calls import ClaimRef
-from dra_driver.kubelet_client import KubeletClient, register_like_kubelet
 from dra_driver.kubeletapi import (
     dra_v1_pb2,
     dra_v1_pb2_grpc,
@@ -37,6 +35,8 @@ from dra_driver.kubeletapi import (
     registration_pb2,
     registration_pb2_grpc,
 )
+from dra_driver.testkubelet.calls import ClaimRef
+from dra_driver.testkubelet.client import KubeletClient, register_like_kubelet
 
 DRIVER = "gpu.tessera.dev"
 HEALTHY = health_v1alpha1_pb2.HEALTHY

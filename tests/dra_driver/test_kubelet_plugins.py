@@ -14,14 +14,14 @@ import grpc
 import pytest
 
 from dra_driver.errors import KubeletApiError
-from dra_driver.kubelet_calls import ClaimRef
-from dra_driver.kubelet_plugins import PluginManager
 from dra_driver.kubeletapi import (
     dra_v1_pb2,
     dra_v1_pb2_grpc,
     registration_pb2,
     registration_pb2_grpc,
 )
+from dra_driver.testkubelet.calls import ClaimRef
+from dra_driver.testkubelet.plugin_manager import PluginManager
 
 DRIVER = "gpu.tessera.dev"
 CLAIM = [ClaimRef("default", "c", "uid-c")]

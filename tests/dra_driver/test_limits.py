@@ -10,7 +10,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from dra_driver.limits import check_pool, check_slice, is_semver, parse_quantity
+from dra_driver.advertise.slice_limits import check_pool, check_slice, is_semver, parse_quantity
 
 Obj = dict[str, Any]
 

@@ -11,8 +11,7 @@ from typing import Any
 
 import pytest
 
-from dra_driver.errors import KubeError
-from dra_driver.node_events import (
+from dra_driver.cluster.node_events import (
     AGGREGATE_PREFIX,
     NORMAL,
     WARNING,
@@ -24,6 +23,7 @@ from dra_driver.node_events import (
     NodeRef,
     gpu_health,
 )
+from dra_driver.errors import KubeError
 
 T0 = 1_780_000_000.0
 NODE = "node-a"
@@ -380,7 +380,7 @@ def test_events_recorded_in_the_same_instant_get_different_names():
 
 
 def test_hotplug_events_name_the_gpu_its_uuid_and_bus_and_bound_the_devices_they_list():
-    from dra_driver.node_events import devices_changed, gpu_added, gpu_removed
+    from dra_driver.cluster.node_events import devices_changed, gpu_added, gpu_removed
 
     kind, reason, msg = gpu_removed(3, "GPU-abc", "0000:1b:00.0")
     assert (kind, reason) == ("Warning", "GpuRemoved")

@@ -13,8 +13,8 @@ import kubernetes_validate
 import pytest
 
 from agent.sim.apiserver import ApiServer
-from dra_driver.kube import KubeClient
-from dra_driver.node_events import (
+from dra_driver.cluster.kube import KubeClient
+from dra_driver.cluster.node_events import (
     NORMAL,
     WARNING,
     KubeEventSink,

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from dra_driver.errors import ParamsError
-from dra_driver.params import (
+from dra_driver.kubeletplugin.params import (
     API_VERSION,
     MAX_PARAMETERS_BYTES,
     VERSIONS,

@@ -9,11 +9,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dra_driver.checkpoint import PREPARE_COMPLETED, Checkpoint, ClaimEntry, PreparedDevice
-from dra_driver.claims import AllocatedDevice, Allocation, ClaimKey, OpaqueConfig
-from dra_driver.devices import GIB, DeviceModel, DevicePolicy, advertised_devices
+from dra_driver.device_model import GIB, DeviceModel, DevicePolicy, advertised_devices
 from dra_driver.errors import ClaimError, ParamsError
-from dra_driver.plan import (
+from dra_driver.kubeletplugin.checkpoint import (
+    PREPARE_COMPLETED,
+    Checkpoint,
+    ClaimEntry,
+    PreparedDevice,
+)
+from dra_driver.kubeletplugin.claims import AllocatedDevice, Allocation, ClaimKey, OpaqueConfig
+from dra_driver.kubeletplugin.plan import (
     MEMORY_SHARE,
     MPS,
     TIME_SLICING,
@@ -257,8 +262,8 @@ INTERVALS = ("Default", "Short", "Medium", "Long")
 def old_effective_config(alloc: Allocation, requests: list[str], kind: str) -> Any:
     """The rule as first written: every request in order, every config that applies to it in
     order, the last one for the device's kind wins (validated on every visit)."""
-    from dra_driver import params
-    from dra_driver.claims import configs_for
+    from dra_driver.kubeletplugin import params
+    from dra_driver.kubeletplugin.claims import configs_for
 
     config = None
     for r in requests:

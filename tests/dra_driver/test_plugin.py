@@ -14,11 +14,17 @@ from pathlib import Path
 import grpc
 import pytest
 
-from dra_driver.claims import ClaimKey
-from dra_driver.health import HealthBoard
 from dra_driver.kubeletapi import dra_v1_pb2, dra_v1beta1_pb2
-from dra_driver.plugin import MAX_CLAIMS_PER_CALL, DraService, Gate, PluginServer, socket_paths
-from dra_driver.prepare import ClaimResult
+from dra_driver.kubeletplugin.claims import ClaimKey
+from dra_driver.kubeletplugin.health_stream import HealthBoard
+from dra_driver.kubeletplugin.prepare import ClaimResult
+from dra_driver.kubeletplugin.server import (
+    MAX_CLAIMS_PER_CALL,
+    DraService,
+    Gate,
+    PluginServer,
+    socket_paths,
+)
 
 DRIVER = "gpu.tessera.dev"
 ME = "4f1b2c3d-5e6f-4a7b-8c9d-0e1f2a3b4c5d"
@@ -372,7 +378,7 @@ def test_the_kubelets_registration_error_is_kept_to_a_few_lines(short_tmp, caplo
     """The kubelet's reason for refusing the registration goes into the log and /readyz: a
     megabyte of it stays a thousand characters."""
     from dra_driver.kubeletapi import registration_pb2
-    from dra_driver.plugin import RegistrationService
+    from dra_driver.kubeletplugin.server import RegistrationService
 
     plugin = server(short_tmp, None)
     with caplog.at_level(logging.ERROR):

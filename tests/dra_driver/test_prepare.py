@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from dra_driver.cdi import CdiWriter
-from dra_driver.checkpoint import (
+from dra_driver.device_model import DeviceModel
+from dra_driver.errors import ClaimError
+from dra_driver.kubeletplugin.cdi import CdiWriter
+from dra_driver.kubeletplugin.checkpoint import (
     PREPARE_COMPLETED,
     PREPARE_STARTED,
     Checkpoint,
@@ -17,11 +19,9 @@ from dra_driver.checkpoint import (
     ClaimEntry,
     PreparedDevice,
 )
-from dra_driver.claims import ClaimKey
-from dra_driver.devices import DeviceModel
-from dra_driver.errors import ClaimError
-from dra_driver.prepare import ClaimLocks, Preparer
-from dra_driver.sharing.effects import Effects
+from dra_driver.kubeletplugin.claims import ClaimKey
+from dra_driver.kubeletplugin.effects import Effects
+from dra_driver.kubeletplugin.prepare import ClaimLocks, Preparer
 
 
 class BlockingClaims:

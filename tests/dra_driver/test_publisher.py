@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import yaml
 
-from dra_driver.devices import DeviceModel, DevicePolicy, advertised_devices
+from dra_driver.advertise.publisher import Backoff, DirSliceStore, Publisher, plan_changes
+from dra_driver.advertise.slices import SlicePolicy
+from dra_driver.device_model import DeviceModel, DevicePolicy, advertised_devices
 from dra_driver.errors import KubeConflict, KubeError
-from dra_driver.publisher import Backoff, DirSliceStore, Publisher, plan_changes
-from dra_driver.slices import SlicePolicy
 from tests.dra_driver.conftest import Inventory
 
 LOG = logging.getLogger("test.publisher")

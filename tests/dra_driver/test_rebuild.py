@@ -1,4 +1,5 @@
-"""A lost or corrupt checkpoint rebuilt from what survives (dra_driver/rebuild.py through
+"""A lost or corrupt checkpoint rebuilt from what survives (dra_driver/kubeletplugin/rebuild.py
+through
 ``Preparer.reconcile_on_start``): the CDI specs, the claims (standalone claim files here) and the
 sharing leftovers of a simulated node, through the real tools (simulated nvidia-smi, MPS
 daemons as subprocesses, NVML's MIG calls over the simulator). Every claim is either rebuilt as
@@ -21,13 +22,13 @@ from agent.daemon import CurrentDevices, open_node, sharing_effects
 from agent.node import NodeSource, discover
 from agent.nvml.mig import MigControl
 from agent.sim.driverroot import make_device_node
-from dra_driver.cdi import CdiWriter
-from dra_driver.checkpoint import CheckpointStore
-from dra_driver.claims import ClaimKey, DirClaimSource
-from dra_driver.devices import DeviceModel, advertised_devices
+from dra_driver.device_model import DeviceModel, advertised_devices
 from dra_driver.errors import KubeError
-from dra_driver.prepare import Preparer
-from dra_driver.rebuild import REASONS
+from dra_driver.kubeletplugin.cdi import CdiWriter
+from dra_driver.kubeletplugin.checkpoint import CheckpointStore
+from dra_driver.kubeletplugin.claims import ClaimKey, DirClaimSource
+from dra_driver.kubeletplugin.prepare import Preparer
+from dra_driver.kubeletplugin.rebuild import REASONS
 from tests.integration.daemon import DRIVER, claim_manifest, write_claims
 from tests.simnode import mig_instances, mps_daemons, reap_mps_daemons, sharing
 

@@ -1,4 +1,5 @@
-"""The side effects of sharing and dynamic MIG (dra_driver.sharing.effects) on a simulated node,
+"""The side effects of sharing and dynamic MIG (dra_driver.kubeletplugin.effects) on a simulated
+node,
 through the real tools: the simulated nvidia-smi and nvidia-cuda-mps-control (real subprocesses)
 and NVML's MIG calls over the simulator."""
 
@@ -19,7 +20,9 @@ from agent.nvml.mig import MigControl
 from agent.sim.model import load_model
 from agent.sim.nvml import FakeNvml
 from agent.sim.sharing import COMPUTE_MODE_DEFAULT, COMPUTE_MODE_EXCLUSIVE_PROCESS
-from dra_driver.checkpoint import (
+from dra_driver.device_model import GIB, DeviceModel, advertised_devices
+from dra_driver.errors import SharingError
+from dra_driver.kubeletplugin.checkpoint import (
     PREPARE_COMPLETED,
     PREPARE_STARTED,
     Checkpoint,
@@ -27,11 +30,9 @@ from dra_driver.checkpoint import (
     MpsRecord,
     PreparedDevice,
 )
-from dra_driver.claims import AllocatedDevice, Allocation, ClaimKey, OpaqueConfig
-from dra_driver.devices import GIB, DeviceModel, advertised_devices
-from dra_driver.errors import SharingError
-from dra_driver.plan import ClaimPlan, PlannedDevice, SharingPolicy, plan_claim
-from dra_driver.sharing.effects import Effects
+from dra_driver.kubeletplugin.claims import AllocatedDevice, Allocation, ClaimKey, OpaqueConfig
+from dra_driver.kubeletplugin.effects import Effects
+from dra_driver.kubeletplugin.plan import ClaimPlan, PlannedDevice, SharingPolicy, plan_claim
 from tests.simnode import mps_daemons, reap_mps_daemons, sharing
 
 POOL = "node-a"

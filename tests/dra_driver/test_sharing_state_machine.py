@@ -33,11 +33,11 @@ from agent.node import NodeSource, discover
 from agent.sim.driverroot import make_device_node
 from agent.sim.nvml import FakeNvml
 from agent.sim.sharing import SharingStore, initial_sharing
-from dra_driver.cdi import CdiWriter
-from dra_driver.checkpoint import PREPARE_COMPLETED, CheckpointStore
-from dra_driver.claims import ClaimKey, DirClaimSource
-from dra_driver.devices import DeviceModel, advertised_devices
-from dra_driver.prepare import Preparer
+from dra_driver.device_model import DeviceModel, advertised_devices
+from dra_driver.kubeletplugin.cdi import CdiWriter
+from dra_driver.kubeletplugin.checkpoint import PREPARE_COMPLETED, CheckpointStore
+from dra_driver.kubeletplugin.claims import ClaimKey, DirClaimSource
+from dra_driver.kubeletplugin.prepare import Preparer
 from tests.integration.daemon import DRIVER, claim_manifest, write_claims
 from tests.simnode import mig_instances, mps_daemons, node_model, reap_mps_daemons, sharing
 

@@ -11,15 +11,20 @@ import kubernetes_validate
 import pytest
 
 from agent.sim.model import model_names
-from dra_driver.devices import (
+from dra_driver.advertise.slice_limits import (
+    check_pool,
+    check_slice,
+    is_dns_label,
+    is_dns_subdomain,
+)
+from dra_driver.advertise.slices import SlicePolicy, build_slices, slice_name, spec_equal
+from dra_driver.device_model import (
     AdvertisedDevice,
     CounterSet,
     DeviceModel,
     DevicePolicy,
     advertised_devices,
 )
-from dra_driver.limits import check_pool, check_slice, is_dns_label, is_dns_subdomain
-from dra_driver.slices import SlicePolicy, build_slices, slice_name, spec_equal
 from tests.dra_driver.conftest import Inventory
 
 DRIVER = "gpu.tessera.dev"

@@ -10,11 +10,15 @@ import logging
 import kubernetes_validate
 import pytest
 
-from dra_driver.devices import DeviceModel, DevicePolicy, advertised_devices
-from dra_driver.limits import MAX_DEVICES_WITH_TAINTS_OR_COUNTERS, check_pool, check_slice
-from dra_driver.publisher import DirSliceStore, Publisher, plan_changes
-from dra_driver.slices import SlicePolicy, build_slices
-from dra_driver.taints import UnhealthyGpu, UnhealthyGpus, rfc3339, taint_key, with_health
+from dra_driver.advertise.publisher import DirSliceStore, Publisher, plan_changes
+from dra_driver.advertise.slice_limits import (
+    MAX_DEVICES_WITH_TAINTS_OR_COUNTERS,
+    check_pool,
+    check_slice,
+)
+from dra_driver.advertise.slices import SlicePolicy, build_slices
+from dra_driver.advertise.taints import UnhealthyGpu, UnhealthyGpus, rfc3339, taint_key, with_health
+from dra_driver.device_model import DeviceModel, DevicePolicy, advertised_devices
 from tests.dra_driver.conftest import Inventory
 
 DRIVER = "gpu.tessera.dev"

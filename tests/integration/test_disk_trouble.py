@@ -31,10 +31,10 @@ from typing import Any
 
 import pytest
 
-from dra_driver.checkpoint import PREPARE_COMPLETED, decode
 from dra_driver.errors import CheckpointError
-from dra_driver.kubelet_calls import ClaimRef
-from dra_driver.kubelet_client import KubeletClient
+from dra_driver.kubeletplugin.checkpoint import PREPARE_COMPLETED, decode
+from dra_driver.testkubelet.calls import ClaimRef
+from dra_driver.testkubelet.client import KubeletClient
 from tests.integration.daemon import DRIVER, Daemon, claim_manifest, write_claims
 from tests.reliability.report import add
 

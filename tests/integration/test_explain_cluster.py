@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from agent.cli import main
-from agent.cli.node import published_slices
+from agent.cli.node_commands import published_slices
 from agent.config import Config
 from agent.sim.apiserver import ApiServer
 

@@ -13,7 +13,7 @@ import yaml
 from agent.cli.sim import simulator_dir
 from agent.sim.model import load_model
 from agent.sim.nvml import FakeNvml
-from dra_driver.kubelet_client import KubeletClient
+from dra_driver.testkubelet.client import KubeletClient
 from tests.integration.daemon import DRIVER, Daemon
 
 INTERVAL = "0.2"

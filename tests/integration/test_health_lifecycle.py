@@ -18,7 +18,7 @@ import kubernetes_validate
 import pytest
 
 from agent.sim.apiserver import ApiServer
-from dra_driver.kubelet_client import KubeletClient
+from dra_driver.testkubelet.client import KubeletClient
 from tests.integration.daemon import DRIVER, Daemon
 
 MODEL = "l40s-pcie"

@@ -10,11 +10,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from dra_driver.cdi import validate_spec
 from dra_driver.errors import KubeletApiError
-from dra_driver.kubelet_calls import ClaimRef
-from dra_driver.kubelet_client import KubeletClient, register_like_kubelet
-from dra_driver.params import API_VERSION
+from dra_driver.kubeletplugin.cdi import validate_spec
+from dra_driver.kubeletplugin.params import API_VERSION
+from dra_driver.testkubelet.calls import ClaimRef
+from dra_driver.testkubelet.client import KubeletClient, register_like_kubelet
 from tests.integration.daemon import DRIVER, Daemon, claim_manifest, write_claims
 from tests.integration.test_daemon import wait_ready
 from tests.integration.test_sharing import sharing_config

@@ -14,8 +14,8 @@ import urllib.request
 
 import pytest
 
-from dra_driver.kubelet_calls import ClaimRef
-from dra_driver.kubelet_client import KubeletClient
+from dra_driver.testkubelet.calls import ClaimRef
+from dra_driver.testkubelet.client import KubeletClient
 from tests.integration.daemon import Daemon, claim_manifest, write_claims
 from tests.integration.test_daemon import wait_ready
 

@@ -6,8 +6,8 @@ import json
 import shutil
 from pathlib import Path
 
-from dra_driver.kubelet_calls import ClaimRef
-from dra_driver.kubelet_client import KubeletClient
+from dra_driver.testkubelet.calls import ClaimRef
+from dra_driver.testkubelet.client import KubeletClient
 from tests.integration.daemon import DRIVER, Daemon, claim_manifest, write_claims
 
 

@@ -19,10 +19,11 @@ from agent.config import Config
 from agent.daemon import open_node
 from agent.node import discover
 from agent.sim.apiserver import ApiServer
-from dra_driver.devices import DevicePolicy, advertised_devices
-from dra_driver.kube import KubeClient
-from dra_driver.publisher import Backoff, KubeSliceStore, Publisher
-from dra_driver.slices import SlicePolicy
+from dra_driver.advertise.publisher import Backoff, KubeSliceStore, Publisher
+from dra_driver.advertise.slices import SlicePolicy
+from dra_driver.cluster.kube import KubeClient
+from dra_driver.device_model import DevicePolicy, advertised_devices
+from tests.apiclient import api_client
 
 LOG = logging.getLogger("test.kube")
 DRIVER = "gpu.tessera.dev"
@@ -248,7 +249,7 @@ def test_daemon_publishes_in_kube_mode_and_cleans_up(server, short_tmp):
 
 def test_recovers_after_a_timeout(server, models):
     """The server answers too late: the request times out, the next round succeeds."""
-    kube = KubeClient(server.api_client(retries=False), timeout=(1.0, 0.5))
+    kube = KubeClient(api_client(server, retries=False), timeout=(1.0, 0.5))
     try:
         p = Publisher(
             KubeSliceStore(kube, DRIVER, NODE),
@@ -286,8 +287,8 @@ def test_recovers_after_a_timeout(server, models):
          "rv-number"],
 )  # fmt: skip
 def test_a_list_of_the_wrong_shape_is_a_temporary_error_naming_the_field(answer):
+    from dra_driver.advertise.publisher import slice_list
     from dra_driver.errors import KubeMalformed
-    from dra_driver.publisher import slice_list
 
     with pytest.raises(KubeMalformed) as e:
         slice_list(answer)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.sim.apiserver import ApiServer
-from dra_driver.kubelet_calls import ClaimRef
+from dra_driver.testkubelet.calls import ClaimRef
 from tests.integration.daemon import Daemon, claim_manifest
 from tests.integration.test_sharing import claim, ok, placements, prepare, sharing_config, unprepare
 from tests.simnode import mig_instances, mps_daemons, reap_mps_daemons, sharing

@@ -15,8 +15,8 @@ import yaml
 
 from agent.cli import main
 from dra_driver.errors import KubeletApiError
-from dra_driver.kubelet_calls import ClaimRef
-from dra_driver.kubelet_client import KubeletClient
+from dra_driver.testkubelet.calls import ClaimRef
+from dra_driver.testkubelet.client import KubeletClient
 from tests.integration.daemon import Daemon, claim_manifest, write_claims
 
 VERSIONS = ("1.34.0", "1.35.0")

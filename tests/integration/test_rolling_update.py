@@ -2,7 +2,8 @@
 while the kubelet keeps calling, and SIGTERM during a storm of prepares leaves a checkpoint the
 next start agrees with.
 
-The kubelet is :class:`dra_driver.kubelet_plugins.PluginManager`: it registers every plugin of
+The kubelet is :class:`dra_driver.testkubelet.plugin_manager.PluginManager`: it registers every
+plugin of
 the driver it finds in the registry directory and sends each call to the newest connected one,
 as kubelet 1.33+ does (docs/gpu-facts.md, "The kubelet and several plugins of a driver")."""
 
@@ -21,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from dra_driver.errors import KubeletApiError
-from dra_driver.kubelet_calls import ClaimRef
-from dra_driver.kubelet_client import KubeletClient
-from dra_driver.kubelet_plugins import PluginManager
+from dra_driver.testkubelet.calls import ClaimRef
+from dra_driver.testkubelet.client import KubeletClient
+from dra_driver.testkubelet.plugin_manager import PluginManager
 from tests.integration.daemon import DRIVER, Daemon, claim_manifest, write_claims
 from tests.integration.test_sharing import advertised
 

@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from agent.cli import main
-from dra_driver.kubelet_calls import ClaimRef
-from dra_driver.kubelet_client import KubeletClient
+from dra_driver.testkubelet.calls import ClaimRef
+from dra_driver.testkubelet.client import KubeletClient
 from tests.integration.daemon import DRIVER, Daemon, claim_manifest, write_claims
 from tests.integration.test_telemetry import scrape, value
 

@@ -16,10 +16,10 @@ import psutil
 import pytest
 import yaml
 
-from dra_driver.cdi import validate_spec
-from dra_driver.kubelet_calls import ClaimRef
-from dra_driver.kubelet_client import KubeletClient
+from dra_driver.kubeletplugin.cdi import validate_spec
 from dra_driver.quantity import parse_bytes
+from dra_driver.testkubelet.calls import ClaimRef
+from dra_driver.testkubelet.client import KubeletClient
 from tests.integration.daemon import DRIVER, Daemon, claim_manifest, write_claims
 from tests.simnode import mig_instances, mps_daemons, reap_mps_daemons, sharing
 

@@ -9,8 +9,8 @@ import urllib.request
 import pytest
 
 from agent.sim.apiserver import ApiServer
-from dra_driver.kubelet_calls import ClaimRef
-from dra_driver.kubelet_client import KubeletClient
+from dra_driver.testkubelet.calls import ClaimRef
+from dra_driver.testkubelet.client import KubeletClient
 from tests.integration.daemon import Daemon, claim_manifest, write_claims
 
 

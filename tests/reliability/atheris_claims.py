@@ -18,9 +18,9 @@ from pathlib import Path
 import atheris
 
 with atheris.instrument_imports(include=["dra_driver", "agent.decode"]):
-    from dra_driver.claims import ClaimKey, DirClaimSource, parse_allocation
     from dra_driver.errors import ClaimError, ParamsError
-    from dra_driver.plan import SharingPolicy, plan_claim
+    from dra_driver.kubeletplugin.claims import ClaimKey, DirClaimSource, parse_allocation
+    from dra_driver.kubeletplugin.plan import SharingPolicy, plan_claim
 
 from tests.reliability.claim_strategies import DRIVER, device_model
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from dra_driver.devices import DeviceModel
+from dra_driver.device_model import DeviceModel
 from tests.reliability.doors import hostile_text, valid_label
 from tests.test_fuzz_decoders import VALID_CONFIGS, _at, _paths, near_valid, scalars
 
@@ -174,7 +174,7 @@ def device_model(model: str, mig_mode: str = "static") -> DeviceModel:
     from agent.config import Config
     from agent.daemon import open_node
     from agent.node import discover
-    from dra_driver.devices import DevicePolicy, advertised_devices
+    from dra_driver.device_model import DevicePolicy, advertised_devices
 
     source = open_node(Config(simulate=model, node_name=model), Path(tempfile.mkdtemp()))
     source.nvml.init()

@@ -33,9 +33,9 @@ import pytest
 from agent.cli import main
 from agent.sim.apiserver import ApiServer
 from agent.sim.apiserver_faults import RequestRecord
-from dra_driver.kube import DEFAULT_TIMEOUT
-from dra_driver.node_events import RETRY_DELAYS
-from dra_driver.publisher import Backoff
+from dra_driver.advertise.publisher import Backoff
+from dra_driver.cluster.kube import DEFAULT_TIMEOUT
+from dra_driver.cluster.node_events import RETRY_DELAYS
 from tests.integration.daemon import DRIVER, Daemon
 from tests.reliability.report import add
 

@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 
 from dra_driver.errors import KubeletApiError
-from dra_driver.kubelet_calls import ClaimRef
-from dra_driver.kubelet_client import KubeletClient
-from dra_driver.prepare import CRASH_POINTS
+from dra_driver.kubeletplugin.prepare import CRASH_POINTS
+from dra_driver.testkubelet.calls import ClaimRef
+from dra_driver.testkubelet.client import KubeletClient
 from tests.crashmatrix import MIG_STEPS, MPS_STEPS, TIMESLICE_STEPS
 from tests.crashnode import MigLayout, leftovers, load_checkpoint, mig_layout, node_violations
 from tests.integration.daemon import Daemon, claim_manifest, write_claims

@@ -30,11 +30,11 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dra_driver.claims import ClaimKey, parse_allocation
 from dra_driver.errors import ClaimError, ParamsError
-from dra_driver.kubelet_calls import ClaimRef
-from dra_driver.kubelet_client import KubeletClient
-from dra_driver.plan import SharingPolicy, plan_claim
+from dra_driver.kubeletplugin.claims import ClaimKey, parse_allocation
+from dra_driver.kubeletplugin.plan import SharingPolicy, plan_claim
+from dra_driver.testkubelet.calls import ClaimRef
+from dra_driver.testkubelet.client import KubeletClient
 from tests.reliability.claim_strategies import DRIVER, claim_objects, device_model, tame_claims
 from tests.reliability.doors import (
     DNS_LABEL,

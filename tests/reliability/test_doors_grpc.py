@@ -22,9 +22,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dra_driver.errors import KubeletApiError
-from dra_driver.kubelet_calls import ClaimRef
-from dra_driver.kubelet_client import KubeletClient
 from dra_driver.kubeletapi import dra_v1_pb2, dra_v1beta1_pb2, registration_pb2
+from dra_driver.testkubelet.calls import ClaimRef
+from dra_driver.testkubelet.client import KubeletClient
 from tests.integration.daemon import claim_manifest, write_claims
 from tests.reliability.doors import (
     DNS_LABEL,

@@ -18,6 +18,7 @@ from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
 from agent.sim.apiserver import ApiServer
+from tests.apiclient import api_client as client_for
 
 DRIVER = "gpu.tessera.dev"
 OTHER_DRIVER = "nic.example.com"
@@ -104,7 +105,7 @@ def api(server: ApiServer, tmp_path: Path) -> Iterator[client.ApiClient]:
 @pytest.fixture
 def strict_api(server: ApiServer) -> Iterator[client.ApiClient]:
     """A client whose urllib3 retries nothing, so every fault reaches the caller."""
-    with server.api_client(retries=False) as api_client:
+    with client_for(server, retries=False) as api_client:
         yield api_client
 
 
@@ -274,7 +275,7 @@ def test_generate_name(server: ApiServer, rapi: client.ResourceV1Api) -> None:
         prefix, suffix = name[:-5], name[-5:]
         assert prefix == "node-1-gpu.tessera.dev-"
         assert suffix.isalnum() and suffix.islower()
-    with ApiServer() as again, again.api_client() as other:
+    with ApiServer() as again, client_for(again) as other:
         again_names = [
             client.ResourceV1Api(other).create_resource_slice(body=body).metadata.name
             for _ in range(3)
@@ -413,7 +414,7 @@ def test_watch_sees_objects_enter_and_leave_the_selection(
 
 
 def test_watch_from_compacted_history_is_410() -> None:
-    with ApiServer(history_size=3) as server, server.api_client() as api_client:
+    with ApiServer(history_size=3) as server, client_for(server) as api_client:
         rapi = client.ResourceV1Api(api_client)
         for i in range(6):
             rapi.create_resource_slice(body=slice_body(f"s{i}"))
@@ -467,7 +468,7 @@ def _watch_in_thread(
     since = str(server.resource_version)
 
     def run() -> None:
-        with server.api_client(retries=False) as api_client:
+        with client_for(server, retries=False) as api_client:
             rapi = client.ResourceV1Api(api_client)
             for e in watch.Watch().stream(
                 rapi.list_resource_slice,
@@ -499,7 +500,7 @@ def test_watch_ends_at_timeout_seconds() -> None:
 
 
 def test_bookmarks_and_initial_events() -> None:
-    with ApiServer(bookmark_interval=0.2) as server, server.api_client() as api_client:
+    with ApiServer(bookmark_interval=0.2) as server, client_for(server) as api_client:
         server.put_object("resourceslices", slice_body())
         resp = client.ResourceV1Api(api_client).list_resource_slice(
             watch=True,
@@ -619,7 +620,7 @@ def test_a_retry_after_is_only_for_429_and_5xx_and_one_word(server: ApiServer, k
 
 def test_the_request_log_stamps_each_request_when_it_arrived() -> None:
     clock = FakeMonotonic()
-    with ApiServer(monotonic=clock) as server, server.api_client(retries=False) as api_client:
+    with ApiServer(monotonic=clock) as server, client_for(server, retries=False) as api_client:
         core = client.CoreV1Api(api_client)
         core.list_node()
         clock.t += 2.5
@@ -640,7 +641,7 @@ def _raw_watch_in_thread(
     data = bytearray() if received is None else received
 
     def run() -> None:
-        with server.api_client(retries=False) as api_client:
+        with client_for(server, retries=False) as api_client:
             resp = client.ResourceV1Api(api_client).list_resource_slice(
                 watch=True, timeout_seconds=600, _preload_content=False
             )
@@ -913,7 +914,7 @@ def test_direct_access_emits_events(server: ApiServer) -> None:
     assert server.delete_object("resourceslices", "slice-a") is not None
     assert server.delete_object("resourceslices", "slice-a") is None
     server.put_object("resourceslices", slice_body("end"))
-    with server.api_client() as api_client:
+    with client_for(server) as api_client:
         func = client.ResourceV1Api(api_client).list_resource_slice
         seen = collect(func, "end", resource_version=str(rv))
     assert seen == [("ADDED", "slice-a"), ("DELETED", "slice-a"), ("ADDED", "end")]
@@ -927,7 +928,7 @@ def test_restart_keeps_state_and_port() -> None:
         server.put_object("resourceslices", slice_body())
         url = server.url
     assert not server.running
-    with server, server.api_client() as api_client:
+    with server, client_for(server) as api_client:
         assert server.url == url
         names = [
             s.metadata.name for s in client.ResourceV1Api(api_client).list_resource_slice().items
@@ -953,7 +954,7 @@ def test_concurrent_writers_get_distinct_versions(server: ApiServer) -> None:
     lock = threading.Lock()
 
     def writer(i: int) -> None:
-        with server.api_client() as api_client:
+        with client_for(server) as api_client:
             rapi = client.ResourceV1Api(api_client)
             for j in range(5):
                 rv = rapi.create_resource_slice(

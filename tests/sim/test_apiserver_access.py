@@ -15,6 +15,7 @@ from kubernetes.client.exceptions import ApiException
 from agent.cli.sim import access_rule
 from agent.sim.apiserver import ApiServer
 from agent.sim.apiserver_access import Rule
+from tests.apiclient import api_client
 from tests.sim.test_apiserver import slice_body
 
 SSAR = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
@@ -28,7 +29,7 @@ def server() -> Iterator[ApiServer]:
 
 @pytest.fixture
 def api(server: ApiServer) -> Iterator[client.ApiClient]:
-    c = server.api_client(retries=False)
+    c = api_client(server, retries=False)
     yield c
     c.close()
 

@@ -14,6 +14,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from agent.sim.apiserver import ApiServer
+from tests.apiclient import api_client as client_for
 
 
 def node_event(name: str, namespace: str = "default", **extra: Any) -> dict[str, Any]:
@@ -43,7 +44,7 @@ def server() -> Iterator[ApiServer]:
 
 @pytest.fixture
 def core(server: ApiServer) -> Iterator[client.CoreV1Api]:
-    with server.api_client(retries=False) as api_client:
+    with client_for(server, retries=False) as api_client:
         yield client.CoreV1Api(api_client)
 
 

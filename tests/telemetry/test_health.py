@@ -12,8 +12,7 @@ from agent.config import load_config
 from agent.errors import ConfigError
 from agent.nvml.samples import GpuSample, XidEvent
 from agent.telemetry.energy import EnergyAccounting
-from agent.telemetry.gpuinfo import GpuInfo
-from agent.telemetry.health import (
+from agent.telemetry.gpu_health import (
     APPLICATION_XIDS,
     FATAL_XIDS,
     GpuHealth,
@@ -21,6 +20,7 @@ from agent.telemetry.health import (
     application_xids,
     parse_xids,
 )
+from agent.telemetry.gpuinfo import GpuInfo
 from agent.telemetry.sampler import Sampler
 
 LOG = logging.getLogger("tessera.test.health")

@@ -11,8 +11,8 @@ import pytest
 
 from agent.nvml.samples import GpuSample, XidEvent
 from agent.telemetry.energy import EnergyAccounting
+from agent.telemetry.gpu_health import GpuHealth
 from agent.telemetry.gpuinfo import GpuInfo
-from agent.telemetry.health import GpuHealth
 from agent.telemetry.sampler import Sampler
 from tests.telemetry.holders import Claim, Held
 

@@ -14,7 +14,7 @@ They act on the same shared state as every other simulator process (:mod:`agent.
 through :class:`agent.sim.nvml.FakeNvml`, opened by :mod:`agent.sim.tools.simulator`), so the
 driver runs the real commands against the simulated node. The MPS client loads only
 :mod:`agent.sim.tools.common` and :mod:`agent.sim.tools.mps_paths`, so it starts fast; device
-names (``-i``, ``CUDA_VISIBLE_DEVICES``) are resolved in :mod:`agent.sim.tools.devices`.
+names (``-i``, ``CUDA_VISIBLE_DEVICES``) are resolved in :mod:`agent.sim.tools.targets`.
 docs/gpu-facts.md ("Sharing tools") lists the upstream behaviour they follow.
 The scripts are the entry points: they pass the environment in, nothing here reads it.
 """

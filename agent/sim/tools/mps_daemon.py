@@ -44,9 +44,9 @@ from agent.sim.sharing import (
     start_ticks,
 )
 from agent.sim.tools.common import ToolError
-from agent.sim.tools.devices import Target, visible_devices
 from agent.sim.tools.mps_commands import execute
 from agent.sim.tools.mps_paths import EXIT_FAILURE, LOCK, LOG_FILE, REPLY_END, Paths
+from agent.sim.tools.targets import Target, visible_devices
 
 ALREADY_RUNNING = "An instance of this daemon is already running"
 READY_TIMEOUT = 30.0

@@ -30,8 +30,8 @@ import pynvml
 from agent.sim.nvml import FakeNvml
 from agent.sim.sharing import TIMESLICES, compute_mode_name
 from agent.sim.tools.common import ToolError
-from agent.sim.tools.devices import Target, find_target, gpu_target
 from agent.sim.tools.simulator import open_simulator
+from agent.sim.tools.targets import Target, find_target, gpu_target
 
 TOOL = "nvidia-smi"
 EXIT_BAD_ARGUMENT = 2

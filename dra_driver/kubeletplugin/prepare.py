@@ -41,9 +41,11 @@ from typing import TypeVar
 from agent.errors import TesseraError
 from agent.logs import fields_
 from agent.nvml.types import MigInstance
-from dra_driver.cdi import CdiRequest, CdiWriter
-from dra_driver.cdi import SpecEvidence as CdiEvidence
-from dra_driver.checkpoint import (
+from dra_driver.device_model import AdvertisedDevice, DeviceModel
+from dra_driver.errors import CdiError, CheckpointError, ClaimError, KubeError, ParamsError
+from dra_driver.kubeletplugin.cdi import CdiRequest, CdiWriter
+from dra_driver.kubeletplugin.cdi import SpecEvidence as CdiEvidence
+from dra_driver.kubeletplugin.checkpoint import (
     PREPARE_COMPLETED,
     PREPARE_STARTED,
     Checkpoint,
@@ -52,12 +54,16 @@ from dra_driver.checkpoint import (
     MpsRecord,
     PreparedDevice,
 )
-from dra_driver.claims import ClaimIndex, ClaimKey, ClaimSource, parse_allocation
-from dra_driver.devices import AdvertisedDevice, DeviceModel
-from dra_driver.errors import CdiError, CheckpointError, ClaimError, KubeError, ParamsError
-from dra_driver.plan import ClaimPlan, PlannedDevice, SharingPolicy, conflicts, plan_claim
-from dra_driver.rebuild import Rebuilt, Unrecovered, decide
-from dra_driver.sharing.effects import Effects, mps_edits
+from dra_driver.kubeletplugin.claims import ClaimIndex, ClaimKey, ClaimSource, parse_allocation
+from dra_driver.kubeletplugin.effects import Effects, mps_edits
+from dra_driver.kubeletplugin.plan import (
+    ClaimPlan,
+    PlannedDevice,
+    SharingPolicy,
+    conflicts,
+    plan_claim,
+)
+from dra_driver.kubeletplugin.rebuild import Rebuilt, Unrecovered, decide
 from dra_driver.sharing.mps import MpsDaemon
 
 T = TypeVar("T")

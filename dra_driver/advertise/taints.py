@@ -25,7 +25,7 @@ import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from dra_driver.devices import DeviceModel, DeviceTaint
+from dra_driver.device_model import DeviceModel, DeviceTaint
 
 TAINT_NAME = "unhealthy"
 TAINT_EFFECT = "NoSchedule"

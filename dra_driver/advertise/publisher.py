@@ -31,12 +31,12 @@ from agent.decode import load_yaml_documents
 from agent.errors import DecodeError
 from agent.fsutil import atomic_write, move_aside
 from agent.logs import fields_
-from dra_driver.devices import DeviceModel
+from dra_driver.advertise.slices import SlicePolicy, build_slices, spec_equal
+from dra_driver.device_model import DeviceModel
 from dra_driver.errors import KubeConflict, KubeError, KubeMalformed
-from dra_driver.slices import SlicePolicy, build_slices, spec_equal
 
 if TYPE_CHECKING:  # the kubernetes client (0.2 s to import) loads only in kube mode
-    from dra_driver.kube import KubeClient
+    from dra_driver.cluster.kube import KubeClient
 
 SLICES_PATH = "/apis/resource.k8s.io/v1/resourceslices"
 CONFLICT_RETRIES = 3

@@ -104,7 +104,7 @@ class RequestPolicy:
 
 @dataclass(frozen=True)
 class DeviceTaint:
-    """A v1 DeviceTaint (the DRADeviceTaints feature; see dra_driver/taints.py)."""
+    """A v1 DeviceTaint (the DRADeviceTaints feature; see dra_driver/advertise/taints.py)."""
 
     key: str
     value: str
@@ -148,7 +148,7 @@ class AdvertisedDevice:
     request_policies: tuple[tuple[str, RequestPolicy], ...] = ()
     """(capacity name, how a claim consumes it) for consumable capacity."""
     taints: tuple[DeviceTaint, ...] = ()
-    """Set by ``dra_driver.taints.with_health`` for devices of an unhealthy GPU."""
+    """Set by ``dra_driver.advertise.taints.with_health`` for devices of an unhealthy GPU."""
 
     def api(self) -> dict[str, object]:
         """The v1 Device object as the API server stores it."""

@@ -34,19 +34,26 @@ from typing import TypeVar
 
 from agent.logs import fields_
 from agent.nvml.types import MigInstance
-from dra_driver.cdi import MpsEdits
-from dra_driver.checkpoint import (
+from dra_driver.device_model import AdvertisedDevice, DeviceModel
+from dra_driver.errors import SharingError
+from dra_driver.kubeletplugin.cdi import MpsEdits
+from dra_driver.kubeletplugin.checkpoint import (
     PREPARE_COMPLETED,
     Checkpoint,
     ClaimEntry,
     MpsRecord,
     PreparedDevice,
 )
-from dra_driver.claims import ClaimKey
-from dra_driver.devices import AdvertisedDevice, DeviceModel
-from dra_driver.errors import SharingError
-from dra_driver.plan import MEMORY_SHARE, MPS, TIME_SLICING, ClaimPlan, PlannedDevice, limits
-from dra_driver.sharing.mig import DynamicMig
+from dra_driver.kubeletplugin.claims import ClaimKey
+from dra_driver.kubeletplugin.plan import (
+    MEMORY_SHARE,
+    MPS,
+    TIME_SLICING,
+    ClaimPlan,
+    PlannedDevice,
+    limits,
+)
+from dra_driver.sharing.dynamic_mig import DynamicMig
 from dra_driver.sharing.mps import MpsControl, MpsDaemon, MpsSettings
 from dra_driver.sharing.timeslice import GpuSettings
 
@@ -238,7 +245,8 @@ class Effects:
                     profile, start, _ = d.placement
                     self.mig.release(d.device, index, profile, start)
 
-    # -- what survives (rebuilding a lost checkpoint: dra_driver/rebuild.py) ------------------
+    # -- what survives (rebuilding a lost checkpoint: dra_driver/kubeletplugin/rebuild.py)
+    # ------------------
     def mig_instance(self, device: AdvertisedDevice) -> MigInstance | None:
         """The MIG device at a dynamic placement, if it exists (None in static mode)."""
         return None if self.mig is None else self.mig.found(device)

@@ -58,8 +58,8 @@ the ``nvidia-caps`` major from the driver root's ``proc/devices``, the file's mi
 
 ``build_spec``/``build_base_spec`` read the driver root (and make missing MIG capability nodes);
 ``write``/``write_base``/``remove``/``claim_uids`` do the I/O on ``cdi_root``. Every spec is
-checked against the CDI JSON schema packaged in ``dra_driver/cdi_schema`` before it is returned
-or written.
+checked against the CDI JSON schema packaged in ``dra_driver/kubeletplugin/cdi_schema`` before it
+is returned or written.
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ def read_caps(path: Path) -> tuple[int, int]:
 @functools.cache
 def _validator() -> Any:
     """The draft-07 validator of the packaged CDI schema (loaded on first use)."""
-    base = resources.files("dra_driver").joinpath("cdi_schema")
+    base = resources.files("dra_driver.kubeletplugin").joinpath("cdi_schema")
     schema = json.loads(base.joinpath("schema.json").read_text())
     defs = json.loads(base.joinpath("defs.json").read_text())
     registry: Registry[Any] = Registry().with_resource(

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from agent.doctor.verdict import Verdict, fail, ok, skip, warn
 from agent.errors import TesseraError
-from dra_driver.kube import KubeClient
+from dra_driver.cluster.kube import KubeClient
 
 TIMEOUT = (3.0, 10.0)
 """(connect, read) seconds for each request the doctor makes."""
@@ -42,13 +42,13 @@ class Access:
 
 
 AGENT_ACCESS: tuple[Access, ...] = (
-    # dra_driver/publisher.py KubeSliceStore: list, watch, create, update (PUT), delete
+    # dra_driver/advertise/publisher.py KubeSliceStore: list, watch, create, update (PUT), delete
     *(
         Access("resource.k8s.io", "resourceslices", verb, "publishing this node's ResourceSlices")
         for verb in ("list", "watch", "create", "update", "delete")
     ),
-    # dra_driver/claims.py KubeClaimSource: GET of one claim at NodePrepareResources; a list
-    # across namespaces (by_uid) at a start after a lost or corrupt checkpoint
+    # dra_driver/kubeletplugin/claims.py KubeClaimSource: GET of one claim at NodePrepareResources;
+    # a list across namespaces (by_uid) at a start after a lost or corrupt checkpoint
     Access("resource.k8s.io", "resourceclaims", "get", "reading claims to prepare them"),
     Access(
         "resource.k8s.io",
@@ -59,8 +59,8 @@ AGENT_ACCESS: tuple[Access, ...] = (
     ),
     # agent/daemon.py node_uid: without it the slices get no owner reference (logged)
     Access("", "nodes", "get", "the slices' owner reference (the Node's uid)", required=False),
-    # dra_driver/node_events.py KubeEventSink: Events about the Node live in "default"; without
-    # them GPU health changes are only logged (and counted as failed)
+    # dra_driver/cluster/node_events.py KubeEventSink: Events about the Node live in "default";
+    # without them GPU health changes are only logged (and counted as failed)
     *(
         Access("", "events", verb, "Events on the Node", required=False, namespace="default")
         for verb in ("create", "patch")

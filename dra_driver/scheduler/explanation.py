@@ -49,8 +49,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from dra_driver.allocator.inputs import node_selector
-from dra_driver.allocator.model import (
+from dra_driver.scheduler.celenv import CelEnvironment
+from dra_driver.scheduler.domain import (
     Claim,
     Device,
     Mode,
@@ -61,8 +61,8 @@ from dra_driver.allocator.model import (
     parse_classes,
     parse_slices,
 )
-from dra_driver.allocator.search import Analysis, Outcome, Pick, Reason, Search
-from dra_driver.celenv import CelEnvironment
+from dra_driver.scheduler.inputs import node_selector
+from dra_driver.scheduler.search import Analysis, Outcome, Pick, Reason, Search
 
 KIND_LABELS = {
     "pool": "pool unusable",

@@ -30,7 +30,13 @@ from google.protobuf.descriptor import FileDescriptor
 from google.protobuf.message import Message
 
 from dra_driver.errors import KubeletApiError
-from dra_driver.kubelet_calls import (
+from dra_driver.kubeletapi import (
+    dra_v1_pb2,
+    dra_v1beta1_pb2,
+    health_v1alpha1_pb2,
+    registration_pb2,
+)
+from dra_driver.testkubelet.calls import (
     APIS,
     DRA_PLUGIN_TYPE,
     KUBELET_CALL_TIMEOUT,
@@ -38,12 +44,6 @@ from dra_driver.kubelet_calls import (
     MAX_MESSAGE_BYTES,
     REGISTRATION_TIMEOUT,
     ClaimRef,
-)
-from dra_driver.kubeletapi import (
-    dra_v1_pb2,
-    dra_v1beta1_pb2,
-    health_v1alpha1_pb2,
-    registration_pb2,
 )
 
 _DRA_MODULES: Final[dict[str, Any]] = {"v1": dra_v1_pb2, "v1beta1": dra_v1beta1_pb2}

@@ -24,14 +24,14 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
-from dra_driver.devices import AdvertisedDevice, CounterSet, DeviceModel
-from dra_driver.limits import (
+from dra_driver.advertise.slice_limits import (
     LAYOUTS,
     MAX_COUNTER_SETS,
     MAX_DEVICES,
     MAX_DEVICES_WITH_TAINTS_OR_COUNTERS,
     parse_quantity,
 )
+from dra_driver.device_model import AdvertisedDevice, CounterSet, DeviceModel
 
 API_VERSION = "resource.k8s.io/v1"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"

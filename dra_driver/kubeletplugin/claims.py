@@ -33,7 +33,7 @@ from dra_driver.errors import ClaimError, KubeError, QuantityError
 from dra_driver.quantity import parse_bytes
 
 if TYPE_CHECKING:  # the kubernetes client costs 0.2 s to import, which only kube mode needs
-    from dra_driver.kube import KubeClient
+    from dra_driver.cluster.kube import KubeClient
 
 MAX_CLAIM_FILE_BYTES = 1024 * 1024
 CLAIM_READ_TIMEOUT = (5.0, 15.0)

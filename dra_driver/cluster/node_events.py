@@ -59,7 +59,7 @@ from agent.logs import Throttle, fields_
 from dra_driver.errors import KubeError
 
 if TYPE_CHECKING:  # the kubernetes client (0.2 s to import) loads only in kube mode
-    from dra_driver.kube import KubeClient
+    from dra_driver.cluster.kube import KubeClient
 
 NORMAL = "Normal"
 WARNING = "Warning"
@@ -389,7 +389,9 @@ class KubeEventSink:
         return _stored(event, answer)
 
     def patch(self, event: NodeEvent, patch: Mapping[str, Any]) -> NodeEvent:
-        from dra_driver.kube import STRATEGIC_MERGE_PATCH  # loaded already: self._kube is one
+        from dra_driver.cluster.kube import (
+            STRATEGIC_MERGE_PATCH,  # loaded already: self._kube is one
+        )
 
         answer = self._kube.request(
             "PATCH",

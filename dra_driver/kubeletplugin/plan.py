@@ -27,11 +27,11 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from dra_driver import params
-from dra_driver.checkpoint import Checkpoint, ClaimEntry, PreparedDevice
-from dra_driver.claims import Allocation, ClaimKey, OpaqueConfig, shown
-from dra_driver.devices import AdvertisedDevice, DeviceModel
+from dra_driver.device_model import AdvertisedDevice, DeviceModel
 from dra_driver.errors import ClaimError, ParamsError
+from dra_driver.kubeletplugin import params
+from dra_driver.kubeletplugin.checkpoint import Checkpoint, ClaimEntry, PreparedDevice
+from dra_driver.kubeletplugin.claims import Allocation, ClaimKey, OpaqueConfig, shown
 
 TIME_SLICING, MPS, MEMORY_SHARE = "TimeSlicing", "MPS", "MemoryShare"
 

@@ -31,7 +31,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dra_driver.allocator.model import (
+from dra_driver.quantity import Format, Quantity
+from dra_driver.scheduler.celenv import CelCompileError, CelEnvironment, DeviceView, Selector
+from dra_driver.scheduler.domain import (
     MAX_RESULTS,
     Allocated,
     AttributeValue,
@@ -46,8 +48,6 @@ from dra_driver.allocator.model import (
     RequestPolicy,
     SelectorSpec,
 )
-from dra_driver.celenv import CelCompileError, CelEnvironment, DeviceView, Selector
-from dra_driver.quantity import Format, Quantity
 
 SHARE_NAMESPACE = uuid.UUID("5b0c5d36-8f3e-4f0b-9a53-7d1e3c2f6a10")
 """Share IDs are uuid5(this, claim/request/device): the same input gives the same allocation.

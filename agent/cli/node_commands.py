@@ -13,7 +13,7 @@ from agent.node import NodeSource, discover
 
 if TYPE_CHECKING:
     from agent.discovery.inventory import NodeInventory
-    from dra_driver.devices import DeviceModel
+    from dra_driver.device_model import DeviceModel
 
 
 @contextmanager
@@ -39,14 +39,14 @@ def advertised(config: Config) -> tuple[str, DeviceModel]:
 
 def advertise(config: Config, inventory: NodeInventory) -> DeviceModel:
     """The devices the driver advertises for a discovered inventory under this Config."""
-    from dra_driver.devices import advertised_devices
+    from dra_driver.device_model import advertised_devices
 
     return advertised_devices(inventory, config.device_policy())
 
 
 def slices_for(config: Config, node_name: str, model: DeviceModel) -> list[dict[str, Any]]:
     """The ResourceSlices the driver publishes for these devices (generation 1)."""
-    from dra_driver.slices import SlicePolicy, build_slices
+    from dra_driver.advertise.slices import SlicePolicy, build_slices
 
     policy = SlicePolicy(
         driver_name=config.driver_name, node_name=node_name, layout=config.kube_layout

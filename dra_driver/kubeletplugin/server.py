@@ -44,9 +44,7 @@ from agent.errors import ConfigError
 from agent.fsutil import SocketIdentity, accepts_connections, ensure_dir, socket_identity
 from agent.grpcguard import MalformedRequests
 from agent.logs import Throttle, fields_
-from dra_driver.claims import ClaimKey, check_claim_key
 from dra_driver.errors import ClaimError
-from dra_driver.health import HealthBoard
 from dra_driver.kubeletapi import (
     dra_v1_pb2,
     dra_v1_pb2_grpc,
@@ -57,7 +55,9 @@ from dra_driver.kubeletapi import (
     registration_pb2,
     registration_pb2_grpc,
 )
-from dra_driver.prepare import ClaimResult, Preparer
+from dra_driver.kubeletplugin.claims import ClaimKey, check_claim_key
+from dra_driver.kubeletplugin.health_stream import HealthBoard
+from dra_driver.kubeletplugin.prepare import ClaimResult, Preparer
 
 MAX_MESSAGE = 16 * 1024 * 1024
 SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth")

@@ -15,7 +15,7 @@ of the directory watch (:meth:`PluginManager.watch` repeats it), :meth:`PluginMa
 kubelet's choice, and :meth:`PluginManager.prepare`/:meth:`PluginManager.unprepare` send a call
 where the kubelet would. Whether a plugin is "connected" (the kubelet's gRPC stats handler) is
 whether its DRA socket accepts a connection now. A test tool, like
-:mod:`dra_driver.kubelet_client`; the agent never uses it.
+:mod:`dra_driver.testkubelet.client`; the agent never uses it.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import Any
 
 from agent.fsutil import SocketIdentity, accepts_connections, socket_identity
 from dra_driver.errors import KubeletApiError
-from dra_driver.kubelet_calls import KUBELET_CALL_TIMEOUT, REGISTRATION_TIMEOUT, ClaimRef
-from dra_driver.kubelet_client import KubeletClient, check_plugin_info
+from dra_driver.testkubelet.calls import KUBELET_CALL_TIMEOUT, REGISTRATION_TIMEOUT, ClaimRef
+from dra_driver.testkubelet.client import KubeletClient, check_plugin_info
 
 GET_PLUGIN = "GetPlugin"
 """The operation named in errors about no plugin at all (the kubelet's ``GetPlugin``)."""

@@ -25,7 +25,7 @@ from agent.logs import fields_
 from agent.nvml.errors import NvmlError
 from agent.nvml.mig import MigControl, mode_switch_needs_reset
 from agent.nvml.types import MigInstance
-from dra_driver.devices import AdvertisedDevice
+from dra_driver.device_model import AdvertisedDevice
 from dra_driver.errors import SharingError
 
 CrashHook = Callable[[str], None]

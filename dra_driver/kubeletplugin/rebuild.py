@@ -21,12 +21,23 @@ from typing import Any, Protocol
 
 from agent.errors import TesseraError
 from agent.nvml.types import MigInstance
-from dra_driver.cdi import SpecEvidence
-from dra_driver.checkpoint import PREPARE_COMPLETED, ClaimEntry, MpsRecord, PreparedDevice
-from dra_driver.claims import ClaimKey, check_claim_names, parse_allocation
-from dra_driver.devices import AdvertisedDevice, DeviceModel
+from dra_driver.device_model import AdvertisedDevice, DeviceModel
 from dra_driver.errors import ClaimError, ParamsError
-from dra_driver.plan import ClaimPlan, PlannedDevice, SharingPolicy, limits, plan_claim
+from dra_driver.kubeletplugin.cdi import SpecEvidence
+from dra_driver.kubeletplugin.checkpoint import (
+    PREPARE_COMPLETED,
+    ClaimEntry,
+    MpsRecord,
+    PreparedDevice,
+)
+from dra_driver.kubeletplugin.claims import ClaimKey, check_claim_names, parse_allocation
+from dra_driver.kubeletplugin.plan import (
+    ClaimPlan,
+    PlannedDevice,
+    SharingPolicy,
+    limits,
+    plan_claim,
+)
 from dra_driver.sharing.mps import MpsDaemon
 
 REASONS: Mapping[str, str] = {
