@@ -66,7 +66,7 @@ def test_every_runtime_import_is_a_declared_dependency():
     missing = {}
     for module, files in runtime_imports().items():
         owners = {_normalize(d) for d in distributions.get(module, [module])}
-        if not owners & deps:
+        if module not in TOOL_ONLY and not owners & deps:
             missing[module] = sorted(files)
     assert missing == {}, f"imported at run time but not in [project] dependencies: {missing}"
 
@@ -75,4 +75,36 @@ def test_the_check_sees_the_imports_that_once_were_missing():
     imports = runtime_imports()
     assert "agent/sim/apiserver_checks.py" in imports["kubernetes_validate"]
     assert {"grpc", "yaml", "rich", "kubernetes", "pynvml"} <= set(imports)
-    assert "kubernetes-validate" in declared()
+    assert "kubernetes-validate" in extras()["apiserver"]
+
+
+TOOL_ONLY = {"kubernetes_validate": "apiserver"}
+"""Imports of tools the package ships beside the agent, and the extra that installs each: the
+API-server emulator's schema check (``agent/sim/apiserver_checks.py``)."""
+
+
+def extras() -> dict[str, set[str]]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return {
+        extra: {_normalize(re.split(r"[\s<>=!~;\[]", d, maxsplit=1)[0]) for d in deps}
+        for extra, deps in project["optional-dependencies"].items()
+    }
+
+
+def owners(module: str) -> set[str]:
+    return {_normalize(d) for d in metadata.packages_distributions().get(module, [module])}
+
+
+def test_every_declared_dependency_is_imported_by_the_runtime():
+    """Nothing in [project] dependencies that the shipped runtime does not import (a tool's or a
+    test's package belongs in an extra)."""
+    imported = set().union(*(owners(m) for m in runtime_imports() if m not in TOOL_ONLY))
+    assert declared() - imported == set()
+
+
+def test_tool_imports_come_from_their_extra_not_the_runtime():
+    found = extras()
+    for module, extra in TOOL_ONLY.items():
+        assert owners(module) & found[extra], f"{module}: not in the {extra} extra"
+        assert not owners(module) & declared(), f"{module}: a tool's import in the runtime"
+        assert found[extra] <= found["test"], f"the tests run the {extra} tool"

@@ -6,10 +6,10 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
-import kubernetes_validate
-
+from agent.errors import TesseraError
 from agent.sim import apiserver_errors as err
 from agent.sim.apiserver_errors import ApiError
 from agent.sim.apiserver_types import ResourceType
@@ -69,6 +69,20 @@ def prepare_body(rt: ResourceType, namespace: str | None, body: Any) -> Obj:
     return obj
 
 
+def schema_validator() -> ModuleType:
+    """kubernetes-validate, the upstream OpenAPI schemas the emulator checks writes against. It is
+    a tool's dependency, not the agent's (the ``apiserver`` extra): a missing one is one clear
+    error when the emulator is built, never a failed request."""
+    try:
+        import kubernetes_validate
+    except ImportError as exc:
+        raise TesseraError(
+            "the API-server emulator checks every write against the Kubernetes schemas with"
+            " kubernetes-validate, which is not installed: pip install 'tessera[apiserver]'"
+        ) from exc
+    return kubernetes_validate
+
+
 def schema_failure(
     rt: ResourceType, obj: Obj, versions: Sequence[str]
 ) -> tuple[str, ApiError] | None:
@@ -76,6 +90,7 @@ def schema_failure(
 
     Strict: an unknown field is a failure. A kind the schemas of a version lack is skipped.
     """
+    kubernetes_validate = schema_validator()
     for version in versions:
         try:
             kubernetes_validate.validate(obj, version, strict=True)

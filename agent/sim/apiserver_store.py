@@ -32,7 +32,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 from agent.sim import apiserver_errors as err
-from agent.sim.apiserver_checks import Rejection, event_failure, prepare_body, schema_failure
+from agent.sim.apiserver_checks import (
+    Rejection,
+    event_failure,
+    prepare_body,
+    schema_failure,
+    schema_validator,
+)
 from agent.sim.apiserver_errors import ApiError
 from agent.sim.apiserver_history import ADDED, DELETED, MODIFIED, History, WatchEvent
 from agent.sim.apiserver_patch import PatchError, apply_patch
@@ -64,6 +70,8 @@ class Store:
         self.closed = False
         self.rejected: list[Rejection] = []
         self._validate_versions = tuple(validate_versions)
+        if self._validate_versions:
+            schema_validator()  # refused here, at construction, when the validator is missing
         self._rng = rng
         self._clock = clock
         self._objects: dict[str, dict[Key, Obj]] = {t: {} for t in self.types}
