@@ -87,3 +87,32 @@ def test_standalone_start_loads_neither_the_kubernetes_client_nor_cel():
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", f"loaded at start: {out.stdout.strip()} ({HEAVY})"
+
+
+MIRRORS = {
+    "errors.py": "each layer's own errors (docs/architecture.md, 'Each layer owns its errors')",
+    "mig.py": "agent/sim/mig.py: the simulated driver's MIG rules behind agent/nvml/mig.py",
+    "node.py": "agent/sim/node.py builds agent/node.py's NodeSource for a model",
+    "sysfs.py": "agent/sim/sysfs.py writes the tree agent/discovery/sysfs.py reads",
+}
+"""Basenames two modules may share: one mirrors the other (the simulator's stand-in for it)."""
+
+
+def clashing_basenames(root: Path) -> dict[str, list[str]]:
+    seen: dict[str, list[str]] = {}
+    for package in ("agent", "dra_driver"):
+        for path in sorted((root / package).rglob("*.py")):
+            if path.name == "__init__.py" or path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                continue
+            seen.setdefault(path.name, []).append(str(path.relative_to(root)))
+    return {name: paths for name, paths in seen.items() if len(paths) > 1}
+
+
+def test_no_two_modules_share_a_basename_unless_one_mirrors_the_other(tmp_path):
+    assert set(clashing_basenames(ROOT)) - set(MIRRORS) == set()
+    for name in ("agent/a", "dra_driver/b"):
+        (tmp_path / name).mkdir(parents=True)
+        (tmp_path / name / "health.py").write_text("")
+    assert clashing_basenames(tmp_path) == {
+        "health.py": ["agent/a/health.py", "dra_driver/b/health.py"]
+    }  # the check can fail
