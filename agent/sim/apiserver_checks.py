@@ -80,7 +80,8 @@ def schema_validator() -> ModuleType:
             "the API-server emulator checks every write against the Kubernetes schemas with"
             " kubernetes-validate, which is not installed: pip install 'tessera[apiserver]'"
         ) from exc
-    return kubernetes_validate
+    module: ModuleType = kubernetes_validate  # untyped library: Any to mypy
+    return module
 
 
 def schema_failure(
