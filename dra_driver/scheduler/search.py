@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dra_driver.quantity import Format, Quantity
-from dra_driver.scheduler.celenv import CelCompileError, CelEnvironment, DeviceView, Selector
+from dra_driver.scheduler.cel.selector import DeviceView, Selector
+from dra_driver.scheduler.celenv import CelCompileError, CelEnvironment
 from dra_driver.scheduler.domain import (
     MAX_RESULTS,
     Allocated,
