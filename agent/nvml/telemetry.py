@@ -35,25 +35,15 @@ throughput (NVML "KB/s") is taken as KiB/s.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import ParamSpec, TypeVar
 
-from agent.nvml.api import DeviceHandle, FieldValue, FieldValueUnion, GpmSample, NvmlApi
-from agent.nvml.errors import (
-    NvmlError,
-    NvmlGpuLost,
-    NvmlInvalidArgument,
-    NvmlNotFound,
-    NvmlNotSupported,
-)
+from agent.nvml.api import FieldValue, FieldValueUnion
+from agent.nvml.errors import NvmlError, NvmlGpuLost, NvmlNotFound, NvmlNotSupported
 from agent.nvml.facade import Nvml, text
-from agent.nvml.samples import GpuSample, MigSample, ProcessSample
+from agent.nvml.gpu_reads import SUCCESS, GpuState, Lost, call
+from agent.nvml.mig_reads import enumerate_mig, free_gpm, mig_samples
+from agent.nvml.samples import GpuSample, ProcessSample
 from agent.nvml.types import MemoryInfo
-
-P = ParamSpec("P")
-R = TypeVar("R")
 
 NOT_MIG = 0xFFFFFFFF
 ALL_LINKS = 0xFFFFFFFF
@@ -84,52 +74,13 @@ _VALUE_MEMBERS: tuple[Callable[[FieldValueUnion], float], ...] = (
     lambda v: v.siVal,
     lambda v: v.usVal,
 )
-_SUCCESS, _NOT_SUPPORTED, _FUNCTION_NOT_FOUND, _GPU_IS_LOST = 0, 3, 13, 15
+_NOT_SUPPORTED, _FUNCTION_NOT_FOUND, _GPU_IS_LOST = 3, 13, 15
 _VERSION_MISMATCH = 25
 _TEMPERATURE_GPU = 0
 _CLOCK_SM, _CLOCK_MEM = 1, 2
 _PCIE_TX, _PCIE_RX = 0, 1
-_GPM_SM_UTIL = 2
-_GPM_METRICS_GET_VERSION = 1
 MHZ = 1_000_000
 KIB = 1024
-
-
-@dataclass
-class _MigDevice:
-    gpu_instance_id: int
-    compute_instance_id: int
-    uuid: str
-    handle: DeviceHandle
-
-
-@dataclass
-class _Gpm:
-    """Two GPM sample buffers of one GPU instance; ``previous`` holds the last read's."""
-
-    buffers: tuple[GpmSample, GpmSample]
-    previous: GpmSample | None = None
-
-
-@dataclass
-class _Gpu:
-    api: NvmlApi
-    """The facade's API for this GPU (its errors name the GPU)."""
-    handle: DeviceHandle
-    uuid: str
-    skip: set[str] = field(default_factory=set)
-    """Calls that answered NotSupported since the last MIG enumeration."""
-    mig: tuple[_MigDevice, ...] = ()
-    mig_stale: bool = True
-    reads_since_enumeration: int = 0
-    last_process_timestamp: int = 0
-    gpm_supported: bool | None = None
-    """Whether the GPU has GPM (asked once per handle)."""
-    gpm: dict[int, _Gpm] = field(default_factory=dict)
-
-
-class _Lost(Exception):
-    """GpuIsLost during a read."""
 
 
 class TelemetryReader:
@@ -137,7 +88,7 @@ class TelemetryReader:
 
     def __init__(self, nvml: Nvml, *, mig_refresh_reads: int = 60) -> None:
         self._nvml = nvml
-        self._gpus: dict[int, _Gpu] = {}
+        self._gpus: dict[int, GpuState] = {}
         self._uuids: dict[int, str] = {}
         self._expected: dict[int, str] = {}
         self._mig_refresh_reads = mig_refresh_reads
@@ -148,7 +99,7 @@ class TelemetryReader:
         try:
             gpu = self._gpu(index)
             return self._read(index, gpu, now, [])
-        except (_Lost, NvmlGpuLost):
+        except (Lost, NvmlGpuLost):
             self.forget(index)
             return GpuSample(index=index, uuid=self._uuids.get(index, ""), timestamp=now, lost=True)
 
@@ -173,40 +124,14 @@ class TelemetryReader:
         gpu = self._gpus.pop(index, None)
         if gpu is not None:
             for gi in list(gpu.gpm):
-                self._free_gpm(gpu, gi)
+                free_gpm(gpu, gi)
 
     def close(self) -> None:
         """Free the GPM sample buffers."""
         for index in list(self._gpus):
             self.forget(index)
 
-    # -- calls -------------------------------------------------------------------------------
-    def _get(
-        self,
-        gpu: _Gpu,
-        errors: list[str],
-        key: str,
-        fn: Callable[P, R],
-        *args: P.args,
-        **kwargs: P.kwargs,
-    ) -> R | None:
-        """``fn(*args, **kwargs)`` (a function of ``gpu.api``); None when unsupported (then
-        skipped until the next enumeration) or failed (the call named in ``errors``); GpuIsLost
-        ends the read."""
-        if key in gpu.skip:
-            return None
-        try:
-            return fn(*args, **kwargs)
-        except NvmlGpuLost as exc:
-            raise _Lost() from exc
-        except NvmlNotSupported:
-            gpu.skip.add(key)
-            return None
-        except NvmlError as exc:
-            errors.append(exc.call)
-            return None
-
-    def _gpu(self, index: int) -> _Gpu:
+    def _gpu(self, index: int) -> GpuState:
         gpu = self._gpus.get(index)
         expected = self._expected.get(index)
         if gpu is not None and expected is not None and gpu.uuid != expected:
@@ -216,16 +141,16 @@ class TelemetryReader:
             api = self._nvml.api(str(index))
             handle = self._nvml.handle(index)
             uuid = text(api.nvmlDeviceGetUUID(handle))
-            gpu = self._gpus[index] = _Gpu(api=api, handle=handle, uuid=uuid)
+            gpu = self._gpus[index] = GpuState(api=api, handle=handle, uuid=uuid)
             self._uuids[index] = uuid
         return gpu
 
     # -- one read ------------------------------------------------------------------------------
-    def _read(self, index: int, gpu: _Gpu, now: float, errors: list[str]) -> GpuSample:
+    def _read(self, index: int, gpu: GpuState, now: float, errors: list[str]) -> GpuSample:
         gpu.reads_since_enumeration += 1
         if gpu.mig_stale or gpu.reads_since_enumeration > self._mig_refresh_reads:
-            self._enumerate_mig(gpu, errors)
-        api, h, get = gpu.api, gpu.handle, self._get
+            enumerate_mig(gpu, errors)
+        api, h, get = gpu.api, gpu.handle, call
 
         fields = self._fields(gpu, errors)
         util = get(gpu, errors, "util", api.nvmlDeviceGetUtilizationRates, h)
@@ -238,7 +163,7 @@ class TelemetryReader:
         pcie_tx = get(gpu, errors, "pcie_tx", api.nvmlDeviceGetPcieThroughput, h, _PCIE_TX)
         pcie_rx = get(gpu, errors, "pcie_rx", api.nvmlDeviceGetPcieThroughput, h, _PCIE_RX)
         processes = self._processes(gpu, errors)
-        mig = self._mig_samples(gpu, errors)
+        mig = mig_samples(gpu, errors)
         return GpuSample(
             index=index,
             uuid=gpu.uuid,
@@ -272,11 +197,11 @@ class TelemetryReader:
             errors=tuple(errors),
         )
 
-    def _fields(self, gpu: _Gpu, errors: list[str]) -> dict[str, float | None]:
+    def _fields(self, gpu: GpuState, errors: list[str]) -> dict[str, float | None]:
         """Every field-value metric in one call; per field: value, or None (unsupported or
         failed, the failure named in ``errors``)."""
         out: dict[str, float | None] = {key: None for key, _, _, _ in FIELDS}
-        values = self._get(
+        values = call(
             gpu, errors, "fields", gpu.api.nvmlDeviceGetFieldValues, gpu.handle, _FIELD_REQUEST
         )
         if values is None:
@@ -284,15 +209,15 @@ class TelemetryReader:
         for i, (key, name, _, _) in enumerate(FIELDS):
             v: FieldValue = values[i]
             ret = v.nvmlReturn
-            if ret == _SUCCESS and 0 <= v.valueType < len(_VALUE_MEMBERS):
+            if ret == SUCCESS and 0 <= v.valueType < len(_VALUE_MEMBERS):
                 out[key] = _VALUE_MEMBERS[v.valueType](v.value)
             elif ret == _GPU_IS_LOST:
-                raise _Lost()
+                raise Lost()
             elif ret not in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND):
                 errors.append(f"nvmlDeviceGetFieldValues[{name}]")
         return out
 
-    def _memory(self, gpu: _Gpu, errors: list[str]) -> MemoryInfo | None:
+    def _memory(self, gpu: GpuState, errors: list[str]) -> MemoryInfo | None:
         """v2 memory info (with ``reserved``) where NVML has it, else v1."""
         api, handle = gpu.api, gpu.handle
         if "memory_v2" not in gpu.skip:
@@ -300,7 +225,7 @@ class TelemetryReader:
                 m2 = api.nvmlDeviceGetMemoryInfo(handle, api.nvmlMemory_v2)
                 return MemoryInfo(m2.total, m2.free, m2.used, m2.reserved)
             except NvmlGpuLost as exc:
-                raise _Lost() from exc
+                raise Lost() from exc
             except NvmlNotSupported:
                 gpu.skip.add("memory_v2")
             except NvmlError as exc:
@@ -308,10 +233,10 @@ class TelemetryReader:
                     errors.append(exc.call)
                     return None
                 gpu.skip.add("memory_v2")
-        m = self._get(gpu, errors, "memory", api.nvmlDeviceGetMemoryInfo, handle)
+        m = call(gpu, errors, "memory", api.nvmlDeviceGetMemoryInfo, handle)
         return None if m is None else MemoryInfo(m.total, m.free, m.used)
 
-    def _throttle(self, gpu: _Gpu, errors: list[str]) -> int | None:
+    def _throttle(self, gpu: GpuState, errors: list[str]) -> int | None:
         """Clocks-event reasons; the deprecated throttle-reasons name on older pynvml/drivers."""
         api, h = gpu.api, gpu.handle
         if "events_name" not in gpu.skip:
@@ -321,7 +246,7 @@ class TelemetryReader:
                 try:
                     return api.nvmlDeviceGetCurrentClocksEventReasons(h)
                 except NvmlGpuLost as exc:
-                    raise _Lost() from exc
+                    raise Lost() from exc
                 except NvmlNotSupported as exc:
                     gpu.skip.add("events_name")
                     if exc.code != _FUNCTION_NOT_FOUND:
@@ -329,12 +254,10 @@ class TelemetryReader:
                 except NvmlError as exc:
                     errors.append(exc.call)
                     return None
-        return self._get(gpu, errors, "throttle", api.nvmlDeviceGetCurrentClocksThrottleReasons, h)
+        return call(gpu, errors, "throttle", api.nvmlDeviceGetCurrentClocksThrottleReasons, h)
 
-    def _processes(self, gpu: _Gpu, errors: list[str]) -> tuple[ProcessSample, ...]:
-        procs = self._get(
-            gpu, errors, "procs", gpu.api.nvmlDeviceGetComputeRunningProcesses, gpu.handle
-        )
+    def _processes(self, gpu: GpuState, errors: list[str]) -> tuple[ProcessSample, ...]:
+        procs = call(gpu, errors, "procs", gpu.api.nvmlDeviceGetComputeRunningProcesses, gpu.handle)
         if not procs:
             return ()
         sm = self._process_utilization(gpu, errors)
@@ -356,7 +279,7 @@ class TelemetryReader:
             )
         return tuple(sorted(out, key=lambda p: p.pid))
 
-    def _process_utilization(self, gpu: _Gpu, errors: list[str]) -> dict[int, float]:
+    def _process_utilization(self, gpu: GpuState, errors: list[str]) -> dict[int, float]:
         """pid -> SM share (0-1) from the samples newer than the last read's; NOT_FOUND (no
         samples) gives none."""
         if "proc_util" in gpu.skip:
@@ -366,7 +289,7 @@ class TelemetryReader:
                 gpu.handle, gpu.last_process_timestamp
             )
         except NvmlGpuLost as exc:
-            raise _Lost() from exc
+            raise Lost() from exc
         except NvmlNotFound:
             return {}
         except NvmlNotSupported:
@@ -382,120 +305,6 @@ class TelemetryReader:
                 latest[pid] = (stamp, min(1.0, s.smUtil / 100))
             gpu.last_process_timestamp = max(gpu.last_process_timestamp, stamp)
         return {pid: share for pid, (_, share) in latest.items()}
-
-    # -- MIG -----------------------------------------------------------------------------------
-    def _enumerate_mig(self, gpu: _Gpu, errors: list[str]) -> None:
-        gpu.mig_stale = False
-        gpu.reads_since_enumeration = 1
-        gpu.skip.clear()
-        api, h = gpu.api, gpu.handle
-        count = self._get(gpu, errors, "mig_count", api.nvmlDeviceGetMaxMigDeviceCount, h)
-        devices: list[_MigDevice] = []
-        for i in range(count or 0):
-            try:
-                mh = api.nvmlDeviceGetMigDeviceHandleByIndex(h, i)
-                gi = api.nvmlDeviceGetGpuInstanceId(mh)
-                ci = api.nvmlDeviceGetComputeInstanceId(mh)
-                uuid = text(api.nvmlDeviceGetUUID(mh))
-            except NvmlGpuLost as exc:
-                raise _Lost() from exc
-            except (NvmlNotFound, NvmlNotSupported):
-                continue
-            except NvmlError as exc:
-                errors.append(exc.call)
-                continue
-            devices.append(_MigDevice(gi, ci, uuid, mh))
-        gpu.mig = tuple(sorted(devices, key=lambda d: (d.gpu_instance_id, d.compute_instance_id)))
-        for gi in set(gpu.gpm) - {d.gpu_instance_id for d in gpu.mig}:
-            self._free_gpm(gpu, gi)
-
-    def _mig_samples(self, gpu: _Gpu, errors: list[str]) -> tuple[MigSample, ...]:
-        utilization = {gi: self._gpm(gpu, errors, gi) for gi in _gis(gpu.mig)}
-        out: list[MigSample] = []
-        for d in gpu.mig:
-            try:
-                m = gpu.api.nvmlDeviceGetMemoryInfo(d.handle)
-            except NvmlGpuLost as exc:
-                raise _Lost() from exc
-            except (NvmlInvalidArgument, NvmlNotFound):
-                gpu.mig_stale = True  # the MIG device was destroyed
-                continue
-            except NvmlError as exc:
-                errors.append(exc.call)
-                m = None
-            out.append(
-                MigSample(
-                    gpu_instance_id=d.gpu_instance_id,
-                    compute_instance_id=d.compute_instance_id,
-                    uuid=d.uuid,
-                    memory_used_bytes=None if m is None else m.used,
-                    memory_total_bytes=None if m is None else m.total,
-                    utilization=utilization.get(d.gpu_instance_id),
-                )
-            )
-        return tuple(out)
-
-    def _gpm(self, gpu: _Gpu, errors: list[str], gi: int) -> float | None:
-        """SM utilization (0-1) of GPU instance ``gi`` since the previous read, from GPM."""
-        if not self._gpm_supported(gpu):
-            return None
-        api = gpu.api
-        state = gpu.gpm.get(gi)
-        if state is None:
-            a = self._get(gpu, errors, "gpm", api.nvmlGpmSampleAlloc)
-            b = self._get(gpu, errors, "gpm", api.nvmlGpmSampleAlloc) if a else None
-            if a is None or b is None:
-                if a is not None:
-                    _free_sample(api, a)
-                return None
-            state = gpu.gpm[gi] = _Gpm(buffers=(a, b))
-        current = state.buffers[1] if state.previous is state.buffers[0] else state.buffers[0]
-        taken = self._get(gpu, errors, "gpm", api.nvmlGpmMigSampleGet, gpu.handle, gi, current)
-        if taken is None:
-            state.previous = None
-            return None
-        previous, state.previous = state.previous, current
-        if previous is None:
-            return None
-        request = api.c_nvmlGpmMetricsGet_t()
-        request.version = _GPM_METRICS_GET_VERSION
-        request.numMetrics = 1
-        request.sample1 = previous
-        request.sample2 = current
-        request.metrics[0].metricId = _GPM_SM_UTIL
-        result = self._get(gpu, errors, "gpm_metrics", api.nvmlGpmMetricsGet, request)
-        if result is None or result.metrics[0].nvmlReturn != _SUCCESS:
-            return None
-        return min(1.0, max(0.0, result.metrics[0].value / 100))
-
-    def _gpm_supported(self, gpu: _Gpu) -> bool:
-        """Asked once per handle (``nvmlGpmQueryDeviceSupport``); False without GPM calls."""
-        if gpu.gpm_supported is None:
-            gpu.gpm_supported = False
-            if hasattr(gpu.api, "nvmlGpmMigSampleGet"):
-                try:
-                    support = gpu.api.nvmlGpmQueryDeviceSupport(gpu.handle)
-                    gpu.gpm_supported = bool(support.isSupportedDevice)
-                except NvmlGpuLost as exc:
-                    raise _Lost() from exc
-                except NvmlError:
-                    pass
-        return gpu.gpm_supported
-
-    def _free_gpm(self, gpu: _Gpu, gi: int) -> None:
-        state = gpu.gpm.pop(gi, None)
-        if state is not None:
-            for s in state.buffers:
-                _free_sample(gpu.api, s)
-
-
-def _free_sample(api: NvmlApi, sample: GpmSample) -> None:
-    with contextlib.suppress(NvmlError):
-        api.nvmlGpmSampleFree(sample)
-
-
-def _gis(devices: tuple[_MigDevice, ...]) -> list[int]:
-    return sorted({d.gpu_instance_id for d in devices})
 
 
 def _instance_id(value: int | None) -> int | None:

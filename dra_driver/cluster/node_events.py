@@ -18,19 +18,9 @@ The rules are client-go's event recorder's (``tools/record/events_cache.go`` and
   ``reportingInstance`` repeat them (``generateEvent``). When the Node's uid is unknown (it could
   not be read) the uid is the node name, as in the kubelet's own Node events; ``kubectl describe
   node`` looks for both (kubectl ``pkg/describe`` ``NodeDescriber``).
-* **Counting** (``eventLogger``): the same event again (same source, object, type, reason and
-  message) is a strategic merge PATCH of the first Event's ``count``, ``lastTimestamp`` and
-  ``message``, not a new Event. A PATCH answered 404 (the Event expired: the API server keeps
-  Events for ``--event-ttl``, one hour by default) creates it again under its name.
-* **Aggregation** (``EventAggregator``): events that differ only in their message are similar;
-  the 10th different message within 10 minutes of the previous similar event (a rolling
-  interval) and every new one after it become one Event ``(combined from similar events):
-  <message>``, counted like any other.
-* **Spam filter** (``EventSourceObjectSpamFilter``): a token bucket per source, object and type
-  (not reason) with a burst of 25, refilled by one every 5 minutes. An event without a token is
-  not written, but its count moves on, so the next write carries the true count.
-* Each cache is an LRU of 4096 entries (``maxLruCacheEntries``); the queue holds 1000 events
-  (``maxQueuedEvents``).
+* **Counting, aggregation and the spam filter** are :mod:`dra_driver.cluster.correlator`'s (its
+  docstring gives client-go's rules); the Event object is :mod:`dra_driver.cluster.core_event`'s.
+* The queue holds 1000 events (``maxQueuedEvents``).
 
 Where we differ: client-go retries only lost connections (12 tries, 10 s apart, blocking its
 queue); here every temporary failure (no answer, 429, 5xx) is retried after each of
@@ -49,13 +39,13 @@ import queue
 import threading
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
 from agent.logs import Throttle, fields_
+from dra_driver.cluster.core_event import NAMESPACE, NodeEvent, NodeRef, timestamp
+from dra_driver.cluster.correlator import Correlator, Decision
 from dra_driver.errors import KubeError
 
 if TYPE_CHECKING:  # the kubernetes client (0.2 s to import) loads only in kube mode
@@ -64,14 +54,6 @@ if TYPE_CHECKING:  # the kubernetes client (0.2 s to import) loads only in kube 
 NORMAL = "Normal"
 WARNING = "Warning"
 EVENT_TYPES = (NORMAL, WARNING)
-NAMESPACE = "default"
-"""Where Events about cluster-scoped objects live (client-go ``makeEvent``)."""
-LRU_ENTRIES = 4096
-AGGREGATE_MAX_EVENTS = 10
-AGGREGATE_INTERVAL_S = 600.0
-AGGREGATE_PREFIX = "(combined from similar events): "
-SPAM_BURST = 25
-SPAM_QPS = 1.0 / 300.0
 QUEUE_SIZE = 1000
 MAX_MESSAGE_CHARS = 1024
 """Longer messages are cut (the limit the API server puts on new-style Events' notes)."""
@@ -130,241 +112,6 @@ def devices_changed(added: tuple[str, ...], removed: tuple[str, ...]) -> tuple[s
     if removed:
         parts.append(f"{len(removed)} removed ({_named(removed)})")
     return NORMAL, DEVICES_CHANGED, "advertised devices changed: " + "; ".join(parts or ["none"])
-
-
-def timestamp(t: float) -> str:
-    """RFC 3339 in seconds, as ``metav1.Time`` is written."""
-    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-@dataclass(frozen=True)
-class NodeRef:
-    name: str
-    uid: str
-
-
-@dataclass(frozen=True)
-class NodeEvent:
-    """One core/v1 Event about the Node, as written (or to be written)."""
-
-    name: str
-    node: NodeRef
-    component: str
-    """``source.component`` and ``reportingComponent``."""
-    host: str
-    """``source.host`` and ``reportingInstance``."""
-    type: str
-    reason: str
-    message: str
-    count: int
-    first_timestamp: float
-    last_timestamp: float
-    resource_version: str = ""
-
-    def body(self) -> dict[str, Any]:
-        """The Event object a create sends."""
-        return {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {"name": self.name, "namespace": NAMESPACE},
-            "involvedObject": {
-                "kind": "Node",
-                "apiVersion": "v1",
-                "name": self.node.name,
-                "uid": self.node.uid,
-            },
-            "type": self.type,
-            "reason": self.reason,
-            "message": self.message,
-            "source": {"component": self.component, "host": self.host},
-            "reportingComponent": self.component,
-            "reportingInstance": self.host,
-            "count": self.count,
-            "firstTimestamp": timestamp(self.first_timestamp),
-            "lastTimestamp": timestamp(self.last_timestamp),
-        }
-
-    def patch(self) -> dict[str, Any]:
-        """The strategic merge patch of a repeated event (what client-go's two-way patch of the
-        event against itself with count, lastTimestamp and message cleared comes to)."""
-        return {
-            "count": self.count,
-            "lastTimestamp": timestamp(self.last_timestamp),
-            "message": self.message,
-        }
-
-
-Key = tuple[str, ...]
-
-
-def _object_key(e: NodeEvent) -> Key:
-    return (e.component, e.host, "Node", "", e.node.name, e.node.uid, "v1")
-
-
-def event_key(e: NodeEvent) -> Key:
-    """What makes two events the same one (counted): source, object, type, reason, message."""
-    return (*_object_key(e), e.type, e.reason, e.message)
-
-
-def aggregate_key(e: NodeEvent) -> Key:
-    """What makes two events similar (aggregated): all but the message."""
-    return (*_object_key(e), e.type, e.reason, e.component, e.host)
-
-
-def spam_key(e: NodeEvent) -> Key:
-    """Whose token bucket an event takes from: source, object and type."""
-    return (*_object_key(e), e.type)
-
-
-K = TypeVar("K", bound=Hashable)
-V = TypeVar("V")
-
-
-class Lru(Generic[K, V]):
-    """A bounded map that forgets the least recently used entry."""
-
-    def __init__(self, size: int) -> None:
-        if size < 1:
-            raise ValueError(f"an LRU needs at least one entry, got {size}")
-        self._size = size
-        self._items: OrderedDict[K, V] = OrderedDict()
-
-    def get(self, key: K) -> V | None:
-        value = self._items.get(key)
-        if value is not None:
-            self._items.move_to_end(key)
-        return value
-
-    def put(self, key: K, value: V) -> None:
-        self._items[key] = value
-        self._items.move_to_end(key)
-        while len(self._items) > self._size:
-            self._items.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
-@dataclass
-class _Similar:
-    messages: dict[str, None]
-    """The different messages seen (insertion-ordered), at most max_events - 1 kept."""
-    last: float
-
-
-@dataclass(frozen=True)
-class _Seen:
-    count: int
-    first_timestamp: float
-    name: str
-    resource_version: str
-
-
-@dataclass
-class _Bucket:
-    tokens: float
-    at: float
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What to write for one event."""
-
-    event: NodeEvent
-    key: Key
-    """Its counting key (``Correlator.written`` records the server's answer under it)."""
-    patch: dict[str, Any] | None
-    """None: create the Event; else PATCH the existing one (``event.name``) with this."""
-
-
-class Correlator:
-    """Aggregation, counting and the spam filter; one thread's (the recorder's), not locked.
-
-    The time of an event is its ``last_timestamp`` (when it was recorded), so a test drives the
-    intervals and the token buckets through the events it makes."""
-
-    def __init__(
-        self,
-        *,
-        entries: int = LRU_ENTRIES,
-        max_events: int = AGGREGATE_MAX_EVENTS,
-        interval: float = AGGREGATE_INTERVAL_S,
-        burst: int = SPAM_BURST,
-        qps: float = SPAM_QPS,
-    ) -> None:
-        self.max_events = max_events
-        self.interval = interval
-        self.burst = burst
-        self.qps = qps
-        self._similar: Lru[Key, _Similar] = Lru(entries)
-        self._seen: Lru[Key, _Seen] = Lru(entries)
-        self._buckets: Lru[Key, _Bucket] = Lru(entries)
-
-    def correlate(self, event: NodeEvent) -> Decision | None:
-        """The write ``event`` comes to, or None when the spam filter holds it back."""
-        now = event.last_timestamp
-        event, key = self._aggregate(event, now)
-        decision = self._observe(event, key)
-        if not self._take_token(spam_key(decision.event), now):
-            return None
-        return decision
-
-    def written(self, decision: Decision, stored: NodeEvent) -> None:
-        """The server stored ``stored`` for ``decision``: count on from its answer."""
-        self._seen.put(
-            decision.key,
-            _Seen(stored.count, stored.first_timestamp, stored.name, stored.resource_version),
-        )
-
-    def _aggregate(self, event: NodeEvent, now: float) -> tuple[NodeEvent, Key]:
-        akey = aggregate_key(event)
-        similar = self._similar.get(akey)
-        if similar is None or now - similar.last > self.interval:
-            similar = _Similar({}, now)
-        similar.messages[event.message] = None
-        similar.last = now
-        self._similar.put(akey, similar)
-        if len(similar.messages) < self.max_events:
-            return event, ("event", *event_key(event))
-        del similar.messages[next(iter(similar.messages))]  # keep the set below the threshold
-        combined = dataclasses.replace(
-            event,
-            message=AGGREGATE_PREFIX + event.message,
-            count=1,
-            first_timestamp=now,
-            last_timestamp=now,
-        )
-        return combined, ("aggregate", *akey)
-
-    def _observe(self, event: NodeEvent, key: Key) -> Decision:
-        seen = self._seen.get(key)
-        patch = None
-        if seen is not None and seen.count > 0:
-            event = dataclasses.replace(
-                event,
-                name=seen.name,
-                resource_version=seen.resource_version,
-                first_timestamp=seen.first_timestamp,
-                count=seen.count + 1,
-            )
-            patch = event.patch()
-        self._seen.put(
-            key, _Seen(event.count, event.first_timestamp, event.name, event.resource_version)
-        )
-        return Decision(event, key, patch)
-
-    def _take_token(self, key: Key, now: float) -> bool:
-        bucket = self._buckets.get(key)
-        if bucket is None:
-            bucket = _Bucket(float(self.burst), now)
-        if now > bucket.at:
-            bucket.tokens = min(float(self.burst), bucket.tokens + (now - bucket.at) * self.qps)
-            bucket.at = now
-        allowed = bucket.tokens >= 1.0
-        if allowed:
-            bucket.tokens -= 1.0
-        self._buckets.put(key, bucket)
-        return allowed
 
 
 class EventSink(Protocol):

@@ -1,10 +1,14 @@
 """A dry-run of the Kubernetes scheduler's structured allocator (resource.k8s.io/v1) that says
 why a ResourceClaim does or does not fit a node's devices.
 
-- ``model``: the domain types, parsed and validated from API dicts (``InputError`` names the
+- ``domain``: the domain types, parsed and validated from API dicts (``InputError`` names the
   offending field path);
-- ``search``: per-request candidates and the backtracking search;
-- ``explain``: the facade (``explain(...)`` returns an ``Explanation``) and its text and JSON.
+- ``celenv`` (with its parts in the package ``cel``): the CEL environment of device selectors;
+- ``candidates``: per-request candidates; ``capacity``: counters, consumable capacity and
+  request policies; ``constraints``: matchAttribute and distinctAttribute; ``search``: the
+  backtracking search; ``outcome``: what the search answers;
+- ``explanation``: the facade (``explain(...)`` returns an ``Explanation``) and its text and JSON;
+- ``inputs``: what the CLI reads, without I/O.
 
 The rules are those of k8s.io/dynamic-resource-allocation ``structured/internal/incubating``
 (the variant the scheduler uses when any of the newer DRA features is on); each module cites

@@ -62,7 +62,8 @@ from dra_driver.scheduler.domain import (
     parse_slices,
 )
 from dra_driver.scheduler.inputs import node_selector
-from dra_driver.scheduler.search import Analysis, Outcome, Pick, Reason, Search
+from dra_driver.scheduler.outcome import Analysis, Outcome, Pick, Reason
+from dra_driver.scheduler.search import Search
 
 KIND_LABELS = {
     "pool": "pool unusable",

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import yaml
 
+from dra_driver.scheduler.cel.selector import Verdict
 from dra_driver.scheduler.celenv import (
     COST_LIMIT,
     MAX_EXPRESSION_CHARS,
     CelCompileError,
     CelEnvironment,
-    Verdict,
 )
 
 ROOT = Path(__file__).resolve().parents[2]

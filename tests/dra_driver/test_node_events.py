@@ -11,16 +11,13 @@ from typing import Any
 
 import pytest
 
+from dra_driver.cluster.core_event import NodeEvent, NodeRef
+from dra_driver.cluster.correlator import AGGREGATE_PREFIX, Correlator, Decision
 from dra_driver.cluster.node_events import (
-    AGGREGATE_PREFIX,
     NORMAL,
     WARNING,
-    Correlator,
-    Decision,
     LogEventSink,
-    NodeEvent,
     NodeEventRecorder,
-    NodeRef,
     gpu_health,
 )
 from dra_driver.errors import KubeError
