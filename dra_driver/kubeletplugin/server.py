@@ -55,9 +55,10 @@ from dra_driver.kubeletapi import (
     registration_pb2,
     registration_pb2_grpc,
 )
+from dra_driver.kubeletplugin.batch import ClaimResult
 from dra_driver.kubeletplugin.claims import ClaimKey, check_claim_key
 from dra_driver.kubeletplugin.health_stream import HealthBoard
-from dra_driver.kubeletplugin.prepare import ClaimResult, Preparer
+from dra_driver.kubeletplugin.prepare import Preparer
 
 MAX_MESSAGE = 16 * 1024 * 1024
 SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth")

@@ -15,9 +15,9 @@ import grpc
 import pytest
 
 from dra_driver.kubeletapi import dra_v1_pb2, dra_v1beta1_pb2
+from dra_driver.kubeletplugin.batch import ClaimResult
 from dra_driver.kubeletplugin.claims import ClaimKey
 from dra_driver.kubeletplugin.health_stream import HealthBoard
-from dra_driver.kubeletplugin.prepare import ClaimResult
 from dra_driver.kubeletplugin.server import (
     MAX_CLAIMS_PER_CALL,
     DraService,
