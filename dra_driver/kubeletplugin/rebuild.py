@@ -104,7 +104,7 @@ class Leftovers(Protocol):
 
 
 Record = Callable[[str, PlannedDevice], PreparedDevice]
-"""The checkpoint record of a planned device for a claim UID (``Preparer._record``)."""
+"""The checkpoint record of a planned device for a claim UID (``records.Records.device``)."""
 
 
 def _key(uid: str, obj: Mapping[str, Any]) -> ClaimKey:

@@ -1,5 +1,5 @@
 """Group commit: the claims of one kubelet call share their checkpoint writes, and keep their
-own errors (``Preparer._prepare_batch`` and ``_unprepare_batch``), on a simulated node through
+own errors (``Transactions.prepare_batch`` and ``unprepare_batch``), on a simulated node through
 the real tools (NVML's MIG calls over the simulator, simulated nvidia-smi)."""
 
 from __future__ import annotations

@@ -15,16 +15,11 @@ import grpc
 import pytest
 
 from dra_driver.kubeletapi import dra_v1_pb2, dra_v1beta1_pb2
+from dra_driver.kubeletplugin.batch import ClaimResult
 from dra_driver.kubeletplugin.claims import ClaimKey
 from dra_driver.kubeletplugin.health_stream import HealthBoard
-from dra_driver.kubeletplugin.prepare import ClaimResult
-from dra_driver.kubeletplugin.server import (
-    MAX_CLAIMS_PER_CALL,
-    DraService,
-    Gate,
-    PluginServer,
-    socket_paths,
-)
+from dra_driver.kubeletplugin.server import PluginServer, socket_paths
+from dra_driver.kubeletplugin.services import MAX_CLAIMS_PER_CALL, DraService, Gate
 
 DRIVER = "gpu.tessera.dev"
 ME = "4f1b2c3d-5e6f-4a7b-8c9d-0e1f2a3b4c5d"

@@ -21,7 +21,8 @@ from dra_driver.kubeletplugin.checkpoint import (
 )
 from dra_driver.kubeletplugin.claims import ClaimKey
 from dra_driver.kubeletplugin.effects import Effects
-from dra_driver.kubeletplugin.prepare import ClaimLocks, Preparer
+from dra_driver.kubeletplugin.locks import ClaimLocks
+from dra_driver.kubeletplugin.prepare import Preparer
 
 
 class BlockingClaims:
@@ -97,7 +98,7 @@ def test_prepared_claims_are_the_completed_ones(tmp_path):
     started = ClaimEntry("uid-b", "ns", "b", PREPARE_STARTED, (device("gpu-1"),), 0.0)
     preparer.store.save(Checkpoint("boot", {"uid-a": done}))
     preparer.reconcile_on_start()
-    preparer._commit(preparer.checkpoint.with_claim(started))  # a prepare under way
+    preparer._ledger.commit(preparer.checkpoint.with_claim(started))  # a prepare under way
     assert preparer.prepared_claims() == (done,)
     preparer.close(0)
 

@@ -1,0 +1,393 @@
+"""Prepare and unprepare claims: the per-claim state machine, run a batch (a kubelet call) at a
+time.
+
+The claims of one kubelet call are one batch (``Transactions.prepare_batch``) and share their
+checkpoint writes (group commit):
+
+1. each claim is read and planned (``plan.plan_claim``, pure: our devices, their configs, how
+   each is shared); a ``PrepareCompleted`` entry is answered as it is; a ``PrepareStarted`` (or
+   recovered) one is rolled back first;
+2. under the checkpoint lock, each claim is checked against the holders so far
+   (``plan.conflicts``) and recorded as ``PrepareStarted`` with its plan (its devices are now
+   reserved); one write makes the batch's records durable when some claim changes the node
+   (dynamic MIG, time-slicing, MPS): a claim whose only effect is its CDI spec needs no durable
+   start (a crash before it completes leaves a spec the checkpoint does not list, which the
+   next start removes);
+3. each claim's side effects, under the locks of its GPUs (``sharing.effects``): dynamic MIG
+   devices created, time-slicing and MPS set up (an MPS daemon recorded as soon as it runs);
+   then its CDI spec (idempotent, discoverable by its file name);
+4. one write records every claim that got there as ``PrepareCompleted``.
+
+A failure in step 3 undoes what that claim got to before it answers; the others go on. A crash
+between any two steps is repaired by the next prepare of the claim (the kubelet retries) or by
+``reconcile_on_start`` (``reconcile``). Claims of a batch and of concurrent batches touching
+different GPUs run concurrently; the same claim from many callers is serialized by a per-claim
+lock, side effects on one GPU by a per-GPU lock. Unprepare is batched the same way
+(``Transactions.unprepare_batch``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from agent.errors import TesseraError
+from agent.logs import fields_
+from dra_driver.device_model import DeviceModel
+from dra_driver.errors import CheckpointError, ClaimError, KubeError, ParamsError
+from dra_driver.kubeletplugin.batch import Batch, ClaimResult, NotRun, shutting_down
+from dra_driver.kubeletplugin.cdi import CdiWriter
+from dra_driver.kubeletplugin.checkpoint import (
+    PREPARE_COMPLETED,
+    PREPARE_STARTED,
+    ClaimEntry,
+    MpsRecord,
+    PreparedDevice,
+)
+from dra_driver.kubeletplugin.claims import ClaimKey, ClaimSource, parse_allocation
+from dra_driver.kubeletplugin.effects import Effects
+from dra_driver.kubeletplugin.ledger import Ledger
+from dra_driver.kubeletplugin.locks import ClaimLocks
+from dra_driver.kubeletplugin.plan import ClaimPlan, SharingPolicy, conflicts, plan_claim
+from dra_driver.kubeletplugin.records import Records, claim_entry, claim_key, gpus
+
+CrashHook = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """A claim read and planned (step 1 of its prepare)."""
+
+    claim: ClaimKey
+    plan: ClaimPlan
+    records: tuple[PreparedDevice, ...]
+    changes_node: bool
+    """Whether its prepare changes the node beyond its CDI spec (its start must be durable)."""
+
+
+def _by_gpu(
+    entries: Sequence[ClaimEntry], changes_node: Callable[[ClaimEntry], bool]
+) -> list[list[ClaimEntry]]:
+    """The entries to undo in groups that may run concurrently: the claims that share a GPU
+    (transitively) in one group, in their order, when one of them changes the node; all the
+    claims that change nothing on the node in one more group."""
+    plain = [e for e in entries if not changes_node(e)]
+    groups: list[tuple[set[str], list[ClaimEntry]]] = []
+    for e in entries:
+        if not changes_node(e):
+            continue
+        these = gpus(e.devices) or {f"claim:{e.uid}"}
+        touching = [g for g in groups if g[0] & these]
+        merged_gpus, merged = set(these), []
+        for g in touching:
+            groups.remove(g)
+            merged_gpus |= g[0]
+            merged += g[1]
+        groups.append((merged_gpus, sorted([*merged, e], key=entries.index)))
+    return ([plain] if plain else []) + [g[1] for g in groups]
+
+
+class Transactions:
+    """Prepare and unprepare batches of claims against the checkpoint (``ledger``)."""
+
+    def __init__(
+        self,
+        *,
+        driver_name: str,
+        pool: str,
+        claims: ClaimSource,
+        devices: Callable[[], DeviceModel],
+        sharing: SharingPolicy,
+        effects: Effects,
+        cdi: CdiWriter,
+        records: Records,
+        ledger: Ledger,
+        claim_locks: ClaimLocks,
+        gpu_locks: ClaimLocks,
+        crash: CrashHook,
+        log: logging.Logger,
+    ) -> None:
+        self._driver_name = driver_name
+        self._pool = pool
+        self._claims = claims
+        self._devices = devices
+        self._sharing = sharing
+        self._effects = effects
+        self._cdi = cdi
+        self._records = records
+        self._ledger = ledger
+        self._claim_locks = claim_locks
+        self._gpu_locks = gpu_locks
+        self._crash = crash
+        self._log = log
+
+    # -- prepare -----------------------------------------------------------------------------
+    def prepare_batch(self, batch: Batch) -> None:
+        """Prepare a call's claims with one checkpoint write to start them and one to complete
+        them (group commit):
+
+        1. every claim read and planned (concurrently); an already prepared one is answered;
+        2. under the checkpoint lock, each is checked against the holders so far and recorded
+           as ``PrepareStarted`` (the devices are reserved); ONE write makes the records
+           durable, and only when some claim changes the node (dynamic MIG, time-slicing, MPS,
+           a whole GPU taken out of MIG mode): a claim whose only effect is its CDI spec needs
+           no durable start, since a crash before its completion leaves a spec that the
+           checkpoint does not list as completed, which the next start removes;
+        3. each claim's side effects and CDI spec (concurrently, under its GPUs' locks); a
+           failure undoes that claim alone;
+        4. ONE write records them all as ``PrepareCompleted``; then they are answered.
+        """
+        with self._claim_locks.hold_all(c.uid for c, _ in batch.claims):
+            planned: list[_Planned] = []
+            keys = [c for c, _ in batch.claims]
+            plans = batch.each(keys, self._plan, finish=False)
+            for claim, outcome in zip(keys, plans, strict=True):
+                if isinstance(outcome, NotRun):
+                    batch.answer(claim, shutting_down(claim))
+                elif isinstance(outcome, BaseException):
+                    batch.fail(claim, outcome)
+                elif isinstance(outcome, ClaimResult):
+                    batch.succeed(claim, outcome)
+                else:
+                    planned.append(outcome)
+            started = self._start(batch, planned)
+            if not started:
+                return
+            self._crash("after-started")
+            made: list[ClaimEntry] = []
+            entries = batch.each(started, self._make)
+            for p, entry in zip(started, entries, strict=True):
+                if isinstance(entry, BaseException):
+                    if isinstance(entry, TesseraError):
+                        self._roll_back(self._ledger.checkpoint.claims[p.claim.uid], quiet=True)
+                    batch.fail(p.claim, entry)
+                else:
+                    made.append(entry)
+            if not made:
+                return
+            try:
+                self._ledger.update(lambda cp: cp.with_claims(made))
+            except TesseraError as exc:  # e.g. the disk is full: no spec may stay behind
+                for e in made:
+                    self._roll_back(self._ledger.checkpoint.claims[e.uid], quiet=True)
+                    batch.fail(claim_key(e), exc)
+                return
+            self._crash("after-completed")
+            for e in made:
+                self._log.info(
+                    "prepared claim",
+                    extra=fields_(
+                        claim=str(claim_key(e)), devices=",".join(d.device for d in e.devices)
+                    ),
+                )
+                batch.succeed(claim_key(e), ClaimResult(devices=e.devices))
+
+    def _plan(self, claim: ClaimKey) -> _Planned | ClaimResult:
+        """Step 1 of one claim: its result when it is prepared already, else its plan (an
+        interrupted or recovered earlier prepare of it rolled back first)."""
+        existing = self._ledger.checkpoint.claims.get(claim.uid)
+        if (
+            existing is not None
+            and not existing.recovered  # recovered: its names are not known
+            and (existing.namespace, existing.name) != (claim.namespace, claim.name)
+        ):
+            raise ClaimError(
+                f"claim {claim}: UID {claim.uid!r} is prepared as"
+                f" {existing.namespace}/{existing.name}",
+                "uid_mismatch",
+            )
+        if (
+            existing is not None
+            and existing.state == PREPARE_COMPLETED
+            and not existing.recovered  # identity unknown: prepared again from the claim
+        ):
+            self._ensure_spec(existing)
+            return ClaimResult(devices=existing.devices)
+        try:
+            obj = self._claims.get(claim.namespace, claim.name)
+        except KubeError as exc:
+            raise ClaimError(f"claim {claim}: cannot read it: {exc}", "api_error") from exc
+        allocation = parse_allocation(obj, claim, self._driver_name, self._pool)
+        try:
+            plan = plan_claim(allocation, self._devices(), self._sharing)
+        except ParamsError as exc:
+            raise ClaimError(
+                f"claim {claim}: invalid configuration: {exc}", "invalid_config"
+            ) from exc
+        if existing is not None:  # left by a crash, or recovered: roll back first
+            self._roll_back(existing)
+        records = tuple(self._records.device(claim.uid, p) for p in plan.devices)
+        return _Planned(claim, plan, records, self._effects.changes_node(plan))
+
+    def _start(self, batch: Batch, planned: list[_Planned]) -> list[_Planned]:
+        """Step 2: reserve the planned claims' devices (each checked against the holders so
+        far, this batch's included) and make the start durable when some claim needs it;
+        returns the claims started, answering the others."""
+        if not planned:
+            return []
+        with self._ledger.lock:
+            cp, started = self._ledger.checkpoint, []
+            for p in planned:
+                try:
+                    conflicts(cp, p.claim, self._pool, p.plan.devices, self._sharing)
+                except TesseraError as exc:
+                    batch.fail(p.claim, exc)
+                    continue
+                entry = claim_entry(p.claim, PREPARE_STARTED, p.records, pods=p.plan.pods)
+                cp = cp.with_claim(entry)
+                started.append(p)
+            if not any(p.changes_node for p in started):
+                self._ledger.adopt(cp)  # nothing to undo after a crash: see prepare_batch
+                return started
+            try:
+                self._ledger.commit(cp)
+            except TesseraError as exc:
+                for p in started:
+                    batch.fail(p.claim, exc)
+                return []
+        return started
+
+    def _make(self, p: _Planned) -> ClaimEntry:
+        """Step 3 of one claim: its side effects and its CDI spec; the completed entry (not yet
+        recorded)."""
+        claim, plan = p.claim, p.plan
+
+        def save(devices: tuple[PreparedDevice, ...], mps: MpsRecord | None) -> None:
+            entry = claim_entry(claim, PREPARE_STARTED, devices, pods=plan.pods, mps=mps)
+            self._ledger.update(lambda cp: cp.with_claim(entry))
+
+        with self._gpu_locks.hold_all(gpus(p.records)):
+            applied = self._effects.apply(claim, plan, p.records, save)
+        entry = claim_entry(
+            claim, PREPARE_COMPLETED, applied.devices, pods=plan.pods, mps=applied.mps
+        )
+        if entry.devices:
+            self._records.write_spec(entry)
+        self._crash("after-cdi")
+        return entry
+
+    def _roll_back(self, entry: ClaimEntry, quiet: bool = False) -> None:
+        """Undo whatever ``entry`` got to and forget it (a failed, interrupted or recovered
+        prepare). When undoing fails, the entry stays (its devices stay held) and the error
+        is raised: the claim's next prepare or unprepare tries again.
+
+        The GPUs' locks are held until the entry is gone: another claim's undo on the same GPU
+        then sees this one either holding the GPU or gone, never gone in the settings and
+        still there in the checkpoint (two time-sliced claims unprepared at once must not
+        each leave the interval to the other)."""
+        claim = f"{entry.namespace}/{entry.name}"
+        with self._gpu_locks.hold_all(gpus(entry.devices)):
+            try:
+                self._effects.undo(entry, self._ledger.checkpoint)
+                self._cdi.remove(entry.uid)
+            except TesseraError as exc:
+                self._log.error(
+                    "cannot undo a claim's partial prepare; its devices stay held until a retry"
+                    " succeeds",
+                    extra=fields_(claim=claim, uid=entry.uid, error=str(exc)),
+                )
+                if not quiet:
+                    raise
+                return
+            try:
+                self._ledger.update(lambda cp: cp.without_claim(entry.uid))
+            except TesseraError as exc:
+                # Undone, but the checkpoint cannot say so (a full disk): forget it here all the
+                # same. A started record left in the file is rolled back again at the next start
+                # (undo is idempotent), and any write before that (every claim that changes the
+                # node writes its start first) rewrites the file without it.
+                with self._ledger.lock:
+                    self._ledger.adopt(self._ledger.checkpoint.without_claim(entry.uid))
+                self._log.warning(
+                    "undid a claim's partial prepare; the checkpoint cannot record it yet",
+                    extra=fields_(claim=claim, uid=entry.uid, error=str(exc)),
+                )
+                if not quiet:
+                    raise
+
+    def _ensure_spec(self, entry: ClaimEntry) -> None:
+        """A prepared claim is only prepared with its CDI spec: one deleted since is written
+        again from the record (the container runtime needs it to start the pod)."""
+        if entry.devices and not self._cdi.path(entry.uid).exists():
+            self._records.write_spec(entry)
+            self._log.warning(
+                "re-wrote the missing CDI spec of a prepared claim",
+                extra=fields_(claim=f"{entry.namespace}/{entry.name}", uid=entry.uid),
+            )
+
+    # -- unprepare ---------------------------------------------------------------------------
+    def unprepare_batch(self, batch: Batch) -> None:
+        """Unprepare a call's claims with one checkpoint write: undo each claim's side effects,
+        then release every undone claim's record in ONE write, then remove their CDI specs
+        (one directory sync). A failure to undo answers that claim with the error and keeps
+        its record (its devices stay held; the kubelet retries), and a crash in between leaves
+        records whose undo the retry repeats (every step is idempotent). The CDI spec goes
+        last, also one an earlier crash left.
+
+        The locks of every GPU the claims hold are kept until their records are gone, and the
+        claims of one GPU are undone one after the other, each seeing the ones before it
+        released: another claim's undo on the same GPU then sees this one either holding the
+        GPU or gone, never gone from the GPU's settings and still recorded (two time-sliced
+        claims unprepared at once must not each leave the interval to the other)."""
+        keys = [c for c, _ in batch.claims]
+        with self._claim_locks.hold_all(c.uid for c in keys):
+            entries = [
+                e for c in keys if (e := self._ledger.checkpoint.claims.get(c.uid)) is not None
+            ]
+            failed: set[str] = set()
+            released: list[ClaimEntry] = []
+            with self._gpu_locks.hold_all(g for e in entries for g in gpus(e.devices)):
+                undone: set[str] = set()
+                guard = threading.Lock()
+
+                def undo_group(group: list[ClaimEntry]) -> list[tuple[ClaimEntry, Exception]]:
+                    errors = []
+                    for e in group:
+                        with guard:
+                            remaining = self._ledger.checkpoint.without_claims(undone)
+                        try:
+                            self._effects.undo(e, remaining)
+                        except Exception as exc:
+                            errors.append((e, exc))
+                            continue
+                        self._crash("after-unprepare-undo")
+                        with guard:
+                            undone.add(e.uid)
+                    return errors
+
+                groups = _by_gpu(entries, self._effects.changes_node_of)
+                for outcome in batch.each(groups, undo_group):
+                    if isinstance(outcome, BaseException):  # a bug outside undo itself
+                        raise outcome
+                    for e, exc in outcome:
+                        failed.add(e.uid)
+                        batch.fail(claim_key(e), exc)
+                released = [e for e in entries if e.uid in undone]
+                if released:
+                    try:
+                        self._ledger.update(lambda cp: cp.without_claims(e.uid for e in released))
+                    except CheckpointError as exc:  # e.g. the disk is full
+                        for e in released:
+                            failed.add(e.uid)
+                            kept = CheckpointError(
+                                f"claim {claim_key(e)}: its release cannot be recorded ({exc}):"
+                                " it stays prepared, its devices held, until the kubelet's retry"
+                                " succeeds"
+                            )
+                            kept.__cause__ = exc
+                            batch.fail(claim_key(e), kept)
+                        released = []
+            if released:
+                self._crash("after-unprepare-commit")
+            for e in released:
+                self._log.info("unprepared claim", extra=fields_(claim=str(claim_key(e))))
+            rest = [c for c in keys if c.uid not in failed]
+            removed = self._cdi.remove_many([c.uid for c in rest])
+            for c in rest:
+                error = removed.get(c.uid)
+                if error is not None:
+                    batch.fail(c, error)
+                else:
+                    batch.succeed(c, ClaimResult())
