@@ -32,7 +32,7 @@ from agent.cli.node_commands import published_slices
 from agent.config import REQUIRED, Config, seconds, setting
 from agent.errors import ConfigError
 from agent.fsutil import atomic_write
-from dra_driver.scheduler import inputs
+from dra_driver.scheduler import inputs, shapes
 from dra_driver.scheduler.inputs import Document, DocumentError, Subject
 
 EXIT_FITS, EXIT_NO_FIT = 0, 1
@@ -105,8 +105,11 @@ class ExplainOptions:
 
 
 def read_documents(path: Path) -> list[Document]:
-    """The documents of one file; an unreadable file is an OSError the framework words."""
-    return inputs.parse_documents(path.read_text(encoding="utf-8"), str(path))
+    """The documents of one file; an unreadable file is an OSError the framework words. A field
+    the API server would refuse as unknown is a DocumentError naming it (``shapes``)."""
+    docs = inputs.parse_documents(path.read_text(encoding="utf-8"), str(path))
+    shapes.check_known_fields(docs)
+    return docs
 
 
 def files_of(path: Path, option: str) -> list[Path]:
