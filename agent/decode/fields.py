@@ -110,18 +110,18 @@ def obj(value: object, path: str, *, optional: bool = False) -> Mapping[str, Any
     return value
 
 
-def items(value: object, path: str) -> Sequence[Any]:
-    """A list; absent (None) is an empty one."""
-    if value is None:
+def items(value: object, path: str, *, required: bool = False) -> Sequence[Any]:
+    """A list; absent (None) is an empty one, or ``missing`` when ``required``."""
+    if value is None and not required:
         return ()
     if not isinstance(value, list | tuple):
         raise expected("a list", value, path)
     return value
 
 
-def objects(value: object, path: str) -> list[Mapping[str, Any]]:
-    """A list of objects (absent: empty)."""
-    return [obj(v, f"{path}[{i}]") for i, v in enumerate(items(value, path))]
+def objects(value: object, path: str, *, required: bool = False) -> list[Mapping[str, Any]]:
+    """A list of objects (absent: empty, or ``missing`` when ``required``)."""
+    return [obj(v, f"{path}[{i}]") for i, v in enumerate(items(value, path, required=required))]
 
 
 def text(value: object, path: str, *, nonempty: bool = False) -> str:
@@ -138,9 +138,11 @@ def opt_text(value: object, path: str) -> str | None:
     return None if value is None else text(value, path)
 
 
-def texts(value: object, path: str) -> tuple[str, ...]:
-    """A list of strings (absent: empty)."""
-    return tuple(text(v, f"{path}[{i}]") for i, v in enumerate(items(value, path)))
+def texts(value: object, path: str, *, required: bool = False) -> tuple[str, ...]:
+    """A list of strings (absent: empty, or ``missing`` when ``required``)."""
+    return tuple(
+        text(v, f"{path}[{i}]") for i, v in enumerate(items(value, path, required=required))
+    )
 
 
 def integer(value: object, path: str, *, low: int | None = None, high: int | None = None) -> int:
@@ -168,9 +170,9 @@ def number(value: object, path: str, *, low: float | None = None) -> float:
     return float(value)
 
 
-def flag(value: object, path: str, *, default: bool = False) -> bool:
-    """true or false; absent is ``default``."""
-    if value is None:
+def flag(value: object, path: str, *, default: bool | None = False) -> bool:
+    """true or false; absent is ``default`` (None: absent is not allowed)."""
+    if value is None and default is not None:
         return default
     if not isinstance(value, bool):
         raise FieldError(path, f"expected true or false, got {got(value)}")
