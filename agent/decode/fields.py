@@ -86,6 +86,11 @@ def got(value: object) -> str:
     return "null" if value is None else f"{kind_of(value)}: {shown(value)}"
 
 
+def is_a(value: object) -> str:
+    """``"50" is a string``: a value of the wrong kind, named (``null``)."""
+    return "null" if value is None else f"{shown(value)} is {kind_of(value)}"
+
+
 def expected(what: str, value: object, path: str) -> FieldError:
     """The error for a value of the wrong kind: ``path: expected <what>, got <kind>: <value>``
     (``missing`` when there is none)."""
