@@ -11,28 +11,28 @@ ResourceSlice files, the slices ``tessera slices --simulate`` prints (the same c
 ``agent.cli.node_commands.published_slices``), or the API server; the allocator
 (``dra_driver.scheduler.explanation``) answers per node. Exit 0: the claims fit (on at least one
 node), 1: they do not, 2: malformed input (file, document, field path) or a failed read.
-``--write`` (standalone) fills the claim file's ``status.allocation`` as the scheduler would.
-docs/explain.md describes flags, output and exit codes.
+Files are read strictly, as the API server reads them: bytes within limits, then every field
+through the one decoder (``agent.decode``); a field the resource.k8s.io/v1 types do not define
+is refused (``dra_driver.scheduler.shapes``). ``--write`` (standalone) fills the claim file's
+``status.allocation`` as the scheduler would (``agent.cli.explain_write``). docs/explain.md
+describes flags, output and exit codes.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from agent.cli.explain_write import devices_text, write_back
 from agent.cli.framework import EXIT_ERROR, Command, Invocation, Uses
 from agent.cli.node_commands import published_slices
 from agent.config import REQUIRED, Config, seconds, setting
 from agent.errors import ConfigError
-from agent.fsutil import atomic_write
-from dra_driver.scheduler import inputs
+from dra_driver.scheduler import inputs, shapes
 from dra_driver.scheduler.inputs import Document, DocumentError, Subject
 
 EXIT_FITS, EXIT_NO_FIT = 0, 1
@@ -105,8 +105,11 @@ class ExplainOptions:
 
 
 def read_documents(path: Path) -> list[Document]:
-    """The documents of one file; an unreadable file is an OSError the framework words."""
-    return inputs.parse_documents(path.read_text(encoding="utf-8"), str(path))
+    """The documents of one file; an unreadable file is an OSError the framework words. A field
+    the API server would refuse as unknown is a DocumentError naming it (``shapes``)."""
+    docs = inputs.parse_documents(path.read_text(encoding="utf-8"), str(path))
+    shapes.check_known_fields(docs)
+    return docs
 
 
 def files_of(path: Path, option: str) -> list[Path]:
@@ -391,11 +394,6 @@ def to_json(data: Inputs, answers: Sequence[NodeAnswer], written: str | None) ->
     }
 
 
-def _devices(allocation: Mapping[str, Any]) -> str:
-    results = (allocation.get("devices") or {}).get("results") or []
-    return ", ".join(f"{r.get('request')}={r.get('pool')}/{r.get('device')}" for r in results)
-
-
 def _indent(text: str, by: str = "  ") -> str:
     return "".join(by + line if line.strip() else line for line in text.splitlines(True))
 
@@ -423,7 +421,7 @@ def render_text(data: Inputs, answers: Sequence[NodeAnswer], written: str | None
             if a.fits:
                 detail = "; ".join(
                     (f"{c.subject.key}: " if len(a.claims) > 1 else "")
-                    + _devices(c.allocation or {})
+                    + devices_text(c.allocation or {})
                     for c in a.claims
                 )
                 lines.append(f"  {a.node or '':<{width}}  fits  {detail}")
@@ -433,59 +431,6 @@ def render_text(data: Inputs, answers: Sequence[NodeAnswer], written: str | None
     if written:
         lines.append(f"wrote status.allocation to {written}")
     return "\n".join(lines) + "\n"
-
-
-# -- --write --------------------------------------------------------------------------------------
-
-
-def write_back(path: Path, docs: Sequence[Document], answer_: NodeAnswer) -> list[str]:
-    """Put each allocated ResourceClaim document of ``path`` back with its status.allocation
-    (and a metadata.uid where it had none, as the API server gives one at create); the other
-    documents stay as written. Atomic: the file is replaced at once. Returns what was done."""
-    text = path.read_text(encoding="utf-8")
-    as_json = text.lstrip().startswith(("{", "["))
-    by_index: dict[int, dict[str, Any]] = {}
-    done = []
-    for c in answer_.claims:
-        d = c.subject.doc
-        if d is None or c.allocation is None:
-            continue
-        if d.item is not None:
-            raise DocumentError(d.source, d.index, "items", "--write cannot write into a List")
-        obj = json.loads(json.dumps(d.obj))
-        meta = obj.setdefault("metadata", {})
-        if not meta.get("uid"):
-            meta["uid"] = str(uuid.uuid4())
-            done.append(f"{c.subject.key}: metadata.uid {meta['uid']} (it had none)")
-        obj.setdefault("status", {})["allocation"] = c.allocation
-        by_index[d.index] = obj
-        done.append(f"{c.subject.key}: {_devices(c.allocation)}")
-    if not by_index:
-        raise DocumentError(
-            str(path),
-            None,
-            "",
-            "--write needs a ResourceClaim document to write (a template's"
-            " claims are made by Kubernetes for each pod)",
-        )
-    nodes = list(yaml.compose_all(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)))
-    out, at = [], 0
-    for index, node in enumerate(nodes):
-        if index not in by_index or node is None:
-            continue
-        start, end = node.start_mark.index, node.end_mark.index
-        obj = by_index[index]
-        new = (
-            json.dumps(obj, indent=2) + "\n"
-            if as_json
-            else yaml.safe_dump(obj, sort_keys=False, default_flow_style=False)
-        )
-        out += [text[at:start], new]
-        at = end
-    out.append(text[at:])
-    mode = path.stat().st_mode & 0o777
-    atomic_write(path, "".join(out).encode(), mode=mode)
-    return done
 
 
 # -- the command ----------------------------------------------------------------------------------
@@ -515,7 +460,7 @@ def cmd_explain(inv: Invocation) -> int:
         fitting = [a for a in answers if a.fits]
         if opts.write and fitting:
             chosen = fitting[0]
-            done = write_back(Path(opts.claim), data.claim_docs, chosen)
+            done = write_back(Path(opts.claim), [(c.subject, c.allocation) for c in chosen.claims])
             written = opts.claim
             if len(answers) > 1:
                 data.notes.append(f"written for node {chosen.node}, the first that fits")

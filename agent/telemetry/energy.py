@@ -96,7 +96,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.decode import load_json
+from agent.decode import fields, load_json
 from agent.errors import DecodeError
 from agent.fsutil import atomic_write, move_aside
 from agent.logs import fields_
@@ -446,72 +446,42 @@ class EnergyAccounting:
             return None
 
 
-def _num(obj: Mapping[str, Any], key: str) -> float:
-    v = obj[key]
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
-        raise ValueError(f"{key}: expected a non-negative number, got {v!r}")
-    return float(v)
-
-
-def _text(obj: Mapping[str, Any], key: str) -> str:
-    v = obj[key]
-    if not isinstance(v, str):
-        raise TypeError(f"{key}: expected a string, got {type(v).__name__}")
-    return v
-
-
-def _opt_int(obj: Mapping[str, Any], key: str) -> int | None:
-    v = obj.get(key)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"{key}: expected an integer, got {type(v).__name__}")
-    return int(v)
-
-
-def _check_str(v: Any) -> str:
-    if not isinstance(v, str):
-        raise TypeError(f"expected a string key, got {type(v).__name__}")
-    return v
-
-
-def _mapping(v: Any, what: str) -> Mapping[str, Any]:
-    if not isinstance(v, dict):
-        raise TypeError(f"{what}: expected an object, got {type(v).__name__}")
-    return v
-
-
 def decode_state(raw: bytes) -> tuple[dict[str, _Gpu], dict[HoldingKey, _Usage]]:
-    """The GPU totals and claim counters stored in a state file. Pure; raises ValueError,
-    TypeError or KeyError (naming the field) on anything malformed, DecodeError on bytes that
-    are not JSON within the limits."""
-    obj = _mapping(load_json(raw, "energy state", MAX_STATE_BYTES), "energy state")
+    """The GPU totals and claim counters stored in a state file, read with
+    :mod:`agent.decode.fields` (unknown fields ignored). Pure; raises ValueError (a FieldError
+    naming the field) on anything malformed, DecodeError on bytes that are not JSON within the
+    limits."""
+    obj = fields.obj(load_json(raw, "energy state", MAX_STATE_BYTES), "energy state")
     if obj.get("kind") != STATE_KIND:
         raise ValueError(f"not a {STATE_KIND} object")
     if obj.get("version") != STATE_VERSION:
         raise ValueError(f"unsupported version {obj.get('version')!r}")
     gpus: dict[str, _Gpu] = {}
-    for uuid, g in _mapping(obj["gpus"], "gpus").items():
-        g = _mapping(g, f"gpus[{uuid!r}]")
-        gpus[_check_str(uuid)] = _Gpu(
-            energy_joules=_num(g, "energyJoules"), known=True, index=_opt_int(g, "index")
+    for uuid, g in fields.obj(obj.get("gpus"), "gpus").items():
+        p = f"gpus[{uuid!r}]"
+        g = fields.obj(g, p)
+        gpus[uuid] = _Gpu(
+            energy_joules=fields.number(g.get("energyJoules"), f"{p}.energyJoules", low=0),
+            known=True,
+            index=fields.opt_integer(g.get("index"), f"{p}.index"),
         )
     usage: dict[HoldingKey, _Usage] = {}
-    claims = obj["claims"]
-    if not isinstance(claims, list):
-        raise TypeError(f"claims: expected a list, got {type(claims).__name__}")
-    for i, c in enumerate(claims):
-        c = _mapping(c, f"claims[{i}]")
+    for i, c in enumerate(fields.objects(obj.get("claims"), "claims", required=True)):
+        p = f"claims[{i}]"
         released = c.get("releasedAt")
-        index = _opt_int(c, "gpuIndex")
-        usage[(_text(c, "uid"), _text(c, "pool"), _text(c, "device"))] = _Usage(
-            namespace=_text(c, "namespace"),
-            claim=_text(c, "claim"),
+        index = fields.opt_integer(c.get("gpuIndex"), f"{p}.gpuIndex")
+        rule = fields.text(c.get("rule"), f"{p}.rule")
+        key = tuple(fields.text(c.get(k), f"{p}.{k}") for k in ("uid", "pool", "device"))
+        usage[(key[0], key[1], key[2])] = _Usage(
+            namespace=fields.text(c.get("namespace"), f"{p}.namespace"),
+            claim=fields.text(c.get("claim"), f"{p}.claim"),
             gpu_index=-1 if index is None else index,
-            gpu_uuid=_text(c, "gpuUUID"),
-            rule=LEGACY_RULES.get(_text(c, "rule"), _text(c, "rule")),
-            energy_joules=_num(c, "energyJoules"),
-            gpu_seconds=_num(c, "gpuSeconds"),
-            released_at=None if released is None else _num(c, "releasedAt"),
+            gpu_uuid=fields.text(c.get("gpuUUID"), f"{p}.gpuUUID"),
+            rule=LEGACY_RULES.get(rule, rule),
+            energy_joules=fields.number(c.get("energyJoules"), f"{p}.energyJoules", low=0),
+            gpu_seconds=fields.number(c.get("gpuSeconds"), f"{p}.gpuSeconds", low=0),
+            released_at=None
+            if released is None
+            else fields.number(released, f"{p}.releasedAt", low=0),
         )
     return gpus, usage

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from agent.decode import load_json
+from agent.decode import fields, load_json
 from agent.errors import DecodeError
 from agent.fsutil import atomic_write, move_aside
 from agent.logs import fields_
@@ -43,21 +43,21 @@ def encode(boot_id: str, faults: Faults) -> bytes:
 
 
 def decode_faults(raw: bytes, where: str) -> tuple[str, dict[str, tuple[int, float]]]:
+    """The boot ID and faults stored in ``raw`` (read with :mod:`agent.decode.fields`; unknown
+    fields ignored). Pure; DecodeError naming ``where`` and the field on anything malformed."""
     obj: Any = load_json(raw, where, MAX_BYTES)
     if not isinstance(obj, dict) or obj.get("version") != VERSION:
         raise DecodeError(f"{where}: not a version {VERSION} faults file")
-    boot, gpus = obj.get("bootId"), obj.get("gpus")
-    if not isinstance(boot, str) or not isinstance(gpus, dict):
-        raise DecodeError(f"{where}: bootId must be a string and gpus an object")
-    out: dict[str, tuple[int, float]] = {}
-    for uuid, entry in gpus.items():
-        xid = entry.get("xid") if isinstance(entry, dict) else None
-        since = entry.get("since") if isinstance(entry, dict) else None
-        if not isinstance(xid, int) or isinstance(xid, bool) or xid < 1:
-            raise DecodeError(f"{where}: gpus.{uuid}.xid: {xid!r} is not an XID number")
-        if not isinstance(since, int | float) or isinstance(since, bool):
-            raise DecodeError(f"{where}: gpus.{uuid}.since: {since!r} is not a time")
-        out[uuid] = (xid, float(since))
+    try:
+        boot = fields.text(obj.get("bootId"), "bootId")
+        out: dict[str, tuple[int, float]] = {}
+        for uuid, entry in fields.obj(obj.get("gpus"), "gpus").items():
+            path = f"gpus.{uuid}"
+            entry = fields.obj(entry, path)
+            xid = fields.integer(entry.get("xid"), f"{path}.xid", low=1)
+            out[uuid] = (xid, fields.number(entry.get("since"), f"{path}.since"))
+    except fields.FieldError as exc:
+        raise DecodeError(f"{where}: {exc}") from exc
     return boot, out
 
 

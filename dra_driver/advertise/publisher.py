@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import yaml
 
-from agent.decode import load_yaml_documents
+from agent.decode import fields, load_yaml_documents
 from agent.errors import DecodeError
 from agent.fsutil import atomic_write, move_aside
 from agent.logs import fields_
@@ -68,37 +68,24 @@ class SliceStore(Protocol):
         ...
 
 
-def _where(path: str, problem: str, method: str, url: str) -> KubeMalformed:
-    return KubeMalformed(f"ResourceSlice list: {path}: {problem}", method, url)
-
-
 def slice_list(data: Obj, method: str = "GET", url: str = SLICES_PATH) -> tuple[list[Obj], str]:
     """The slices of a list answer and its resourceVersion, checked for what the publisher
-    reads (names, pool generations, resourceVersions); KubeMalformed naming the field otherwise.
-    Pure."""
-    items = data.get("items")
-    if items is None:
-        items = []
-    if not isinstance(items, list):
-        raise _where("items", f"expected a list, got {type(items).__name__}", method, url)
-    for i, obj in enumerate(items):
-        meta = obj.get("metadata") if isinstance(obj, dict) else None
-        spec = obj.get("spec") if isinstance(obj, dict) else None
-        pool = spec.get("pool") if isinstance(spec, dict) else None
-        if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
-            raise _where(f"items[{i}].metadata.name", "missing or not a string", method, url)
-        if not isinstance(meta.get("resourceVersion", ""), str):
-            raise _where(f"items[{i}].metadata.resourceVersion", "not a string", method, url)
-        if not isinstance(pool, dict):
-            raise _where(f"items[{i}].spec.pool", "missing or not an object", method, url)
-        generation = pool.get("generation", 0)
-        if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
-            raise _where(
-                f"items[{i}].spec.pool.generation", f"{generation!r} is not a count", method, url
-            )
-    meta = data.get("metadata")
-    rv = meta.get("resourceVersion", "") if isinstance(meta, dict) else ""
-    return items, str(rv)
+    reads (names, pool generations, resourceVersions) with :mod:`agent.decode.fields`;
+    KubeMalformed naming the field otherwise. Pure."""
+    try:
+        items = fields.items(data.get("items"), "items")
+        for i, obj in enumerate(fields.objects(items, "items")):
+            meta = fields.obj(obj.get("metadata"), f"items[{i}].metadata")
+            fields.text(meta.get("name"), f"items[{i}].metadata.name")
+            fields.text(meta.get("resourceVersion", ""), f"items[{i}].metadata.resourceVersion")
+            spec = fields.obj(obj.get("spec"), f"items[{i}].spec")
+            pool = fields.obj(spec.get("pool"), f"items[{i}].spec.pool")
+            fields.integer(pool.get("generation", 0), f"items[{i}].spec.pool.generation", low=0)
+    except fields.FieldError as exc:
+        raise KubeMalformed(f"ResourceSlice list: {exc}", method, url) from exc
+    list_meta = data.get("metadata")
+    rv = list_meta.get("resourceVersion", "") if isinstance(list_meta, dict) else ""
+    return list(items), str(rv)
 
 
 class KubeSliceStore:

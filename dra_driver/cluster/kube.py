@@ -28,7 +28,7 @@ from kubernetes import client as kclient
 from kubernetes import config as kconfig
 from kubernetes.client.exceptions import ApiException
 
-from agent.decode import load_json
+from agent.decode import fields, load_json
 from agent.errors import ConfigError, DecodeError
 from dra_driver.errors import KubeConflict, KubeError, KubeMalformed
 
@@ -263,8 +263,13 @@ def _json_object(data: bytes, method: str, path: str) -> dict[str, Any]:
 def _event(line: bytes, path: str) -> dict[str, Any]:
     """One watch event ``{"type": str, "object": {...}}``; KubeMalformed otherwise."""
     event = _json_object(line, "WATCH", path)
-    if not isinstance(event.get("type"), str) or not isinstance(event.get("object"), dict):
+    try:
+        fields.text(event.get("type"), "type")
+        fields.obj(event.get("object"), "object")
+    except fields.FieldError as exc:
         raise KubeMalformed(
-            "a watch line is not an event with a string type and an object", "WATCH", path
-        )
+            f"a watch line is not an event with a string type and an object ({exc})",
+            "WATCH",
+            path,
+        ) from exc
     return event

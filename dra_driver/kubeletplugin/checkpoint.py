@@ -11,8 +11,9 @@ File format (version 1), written with sorted keys::
      "checksum": "sha256:<hex>"}
 
 The checksum covers the canonical JSON (sorted keys, no whitespace, UTF-8) of the object without
-``checksum``. Decoding is lenient about unknown fields (a later build of the same version may add
-some) and strict about types: a wrong type is treated like any other corruption.
+``checksum``. Decoding (with the one field reader, :mod:`agent.decode.fields`) is lenient about
+unknown fields (a later build of the same version may add some) and strict about types: a wrong
+type is treated like any other corruption, its message naming the field path.
 
 Older formats are converted step by step through ``MIGRATIONS`` (version N -> N+1). Version 0 is
 the pre-release shape (no apiVersion, kind or checksum)::
@@ -45,18 +46,42 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
-from agent.decode import load_json
+from agent.decode import fields, load_json
 from agent.errors import DecodeError, TesseraError
 from agent.fsutil import atomic_write, move_aside
 from agent.logs import fields_
 from dra_driver.errors import CheckpointCorrupt, CheckpointError, CheckpointTooNew
+from dra_driver.kubeletplugin.checkpoint_records import (
+    Checkpoint,
+    ClaimEntry,
+    MpsRecord,
+    PreparedDevice,
+)
+
+__all__ = [  # the records are defined in checkpoint_records.py and used from here
+    "API_VERSION",
+    "CHECKPOINT_VERSION",
+    "KIND",
+    "MIGRATIONS",
+    "PREPARE_COMPLETED",
+    "PREPARE_STARTED",
+    "Checkpoint",
+    "CheckpointStore",
+    "ClaimEntry",
+    "LoadResult",
+    "MpsRecord",
+    "PreparedDevice",
+    "checksum_of",
+    "decode",
+    "encode",
+    "to_json",
+]
 
 CHECKPOINT_VERSION = 2
 """The newest format this build reads and writes. A checkpoint is written at the lowest version
@@ -74,148 +99,6 @@ LOWEST_WRITTEN_VERSION = 1
 """Files of this version and newer are current formats; older ones were converted."""
 MAX_FILE_BYTES = 64 * 1024 * 1024
 """A checkpoint larger than this is corrupt (10,000 claims take about 10 MiB)."""
-
-
-@dataclass(frozen=True)
-class PreparedDevice:
-    """One allocated device of a claim, as prepared on this node."""
-
-    request_names: tuple[str, ...]
-    pool: str
-    device: str
-    """Device name in the pool: ``gpu-0`` or ``gpu-0-mig-1g5gb-19-0``."""
-    cdi_device_ids: tuple[str, ...]
-    kind: str
-    """``gpu`` or ``mig``."""
-    gpu_uuid: str
-    gpu_minor: int
-    mig_uuid: str | None = None
-    gpu_instance_id: int | None = None
-    compute_instance_id: int | None = None
-    # -- version 2: partitions made and sharing set up at prepare --------------------------------
-    placement: tuple[int, int, int] | None = None
-    """Dynamic MIG: (profile id, placement start, size) of the instance prepare created (so
-    unprepare and rollback find it without the device model)."""
-    sharing: str | None = None
-    """How the device is shared: None (exclusive), ``TimeSlicing``, ``MPS`` or ``MemoryShare``."""
-    interval: str | None = None
-    """TimeSlicing: the interval set on the GPU."""
-    share_id: str | None = None
-    """The allocation's share ID (a device several claims hold), echoed to the kubelet."""
-    memory_bytes: int | None = None
-    """MemoryShare: the memory the claim consumed (its MPS pinned-memory limit)."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "request_names", tuple(self.request_names))
-        object.__setattr__(self, "cdi_device_ids", tuple(self.cdi_device_ids))
-
-    @property
-    def needs_v2(self) -> bool:
-        return any(
-            v is not None
-            for v in (self.placement, self.sharing, self.interval, self.share_id, self.memory_bytes)
-        )
-
-
-@dataclass(frozen=True)
-class MpsRecord:
-    """The MPS control daemon a claim runs (version 2)."""
-
-    pid: int
-    started_at: float
-    """The process's start time: the PID alone could be another process's after a restart."""
-    pipe_dir: str
-    log_dir: str
-    shm_dir: str
-    devices: tuple[str, ...]
-    """The UUIDs (GPU or MIG) it serves."""
-    thread_percentage: int | None = None
-    """The default active thread percentage it was given (None: MPS's own)."""
-    pinned: tuple[tuple[str, int], ...] = ()
-    """(device UUID, bytes): the pinned-memory limits it was given (to start it again)."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "devices", tuple(self.devices))
-        object.__setattr__(self, "pinned", tuple((u, int(b)) for u, b in self.pinned))
-
-
-@dataclass(frozen=True)
-class ClaimEntry:
-    """A claim's record: its identity, where prepare got to, and its devices."""
-
-    uid: str
-    namespace: str
-    name: str
-    state: str
-    """``PREPARE_STARTED`` or ``PREPARE_COMPLETED``."""
-    devices: tuple[PreparedDevice, ...]
-    updated_at: float
-    """Unix seconds."""
-    recovered: bool = False
-    """Rebuilt from a CDI spec found on disk when the checkpoint could not vouch for it (lost or
-    corrupt): its devices stay held until the claim is unprepared or prepared again, but its
-    namespace and name are unknown (empty) until the kubelet calls with them."""
-    mps: MpsRecord | None = None
-    """The claim's MPS control daemon (version 2)."""
-    pods: tuple[str, ...] = ()
-    """UIDs of the pods the claim is reserved for (``status.reservedFor``), to attribute their
-    processes' GPU use to the claim (version 2)."""
-    rebuilt_from: str | None = None
-    """Set when the entry was rebuilt after a lost or corrupt checkpoint: what it was rebuilt
-    from (``cdi-spec+api`` or ``cdi-spec+claim-files``); written only when set."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "devices", tuple(self.devices))
-        object.__setattr__(self, "pods", tuple(self.pods))
-
-    @property
-    def needs_v2(self) -> bool:
-        return self.mps is not None or bool(self.pods) or any(d.needs_v2 for d in self.devices)
-
-
-def _empty_claims() -> Mapping[str, ClaimEntry]:
-    return MappingProxyType({})
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """The prepared claims of one boot of this node. Immutable (and so not hashable)."""
-
-    boot_id: str
-    claims: Mapping[str, ClaimEntry] = field(default_factory=_empty_claims)
-    """By claim UID; a read-only copy of what was passed in."""
-
-    def __post_init__(self) -> None:
-        claims = dict(self.claims)
-        for uid, entry in claims.items():
-            if uid != entry.uid:
-                raise ValueError(f"claim stored under {uid!r} has uid {entry.uid!r}")
-        object.__setattr__(self, "claims", MappingProxyType(claims))
-
-    def with_claim(self, entry: ClaimEntry) -> Checkpoint:
-        """A copy with ``entry`` added, or replacing the entry of the same UID."""
-        return Checkpoint(self.boot_id, {**self.claims, entry.uid: entry})
-
-    def without_claim(self, uid: str) -> Checkpoint:
-        """A copy without the claim ``uid`` (an equal copy when it is not there)."""
-        return Checkpoint(self.boot_id, {k: v for k, v in self.claims.items() if k != uid})
-
-    def with_claims(self, entries: Iterable[ClaimEntry]) -> Checkpoint:
-        """``with_claim`` of every entry, in one copy (a batch's claims)."""
-        return Checkpoint(self.boot_id, {**self.claims, **{e.uid: e for e in entries}})
-
-    def without_claims(self, uids: Iterable[str]) -> Checkpoint:
-        """``without_claim`` of every UID, in one copy (a batch's claims)."""
-        gone = set(uids)
-        return Checkpoint(self.boot_id, {k: v for k, v in self.claims.items() if k not in gone})
-
-    def holder_of(self, pool: str, device: str) -> ClaimEntry | None:
-        """The claim (in any state) that holds ``device`` of ``pool``; the lowest UID if several."""
-        for uid in sorted(self.claims):
-            entry = self.claims[uid]
-            if any(d.pool == pool and d.device == device for d in entry.devices):
-                return entry
-        return None
 
 
 @dataclass(frozen=True)
@@ -328,96 +211,33 @@ def encode(cp: Checkpoint) -> bytes:
     return (json.dumps(to_json(cp), sort_keys=True, indent=2, ensure_ascii=False) + "\n").encode()
 
 
-# --- strict field readers ---------------------------------------------------------------------
-
-
-def _get(obj: Mapping[str, Any], key: str, where: str) -> Any:
-    if key not in obj:
-        raise CheckpointCorrupt(f"{where}: missing field {key!r}")
-    return obj[key]
-
-
-def _str(obj: Mapping[str, Any], key: str, where: str) -> str:
-    v = _get(obj, key, where)
-    if not isinstance(v, str):
-        raise CheckpointCorrupt(f"{where}.{key}: expected a string, got {type(v).__name__}")
-    return v
-
-
-def _int(obj: Mapping[str, Any], key: str, where: str) -> int:
-    v = _get(obj, key, where)
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise CheckpointCorrupt(f"{where}.{key}: expected an integer, got {type(v).__name__}")
-    return v
-
-
-def _flag(obj: Mapping[str, Any], key: str, where: str) -> bool:
-    v = obj.get(key, False)
-    if not isinstance(v, bool):
-        raise CheckpointCorrupt(f"{where}.{key}: expected true or false, got {type(v).__name__}")
-    return v
-
-
-def _opt_str(obj: Mapping[str, Any], key: str, where: str) -> str | None:
-    return None if obj.get(key) is None else _str(obj, key, where)
-
-
-def _opt_int(obj: Mapping[str, Any], key: str, where: str) -> int | None:
-    return None if obj.get(key) is None else _int(obj, key, where)
-
-
-def _number(obj: Mapping[str, Any], key: str, where: str) -> float:
-    v = _get(obj, key, where)
-    if not isinstance(v, int | float) or isinstance(v, bool):
-        raise CheckpointCorrupt(f"{where}.{key}: expected a number, got {type(v).__name__}")
-    return float(v)
-
-
-def _strs(obj: Mapping[str, Any], key: str, where: str) -> tuple[str, ...]:
-    v = _get(obj, key, where)
-    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise CheckpointCorrupt(f"{where}.{key}: expected a list of strings")
-    return tuple(v)
-
-
-def _objects(obj: Mapping[str, Any], key: str, where: str) -> list[Mapping[str, Any]]:
-    v = _get(obj, key, where)
-    if not isinstance(v, list) or not all(isinstance(o, dict) for o in v):
-        raise CheckpointCorrupt(f"{where}.{key}: expected a list of objects")
-    return v
-
-
-def _one_of(value: str, allowed: tuple[str, ...], where: str) -> str:
-    if value not in allowed:
-        raise CheckpointCorrupt(f"{where}: {value!r} is not one of {', '.join(allowed)}")
-    return value
-
-
-# --- decoding (pure) --------------------------------------------------------------------------
+# --- decoding (pure): agent.decode.fields, unknown fields ignored ------------------------------
 
 
 def _device(obj: Mapping[str, Any], where: str) -> PreparedDevice:
+    g = obj.get
     return PreparedDevice(
-        request_names=_strs(obj, "requestNames", where),
-        pool=_str(obj, "pool", where),
-        device=_str(obj, "device", where),
-        cdi_device_ids=_strs(obj, "cdiDeviceIDs", where),
-        kind=_one_of(_str(obj, "kind", where), DEVICE_KINDS, f"{where}.kind"),
-        gpu_uuid=_str(obj, "gpuUUID", where),
-        gpu_minor=_int(obj, "gpuMinor", where),
-        mig_uuid=_opt_str(obj, "migUUID", where),
-        gpu_instance_id=_opt_int(obj, "gpuInstanceID", where),
-        compute_instance_id=_opt_int(obj, "computeInstanceID", where),
-        placement=_placement(obj, where),
-        sharing=_opt_str(obj, "sharing", where),
-        interval=_opt_str(obj, "interval", where),
-        share_id=_opt_str(obj, "shareID", where),
-        memory_bytes=_opt_int(obj, "memoryBytes", where),
+        request_names=fields.texts(g("requestNames"), f"{where}.requestNames", required=True),
+        pool=fields.text(g("pool"), f"{where}.pool"),
+        device=fields.text(g("device"), f"{where}.device"),
+        cdi_device_ids=fields.texts(g("cdiDeviceIDs"), f"{where}.cdiDeviceIDs", required=True),
+        kind=fields.one_of(g("kind"), f"{where}.kind", DEVICE_KINDS),
+        gpu_uuid=fields.text(g("gpuUUID"), f"{where}.gpuUUID"),
+        gpu_minor=fields.integer(g("gpuMinor"), f"{where}.gpuMinor"),
+        mig_uuid=fields.opt_text(g("migUUID"), f"{where}.migUUID"),
+        gpu_instance_id=fields.opt_integer(g("gpuInstanceID"), f"{where}.gpuInstanceID"),
+        compute_instance_id=fields.opt_integer(
+            g("computeInstanceID"), f"{where}.computeInstanceID"
+        ),
+        placement=_placement(g("placement"), f"{where}.placement"),
+        sharing=fields.opt_text(g("sharing"), f"{where}.sharing"),
+        interval=fields.opt_text(g("interval"), f"{where}.interval"),
+        share_id=fields.opt_text(g("shareID"), f"{where}.shareID"),
+        memory_bytes=fields.opt_integer(g("memoryBytes"), f"{where}.memoryBytes"),
     )
 
 
-def _placement(obj: Mapping[str, Any], where: str) -> tuple[int, int, int] | None:
-    v = obj.get("placement")
+def _placement(v: Any, where: str) -> tuple[int, int, int] | None:
     if v is None:
         return None
     if (
@@ -425,66 +245,61 @@ def _placement(obj: Mapping[str, Any], where: str) -> tuple[int, int, int] | Non
         or len(v) != 3
         or not all(isinstance(x, int) and not isinstance(x, bool) for x in v)
     ):
-        raise CheckpointCorrupt(f"{where}.placement: expected [profile id, start, size]")
+        raise fields.FieldError(where, f"expected [profile id, start, size], got {fields.got(v)}")
     return (v[0], v[1], v[2])
 
 
-def _mps(obj: Any, where: str) -> MpsRecord | None:
-    if obj is None:
+def _mps(value: Any, where: str) -> MpsRecord | None:
+    if value is None:
         return None
-    if not isinstance(obj, dict):
-        raise CheckpointCorrupt(f"{where}: expected an object")
+    obj = fields.obj(value, where)
+    g = obj.get
     return MpsRecord(
-        pid=_int(obj, "pid", where),
-        started_at=_number(obj, "startedAt", where),
-        pipe_dir=_str(obj, "pipeDir", where),
-        log_dir=_str(obj, "logDir", where),
-        shm_dir=_str(obj, "shmDir", where),
-        devices=_strs(obj, "devices", where),
-        thread_percentage=_opt_int(obj, "threadPercentage", where),
-        pinned=_pinned(obj.get("pinnedMemory"), where),
+        pid=fields.integer(g("pid"), f"{where}.pid"),
+        started_at=fields.number(g("startedAt"), f"{where}.startedAt"),
+        pipe_dir=fields.text(g("pipeDir"), f"{where}.pipeDir"),
+        log_dir=fields.text(g("logDir"), f"{where}.logDir"),
+        shm_dir=fields.text(g("shmDir"), f"{where}.shmDir"),
+        devices=fields.texts(g("devices"), f"{where}.devices", required=True),
+        thread_percentage=fields.opt_integer(g("threadPercentage"), f"{where}.threadPercentage"),
+        pinned=_pinned(g("pinnedMemory"), f"{where}.pinnedMemory"),
     )
 
 
-def _pinned(obj: Any, where: str) -> tuple[tuple[str, int], ...]:
-    if obj is None:
+def _pinned(value: Any, where: str) -> tuple[tuple[str, int], ...]:
+    if value is None:
         return ()
-    if not isinstance(obj, dict) or not all(
-        isinstance(v, int) and not isinstance(v, bool) for v in obj.values()
-    ):
-        raise CheckpointCorrupt(f"{where}.pinnedMemory: expected an object of byte counts")
-    return tuple(sorted(obj.items()))
+    obj = fields.obj(value, where)
+    return tuple(sorted((k, fields.integer(v, f"{where}[{k!r}]")) for k, v in obj.items()))
 
 
-def _claim(uid: str, obj: Any, where: str) -> ClaimEntry:
-    if not isinstance(obj, dict):
-        raise CheckpointCorrupt(f"{where}: expected an object")
-    stored_uid = _str(obj, "uid", where)
+def _claim(uid: str, value: Any, where: str) -> ClaimEntry:
+    obj = fields.obj(value, where)
+    g = obj.get
+    stored_uid = fields.text(g("uid"), f"{where}.uid")
     if stored_uid != uid:
-        raise CheckpointCorrupt(f"{where}: stored under {uid!r} but has uid {stored_uid!r}")
+        raise fields.FieldError(where, f"stored under {uid!r} but has uid {stored_uid!r}")
     return ClaimEntry(
         uid=uid,
-        namespace=_str(obj, "namespace", where),
-        name=_str(obj, "name", where),
-        state=_one_of(_str(obj, "state", where), STATES, f"{where}.state"),
+        namespace=fields.text(g("namespace"), f"{where}.namespace"),
+        name=fields.text(g("name"), f"{where}.name"),
+        state=fields.one_of(g("state"), f"{where}.state", STATES),
         devices=tuple(
             _device(d, f"{where}.devices[{i}]")
-            for i, d in enumerate(_objects(obj, "devices", where))
+            for i, d in enumerate(fields.objects(g("devices"), f"{where}.devices", required=True))
         ),
-        updated_at=_number(obj, "updatedAt", where),
-        recovered=_flag(obj, "recovered", where),
-        mps=_mps(obj.get("mps"), f"{where}.mps"),
-        pods=_strs(obj, "pods", where) if "pods" in obj else (),
-        rebuilt_from=_opt_str(obj, "rebuiltFrom", where),
+        updated_at=fields.number(g("updatedAt"), f"{where}.updatedAt"),
+        recovered=fields.flag(obj.get("recovered", False), f"{where}.recovered", default=None),
+        mps=_mps(g("mps"), f"{where}.mps"),
+        pods=fields.texts(g("pods"), f"{where}.pods", required="pods" in obj),
+        rebuilt_from=fields.opt_text(g("rebuiltFrom"), f"{where}.rebuiltFrom"),
     )
 
 
 def _from_current(obj: Mapping[str, Any]) -> Checkpoint:
-    claims = _get(obj, "claims", "checkpoint")
-    if not isinstance(claims, dict):
-        raise CheckpointCorrupt("checkpoint.claims: expected an object")
+    claims = fields.obj(obj.get("claims"), "checkpoint.claims")
     return Checkpoint(
-        boot_id=_str(obj, "bootID", "checkpoint"),
+        boot_id=fields.text(obj.get("bootID"), "checkpoint.bootID"),
         claims={uid: _claim(uid, c, f"claims[{uid!r}]") for uid, c in claims.items()},
     )
 
@@ -492,33 +307,38 @@ def _from_current(obj: Mapping[str, Any]) -> Checkpoint:
 def _v0_to_v1(obj: dict[str, Any]) -> dict[str, Any]:
     """Convert the pre-release shape (see the module docstring) to version 1. Pure."""
     claims: dict[str, Any] = {}
-    for i, c in enumerate(_objects(obj, "preparedClaims", "checkpoint")):
+    prepared = fields.objects(obj.get("preparedClaims"), "preparedClaims", required=True)
+    for i, c in enumerate(prepared):
         where = f"preparedClaims[{i}]"
-        uid = _str(c, "uid", where)
+        uid = fields.text(c.get("uid"), f"{where}.uid")
         if uid in claims:
-            raise CheckpointCorrupt(f"{where}: claim {uid!r} appears twice")
+            raise fields.FieldError(where, f"claim {uid!r} appears twice")
         devices = []
-        for j, d in enumerate(_objects(c, "devices", where)):
+        for j, d in enumerate(fields.objects(c.get("devices"), f"{where}.devices", required=True)):
             dw = f"{where}.devices[{j}]"
             devices.append(
                 {
-                    "requestNames": list(_strs(d, "requests", dw)),
-                    "pool": _str(d, "pool", dw),
-                    "device": _str(d, "device", dw),
-                    "cdiDeviceIDs": list(_strs(d, "cdiDevices", dw)),
-                    "kind": _str(d, "type", dw),
-                    "gpuUUID": _str(d, "uuid", dw),
-                    "gpuMinor": _int(d, "minor", dw),
-                    "migUUID": _opt_str(d, "migUuid", dw),
-                    "gpuInstanceID": _opt_int(d, "giId", dw),
-                    "computeInstanceID": _opt_int(d, "ciId", dw),
+                    "requestNames": list(
+                        fields.texts(d.get("requests"), f"{dw}.requests", required=True)
+                    ),
+                    "pool": fields.text(d.get("pool"), f"{dw}.pool"),
+                    "device": fields.text(d.get("device"), f"{dw}.device"),
+                    "cdiDeviceIDs": list(
+                        fields.texts(d.get("cdiDevices"), f"{dw}.cdiDevices", required=True)
+                    ),
+                    "kind": fields.text(d.get("type"), f"{dw}.type"),
+                    "gpuUUID": fields.text(d.get("uuid"), f"{dw}.uuid"),
+                    "gpuMinor": fields.integer(d.get("minor"), f"{dw}.minor"),
+                    "migUUID": fields.opt_text(d.get("migUuid"), f"{dw}.migUuid"),
+                    "gpuInstanceID": fields.opt_integer(d.get("giId"), f"{dw}.giId"),
+                    "computeInstanceID": fields.opt_integer(d.get("ciId"), f"{dw}.ciId"),
                 }
             )
         claims[uid] = {
             "uid": uid,
-            "namespace": _str(c, "namespace", where),
-            "name": _str(c, "name", where),
-            "state": _str(c, "status", where),
+            "namespace": fields.text(c.get("namespace"), f"{where}.namespace"),
+            "name": fields.text(c.get("name"), f"{where}.name"),
+            "state": fields.text(c.get("status"), f"{where}.status"),
             "devices": devices,
             "updatedAt": 0.0,
         }
@@ -526,7 +346,7 @@ def _v0_to_v1(obj: dict[str, Any]) -> dict[str, Any]:
         "apiVersion": API_VERSION,
         "kind": KIND,
         "version": 1,
-        "bootID": _str(obj, "bootId", "checkpoint"),
+        "bootID": fields.text(obj.get("bootId"), "checkpoint.bootId"),
         "claims": claims,
     }
 
@@ -552,7 +372,14 @@ def decode(data: bytes, source: str = "<checkpoint>") -> tuple[Checkpoint, int |
         raise CheckpointCorrupt(str(exc)) from exc
     if not isinstance(obj, dict):
         raise CheckpointCorrupt(f"expected a JSON object, got {type(obj).__name__}")
-    version = _int(obj, "version", "checkpoint")
+    try:
+        return _decode(obj, source)
+    except fields.FieldError as exc:
+        raise CheckpointCorrupt(str(exc)) from exc
+
+
+def _decode(obj: dict[str, Any], source: str) -> tuple[Checkpoint, int | None]:
+    version = fields.integer(obj.get("version"), "checkpoint.version")
     if version >= 1 and obj.get("kind") != KIND:
         raise CheckpointCorrupt(f"kind is {obj.get('kind')!r}, not {KIND!r}")
     if version > CHECKPOINT_VERSION:
@@ -562,7 +389,7 @@ def decode(data: bytes, source: str = "<checkpoint>") -> tuple[Checkpoint, int |
     if version >= 1:
         if obj.get("apiVersion") != API_VERSION:
             raise CheckpointCorrupt(f"apiVersion is {obj.get('apiVersion')!r}, not {API_VERSION!r}")
-        stored = _str(obj, "checksum", "checkpoint")
+        stored = fields.text(obj.get("checksum"), "checkpoint.checksum")
         if stored != checksum_of(obj):
             raise CheckpointCorrupt("checksum mismatch: the file was changed or partly written")
     current = obj

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from agent.decode import load_yaml_documents
+from agent.decode import fields, load_yaml_documents
 from agent.errors import DecodeError
 from dra_driver.errors import ClaimError, KubeError, QuantityError
 from dra_driver.quantity import parse_bytes
@@ -145,87 +145,31 @@ def check_claim_key(key: ClaimKey, where: str, *, names: bool = True) -> None:
         raise ClaimError("; ".join(problems), "invalid_claim")
 
 
-class _Fields:
-    """Typed access to one object of the claim, every problem a ClaimError naming the path."""
-
-    def __init__(self, value: Any, path: str, key: ClaimKey | str) -> None:
-        if not isinstance(value, dict):
-            raise _bad(key, path, f"expected an object, got {_kind(value)}")
-        self.obj: Mapping[str, Any] = value
-        self.path = path
-        self.key = key
-
-    def _at(self, name: str) -> str:
-        return f"{self.path}.{name}" if self.path else name
-
-    def get(self, name: str) -> Any:
-        return self.obj.get(name)
-
-    def obj_or_none(self, name: str) -> _Fields | None:
-        value = self.obj.get(name)
-        return None if value is None else _Fields(value, self._at(name), self.key)
-
-    def text(self, name: str, *, required: bool = True) -> str | None:
-        value = self.obj.get(name)
-        if value is None and not required:
-            return None
-        if not isinstance(value, str):
-            what = "missing" if value is None else f"expected a string, got {_kind(value)}"
-            raise _bad(self.key, self._at(name), what)
-        return value
-
-    def flag(self, name: str) -> bool:
-        value = self.obj.get(name, False)
-        if not isinstance(value, bool):
-            raise _bad(self.key, self._at(name), f"expected true or false, got {_kind(value)}")
-        return value
-
-    def items(self, name: str) -> list[_Fields]:
-        value = self.obj.get(name)
-        if value is None:
-            return []
-        if not isinstance(value, list):
-            raise _bad(self.key, self._at(name), f"expected a list, got {_kind(value)}")
-        return [_Fields(v, f"{self._at(name)}[{i}]", self.key) for i, v in enumerate(value)]
-
-    def texts(self, name: str) -> tuple[str, ...]:
-        value = self.obj.get(name)
-        if value is None:
-            return ()
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise _bad(self.key, self._at(name), "expected a list of strings")
-        return tuple(value)
+def _opt_obj(value: Any, path: str) -> Mapping[str, Any] | None:
+    return None if value is None else fields.obj(value, path)
 
 
-def _kind(value: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(
-        type(value), "null" if value is None else f"a {type(value).__name__}"
-    )
-
-
-def _bad(key: ClaimKey | str, path: str, problem: str) -> ClaimError:
-    where = f"{path}: " if path else ""  # the claim itself is not an object
-    return ClaimError(f"claim {key}: {where}{problem}", "invalid_claim")
-
-
-def _node_allowed(selector: _Fields | None, node: str) -> bool:
+def _node_allowed(selector: Mapping[str, Any] | None, node: str) -> bool:
     """Whether an allocation's nodeSelector admits ``node`` (only the terms the scheduler writes
     for node-local pools are understood: matchFields on metadata.name)."""
     if selector is None:
         return True
-    terms = selector.items("nodeSelectorTerms")
+    path = "status.allocation.nodeSelector"
+    terms = fields.objects(selector.get("nodeSelectorTerms"), f"{path}.nodeSelectorTerms")
     if not terms:
         return True
-    for term in terms:
-        fields = term.items("matchFields")
-        for f in fields:
+    for i, term in enumerate(terms):
+        tp = f"{path}.nodeSelectorTerms[{i}]"
+        found = fields.objects(term.get("matchFields"), f"{tp}.matchFields")
+        for j, f in enumerate(found):
+            fp = f"{tp}.matchFields[{j}]"
             if (
-                f.text("key") == "metadata.name"
-                and f.text("operator") == "In"
-                and node in f.texts("values")
+                fields.text(f.get("key"), f"{fp}.key") == "metadata.name"
+                and fields.text(f.get("operator"), f"{fp}.operator") == "In"
+                and node in fields.texts(f.get("values"), f"{fp}.values")
             ):
                 return True
-        if not fields and not term.items("matchExpressions"):
+        if not found and not fields.objects(term.get("matchExpressions"), f"{tp}.matchExpressions"):
             return True
     return False
 
@@ -233,9 +177,17 @@ def _node_allowed(selector: _Fields | None, node: str) -> bool:
 def parse_allocation(obj: Any, key: ClaimKey, driver: str, node: str) -> Allocation:
     """Check the claim against the kubelet's request and pick this driver's part. Pure; every
     problem is a ClaimError (reasons ``uid_mismatch``, ``not_allocated``, ``other_node``,
-    ``invalid_claim`` with the field path)."""
-    claim = _Fields(obj, "", key)
-    meta = claim.obj_or_none("metadata") or _Fields({}, "metadata", key)
+    ``invalid_claim`` with the field path, read with :mod:`agent.decode.fields`; unknown fields
+    are ignored: the API server has checked the claim, and a newer one may add fields)."""
+    try:
+        return _allocation(obj, key, driver, node)
+    except fields.FieldError as exc:
+        raise ClaimError(f"claim {key}: {exc}", "invalid_claim") from exc
+
+
+def _allocation(obj: Any, key: ClaimKey, driver: str, node: str) -> Allocation:
+    claim = fields.obj(obj, "")
+    meta = _opt_obj(claim.get("metadata"), "metadata") or {}
     uid = meta.get("uid")
     if uid != key.uid:
         raise ClaimError(
@@ -243,51 +195,57 @@ def parse_allocation(obj: Any, key: ClaimKey, driver: str, node: str) -> Allocat
             f" {key.uid!r} (the claim was deleted and re-created?)",
             reason="uid_mismatch",
         )
-    status = claim.obj_or_none("status")
-    allocation = status.obj_or_none("allocation") if status is not None else None
-    if allocation is None or not allocation.obj:
+    status = _opt_obj(claim.get("status"), "status")
+    allocation = _opt_obj(status.get("allocation"), "status.allocation") if status else None
+    if not allocation:
         raise ClaimError(
             f"claim {key} is not allocated (status.allocation is empty)", reason="not_allocated"
         )
-    if not _node_allowed(allocation.obj_or_none("nodeSelector"), node):
+    selector = _opt_obj(allocation.get("nodeSelector"), "status.allocation.nodeSelector")
+    if not _node_allowed(selector, node):
         raise ClaimError(
             f"claim {key} is allocated to another node (status.allocation.nodeSelector), not"
             f" {node!r}",
             reason="other_node",
         )
-    devices = allocation.obj_or_none("devices") or _Fields({}, "status.allocation.devices", key)
+    dp = "status.allocation.devices"
+    devices = _opt_obj(allocation.get("devices"), dp) or {}
     results = []
-    for r in devices.items("results"):
-        if r.text("driver") != driver:
+    for i, r in enumerate(fields.objects(devices.get("results"), f"{dp}.results")):
+        rp = f"{dp}.results[{i}]"
+        if fields.text(r.get("driver"), f"{rp}.driver") != driver:
             continue
-        pool = r.text("pool")
-        name = r.text("device")
+        pool = fields.text(r.get("pool"), f"{rp}.pool")
+        name = fields.text(r.get("device"), f"{rp}.device")
         if pool != node:
             raise ClaimError(
-                f"claim {key}: {r.path}: device {shown(name)} is allocated from pool"
+                f"claim {key}: {rp}: device {shown(name)} is allocated from pool"
                 f" {shown(pool)}, which is another node's (this node is {node!r})",
                 reason="other_node",
             )
         results.append(
             AllocatedDevice(
-                request=str(r.text("request")),
+                request=fields.text(r.get("request"), f"{rp}.request"),
                 driver=driver,
-                pool=str(pool),
-                device=str(name),
-                admin_access=r.flag("adminAccess"),
-                share_id=r.text("shareID", required=False),
-                consumed_memory=_consumed_memory(r),
+                pool=pool,
+                device=name,
+                admin_access=fields.flag(
+                    r.get("adminAccess", False), f"{rp}.adminAccess", default=None
+                ),
+                share_id=fields.opt_text(r.get("shareID"), f"{rp}.shareID"),
+                consumed_memory=_consumed_memory(r, rp),
             )
         )
     configs = []
-    for c in devices.items("config"):
-        opaque = c.obj_or_none("opaque")
-        if opaque is None or opaque.text("driver") != driver:
+    for i, c in enumerate(fields.objects(devices.get("config"), f"{dp}.config")):
+        cp = f"{dp}.config[{i}]"
+        opaque = _opt_obj(c.get("opaque"), f"{cp}.opaque")
+        if opaque is None or fields.text(opaque.get("driver"), f"{cp}.opaque.driver") != driver:
             continue
         configs.append(
             OpaqueConfig(
-                source=c.text("source", required=False) or "FromClaim",
-                requests=c.texts("requests"),
+                source=fields.opt_text(c.get("source"), f"{cp}.source") or "FromClaim",
+                requests=fields.texts(c.get("requests"), f"{cp}.requests"),
                 parameters=opaque.get("parameters"),
             )
         )
@@ -295,8 +253,8 @@ def parse_allocation(obj: Any, key: ClaimKey, driver: str, node: str) -> Allocat
     configs.sort(key=lambda c: 0 if c.source == "FromClass" else 1)
     pods = (
         tuple(
-            str(ref.text("uid"))
-            for ref in status.items("reservedFor")
+            fields.text(ref.get("uid"), f"status.reservedFor[{i}].uid")
+            for i, ref in enumerate(fields.objects(status.get("reservedFor"), "status.reservedFor"))
             if ref.get("resource") == "pods" and ref.get("uid") is not None
         )
         if status is not None
@@ -305,22 +263,22 @@ def parse_allocation(obj: Any, key: ClaimKey, driver: str, node: str) -> Allocat
     return Allocation(claim=key, devices=tuple(results), configs=tuple(configs), pods=pods)
 
 
-def _consumed_memory(result: _Fields) -> int | None:
-    consumed = result.obj_or_none("consumedCapacity")
+def _consumed_memory(result: Mapping[str, Any], path: str) -> int | None:
+    consumed = _opt_obj(result.get("consumedCapacity"), f"{path}.consumedCapacity")
     text = consumed.get("memory") if consumed is not None else None
     if text is None:
         return None
-    where = f"{result.path}.consumedCapacity.memory"
+    where = f"{path}.consumedCapacity.memory"
     if isinstance(text, int) and not isinstance(text, bool) and text >= 0:
         return text
     if not isinstance(text, str):
-        raise _bad(result.key, where, f"expected a quantity, got {_kind(text)}")
+        raise fields.expected("a quantity", text, where)
     try:
         value = parse_bytes(text)
     except QuantityError as exc:
-        raise _bad(result.key, where, str(exc)) from exc
+        raise fields.FieldError(where, str(exc)) from exc
     if value < 0:
-        raise _bad(result.key, where, f"{shown(text)} is negative")
+        raise fields.FieldError(where, f"{shown(text)} is negative")
     return value
 
 

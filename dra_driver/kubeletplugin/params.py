@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar, TypeAlias
 
+from agent.decode import fields
 from dra_driver.errors import ParamsError, QuantityError
 from dra_driver.quantity import Quantity, parse_quantity
 
@@ -149,45 +150,14 @@ Decoder: TypeAlias = Callable[[dict[str, Any], str], DeviceConfig]
 at ``path``; returns the internal value or raises ParamsError."""
 
 
-# -- checking one value ----------------------------------------------------------------------
-def _show(value: Any) -> str:
-    """A value as the user wrote it (JSON), cut short if long."""
-    text = json.dumps(value, ensure_ascii=False, default=repr)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _kind(value: Any) -> str:
-    if isinstance(value, bool):
-        return "a boolean"
-    names = {dict: "an object", list: "a list", str: "a string", int: "an integer"}
-    return names.get(type(value), "null" if value is None else "a number")
-
-
-def _is_a(value: Any) -> str:
-    """``"50" is a string``: a value of the wrong kind, named."""
-    return "null" if value is None else f"{_show(value)} is {_kind(value)}"
-
-
-def _got(value: Any) -> str:
-    """``a string: "x"``: what came instead of an object."""
-    return "null" if value is None else f"{_kind(value)}: {_show(value)}"
-
-
-def _field_name(key: Any) -> str:
-    """A field name as written (``turbo``); a key YAML made a number or null, or one with
-    characters that do not print, as JSON (``1``, ``"a\\u001e"``)."""
-    text = key if isinstance(key, str) and key.isprintable() else _show(key)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
+# -- checking one value (agent.decode.fields words the value and its kind) --------------------
 def _object(value: Any, path: str, allowed: tuple[str, ...]) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise ParamsError(f"{path}: expected an object, got {_got(value)}")
-    unknown = sorted(_field_name(k) for k in value if k not in allowed)
-    if unknown:
-        raise ParamsError(
-            f"{path}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}"
-        )
+        raise ParamsError(f"{path}: expected an object, got {fields.got(value)}")
+    try:
+        fields.check_known(value, path, allowed)
+    except fields.UnknownField as exc:
+        raise ParamsError(str(exc)) from None
     return value
 
 
@@ -204,7 +174,7 @@ def _choice(
         close = [a for a in allowed if a.lower() == value.lower()]
         hint = f" (did you mean {close[0]}?)" if close else ""
     raise ParamsError(
-        f"{path}.{name}: {_show(value)} is not allowed{hint}; allowed: {', '.join(allowed)}"
+        f"{path}.{name}: {fields.shown(value)} is not allowed{hint}; allowed: {', '.join(allowed)}"
         f" (default: {default})"
     )
 
@@ -213,7 +183,7 @@ def _percentage(value: Any, path: str) -> int:
     low, high = THREAD_PERCENTAGE_RANGE
     allowed = f"allowed: an integer from {low} to {high}"
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ParamsError(f"{path}: {_is_a(value)}; {allowed}")
+        raise ParamsError(f"{path}: {fields.is_a(value)}; {allowed}")
     if not low <= value <= high:
         raise ParamsError(f"{path}: {value} is out of range; {allowed}")
     return value
@@ -232,11 +202,11 @@ def _memory_bytes(value: Any, path: str) -> int:
     elif isinstance(value, int) and not isinstance(value, bool):
         quantity = Quantity.from_int(value)
     else:
-        raise ParamsError(f"{path}: {_is_a(value)}; {allowed}")
+        raise ParamsError(f"{path}: {fields.is_a(value)}; {allowed}")
     size = quantity.value()
     if not MIN_PINNED_MEMORY_BYTES <= size <= MAX_PINNED_MEMORY_BYTES:
         problem = "is less than 1Mi" if size < MIN_PINNED_MEMORY_BYTES else "is too large"
-        raise ParamsError(f"{path}: {_show(value)} {problem}; {allowed}")
+        raise ParamsError(f"{path}: {fields.shown(value)} {problem}; {allowed}")
     return size
 
 
@@ -272,11 +242,14 @@ def _device_key(key: Any, path: str, kind: str) -> str:
     want = DEVICE_TYPES[kind]
     allowed = f"allowed: {_KEY_FORMS[want]}"
     if not isinstance(key, str) or (found := _device_type_of(key)) is None:
-        raise ParamsError(f"{path}: key {_show(key)} is not a device name or UUID; {allowed}")
+        raise ParamsError(
+            f"{path}: key {fields.shown(key)} is not a device name or UUID; {allowed}"
+        )
     if found != want:
         what = "a MIG device" if found == "mig" else "a whole GPU"
         raise ParamsError(
-            f"{path}: key {_show(key)} is {what}, which a {kind} does not configure; {allowed}"
+            f"{path}: key {fields.shown(key)} is {what}, which a {kind} does not configure;"
+            f" {allowed}"
         )
     return key
 
@@ -298,11 +271,13 @@ def _mps_v1alpha1(value: Any, path: str, kind: str) -> Mps:
         entries = obj["perDevicePinnedMemoryLimit"]
         if not isinstance(entries, dict):
             raise ParamsError(
-                f"{map_path}: expected an object of device: quantity, got {_got(entries)}"
+                f"{map_path}: expected an object of device: quantity, got {fields.got(entries)}"
             )
         for key, limit_value in entries.items():
             name = _device_key(key, map_path, kind)
-            per_device.append((name, _memory_bytes(limit_value, f"{map_path}[{_show(key)}]")))
+            per_device.append(
+                (name, _memory_bytes(limit_value, f"{map_path}[{fields.shown(key)}]"))
+            )
     return Mps(percentage, limit, tuple(sorted(per_device)))
 
 
@@ -310,17 +285,15 @@ def _sharing_v1alpha1(value: Any, path: str, kind: str) -> Sharing:
     if kind == MIG_DEVICE_CONFIG and isinstance(value, dict):  # say why, not "unknown field"
         if value.get("strategy") == TIME_SLICING:
             raise ParamsError(
-                f"{path}.strategy: {_show(TIME_SLICING)} is not allowed on a {kind}:"
+                f"{path}.strategy: {fields.shown(TIME_SLICING)} is not allowed on a {kind}:"
                 f" {NO_TIME_SLICING_ON_MIG}"
             )
         if "timeSlicing" in value:
             raise ParamsError(
                 f"{path}.timeSlicing: not allowed on a {kind}: {NO_TIME_SLICING_ON_MIG}"
             )
-    fields = (
-        ("strategy", "mps") if kind == MIG_DEVICE_CONFIG else ("strategy", "timeSlicing", "mps")
-    )
-    obj = _object(value, path, fields)
+    names = ("strategy", "mps") if kind == MIG_DEVICE_CONFIG else ("strategy", "timeSlicing", "mps")
+    obj = _object(value, path, names)
     strategy = _choice(obj, "strategy", path, STRATEGIES[kind], DEFAULT_STRATEGY)
     for name, needs in (("timeSlicing", TIME_SLICING), ("mps", MPS)):
         if name in obj and strategy != needs:
@@ -343,7 +316,11 @@ def decode_v1alpha1(obj: dict[str, Any], path: str) -> DeviceConfig:
     _object(obj, path, ("apiVersion", "kind", "sharing"))
     kind = obj.get("kind")
     if kind not in KINDS or not isinstance(kind, str):
-        shown = "missing" if "kind" not in obj else f"{_show(kind)} is not a kind of {API_VERSION}"
+        shown = (
+            "missing"
+            if "kind" not in obj
+            else f"{fields.shown(kind)} is not a kind of {API_VERSION}"
+        )
         raise ParamsError(f"{path}.kind: {shown}; allowed: {', '.join(KINDS)}")
     if "sharing" not in obj:
         return DeviceConfig(kind)
@@ -368,12 +345,14 @@ def validate(
     if size > MAX_PARAMETERS_BYTES:
         raise ParamsError(f"{path}: {size} bytes, more than the {MAX_PARAMETERS_BYTES} allowed")
     if not isinstance(parameters, dict):
-        raise ParamsError(f"{path}: expected an object, got {_got(parameters)}")
+        raise ParamsError(f"{path}: expected an object, got {fields.got(parameters)}")
     version = parameters.get("apiVersion")
     decoder = versions.get(version) if isinstance(version, str) else None
     if decoder is None:
         shown = (
-            "missing" if "apiVersion" not in parameters else f"{_show(version)} is not supported"
+            "missing"
+            if "apiVersion" not in parameters
+            else f"{fields.shown(version)} is not supported"
         )
         raise ParamsError(f"{path}.apiVersion: {shown}; allowed: {', '.join(versions)}")
     return decoder(parameters, path)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.decode import load_json, load_yaml_documents
+from agent.decode import fields, load_json, load_yaml_documents
 from agent.errors import DecodeError
 
 RESOURCE_API = "resource.k8s.io/v1"
@@ -98,14 +98,14 @@ def parse_documents(text: str, source: str) -> list[Document]:
         if obj is None:
             continue
         if not isinstance(obj, dict):
-            raise DocumentError(source, index, "", f"a {_type(obj)}, not an object")
+            raise DocumentError(source, index, "", f"{fields.kind_of(obj)}, not an object")
         kind = obj.get("kind")
         if not isinstance(kind, str) or not kind:
             raise DocumentError(source, index, "kind", "missing; expected e.g. ResourceClaim")
         if kind.endswith("List") and "items" in obj:
             items = obj["items"]
             if not isinstance(items, list):
-                raise DocumentError(source, index, "items", f"a {_type(items)}, not a list")
+                raise DocumentError(source, index, "items", f"{fields.kind_of(items)}, not a list")
             for i, item in enumerate(items):
                 if not isinstance(item, dict):
                     raise DocumentError(source, index, f"items[{i}]", "not an object")
@@ -122,12 +122,6 @@ def parse_documents(text: str, source: str) -> list[Document]:
 def _dict(value: Any) -> dict[str, Any]:
     """``value`` when it is an object, else an empty one (for optional fields)."""
     return value if isinstance(value, dict) else {}
-
-
-def _type(value: Any) -> str:
-    return {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}.get(
-        type(value), type(value).__name__
-    )
 
 
 def check_api(doc: Document, expected: str = RESOURCE_API) -> None:
@@ -147,7 +141,7 @@ def _object(doc: Document, path: Sequence[str]) -> dict[str, Any]:
         value = value.get(key) if isinstance(value, dict) else None
         if not isinstance(value, dict):
             shown = ".".join(path[: i + 1])
-            what = "missing" if value is None else f"a {_type(value)}, not an object"
+            what = "missing" if value is None else f"{fields.kind_of(value)}, not an object"
             raise doc.error(shown, what)
     return _dict(value)
 
@@ -281,7 +275,7 @@ def _pod_claims(
 ) -> list[Subject]:
     refs = spec.get("resourceClaims") or []
     if not isinstance(refs, list):
-        raise pod.error(f"{path}.resourceClaims", f"a {_type(refs)}, not a list")
+        raise pod.error(f"{path}.resourceClaims", f"{fields.kind_of(refs)}, not a list")
     ns = pod.namespace
     who = f"{pod.kind.lower()} {ns}/{pod.name}"
     out = []

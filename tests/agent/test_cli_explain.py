@@ -229,6 +229,151 @@ def test_malformed_claim_files_exit_2_naming_the_field(tmp_path, docs, expected)
     assert expected in err, err
 
 
+# -- strict like the API server: an unknown field is refused, naming its path ----------------
+
+
+def _typo_in_claim(c):
+    c["spec"]["devices"]["requests"][0]["exactly"]["selector"] = [{"cel": {"expression": "true"}}]
+
+
+def _requests_misspelt(c):
+    c["spec"]["devices"]["request"] = c["spec"]["devices"].pop("requests")
+
+
+def _v1beta1_count(c):
+    c["spec"]["devices"]["requests"][0]["count"] = 2
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (
+            _typo_in_claim,
+            'c.yaml: document 0: unknown field "spec.devices.requests[0].exactly.selector";'
+            " allowed: adminAccess, allocationMode, capacity, count, deviceClassName, selectors,"
+            " tolerations",
+        ),
+        (
+            _requests_misspelt,
+            'c.yaml: document 0: unknown field "spec.devices.request"; allowed: config,'
+            " constraints, requests",
+        ),
+        (
+            _v1beta1_count,
+            'c.yaml: document 0: unknown field "spec.devices.requests[0].count": a v1beta1 field;'
+            " in resource.k8s.io/v1 it goes under `exactly`",
+        ),
+    ],
+    ids=["selector-for-selectors", "request-for-requests", "v1beta1-field"],
+)
+def test_an_unknown_field_in_a_claim_exits_2_naming_its_path(tmp_path, edit, expected):
+    """The API server refuses these (strict decoding: unknown field "..."): explain must not
+    answer "fits" for them."""
+    c = claim("c1", gpus("gpu"))
+    edit(c)
+    code, out, err = explain(
+        write(tmp_path / "c.yaml", c), "--class", CLASSES, "--simulate", "l40s-pcie"
+    )
+    assert (code, out) == (2, "")
+    assert expected in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_unknown_fields_are_found_in_templates_pods_classes_slices_and_lists(tmp_path):
+    t = template("t", gpus("gpu"))
+    t["spec"]["spec"]["devices"]["requests"][0]["exactly"]["cout"] = 1
+    code, _, err = explain(
+        write(tmp_path / "t.yaml", t), "--class", CLASSES, "--simulate", "l40s-pcie"
+    )
+    assert code == 2 and 'unknown field "spec.spec.devices.requests[0].exactly.cout"' in err, err
+
+    p = pod("p", gpu=("t", True))
+    p["spec"]["resourceClaims"][0]["resourceClaimTemplate"] = "t"
+    code, _, err = explain(
+        write(tmp_path / "p.yaml", template("t", gpus("gpu")), p),
+        "--class",
+        CLASSES,
+        "--simulate",
+        "l40s-pcie",
+    )
+    assert (
+        code == 2
+        and 'p.yaml: document 1: unknown field "spec.resourceClaims[0].resourceClaimTemplate"'
+        in err
+    ), err
+
+    p = pod("p", gpu=("c1", False))
+    p["spec"]["containers"][0]["resources"] = {"claims": [{"name": "gpu", "requests": "x"}]}
+    code, _, err = explain(
+        write(tmp_path / "p2.yaml", claim("c1", gpus("gpu")), p),
+        "--class",
+        CLASSES,
+        "--simulate",
+        "l40s-pcie",
+    )
+    assert code == 2 and 'unknown field "spec.containers[0].resources.claims[0].requests"' in err, (
+        err
+    )
+
+    classes = list(yaml.safe_load_all(CLASSES.read_text()))
+    classes[0]["spec"]["selector"] = classes[0]["spec"].pop("selectors")
+    code, _, err = explain(
+        EXAMPLES / "single-gpu.yaml",
+        "--class",
+        write(tmp_path / "cls.yaml", *classes),
+        "--simulate",
+        "l40s-pcie",
+    )
+    assert code == 2 and 'cls.yaml: document 0: unknown field "spec.selector"' in err, err
+
+    rs = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": "s"},
+        "spec": {
+            "driver": DRIVER,
+            "nodeName": "n",
+            "device": [],
+            "pool": {"name": "n", "generation": 1, "resourceSliceCount": 1},
+        },
+    }
+    code, _, err = explain(
+        EXAMPLES / "single-gpu.yaml", "--class", CLASSES, "--slices", write(tmp_path / "s.yaml", rs)
+    )
+    assert code == 2 and 's.yaml: document 0: unknown field "spec.device"' in err, err
+
+    listed = {"apiVersion": "v1", "kind": "List", "items": [claim("c1", gpus("gpu"))]}
+    listed["items"][0]["spec"]["devices"]["requests"][0]["exactly"]["selector"] = []
+    code, _, err = explain(
+        write(tmp_path / "l.yaml", listed), "--class", CLASSES, "--simulate", "l40s-pcie"
+    )
+    assert (
+        code == 2
+        and 'l.yaml: document 0: unknown field "items[0].spec.devices.requests[0].exactly.selector"'
+        in err
+    ), err
+
+
+def test_metadata_may_carry_any_of_object_metas_fields(tmp_path):
+    c = claim("c1", gpus("gpu"), uid="u-1")
+    c["metadata"] |= {
+        "labels": {"a": "b"},
+        "annotations": {"x/y": "z"},
+        "resourceVersion": "7",
+        "creationTimestamp": "2025-01-01T00:00:00Z",
+        "finalizers": ["f"],
+    }
+    code, answer = as_json(
+        write(tmp_path / "c.yaml", c), "--class", CLASSES, "--simulate", "l40s-pcie"
+    )
+    assert code == 0 and answer["claims"][0]["claim"] == "default/c1"
+    c["metadata"]["lables"] = {}
+    code, _, err = explain(
+        write(tmp_path / "c.yaml", c), "--class", CLASSES, "--simulate", "l40s-pcie"
+    )
+    assert code == 2 and 'unknown field "metadata.lables"' in err, err
+
+
 def test_a_pod_in_a_slices_file_is_the_wrong_kind(tmp_path):
     f = write(tmp_path / "s.yaml", pod("p"))
     code, _, err = explain(EXAMPLES / "single-gpu.yaml", "--class", CLASSES, "--slices", f)

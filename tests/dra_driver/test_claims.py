@@ -214,3 +214,14 @@ def test_a_claim_key_is_checked_field_by_field():
     )
     assert e.value.reason == "invalid_claim"
     check_claim_key(ClaimKey("Default", "a_b", "uid-1"), "c", names=False)  # the UID only
+
+
+def test_unknown_fields_in_a_claim_are_ignored_as_before():
+    """The kubelet's claim reads stay lenient (the API server checked the claim; a newer one may
+    add fields): only ``tessera explain`` refuses unknown fields in its files."""
+    obj = claim([result() | {"newField": 1}], [opaque("FromClaim", {"x": 1}) | {"extra": True}])
+    obj["status"]["allocation"]["devices"]["newThing"] = []
+    obj["spec"]["devices"]["requests"][0]["selector"] = []
+    a = parse_allocation(obj, KEY, DRIVER, NODE)
+    assert [(d.request, d.device) for d in a.devices] == [("gpu", "gpu-0")]
+    assert [c.parameters for c in a.configs] == [{"x": 1}]

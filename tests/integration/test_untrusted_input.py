@@ -109,7 +109,7 @@ def test_one_bad_claim_file_affects_only_what_it_holds(short_tmp):
         ([{"driver": "gpu.tessera.dev", "pool": "dgx-h100", "device": "gpu-0"}],
          "status.allocation.devices.results[0].request: missing"),
         ([{"request": "gpu", "driver": "gpu.tessera.dev", "pool": "dgx-h100", "device": 7}],
-         "status.allocation.devices.results[0].device: expected a string, got a int"),
+         "status.allocation.devices.results[0].device: expected a string, got an integer: 7"),
         ("nope", "status.allocation.devices.results: expected a list, got a string"),
         ([["gpu"]], "status.allocation.devices.results[0]: expected an object, got a list"),
     ],

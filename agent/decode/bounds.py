@@ -12,8 +12,8 @@ crash or an edit, standalone claim files, answers of the API server) goes throug
 
 Anything else becomes :class:`~agent.errors.DecodeError` naming what was read and why; the caller
 turns it into its own layer's error (a corrupt checkpoint, a claim that cannot be read, ...).
-The result is plain JSON-shaped data (dicts, lists, str, int, float, bool, None); callers still
-check the shape they need.
+The result is plain JSON-shaped data (dicts, lists, str, int, float, bool, None); callers then
+read the fields they need with :mod:`agent.decode.fields`.
 """
 
 from __future__ import annotations

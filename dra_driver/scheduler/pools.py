@@ -1,0 +1,497 @@
+"""ResourceSlices and allocated claims as the allocator reads them, parsed from
+resource.k8s.io/v1 API dicts (the claims' side is :mod:`dra_driver.scheduler.domain`).
+
+A malformed field raises ``InputError`` (:class:`agent.decode.fields.FieldError`) with its path
+(``ResourceSlice s.spec.pool.resourceSliceCount: must be >= 1, got 0``). Field names, defaults and
+limits are those of k8s.io/api ``resource/v1/types.go`` (ResourceSlice, Device, CounterSet,
+DeviceCapacity, CapacityRequestPolicy, AllocationResult).
+
+Pools follow k8s.io/dynamic-resource-allocation ``structured/internal/incubating/
+pools_incubating.go`` (GatherPools, addSlice, buildPool): slices are grouped by (driver, pool);
+only the newest generation counts; a pool with fewer slices of that generation than
+``resourceSliceCount`` is incomplete and nothing is allocated from it; duplicate device names,
+duplicate counter sets and consumed counters that no counter set defines make a pool invalid.
+Pools are ordered by driver then name, slices by name, devices as listed (the first-fit order).
+
+Allocated claims follow kubernetes ``pkg/scheduler/framework/plugins/dynamicresources/
+allocateddevices.go`` (foreachAllocatedDevice): a result with ``adminAccess`` is not an
+allocation; one with a ``shareID`` is a share of a device that allows multiple allocations (its
+``consumedCapacity`` adds up per device); any other result takes the whole device.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.decode import fields
+from dra_driver.errors import QuantityError
+from dra_driver.quantity import Quantity, parse_quantity
+
+ATTRIBUTE_TYPES = ("string", "int", "bool", "version")
+"""The value fields of a DeviceAttribute; exactly one is set."""
+
+_ATTRIBUTE_TYPE_SET = frozenset(ATTRIBUTE_TYPES)
+AttributeValue = tuple[str, object]
+"""An attribute's type and value: ``("string", "clique-0")``, ``("int", 3)``; equal only when
+both are (matchAttribute compares type and value, constraint.go)."""
+
+
+InputError = fields.FieldError
+"""Malformed input: ``path`` is the offending field (``spec.devices.requests[0].name``),
+``message`` what is wrong with it, the value and what is allowed."""
+
+
+class QuantityReader:
+    """Parses quantities, each distinct text once per call (slices repeat ``"1"``, ``"0"``)."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, Quantity] = {}
+
+    def __call__(self, value: object, path: str) -> Quantity:
+        text = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+        if not isinstance(text, str):
+            raise fields.expected("a quantity (e.g. 4Gi)", value, path)
+        q = self._cache.get(text)
+        if q is None:
+            try:
+                q = parse_quantity(text)
+            except QuantityError as e:
+                raise InputError(path, str(e)) from None
+            self._cache[text] = q
+        return q
+
+
+# -- resource slices --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Taint:
+    key: str
+    value: str
+    effect: str
+
+    def blocks(self) -> bool:
+        """Only NoSchedule and NoExecute keep a device from being allocated; None and unknown
+        effects are ignored (taintPreventsAllocation, incubating/allocator_incubating.go)."""
+        return self.effect in ("NoSchedule", "NoExecute")
+
+    def __str__(self) -> str:
+        return (
+            f"{self.key}={self.value}:{self.effect}" if self.value else f"{self.key}:{self.effect}"
+        )
+
+
+@dataclass(frozen=True)
+class RequestPolicy:
+    """CapacityRequestPolicy: ``default``, ``validValues`` (ascending) or ``validRange``."""
+
+    default: Quantity | None
+    valid_values: tuple[Quantity, ...]
+    range_min: Quantity | None
+    range_max: Quantity | None
+    range_step: Quantity | None
+    has_range: bool
+
+
+@dataclass(frozen=True)
+class Capacity:
+    value: Quantity
+    policy: RequestPolicy | None
+
+
+@dataclass(frozen=True)
+class CounterUse:
+    counter_set: str
+    counters: Mapping[str, Quantity]
+
+
+@dataclass(eq=False)
+class Device:
+    """One device of a ResourceSlice. ``index`` is its position in ``Node.devices``."""
+
+    index: int
+    driver: str
+    pool: str
+    slice_name: str
+    name: str
+    raw_attributes: Mapping[str, Mapping[str, Any]]
+    raw_capacity: Mapping[str, Mapping[str, Any]]
+    raw_consumes: Sequence[Any]
+    quantities: QuantityReader
+    allow_multiple: bool
+    taints: tuple[Taint, ...]
+    path: str
+    pool_index: int = -1
+    node_name: str = ""
+    """The slice's spec.nodeName (empty for allNodes or nodeSelector slices)."""
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.driver, self.pool, self.name)
+
+    # Counters are parsed when first needed: most devices of a node never pass the selectors,
+    # and a node has thousands of them (a malformed one still raises InputError with its path,
+    # when the allocator looks at that device). Capacity is parsed with the slice.
+    @functools.cached_property
+    def capacity(self) -> Mapping[str, Capacity]:
+        q, out = self.quantities, {}
+        for cname, cap in self.raw_capacity.items():
+            cp = f"{self.path}.capacity.{cname}"
+            cap = fields.obj(cap, cp)
+            out[cname] = Capacity(
+                q(cap.get("value"), f"{cp}.value"),
+                _policy(cap.get("requestPolicy"), f"{cp}.requestPolicy", q),
+            )
+        return out
+
+    @functools.cached_property
+    def consumes(self) -> tuple[CounterUse, ...]:
+        q, out = self.quantities, []
+        for i, use in enumerate(self.raw_consumes):
+            up = f"{self.path}.consumesCounters[{i}]"
+            use = fields.obj(use, up)
+            counters = {
+                cname: q(
+                    fields.obj(c, f"{up}.counters.{cname}").get("value"),
+                    f"{up}.counters.{cname}.value",
+                )
+                for cname, c in fields.obj(use.get("counters"), f"{up}.counters").items()
+            }
+            out.append(
+                CounterUse(
+                    fields.text(use.get("counterSet"), f"{up}.counterSet", nonempty=True), counters
+                )
+            )
+        return tuple(out)
+
+    def counter_refs(self) -> list[tuple[str, list[str]]]:
+        """(counter set, counter names) this device consumes, without parsing the amounts."""
+        out = []
+        for i, use in enumerate(self.raw_consumes):
+            up = f"{self.path}.consumesCounters[{i}]"
+            use = fields.obj(use, up)
+            names = list(fields.obj(use.get("counters"), f"{up}.counters"))
+            out.append(
+                (fields.text(use.get("counterSet"), f"{up}.counterSet", nonempty=True), names)
+            )
+        return out
+
+    def attribute(self, qualified: str) -> AttributeValue | None:
+        """lookupAttribute (incubating/allocator_incubating.go): the fully qualified name as
+        written, else, when its domain is the driver's, the bare name."""
+        raw = self.raw_attributes.get(qualified)
+        if raw is None:
+            domain, _, bare = qualified.partition("/")
+            if domain != self.driver:
+                return None
+            raw = self.raw_attributes.get(bare)
+            if raw is None:
+                return None
+        for t in ATTRIBUTE_TYPES:
+            if t in raw:
+                return (t, raw[t])
+        return None
+
+
+@dataclass
+class Pool:
+    driver: str
+    name: str
+    generation: int
+    slice_count: int
+    slices: list[str]
+    """Names of this generation's slices that were given."""
+    devices: list[Device] = field(default_factory=list)
+    counters: dict[str, dict[str, Quantity]] = field(default_factory=dict)
+    """Counter set -> counter -> value, from the slices' sharedCounters."""
+    stale_slices: int = 0
+    """Slices of an older generation, ignored."""
+    problem: str | None = None
+    """Why nothing can be allocated from this pool (incomplete, invalid); None when usable."""
+    incomplete: bool = False
+
+    @property
+    def ref(self) -> str:
+        return f"{self.driver}/{self.name}"
+
+
+def _attributes(value: object, path: str) -> Mapping[str, Mapping[str, Any]]:
+    attrs = fields.obj(value, path, optional=True)
+    for name, attr in attrs.items():
+        if type(attr) is dict and len(attr) == 1 and next(iter(attr)) in _ATTRIBUTE_TYPE_SET:
+            continue
+        if not isinstance(attr, Mapping):
+            raise InputError(f"{path}.{name}", f"expected an object, got {fields.got(attr)}")
+        set_ = [t for t in ATTRIBUTE_TYPES if t in attr]
+        if len(set_) != 1 or len(attr) != 1:
+            raise InputError(
+                f"{path}.{name}", f"must set exactly one of {', '.join(ATTRIBUTE_TYPES)}"
+            )
+    return attrs
+
+
+def _policy(value: object, path: str, q: QuantityReader) -> RequestPolicy | None:
+    if value is None:
+        return None
+    p = fields.obj(value, path)
+    default = q(p["default"], f"{path}.default") if p.get("default") is not None else None
+    values = tuple(
+        q(v, f"{path}.validValues[{i}]")
+        for i, v in enumerate(fields.items(p.get("validValues"), path))
+    )
+    if any(b <= a for a, b in itertools.pairwise(values)):
+        raise InputError(f"{path}.validValues", "must be in ascending order without duplicates")
+    rng = p.get("validRange")
+    lo = hi = step = None
+    if rng is not None:
+        r = fields.obj(rng, f"{path}.validRange")
+        if r.get("min") is None:
+            raise InputError(f"{path}.validRange.min", "is required")
+        lo = q(r["min"], f"{path}.validRange.min")
+        hi = q(r["max"], f"{path}.validRange.max") if r.get("max") is not None else None
+        step = q(r["step"], f"{path}.validRange.step") if r.get("step") is not None else None
+        if step is not None and step.value() <= 0:
+            raise InputError(f"{path}.validRange.step", f"must be positive, got {step}")
+    if values and rng is not None:
+        raise InputError(path, "must not set both validValues and validRange")
+    return RequestPolicy(default, values, lo, hi, step, rng is not None)
+
+
+def _device(
+    obj: object,
+    path: str,
+    driver: str,
+    pool: str,
+    slice_name: str,
+    q: QuantityReader,
+    index: int,
+) -> Device:
+    d = fields.obj(obj, path)
+    name = fields.text(d.get("name"), f"{path}.name", nonempty=True)
+    raw_capacity = fields.obj(d.get("capacity"), f"{path}.capacity", optional=True)
+    taints = []
+    for i, t in enumerate(fields.items(d.get("taints"), f"{path}.taints")):
+        tp = f"{path}.taints[{i}]"
+        t = fields.obj(t, tp)
+        taints.append(
+            Taint(
+                fields.text(t.get("key"), f"{tp}.key", nonempty=True),
+                (fields.opt_text(t.get("value"), f"{tp}.value") or ""),
+                fields.text(t.get("effect"), f"{tp}.effect", nonempty=True),
+            )
+        )
+    return Device(
+        index=index,
+        driver=driver,
+        pool=pool,
+        slice_name=slice_name,
+        name=name,
+        raw_attributes=_attributes(d.get("attributes"), f"{path}.attributes"),
+        raw_capacity=raw_capacity,
+        raw_consumes=fields.items(d.get("consumesCounters"), f"{path}.consumesCounters"),
+        quantities=q,
+        allow_multiple=fields.flag(
+            d.get("allowMultipleAllocations"), f"{path}.allowMultipleAllocations"
+        ),
+        taints=tuple(taints),
+        path=path,
+    )
+
+
+@dataclass
+class Node:
+    """The pools a node sees, in first-fit order, and their devices (``devices[i].index == i``;
+    devices of pools with a problem are kept, for the explanation, but never allocated)."""
+
+    pools: list[Pool]
+    devices: list[Device]
+    by_key: dict[tuple[str, str, str], Device]
+
+
+def parse_slices(slices: Sequence[Mapping[str, Any]], q: QuantityReader) -> Node:
+    by_pool: dict[tuple[str, str], list[tuple[Mapping[str, Any], str, int, int]]] = {}
+    stale: dict[tuple[str, str], int] = {}
+    for i, obj in enumerate(slices):
+        base = f"resourceSlices[{i}]"
+        obj = fields.obj(obj, base)
+        meta = fields.obj(obj.get("metadata"), f"{base}.metadata", optional=True)
+        sname = (fields.opt_text(meta.get("name"), f"{base}.metadata.name") or "") or f"#{i}"
+        base = f"ResourceSlice {sname}"
+        spec = fields.obj(obj.get("spec"), f"{base}.spec")
+        driver = fields.text(spec.get("driver"), f"{base}.spec.driver", nonempty=True)
+        pool_spec = fields.obj(spec.get("pool"), f"{base}.spec.pool")
+        pname = fields.text(pool_spec.get("name"), f"{base}.spec.pool.name", nonempty=True)
+        gen = fields.integer(pool_spec.get("generation", 0), f"{base}.spec.pool.generation")
+        count = fields.integer(
+            pool_spec.get("resourceSliceCount"), f"{base}.spec.pool.resourceSliceCount"
+        )
+        if count < 1:
+            raise InputError(f"{base}.spec.pool.resourceSliceCount", f"must be >= 1, got {count}")
+        key = (driver, pname)
+        have = by_pool.setdefault(key, [])
+        # addSlice: an older generation is out-dated, a newer one replaces all before it.
+        if have and gen < have[0][2]:
+            stale[key] = stale.get(key, 0) + 1
+            continue
+        if have and gen > have[0][2]:
+            stale[key] = stale.get(key, 0) + len(have)
+            have.clear()
+        have.append((spec, sname, gen, count))
+    pools: list[Pool] = []
+    devices: list[Device] = []
+    for driver, pname in sorted(by_pool):
+        entries = sorted(by_pool[(driver, pname)], key=lambda e: e[1])
+        gen, count = entries[0][2], entries[0][3]
+        pool = Pool(
+            driver,
+            pname,
+            gen,
+            count,
+            [e[1] for e in entries],
+            stale_slices=stale.get((driver, pname), 0),
+        )
+        pool_index = len(pools)
+        pools.append(pool)
+        if len(entries) != count:
+            pool.incomplete = True
+            pool.problem = (
+                f"pool {pool.ref} is incomplete: {len(entries)} of {count} slices of generation"
+                f" {gen} (the driver is updating it; nothing is allocated from it meanwhile)"
+            )
+        names: set[str] = set()
+        for spec, sname, _, _ in entries:
+            base = f"ResourceSlice {sname}.spec"
+            for j, cs in enumerate(
+                fields.items(spec.get("sharedCounters"), f"{base}.sharedCounters")
+            ):
+                cp = f"{base}.sharedCounters[{j}]"
+                cs = fields.obj(cs, cp)
+                cs_name = fields.text(cs.get("name"), f"{cp}.name", nonempty=True)
+                counters = {
+                    n: q(
+                        fields.obj(c, f"{cp}.counters.{n}").get("value"), f"{cp}.counters.{n}.value"
+                    )
+                    for n, c in fields.obj(cs.get("counters"), f"{cp}.counters").items()
+                }
+                if cs_name in pool.counters and pool.problem is None:
+                    pool.problem = f"pool {pool.ref} is invalid: duplicate counter set {cs_name}"
+                pool.counters[cs_name] = counters
+            for j, raw in enumerate(fields.items(spec.get("devices"), f"{base}.devices")):
+                dev = _device(raw, f"{base}.devices[{j}]", driver, pname, sname, q, len(devices))
+                dev.pool_index = pool_index
+                _ = dev.capacity  # the CEL view reads it: a malformed value is an InputError
+                dev.node_name = spec.get("nodeName") or ""
+                if dev.name in names and pool.problem is None:
+                    pool.problem = f"pool {pool.ref} is invalid: duplicate device name {dev.name}"
+                names.add(dev.name)
+                pool.devices.append(dev)
+                devices.append(dev)
+        if pool.problem is None:
+            for dev in pool.devices:
+                for counter_set, counter_names in dev.counter_refs():
+                    defined = pool.counters.get(counter_set)
+                    missing = (
+                        f"counter set {counter_set}"
+                        if defined is None
+                        else next(
+                            (
+                                f"counter {n} in counter set {counter_set}"
+                                for n in counter_names
+                                if n not in defined
+                            ),
+                            None,
+                        )
+                    )
+                    if missing:
+                        pool.problem = (
+                            f"pool {pool.ref} is invalid: device {dev.name} consumes {missing},"
+                            " which no slice of the pool defines"
+                        )
+                        break
+                if pool.problem:
+                    break
+    by_key: dict[tuple[str, str, str], Device] = {}
+    for dev in devices:
+        by_key.setdefault(dev.key, dev)
+    return Node(pools, devices, by_key)
+
+
+# -- allocated claims --------------------------------------------------------------------------
+
+
+@dataclass
+class Allocated:
+    """What other claims hold: whole devices (owner text per device key), shares of devices
+    that allow multiple allocations (consumed capacity added up per device key)."""
+
+    owners: dict[tuple[str, str, str], str] = field(default_factory=dict)
+    shared: dict[tuple[str, str, str], dict[str, Quantity]] = field(default_factory=dict)
+    share_owners: dict[tuple[str, str, str], list[str]] = field(default_factory=dict)
+
+    def holds(self, key: tuple[str, str, str]) -> bool:
+        """internal.IsDeviceAllocated (structured/internal/allocatedstate.go): whole or shared."""
+        return key in self.owners or key in self.shared
+
+
+def parse_allocated(
+    claims: Sequence[Mapping[str, Any]],
+    in_use: Iterable[tuple[str, str, str]],
+    q: QuantityReader,
+) -> Allocated:
+    out = Allocated()
+    for i, obj in enumerate(claims):
+        base = f"allocated[{i}]"
+        obj = fields.obj(obj, base)
+        meta = fields.obj(obj.get("metadata"), f"{base}.metadata", optional=True)
+        ns = fields.opt_text(meta.get("namespace"), f"{base}.metadata.namespace") or ""
+        name = (fields.opt_text(meta.get("name"), f"{base}.metadata.name") or "") or f"#{i}"
+        owner = f"claim {ns}/{name}" if ns else f"claim {name}"
+        status = fields.obj(obj.get("status"), f"{base}.status", optional=True)
+        allocation = status.get("allocation")
+        if allocation is None:
+            continue  # not allocated: holds nothing
+        base = f"{owner}: status.allocation"
+        devices = fields.obj(
+            fields.obj(allocation, base).get("devices"), f"{base}.devices", optional=True
+        )
+        for j, r in enumerate(fields.items(devices.get("results"), f"{base}.devices.results")):
+            rp = f"{base}.devices.results[{j}]"
+            r = fields.obj(r, rp)
+            key = (
+                fields.text(r.get("driver"), f"{rp}.driver", nonempty=True),
+                fields.text(r.get("pool"), f"{rp}.pool", nonempty=True),
+                fields.text(r.get("device"), f"{rp}.device", nonempty=True),
+            )
+            if fields.flag(r.get("adminAccess"), f"{rp}.adminAccess"):
+                continue  # "Is not considered as allocated" (foreachAllocatedDevice)
+            if r.get("shareID") is not None:
+                fields.text(r.get("shareID"), f"{rp}.shareID", nonempty=True)
+                total = out.shared.setdefault(key, {})
+                consumed = fields.obj(
+                    r.get("consumedCapacity"), f"{rp}.consumedCapacity", optional=True
+                )
+                for cname, value in consumed.items():
+                    qty = q(value, f"{rp}.consumedCapacity.{cname}")
+                    prev = total.get(cname)
+                    total[cname] = (
+                        qty if prev is None else Quantity(prev.nanos + qty.nanos, qty.format)
+                    )
+                out.share_owners.setdefault(key, []).append(owner)
+                continue
+            out.owners.setdefault(key, owner)
+    for i, item in enumerate(in_use):
+        if not (
+            isinstance(item, tuple | list)
+            and len(item) == 3
+            and all(isinstance(x, str) for x in item)
+        ):
+            raise InputError(
+                f"in_use[{i}]", f"must be (driver, pool, device), got {fields.shown(item)}"
+            )
+        key = (item[0], item[1], item[2])
+        out.owners.setdefault(key, "in use on the node")
+    return out
