@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import yaml
 
+from agent.cli.node_access import open_node
 from agent.cli.node_commands import advertise, slices_for
 from agent.config import Config
-from agent.daemon import open_node
 from agent.discovery.inventory import NodeInventory
 from agent.node import discover
 from agent.sim.model import model_names
@@ -63,7 +63,7 @@ class Node:
         return f"{self.model}/{self.mig_mode}/{self.sharing}{layout}{nic}{busy}"
 
     def config(self) -> Config:
-        return Config(
+        return Config.of(
             simulate=self.model,
             mig_mode=self.mig_mode,
             sharing=self.sharing,
@@ -499,9 +499,9 @@ def test_each_example_allocates_and_the_driver_takes_its_config(name: str, fit: 
         assert taken.devices, f"{name} asks this driver for nothing"
         if fit.expect == REFUSED:
             with pytest.raises(ParamsError):
-                plan_claim(taken, model, config.sharing_policy())
+                plan_claim(taken, model, config.driver.sharing_policy())
             continue
-        plan = plan_claim(taken, model, config.sharing_policy())
+        plan = plan_claim(taken, model, config.driver.sharing_policy())
         assert {p.sharing for p in plan.devices} == {fit.expect}, (name, node, plan)
 
 
