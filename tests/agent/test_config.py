@@ -262,3 +262,21 @@ def test_a_bad_crash_point_is_refused_naming_the_known_ones(raw: str, message: s
 def test_sim_crash_at_needs_simulate() -> None:
     with pytest.raises(ConfigError, match="only allowed with --simulate"):
         load_config({"sim_crash_at": "after-cdi:2"}, {})
+
+
+def test_every_setting_is_in_one_group_and_config_of_places_it_there():
+    from agent.config import sections_of
+
+    groups = dict(sections_of(Config))
+    names = [s.name for s in settings_of(Config)]
+    assert len(names) == len(set(names)) == 57  # one flag, one variable, one group each
+    assert {s.section for s in settings_of(Config)} == set(groups)
+    for s in settings_of(Config):
+        assert s.name in {f.name for f in settings_of(groups[s.section])}
+    c = Config.of(metrics_address="0.0.0.0:9400", telemetry_interval=5.0, simulate="dgx-h100")
+    assert c.http.host_port() == ("0.0.0.0", 9400)
+    assert c.telemetry.telemetry_interval == 5.0 and c.simulator.simulate == "dgx-h100"
+    assert c == load_config({"metrics_address": "0.0.0.0:9400", "simulate": "dgx-h100"},
+                            {"TESSERA_TELEMETRY_INTERVAL": "5"})  # fmt: skip
+    with pytest.raises(TypeError, match="no setting bogus"):
+        Config.of(bogus=1)
