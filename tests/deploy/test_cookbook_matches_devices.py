@@ -231,7 +231,7 @@ def taken_by_driver(claim: dict[str, Any], allocation: dict[str, Any], node: Nod
     and claim configs for it in the order it applies them)."""
     key = ClaimKey("default", claim["metadata"]["name"], "uid-example")
     obj = {"metadata": {"uid": key.uid}, "status": {"allocation": allocation}}
-    return parse_allocation(obj, key, node.config().driver_name, node.model)
+    return parse_allocation(obj, key, node.config().driver.driver_name, node.model)
 
 
 # -- where each example fits, and where it does not (and why) -----------------------------------
@@ -631,7 +631,7 @@ def plan_by_class(node: Node, config: list[dict[str, Any]] | None = None) -> Any
     assert e.ok, e.text()
     taken = taken_by_driver(claim, e.allocation(), node)
     assert [c.source for c in taken.configs] == ["FromClass"] + ["FromClaim"] * len(config or [])
-    return plan_claim(taken, model, node.config().sharing_policy())
+    return plan_claim(taken, model, node.config().driver.sharing_policy())
 
 
 @pytest.mark.parametrize(
