@@ -22,8 +22,8 @@ from typing import IO, Any
 
 import yaml
 
+from agent.cli.node_access import open_node
 from agent.config import Config
-from agent.daemon import open_node
 from agent.discovery.inventory import NodeInventory
 from agent.fsutil import atomic_write
 from agent.node import discover
@@ -86,7 +86,7 @@ def two_fsync_writes(directory: Path) -> Callable[[], float]:
 @contextmanager
 def simulated_inventory(model: str, layout: str | None = None) -> Iterator[NodeInventory]:
     with tempfile.TemporaryDirectory(prefix="tessera-bench-") as tmp:
-        src = open_node(Config(simulate=model, sim_mig_layout=layout), Path(tmp))
+        src = open_node(Config.of(simulate=model, sim_mig_layout=layout), Path(tmp))
         src.nvml.init()
         try:
             yield discover(src)

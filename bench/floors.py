@@ -17,8 +17,8 @@ from pathlib import Path
 
 import psutil
 
+from agent.cli.node_access import open_node
 from agent.config import Config
-from agent.daemon import open_node
 from agent.nvml.mig import MigControl
 from dra_driver.device_model import AdvertisedDevice
 from dra_driver.quantity import parse_bytes
@@ -71,7 +71,7 @@ class BareMig:
 
 @contextlib.contextmanager
 def bare_mig(state: Path, model: str) -> Iterator[BareMig]:
-    src = open_node(Config(simulate=model), state)
+    src = open_node(Config.of(simulate=model), state)
     src.nvml.init()
     try:
         mig = MigControl(src.nvml)
@@ -120,7 +120,7 @@ class BareMps:
 
 @contextlib.contextmanager
 def bare_mps(state: Path, model: str, shares: int = 1) -> Iterator[BareMps]:
-    src = open_node(Config(simulate=model), state)
+    src = open_node(Config.of(simulate=model), state)
     src.nvml.init()
     try:
         tools = Tools(

@@ -21,8 +21,8 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from agent.cli.node_access import open_node
 from agent.config import Config
-from agent.daemon import open_node
 from agent.http import HttpEndpoint, Readiness
 from agent.node import discover
 from agent.nvml.facade import Nvml
@@ -158,7 +158,7 @@ def _run(tmp: Path, quick: bool) -> list[Figure]:
         else (REPEATS, SERIAL, PER_WORKER, TICKS)
     )
     # -- /metrics render ----------------------------------------------------------------------
-    src = open_node(Config(simulate="dgx-a100", sim_mig_layout="all-1g"), tmp / "a100")
+    src = open_node(Config.of(simulate="dgx-a100", sim_mig_layout="all-1g"), tmp / "a100")
     src.nvml.init()
     inv = discover(src)
     whole, migs = checkpoint(inv, mig=False), checkpoint(inv, mig=True)
@@ -197,7 +197,7 @@ def _run(tmp: Path, quick: bool) -> list[Figure]:
     cpu: dict[str, dict[str, float]] = {}
     for model, layout in (("dgx-h100", None), ("dgx-a100", "all-1g")):
         state = tmp / f"cpu-{model}"
-        s2 = open_node(Config(simulate=model, sim_mig_layout=layout), state)
+        s2 = open_node(Config.of(simulate=model, sim_mig_layout=layout), state)
         timed = TimedNvml(s2.sim)
         nvml = Nvml(timed)
         nvml.init()

@@ -116,3 +116,17 @@ def test_no_two_modules_share_a_basename_unless_one_mirrors_the_other(tmp_path):
     assert clashing_basenames(tmp_path) == {
         "health.py": ["agent/a/health.py", "dra_driver/b/health.py"]
     }  # the check can fail
+
+
+def test_the_daemon_imports_no_simulator():
+    """The CLI chooses the real or the simulated node and hands the composition root what it
+    needs: the daemon's own modules load none of the simulator (contract runtime-path)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, agent.daemon;"
+        "print(sorted(m for m in sys.modules if m.startswith('agent.sim')))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -497,12 +497,12 @@ class _NoLeftovers:
 def _l40s_model() -> Any:
     import tempfile
 
+    from agent.cli.node_access import open_node
     from agent.config import Config
-    from agent.daemon import open_node
     from agent.node import discover
     from dra_driver.device_model import DevicePolicy, advertised_devices
 
-    source = open_node(Config(simulate="l40s-pcie", node_name=NODE), Path(tempfile.mkdtemp()))
+    source = open_node(Config.of(simulate="l40s-pcie", node_name=NODE), Path(tempfile.mkdtemp()))
     source.nvml.init()
     try:
         return advertised_devices(discover(source), DevicePolicy())

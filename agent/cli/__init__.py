@@ -203,15 +203,16 @@ def cmd_run(inv: Invocation) -> int:
     # Modes are set explicitly where Tessera creates files and directories; a umask of 000 in the
     # agent's environment must not make what libraries create world-writable either.
     os.umask(os.umask(0o022) | 0o022)
-    if config.log_format == "json":
+    if config.daemon.log_format == "json":
         # gRPC's C core writes its own plain-text lines to stderr, outside Python logging: keep
         # the stream JSON-only unless the operator asks for them (GRPC_VERBOSITY=ERROR).
         os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+    from agent.cli.node_access import node_access
     from agent.daemon import build_agent
     from agent.http import raise_descriptor_limit
     from agent.logs import configure_logging
 
-    log = configure_logging(config.log_format, config.log_level)
+    log = configure_logging(config.daemon.log_format, config.daemon.log_level)
     raised = raise_descriptor_limit()  # --fd-reserve is kept below this limit
     if raised is not None:
         log.info(
@@ -227,7 +228,7 @@ def cmd_run(inv: Invocation) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        agent = build_agent(config, log, dict(os.environ))
+        agent = build_agent(config, log, node_access(config), dict(os.environ))
         code = agent.run(stop)
     except Exception as exc:  # logs are JSON from here on: the reason is a log record too
         reason = inv.describe(exc)  # worded like every command's failures; None: a bug

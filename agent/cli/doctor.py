@@ -44,7 +44,8 @@ class DoctorOptions:
 
 
 def cmd_doctor(inv: Invocation) -> int:
-    from agent.daemon import DEFAULT_STATE_DIR, agent_paths, cdi_hook, host_root, open_node
+    from agent.cli.node_access import host_root, open_node
+    from agent.daemon import DEFAULT_STATE_DIR, agent_paths, cdi_hook
     from agent.doctor import Facts, diagnose
     from agent.doctor.verdict import exit_code, to_json, to_table
     from dra_driver.cluster.kube import KubeClient
@@ -52,7 +53,9 @@ def cmd_doctor(inv: Invocation) -> int:
     config = inv.get(Config)
     opts = inv.get(DoctorOptions)
     with tempfile.TemporaryDirectory(prefix="tessera-doctor-") as tmp:
-        state_dir = config.state_dir or (Path(tmp) if config.simulate else DEFAULT_STATE_DIR)
+        state_dir = config.node.state_dir or (
+            Path(tmp) if config.simulator.simulate else DEFAULT_STATE_DIR
+        )
         paths = agent_paths(config, state_dir)
         source = open_node(config, state_dir)
         facts = Facts(
@@ -62,11 +65,14 @@ def cmd_doctor(inv: Invocation) -> int:
             registry_dir=paths.registry_dir,
             plugins_dir=paths.plugins_dir,
             cdi_root=paths.cdi_root,
-            mig_mode=config.mig_mode,
-            connect=None if config.no_kube else lambda: KubeClient.from_config(config.kubeconfig),
-            stand_in_nodes=config.simulate is not None,
-            cdi_hook=cdi_hook(config, source, os.environ),
-            in_pod=bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and config.simulate is None,
+            mig_mode=config.driver.mig_mode,
+            connect=None
+            if config.cluster.no_kube
+            else lambda: KubeClient.from_config(config.cluster.kubeconfig),
+            stand_in_nodes=config.simulator.simulate is not None,
+            cdi_hook=cdi_hook(config.cdi, source, os.environ),
+            in_pod=bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+            and config.simulator.simulate is None,
         )
         verdicts = diagnose(facts)
     node = facts.source.hostname

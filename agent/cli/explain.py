@@ -176,9 +176,9 @@ def load_files(
 
 
 def standalone_inputs(opts: ExplainOptions, config: Config) -> Inputs:
-    if opts.slices and config.simulate:
+    if opts.slices and config.simulator.simulate:
         raise ConfigError("--slices and --simulate go against each other: give one of them")
-    if not opts.slices and not config.simulate:
+    if not opts.slices and not config.simulator.simulate:
         raise ConfigError(
             "no devices to allocate from: give --slices FILE|DIR (ResourceSlices), --simulate"
             " MODEL (a simulated node, see `tessera sim models`) or --kubeconfig FILE"
@@ -188,7 +188,7 @@ def standalone_inputs(opts: ExplainOptions, config: Config) -> Inputs:
     subjects = inputs.subjects(docs)
     classes, slices, nodes, allocated = load_files(opts)
     _add_classes(classes, docs)  # the claim file's own classes win
-    if config.simulate:
+    if config.simulator.simulate:
         slices = published_slices(config)
     if not classes:
         raise ConfigError(
@@ -447,7 +447,7 @@ def cmd_explain(inv: Invocation) -> int:
                     "--write is for standalone mode: in a cluster the scheduler writes"
                     " status.allocation (drop --kubeconfig or --write)"
                 )
-            if config.simulate:
+            if config.simulator.simulate:
                 raise ConfigError("--simulate and --kubeconfig go against each other: give one")
             cluster = Cluster(opts.kubeconfig)
             data = cluster_inputs(opts, cluster)

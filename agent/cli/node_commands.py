@@ -20,10 +20,12 @@ if TYPE_CHECKING:
 def node_session(config: Config) -> Iterator[NodeSource]:
     """Open the node for a one-shot command; with --simulate and no --state-dir, use a
     temporary state directory that is removed afterwards."""
-    from agent.daemon import open_node
+    from agent.cli.node_access import open_node
 
     with tempfile.TemporaryDirectory(prefix="tessera-") as tmp:
-        state_dir = config.state_dir or (Path(tmp) if config.simulate else Path("/var/lib/tessera"))
+        state_dir = config.node.state_dir or (
+            Path(tmp) if config.simulator.simulate else Path("/var/lib/tessera")
+        )
         source = open_node(config, state_dir)
         with source.nvml:
             yield source
@@ -41,7 +43,7 @@ def advertise(config: Config, inventory: NodeInventory) -> DeviceModel:
     """The devices the driver advertises for a discovered inventory under this Config."""
     from dra_driver.device_model import advertised_devices
 
-    return advertised_devices(inventory, config.device_policy())
+    return advertised_devices(inventory, config.driver.device_policy())
 
 
 def slices_for(config: Config, node_name: str, model: DeviceModel) -> list[dict[str, Any]]:
@@ -49,7 +51,9 @@ def slices_for(config: Config, node_name: str, model: DeviceModel) -> list[dict[
     from dra_driver.advertise.slices import SlicePolicy, build_slices
 
     policy = SlicePolicy(
-        driver_name=config.driver_name, node_name=node_name, layout=config.kube_layout
+        driver_name=config.driver.driver_name,
+        node_name=node_name,
+        layout=config.driver.kube_layout,
     )
     return build_slices(model, policy, generation=1)
 

@@ -57,7 +57,7 @@ AGENT_ACCESS: tuple[Access, ...] = (
         "finding, by UID, the claims of CDI specs a lost checkpoint no longer lists",
         required=False,
     ),
-    # agent/daemon.py node_uid: without it the slices get no owner reference (logged)
+    # agent/daemon/wiring.py node_uid: without it the slices get no owner reference (logged)
     Access("", "nodes", "get", "the slices' owner reference (the Node's uid)", required=False),
     # dra_driver/cluster/node_events.py KubeEventSink: Events about the Node live in "default";
     # without them GPU health changes are only logged (and counted as failed)

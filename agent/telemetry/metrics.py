@@ -427,12 +427,12 @@ class Exposition:
 
     def __init__(self, registry: CollectorRegistry, key: Callable[[], object]) -> None:
         self.registry = registry
-        self.key = key
+        self._key = key
         self._lock = threading.Lock()
         self._cached: tuple[object, bytes] | None = None
 
     def __call__(self) -> tuple[bytes, str]:
-        k = self.key()
+        k = self._key()
         with self._lock:
             if self._cached is not None and self._cached[0] == k:
                 return self._cached[1], CONTENT_TYPE_LATEST

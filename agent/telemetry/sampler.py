@@ -133,7 +133,7 @@ class Sampler:
         self._clock = clock
         self._wall = wall
         self._xids = xids
-        self.on_health_change = on_health_change
+        self._on_health_change = on_health_change
         """Called with every change of a GPU's health or cause (from the sampler's thread)."""
         self._application_xids = application_xids
         self._latest: Snapshot | None = None
@@ -193,6 +193,14 @@ class Sampler:
         snap = self._latest
         limit = STALE_INTERVALS * self.interval if max_age is None else max_age
         return snap is not None and self._clock() - snap.monotonic < limit
+
+    def readiness_checks(self) -> list[tuple[str, Callable[[], tuple[bool, str]]]]:
+        """/readyz's check of the sampler: a recent sample exists."""
+        return [("sampler", self._recent)]
+
+    def _recent(self) -> tuple[bool, str]:
+        fresh = self.fresh()
+        return fresh, "fresh" if fresh else "no recent sample"
 
     def tick(self) -> Snapshot:
         """One round: read, account, publish. Returns the published snapshot."""
@@ -337,7 +345,7 @@ class Sampler:
             "GPU health changed",
             extra=fields_(gpu=gpu.index, uuid=gpu.uuid, healthy=change.healthy, cause=change.cause),
         )
-        hook = self.on_health_change
+        hook = self._on_health_change
         if hook is not None:
             try:
                 hook(change)

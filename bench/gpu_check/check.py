@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from agent.cli.node_access import open_node
 from agent.config import Config
-from agent.daemon import open_node
 from agent.discovery.export import inventory_to_dict
 from agent.discovery.inventory import NodeInventory
 from agent.errors import TesseraError
@@ -132,7 +132,7 @@ def _advertised(inv: NodeInventory, minors: dict[int, int] | None = None) -> Fac
 
 def _open_real(simulate: str | None, state_dir: Path) -> NodeSource:
     try:
-        source = open_node(Config(simulate=simulate), state_dir)
+        source = open_node(Config.of(simulate=simulate), state_dir)
         source.nvml.init()
     except DriverNotFoundError as exc:
         raise CannotRun(no_driver_message(exc)) from exc

@@ -16,6 +16,7 @@ field selectors) and ``DirSliceStore`` (standalone: YAML files in a directory).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import random
 import threading
@@ -316,9 +317,14 @@ class Publisher:
         resync_interval: float = 600.0,
         backoff: Backoff | None = None,
         clock: Callable[[], float] = time.monotonic,
+        node_uid: Callable[[], str | None] = lambda: None,
+        on_taints_dropped: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
         self.policy = policy
+        """The slices' driver, node and layout (``node_uid``, when it gives one, adds the
+        Node's uid: :meth:`current_policy`)."""
+        self._node_uid = node_uid
         self.log = log
         self.resync_interval = resync_interval
         self.backoff = backoff or Backoff()
@@ -338,7 +344,7 @@ class Publisher:
         self.taints_dropped = False
         """The API server stored our devices without their taints (its DRADeviceTaints feature
         gate is off): tainting cannot work there."""
-        self.on_taints_dropped: Callable[[], None] | None = None
+        self._on_taints_dropped = on_taints_dropped
         """Called once when ``taints_dropped`` becomes true (the agent then withdraws the devices
         instead: rewriting the taints would only loop, each write dropped again)."""
 
@@ -346,6 +352,21 @@ class Publisher:
     def ready(self) -> bool:
         """True once the current devices have been published."""
         return self.published_generation is not None and not self._dirty
+
+    def current_policy(self) -> SlicePolicy:
+        """The policy the next round plans with: ``policy``, owned by the Node once its uid is
+        known (the agent reads it at start; slices then go away with the Node)."""
+        uid = self._node_uid()
+        return self.policy if uid is None else dataclasses.replace(self.policy, node_uid=uid)
+
+    def readiness_checks(self) -> list[tuple[str, Callable[[], tuple[bool, str]]]]:
+        """/readyz's check of the publisher: ready once the current devices are published."""
+        return [("resourceslices", self._published)]
+
+    def _published(self) -> tuple[bool, str]:
+        if self.ready:
+            return True, f"published generation {self.published_generation}"
+        return False, f"not yet published ({self.stats.last_error or 'pending'})"
 
     def set_devices(self, model: DeviceModel) -> None:
         with self._lock:
@@ -367,7 +388,9 @@ class Publisher:
             raise RuntimeError("reconcile before set_devices")
         for attempt in range(CONFLICT_RETRIES + 1):
             existing, self._list_rv = self.store.list()
-            plan = plan_changes(existing, model, self.policy, self.published_generation or 0)
+            plan = plan_changes(
+                existing, model, self.current_policy(), self.published_generation or 0
+            )
             try:
                 self._apply(plan)
                 self.stats.reconciles += 1
@@ -411,8 +434,8 @@ class Publisher:
             " unhealthy devices are withdrawn instead (enable the gate, or drop --device-taints)",
             extra=fields_(slice=sent["metadata"]["name"]),
         )
-        if self.on_taints_dropped is not None:
-            self.on_taints_dropped()
+        if self._on_taints_dropped is not None:
+            self._on_taints_dropped()
 
     def step(self, now: float) -> float:
         """Reconcile if due (devices changed, drift seen, resync or retry time reached); the

@@ -5,26 +5,34 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from dataclasses import replace
 
 import pytest
 
+from agent.cli.node_access import node_access
 from agent.config import Config, CrashAt
-from agent.daemon import build_agent, crash_hook
+from agent.daemon import Agent, NodeAccess, build_agent, crash_hook
 from dra_driver.kubeletplugin.prepare import CRASH_POINTS
 
 
-def config(state_dir) -> Config:
-    return Config(
+def config(state_dir, **more: object) -> Config:
+    return Config.of(
         simulate="l40s-pcie",
         state_dir=state_dir,
         no_kube=True,
         metrics_address="127.0.0.1:0",
         telemetry_interval=60.0,
+        **more,
     )
 
 
+def build(config: Config, log: logging.Logger, node: NodeAccess | None = None) -> Agent:
+    """The agent ``tessera run`` builds: the node as the CLI opens it (the simulator's here)."""
+    return build_agent(config, log, node or node_access(config))
+
+
 def test_a_dying_background_task_shuts_the_agent_down_with_exit_1(short_tmp, caplog):
-    agent = build_agent(config(short_tmp), logging.getLogger("tessera.test"))
+    agent = build(config(short_tmp), logging.getLogger("tessera.test"))
 
     def publisher_dies(stop: threading.Event) -> None:
         raise RuntimeError("publisher bug")
@@ -38,18 +46,18 @@ def test_a_dying_background_task_shuts_the_agent_down_with_exit_1(short_tmp, cap
     assert agent.supervisor.failures == {"publisher": "RuntimeError('publisher bug')"}
     failed = [r for r in caplog.records if r.getMessage() == "task failed; shutting down"]
     assert failed and failed[0].fields == {"task": "publisher"}  # type: ignore[attr-defined]
-    assert not agent.lock.held  # everything was stopped, the state directory released
+    assert not agent.state.lock.held  # everything was stopped, the state directory released
     assert not agent.plugin.dra_socket.exists()
 
 
 def test_a_clean_stop_exits_0_and_releases_the_state_dir(short_tmp):
-    agent = build_agent(config(short_tmp), logging.getLogger("tessera.test"))
+    agent = build(config(short_tmp), logging.getLogger("tessera.test"))
     stop = threading.Event()
     stop.set()  # asked to stop as soon as it started
     assert agent.run(stop) == 0
     assert agent.unfinished == []
-    again = build_agent(config(short_tmp), logging.getLogger("tessera.test"))
-    assert again.lock.held  # the next agent gets the directory
+    again = build(config(short_tmp), logging.getLogger("tessera.test"))
+    assert again.state.lock.held  # the next agent gets the directory
     again.run(stop)
 
 
@@ -75,8 +83,6 @@ def test_a_rolling_update_successor_serves_at_once_and_takes_the_state_dir_when_
     registers its own sockets while the first holds the directory, is ready while it waits,
     writes nothing, answers the kubelet's calls that cannot wait any longer with a retryable
     error, and takes the directory over when the first stops."""
-    from dataclasses import replace
-
     from dra_driver.errors import CheckpointError
     from dra_driver.kubeletplugin.checkpoint import Checkpoint
     from dra_driver.testkubelet.calls import ClaimRef
@@ -86,9 +92,9 @@ def test_a_rolling_update_successor_serves_at_once_and_takes_the_state_dir_when_
         "0a1b2c3d-0000-4000-8000-00000000000a",
         "0a1b2c3d-0000-4000-8000-00000000000b",
     )
-    base = config(short_tmp)
-    old = build_agent(
-        replace(base, rolling_update=True, pod_uid=old_uid), logging.getLogger("tessera.test.old")
+    old = build(
+        config(short_tmp, rolling_update=True, pod_uid=old_uid),
+        logging.getLogger("tessera.test.old"),
     )
     old.start()
     new_log = logging.getLogger("tessera.test.new")
@@ -99,7 +105,7 @@ def test_a_rolling_update_successor_serves_at_once_and_takes_the_state_dir_when_
     )
     new_log.addHandler(waiting)
     new_log.addHandler(took_over)
-    new = build_agent(replace(base, rolling_update=True, pod_uid=new_uid), new_log)
+    new = build(config(short_tmp, rolling_update=True, pod_uid=new_uid), new_log)
     stop_new = threading.Event()
     starting = threading.Thread(target=new.start, args=(stop_new,))
     starting.start()
@@ -107,7 +113,7 @@ def test_a_rolling_update_successor_serves_at_once_and_takes_the_state_dir_when_
         assert waiting.event.wait(30)
         assert new.plugin.reg_socket.name == f"gpu.tessera.dev-{new_uid}-reg.sock"
         assert new.plugin.reg_socket.exists() and old.plugin.reg_socket.exists()
-        assert not new.lock.held and old.lock.held
+        assert not new.state.lock.held and old.state.lock.held
         ready, checks = new.readiness.evaluate()
         assert ready, checks  # ready while waiting: the DaemonSet may now delete the old pod
         assert checks["state-dir"].startswith(f"waiting for PID {os.getpid()} of pod {old_uid}")
@@ -120,7 +126,7 @@ def test_a_rolling_update_successor_serves_at_once_and_takes_the_state_dir_when_
         assert f"of pod {old_uid}" in answer["error"] and "kubelet retries" in answer["error"]
         old.stop()
         starting.join(30)
-        assert not starting.is_alive() and new.lock.held and not old.lock.held
+        assert not starting.is_alive() and new.state.lock.held and not old.state.lock.held
         assert took_over.records[0].fields["previous"] == f"PID {os.getpid()} of pod {old_uid}"  # type: ignore[attr-defined]
         assert new.readiness.evaluate()[1]["state-dir"] == "held"
         assert not old.plugin.reg_socket.exists()  # the old one's sockets went with it
@@ -138,30 +144,33 @@ def test_every_rediscovery_takes_the_start_s_one_path_and_reports_only_changes(s
     from agent.hotplug import DevicesChanged, GpuRef
     from agent.sim.udev import add_gpu, remove_gpu
 
-    agent = build_agent(config(short_tmp), logging.getLogger("tessera.test"))
+    cfg = config(short_tmp)
+    # rediscoveries are called by the test, not by the loop
+    agent = build(cfg, logging.getLogger("tessera.test"), replace(node_access(cfg), triggers=None))
     changes: list[DevicesChanged] = []
-    agent.on_devices_changed = changes.append
-    agent.triggers = None  # rediscoveries are called by the test, not by the loop
+    agent.node.devices_changed.subscribe(changes.append)
     stop = threading.Event()
     try:
         agent.start()
-        assert agent.inventory is not None
-        first = agent.inventory.gpus[1]
+        assert agent.node.inventory is not None
+        first = agent.node.inventory.gpus[1]
         caplog.set_level(logging.INFO, logger="tessera.test")
-        agent.rediscover()
+        agent.node.rediscover()
         assert changes == []  # nothing changed: no callback, no record
         assert not [r for r in caplog.records if r.getMessage() == "node inventory changed"]
 
         remove_gpu(agent.source.sim, 1)
-        agent.rediscover()
+        agent.node.rediscover()
         gone = GpuRef(1, first.device.uuid, first.pcie.bus_id)
         assert changes[-1] == DevicesChanged(removed_gpus=(gone,), removed_devices=("gpu-1",))
-        assert "gpu-1" not in [d.name for d in agent.devices.get().devices]
-        assert [g.uuid for g in agent.sampler.gpus] == [g.device.uuid for g in agent.inventory.gpus]
+        assert "gpu-1" not in [d.name for d in agent.node.devices.get().devices]
+        assert [g.uuid for g in agent.telemetry.sampler.gpus] == [
+            g.device.uuid for g in agent.node.inventory.gpus
+        ]
         assert agent.publisher.policy.node_name == agent.source.hostname
 
         add_gpu(agent.source.sim, 1)
-        agent.rediscover(frozenset({first.pcie.bus_id}))
+        agent.node.rediscover(frozenset({first.pcie.bus_id}))
         assert changes[-1] == DevicesChanged(
             added_gpus=(gone,), added_devices=("gpu-1",), rebound=(first.pcie.bus_id,)
         )
@@ -169,8 +178,8 @@ def test_every_rediscovery_takes_the_start_s_one_path_and_reports_only_changes(s
         assert len(records) == 2
 
         agent.source.sim.lose_gpu(2)  # fell off the bus but still there: kept for health
-        agent.rediscover()
-        assert len(changes) == 2 and "gpu-2" in [d.name for d in agent.devices.get().devices]
+        agent.node.rediscover()
+        assert len(changes) == 2 and "gpu-2" in [d.name for d in agent.node.devices.get().devices]
     finally:
         stop.set()
         agent.stop()

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import yaml
 
+from agent.cli.node_access import open_node
 from agent.cli.node_commands import advertise, slices_for
 from agent.config import Config
-from agent.daemon import open_node
 from agent.discovery.inventory import NodeInventory
 from agent.node import discover
 from agent.sim.model import model_names
@@ -63,7 +63,7 @@ class Node:
         return f"{self.model}/{self.mig_mode}/{self.sharing}{layout}{nic}{busy}"
 
     def config(self) -> Config:
-        return Config(
+        return Config.of(
             simulate=self.model,
             mig_mode=self.mig_mode,
             sharing=self.sharing,
@@ -231,7 +231,7 @@ def taken_by_driver(claim: dict[str, Any], allocation: dict[str, Any], node: Nod
     and claim configs for it in the order it applies them)."""
     key = ClaimKey("default", claim["metadata"]["name"], "uid-example")
     obj = {"metadata": {"uid": key.uid}, "status": {"allocation": allocation}}
-    return parse_allocation(obj, key, node.config().driver_name, node.model)
+    return parse_allocation(obj, key, node.config().driver.driver_name, node.model)
 
 
 # -- where each example fits, and where it does not (and why) -----------------------------------
@@ -499,9 +499,9 @@ def test_each_example_allocates_and_the_driver_takes_its_config(name: str, fit: 
         assert taken.devices, f"{name} asks this driver for nothing"
         if fit.expect == REFUSED:
             with pytest.raises(ParamsError):
-                plan_claim(taken, model, config.sharing_policy())
+                plan_claim(taken, model, config.driver.sharing_policy())
             continue
-        plan = plan_claim(taken, model, config.sharing_policy())
+        plan = plan_claim(taken, model, config.driver.sharing_policy())
         assert {p.sharing for p in plan.devices} == {fit.expect}, (name, node, plan)
 
 
@@ -631,7 +631,7 @@ def plan_by_class(node: Node, config: list[dict[str, Any]] | None = None) -> Any
     assert e.ok, e.text()
     taken = taken_by_driver(claim, e.allocation(), node)
     assert [c.source for c in taken.configs] == ["FromClass"] + ["FromClaim"] * len(config or [])
-    return plan_claim(taken, model, node.config().sharing_policy())
+    return plan_claim(taken, model, node.config().driver.sharing_policy())
 
 
 @pytest.mark.parametrize(

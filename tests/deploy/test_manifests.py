@@ -53,7 +53,7 @@ def test_the_agent_stops_within_the_pods_grace_period():
     pod = ds["spec"]["template"]["spec"]
     grace = pod["terminationGracePeriodSeconds"]  # set explicitly, not the implicit 30
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
-    timeout = float(env.get("TESSERA_SHUTDOWN_TIMEOUT") or Config().shutdown_timeout)
+    timeout = float(env.get("TESSERA_SHUTDOWN_TIMEOUT") or Config().daemon.shutdown_timeout)
     assert timeout + 5 <= grace
 
 

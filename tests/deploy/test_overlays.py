@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from agent.cli.doctor import DoctorOptions
-from agent.config import Config, load_config, load_settings
+from agent.config import Config, load_config, load_settings, settings_of
 from agent.daemon import agent_paths
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -149,8 +149,8 @@ def test_every_rendered_object_validates(components, version):
 @pytest.mark.parametrize("components", COMBINATIONS, ids=combo_id)
 def test_every_rendering_makes_a_valid_agent_config_and_doctor_options(components):
     c = config(components)
-    assert c.node_name == "gpu-node-1"
-    c.device_policy()  # the driver settings parse (quantities, modes)
+    assert c.node.node_name == "gpu-node-1"
+    c.driver.device_policy()  # the driver settings parse (quantities, modes)
     load_settings(DoctorOptions, {}, environment(components))
 
 
@@ -172,9 +172,9 @@ def test_every_path_the_agent_uses_is_mounted_from_the_host_as_it_needs(componen
     """The directories the Config names are host directories: each lies in a mount, the ones
     the agent writes read-write, the ones it only reads read-only; and nothing else is mounted."""
     c = config(components)
-    paths = agent_paths(c, c.state_dir or Path("/var/lib/tessera"))
-    writes = [c.state_dir, paths.registry_dir, paths.plugins_dir, paths.cdi_root, Path("/dev")]
-    reads = [c.driver_root, c.proc_root, Path("/sys")]
+    paths = agent_paths(c, c.node.state_dir or Path("/var/lib/tessera"))
+    writes = [c.node.state_dir, paths.registry_dir, paths.plugins_dir, paths.cdi_root, Path("/dev")]
+    reads = [c.node.driver_root, c.node.proc_root, Path("/sys")]
     doctor = load_settings(DoctorOptions, {}, environment(components)).host_root
     used = set()
     for p in writes:
@@ -187,7 +187,7 @@ def test_every_path_the_agent_uses_is_mounted_from_the_host_as_it_needs(componen
         used.add(m["mountPath"])
     assert used == set(mounts(components)), "a volume no setting uses"
     # the MPS directories are mounted into containers by the agent's path: the same on the host
-    mps = c.mps_root or (c.state_dir or Path("/var/lib/tessera")) / "mps"
+    mps = c.sharing.mps_root or (c.node.state_dir or Path("/var/lib/tessera")) / "mps"
     m = mount_of(mps, components)
     assert m is not None and m["volume"]["hostPath"]["path"] == m["mountPath"]
 
@@ -201,16 +201,20 @@ def test_every_component_has_its_expectations_here():
 
 
 def expect_base(c: Config) -> None:
-    assert (c.mig_mode, c.sharing, c.device_taints) == ("static", "none", False)
-    assert not c.rolling_update and c.pod_uid is None
+    assert (c.driver.mig_mode, c.driver.sharing, c.publishing.device_taints) == (
+        "static",
+        "none",
+        False,
+    )
+    assert not c.daemon.rolling_update and c.daemon.pod_uid is None
 
 
 def expect_container_driver(components: Sequence[str]) -> None:
     c = config(components)
-    assert c.driver_root == Path("/driver-root")
-    assert c.host_driver_root == Path("/run/nvidia/driver")
-    assert c.cdi_hook_path == Path("/usr/local/nvidia/toolkit/nvidia-cdi-hook")
-    m = mount_of(c.driver_root, components)
+    assert c.node.driver_root == Path("/driver-root")
+    assert c.node.host_driver_root == Path("/run/nvidia/driver")
+    assert c.cdi.cdi_hook_path == Path("/usr/local/nvidia/toolkit/nvidia-cdi-hook")
+    m = mount_of(c.node.driver_root, components)
     assert m is not None and m["volume"]["hostPath"]["path"] == "/run/nvidia/driver"
     assert m["mountPropagation"] == "HostToContainer"  # a driver container started later
     # none of the host's / but the driver's root: the doctor's host root is gone with it
@@ -219,26 +223,28 @@ def expect_container_driver(components: Sequence[str]) -> None:
 
 
 def expect_dynamic_mig(components: Sequence[str]) -> None:
-    assert config(components).mig_mode == "dynamic"
+    assert config(components).driver.mig_mode == "dynamic"
 
 
 def expect_time_slicing(components: Sequence[str]) -> None:
-    assert config(components).sharing == "time-slicing"
+    assert config(components).driver.sharing == "time-slicing"
 
 
 def expect_memory_shares(components: Sequence[str]) -> None:
-    policy = config(components).device_policy()
+    policy = config(components).driver.device_policy()
     assert policy.sharing == "memory-shares"
     assert policy.memory_share_min == policy.memory_share_step == 1024**3
 
 
 def expect_device_taints(components: Sequence[str]) -> None:
-    assert config(components).device_taints is True
+    assert config(components).publishing.device_taints is True
 
 
 def expect_rolling_update(components: Sequence[str]) -> None:
     c = config(components)
-    assert c.rolling_update and c.pod_uid == POD_UID and not c.cleanup_on_exit
+    assert (
+        c.daemon.rolling_update and c.daemon.pod_uid == POD_UID and not c.publishing.cleanup_on_exit
+    )
     (uid,) = [e for e in agent(components)["env"] if e["name"] == "TESSERA_POD_UID"]
     assert uid["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
     assert daemonset(components)["spec"]["updateStrategy"] == {
@@ -313,7 +319,11 @@ def test_a_component_changes_only_its_own_settings(name):
         "nfd-node-selector": set(),
         "gpu-operator-node-selector": set(),
     }[name]
-    changed = {f for f in base.__dataclass_fields__ if getattr(base, f) != getattr(alone, f)}
+    changed = {
+        s.name
+        for s in settings_of(Config)
+        if getattr(getattr(base, s.section), s.name) != getattr(getattr(alone, s.section), s.name)
+    }
     assert changed == own
 
 
@@ -321,8 +331,8 @@ def test_a_component_changes_only_its_own_settings(name):
 def test_the_base_is_a_host_driver_the_classic_update_and_every_gpu_node_label():
     expect_base(config())
     c = config()
-    assert (c.driver_root, c.host_driver_root) == (Path("/host-root"), Path("/"))
-    m = mount_of(c.driver_root)
+    assert (c.node.driver_root, c.node.host_driver_root) == (Path("/host-root"), Path("/"))
+    m = mount_of(c.node.driver_root)
     assert m is not None and m["volume"]["hostPath"]["path"] == "/"
     assert daemonset()["spec"]["updateStrategy"] == {
         "type": "RollingUpdate",

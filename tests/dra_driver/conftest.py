@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterable
 
 import pytest
 
+from agent.cli.node_access import open_node
 from agent.config import Config
-from agent.daemon import open_node
 from agent.discovery.inventory import NodeInventory
 from agent.node import discover
 from dra_driver.device_model import AdvertisedDevice, DeviceModel
@@ -27,7 +27,7 @@ def inventory(tmp_path_factory: pytest.TempPathFactory) -> Inventory:
         key = (model, layout)
         if key not in cache:
             state = tmp_path_factory.mktemp(f"{model}-{layout or 'default'}")
-            src = open_node(Config(simulate=model, sim_mig_layout=layout), state)
+            src = open_node(Config.of(simulate=model, sim_mig_layout=layout), state)
             src.nvml.init()
             try:
                 cache[key] = discover(src)

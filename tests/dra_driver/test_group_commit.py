@@ -47,12 +47,14 @@ def _node(tmp_path: Path, config: Config) -> Iterator[Node]:
 
 @pytest.fixture
 def static_node(tmp_path: Path) -> Iterator[Node]:
-    yield from _node(tmp_path, Config(simulate=MODEL))
+    yield from _node(tmp_path, Config.of(simulate=MODEL))
 
 
 @pytest.fixture
 def dynamic_node(tmp_path: Path) -> Iterator[Node]:
-    yield from _node(tmp_path, Config(simulate=MODEL, mig_mode="dynamic", sharing="time-slicing"))
+    yield from _node(
+        tmp_path, Config.of(simulate=MODEL, mig_mode="dynamic", sharing="time-slicing")
+    )
 
 
 def errors(results: dict[str, object]) -> dict[str, str]:

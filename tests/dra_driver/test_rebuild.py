@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 import yaml
 
+from agent.cli.node_access import open_node
 from agent.config import Config
-from agent.daemon import CurrentDevices, open_node, sharing_effects
+from agent.daemon import CurrentDevices, sharing_effects
 from agent.node import NodeSource, discover
 from agent.nvml.mig import MigControl
 from agent.sim.driverroot import make_device_node
@@ -58,10 +59,12 @@ class Node:
 
     def __init__(self, state: Path, config: Config | None = None) -> None:
         self.state = state
-        self.config = config or Config(simulate=MODEL, mig_mode="dynamic", sharing="time-slicing")
+        self.config = config or Config.of(
+            simulate=MODEL, mig_mode="dynamic", sharing="time-slicing"
+        )
         self.source: NodeSource = open_node(self.config, state)
         self.source.nvml.init()
-        self.model = advertised_devices(discover(self.source), self.config.device_policy())
+        self.model = advertised_devices(discover(self.source), self.config.driver.device_policy())
         self.index: Any = None
         """The claim index agents get (None: the claim files)."""
 
@@ -91,7 +94,7 @@ class Node:
             effects=sharing_effects(
                 self.config, self.source, self.state, devices, log, lambda point: None
             ),
-            sharing=self.config.sharing_policy(),
+            sharing=self.config.driver.sharing_policy(),
             index=self.index or claims,
         )
         p.reconcile_on_start()

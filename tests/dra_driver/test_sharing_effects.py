@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
+from agent.cli.node_access import open_node
 from agent.config import Config
-from agent.daemon import CurrentDevices, open_node, sharing_effects
+from agent.daemon import CurrentDevices, sharing_effects
 from agent.node import NodeSource, discover
 from agent.nvml.mig import MigControl
 from agent.sim.model import load_model
@@ -78,7 +79,7 @@ def make_node(
     source: NodeSource | None = None,
     mps_root: Path | None = None,
 ) -> Node:
-    config = Config(
+    config = Config.of(
         simulate=model,
         mig_mode="dynamic" if policy.dynamic_mig else "static",
         sharing=policy.mode,
@@ -89,7 +90,7 @@ def make_node(
         source = open_node(config, state)
         source.nvml.init()
     devices = CurrentDevices()
-    devices.set(advertised_devices(discover(source), config.device_policy()))
+    devices.set(advertised_devices(discover(source), config.driver.device_policy()))
     crash_at: set[str] = set()
 
     def crash(point: str) -> None:

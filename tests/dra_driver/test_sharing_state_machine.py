@@ -27,8 +27,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from agent.cli.node_access import open_node
 from agent.config import Config
-from agent.daemon import CurrentDevices, open_node, sharing_effects
+from agent.daemon import CurrentDevices, sharing_effects
 from agent.node import NodeSource, discover
 from agent.sim.driverroot import make_device_node
 from agent.sim.nvml import FakeNvml
@@ -167,10 +168,10 @@ class Node:
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     state = tmp_path_factory.mktemp("machine")
-    config = Config(simulate=MODEL, mig_mode="dynamic", sharing="time-slicing")
+    config = Config.of(simulate=MODEL, mig_mode="dynamic", sharing="time-slicing")
     source = open_node(config, state)
     source.nvml.init()
-    model = advertised_devices(discover(source), config.device_policy())
+    model = advertised_devices(discover(source), config.driver.device_policy())
     game, manifests = specs(model)
     write_claims(state, *manifests)
     yield Node(source, state, model, game)
@@ -207,7 +208,7 @@ class SharingMachine(RuleBasedStateMachine):
             raise Crash(point)
 
     def _start(self) -> Preparer:
-        config = Config(
+        config = Config.of(
             simulate=MODEL,
             mig_mode="dynamic",
             sharing="time-slicing",
@@ -233,7 +234,7 @@ class SharingMachine(RuleBasedStateMachine):
             effects=sharing_effects(
                 config, self.node.source, self.run, devices, log, self._crash_hook
             ),
-            sharing=config.sharing_policy(),
+            sharing=config.driver.sharing_policy(),
             crash_hook=self._crash_hook,
         )
         preparer.reconcile_on_start()

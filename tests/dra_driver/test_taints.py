@@ -192,11 +192,13 @@ def test_a_server_that_drops_taints_is_noticed_once_and_the_hook_called(
     inventory: Inventory, tmp_path, caplog
 ) -> None:
     inv, model = model_of(inventory, "dgx-h100", None, "static", "none")
-    publisher = Publisher(
-        GateOff(tmp_path), SlicePolicy(DRIVER, inv.hostname), logging.getLogger("test.taints")
-    )
     calls: list[bool] = []
-    publisher.on_taints_dropped = lambda: calls.append(publisher.taints_dropped)
+    publisher = Publisher(
+        GateOff(tmp_path),
+        SlicePolicy(DRIVER, inv.hostname),
+        logging.getLogger("test.taints"),
+        on_taints_dropped=lambda: calls.append(publisher.taints_dropped),
+    )
     publisher.set_devices(model)
     publisher.reconcile()
     assert not publisher.taints_dropped  # nothing tainted yet: nothing to notice

@@ -46,7 +46,7 @@ def cluster(tmp_path) -> Iterator[tuple[ApiServer, Path]]:
             server.put_object(
                 "nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}}
             )
-            for s in published_slices(Config(simulate=model, node_name=node)):
+            for s in published_slices(Config.of(simulate=model, node_name=node)):
                 server.put_object("resourceslices", s)
         server.put_object(
             "nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "cpu-1"}}

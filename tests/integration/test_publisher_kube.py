@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from agent.cli.node_access import open_node
 from agent.config import Config
-from agent.daemon import open_node
 from agent.node import discover
 from agent.sim.apiserver import ApiServer
 from dra_driver.advertise.publisher import Backoff, KubeSliceStore, Publisher
@@ -31,7 +31,7 @@ NODE = "node-a"
 
 
 def model(tmp_path_factory, name, mig_mode="static", layout=None):
-    src = open_node(Config(simulate=name, sim_mig_layout=layout), tmp_path_factory.mktemp(name))
+    src = open_node(Config.of(simulate=name, sim_mig_layout=layout), tmp_path_factory.mktemp(name))
     src.nvml.init()
     try:
         return advertised_devices(discover(src), DevicePolicy(mig_mode=mig_mode))

@@ -171,12 +171,12 @@ def claim_objects(
 @functools.cache
 def device_model(model: str, mig_mode: str = "static") -> DeviceModel:
     """The devices a simulated node of ``model`` advertises (built once per process)."""
+    from agent.cli.node_access import open_node
     from agent.config import Config
-    from agent.daemon import open_node
     from agent.node import discover
     from dra_driver.device_model import DevicePolicy, advertised_devices
 
-    source = open_node(Config(simulate=model, node_name=model), Path(tempfile.mkdtemp()))
+    source = open_node(Config.of(simulate=model, node_name=model), Path(tempfile.mkdtemp()))
     source.nvml.init()
     try:
         return advertised_devices(discover(source), DevicePolicy(mig_mode=mig_mode))

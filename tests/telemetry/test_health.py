@@ -186,10 +186,10 @@ def test_configured_application_xids_are_logged_as_such(tmp_path, caplog):
 
 def test_the_application_xids_setting(tmp_path):
     config = load_config({"application_xids": "1, 2,3"}, {})
-    assert config.application_xids == frozenset({1, 2, 3})
-    assert application_xids(config.application_xids) == APPLICATION_XIDS | {1, 2, 3}
-    assert load_config({}, {"TESSERA_APPLICATION_XIDS": "8"}).application_xids == {8}
-    assert load_config({}, {}).application_xids is None
+    assert config.telemetry.application_xids == frozenset({1, 2, 3})
+    assert application_xids(config.telemetry.application_xids) == APPLICATION_XIDS | {1, 2, 3}
+    assert load_config({}, {"TESSERA_APPLICATION_XIDS": "8"}).telemetry.application_xids == {8}
+    assert load_config({}, {}).telemetry.application_xids is None
     with pytest.raises(ConfigError, match=r"--application-xids: '1,x' .*'x' is not a whole"):
         load_config({"application_xids": "1,x"}, {})
     with pytest.raises(ConfigError, match=r"TESSERA_APPLICATION_XIDS='13,79' names fatal XID"):

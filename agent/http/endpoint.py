@@ -1,215 +1,44 @@
-"""The agent's HTTP endpoint: /healthz, /readyz and /metrics.
-
-Readiness is a set of named checks; /readyz answers 200 only when every check passes and lists
-the failing ones otherwise. Nothing on these paths touches NVML or Kubernetes.
-
-The DaemonSet exposes the endpoint on the node's network, so it is built to hold against clients
-that connect and never finish (see docs/reliability.md, "The network endpoints"):
-
-- **No thread per connection.** One selector thread (``http``) accepts connections and reads
-  each request, head and body, without blocking: a client that connects and sends nothing, or
-  half a header, costs one descriptor and no thread. Only a complete request goes to one of a
-  fixed pool of ``threads`` workers (``http-worker-<n>``), which answers it and closes the
-  connection (HTTP/1.0: one request per connection).
-- **Timeouts.** The request head must arrive within ``header_timeout`` of the connection (TLS
-  handshake included), its body within ``body_timeout`` after the head; the response must be
-  taken within ``response_timeout``. A late client gets ``408`` and is closed.
-- **A connection cap and a descriptor reserve.** At most ``max_connections`` connections are
-  open at once, and a new one is only kept while more than ``fd_reserve`` descriptors remain
-  below the soft ``RLIMIT_NOFILE``, so the kubelet's sockets and the telemetry API can always
-  accept. At either limit the oldest connection that has not finished its request is closed to
-  make room (a probe sends its request at once and is answered while slow clients hold the rest);
-  when every open connection is being answered, the new one is closed at once.
-- **Logs.** Every refused, timed-out, malformed or broken request is one JSON record through
-  logging (never a traceback on stderr), at most one per kind every ``LOG_INTERVAL`` seconds with
-  the number not logged (``agent.logs.Throttle``).
-- **TLS** (optional): a certificate and key, and optionally a client CA (clients without a
-  certificate it signed are refused at the handshake); see ``agent.tls``.
-"""
+"""The endpoint itself: one selector thread reads every connection's request, a fixed pool of
+workers answers complete ones (the package docstring says how it holds against bad clients)."""
 
 from __future__ import annotations
 
 import contextlib
-import io
-import json
 import logging
-import os
 import queue
-import re
-import resource
 import selectors
 import socket
 import ssl
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler
 from typing import Any, cast
 
-from agent.errors import ConfigError
+from agent.http.connection import (
+    ACCEPT_BATCH,
+    ACCEPT_PAUSE,
+    CHUNKED,
+    CONTENT_LENGTH,
+    HEAD_END,
+    LOG_INTERVAL,
+    MAX_BODY_BYTES,
+    MAX_HEADER_BYTES,
+    REFUSED,
+    Conn,
+    DeadlineWriter,
+    HttpLimits,
+    ResponseTimeout,
+    bind,
+    peer_name,
+)
+from agent.http.descriptors import descriptors_left
+from agent.http.handler import handler_class, route
+from agent.http.probes import Readiness
 from agent.logs import Throttle, fields_
 from agent.tls import TlsFiles, TlsMaterial, load_server
 
-Check = Callable[[], tuple[bool, str]]
 Exposition = Callable[[], tuple[bytes, str]]
 """Renders /metrics: (body, content type)."""
-
-LOG_INTERVAL = 10.0
-"""Seconds between two log records of one kind of refused or broken request."""
-LISTEN_BACKLOG = 128
-"""Connections the kernel queues before we accept them (the stdlib default of 5 makes the sixth
-concurrent scraper wait a second for a SYN retry)."""
-ACCEPT_BATCH = 64
-"""Connections accepted per wake-up before the loop serves the others."""
-ACCEPT_PAUSE = 0.5
-"""Seconds accepting pauses when the process is out of descriptors and nothing can be closed."""
-MAX_HEADER_BYTES = 16 * 1024
-MAX_BODY_BYTES = 64 * 1024
-REFUSED = {
-    "connections": "HTTP connection refused: the connection limit is reached and every open"
-    " connection is being answered",
-    "descriptors": "HTTP connection refused: too few file descriptors are left (a reserve is kept"
-    " for the kubelet's sockets) and every open connection is being answered",
-}
-_HEAD_END = re.compile(rb"\r?\n\r?\n")
-_CONTENT_LENGTH = re.compile(rb"^content-length:[ \t]*(\S*)[ \t]*\r?$", re.I | re.M)
-_CHUNKED = re.compile(rb"^transfer-encoding:", re.I | re.M)
-
-
-@dataclass(frozen=True)
-class HttpLimits:
-    """How much the endpoint gives its clients (the daemon's ``--http-*`` and ``--fd-reserve``)."""
-
-    max_connections: int = 64
-    threads: int = 4
-    header_timeout: float = 10.0
-    body_timeout: float = 10.0
-    response_timeout: float = 10.0
-    fd_reserve: int = 64
-
-
-class Readiness:
-    """Named checks, registered by the components that own them: /readyz's, and /healthz's
-    (liveness: what a restart of the agent would repair)."""
-
-    def __init__(self) -> None:
-        self._checks: dict[str, Check] = {}
-        self._lock = threading.Lock()
-
-    def add(self, name: str, check: Check) -> None:
-        with self._lock:
-            self._checks[name] = check
-
-    def evaluate(self, empty_ok: bool = False) -> tuple[bool, dict[str, str]]:
-        """Whether every check passes (no checks at all passes only when ``empty_ok``), with
-        every check's detail; for liveness, only the failing ones' details matter."""
-        with self._lock:
-            checks = dict(self._checks)
-        results = {name: check() for name, check in checks.items()}
-        ok = (bool(results) or empty_ok) and all(passed for passed, _ in results.values())
-        if empty_ok:  # liveness: say what is wrong, not what is fine
-            return ok, {name: detail for name, (passed, detail) in results.items() if not passed}
-        return ok, {name: detail for name, (_, detail) in results.items()}
-
-
-def descriptors_left() -> int | None:
-    """Descriptors this process may still open below its soft ``RLIMIT_NOFILE``; None when
-    unlimited or unknown (no ``/proc``)."""
-    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return None
-    try:
-        used = len(os.listdir("/proc/self/fd")) - 1  # less the one listdir itself had open
-    except FileNotFoundError:
-        return None
-    except OSError:  # EMFILE: not even one left for listdir
-        return 0
-    return soft - used
-
-
-def raise_descriptor_limit() -> tuple[int, int] | None:
-    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit (the agent uses epoll, never
-    ``select``, so a high limit costs nothing); ``(old, new)`` when it changed, else None."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == hard:
-        return None
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ValueError, OSError):
-        return None
-    return soft, hard
-
-
-class _Conn:
-    """One accepted connection, from accept to close."""
-
-    __slots__ = ("body", "buf", "deadline", "head", "opened", "peer", "phase", "sock")
-
-    def __init__(
-        self, sock: socket.socket, peer: str, now: float, phase: str, deadline: float
-    ) -> None:
-        self.sock = sock
-        self.peer = peer
-        self.opened = now
-        self.phase = phase
-        """``handshake`` (TLS), ``header``, ``body``, then ``response`` on a worker."""
-        self.deadline = deadline
-        self.buf = bytearray()
-        self.head = 0
-        self.body = 0
-
-
-class _ResponseTimeout(Exception):
-    """The client did not take the response in time (not a TimeoutError: the stdlib handler
-    would swallow that as a read timeout)."""
-
-
-class _DeadlineWriter:
-    """The handler's ``wfile``: writes to the socket, all of it within one deadline."""
-
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
-        self.sock = sock
-        self.deadline = deadline
-
-    def write(self, data: bytes) -> int:
-        view = memoryview(data)
-        while view:
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                raise _ResponseTimeout
-            self.sock.settimeout(left)
-            try:
-                sent = self.sock.send(view[:65536])
-            except TimeoutError:
-                raise _ResponseTimeout from None
-            view = view[sent:]
-        return len(data)
-
-    def flush(self) -> None:
-        return
-
-    def close(self) -> None:
-        return
-
-
-def _peer(addr: Any) -> str:
-    if isinstance(addr, tuple) and len(addr) >= 2:
-        host = f"[{addr[0]}]" if ":" in str(addr[0]) else str(addr[0])
-        return f"{host}:{addr[1]}"
-    return str(addr)
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
-    except OSError as exc:
-        raise ConfigError(
-            f"--metrics-address: cannot listen on {host}:{port}: {exc.strerror or exc}"
-        ) from exc
-    sock.setblocking(False)
-    return sock
 
 
 class HttpEndpoint:
@@ -234,21 +63,21 @@ class HttpEndpoint:
         self.log = log or logging.getLogger("tessera.http")
         self.throttle = Throttle(self.log, LOG_INTERVAL)
         self.tls: TlsMaterial | None = None if tls is None else load_server(tls)
-        self._listener = _bind(host, port)
+        self._listener = bind(host, port)
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self._pending: dict[int, _Conn] = {}
+        self._pending: dict[int, Conn] = {}
         """Connections still sending their request, oldest first (the loop thread's alone)."""
-        self._answering: set[_Conn] = set()
+        self._answering: set[Conn] = set()
         """Connections a worker is answering (guarded by ``_lock``)."""
         self._lock = threading.Lock()
-        self._jobs: queue.SimpleQueue[_Conn | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Conn | None] = queue.SimpleQueue()
         self._closing = threading.Event()
         self._threads: list[threading.Thread] = []
         self._accept_paused_until = 0.0
-        self._handler = self._handler_class()
+        self._handler = handler_class(self._route, self.throttle)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -331,11 +160,11 @@ class HttpEndpoint:
                 elif key.data == "wake":
                     with contextlib.suppress(OSError):
                         self._wake_r.recv(4096)
-                elif isinstance(key.data, _Conn):
+                elif isinstance(key.data, Conn):
                     self._guarded(key.data)
             self._expire(time.monotonic())
 
-    def _guarded(self, c: _Conn) -> None:
+    def _guarded(self, c: Conn) -> None:
         """Read from one connection; a bug there costs that connection, never the endpoint."""
         try:
             self._readable(c)
@@ -360,7 +189,7 @@ class HttpEndpoint:
                     self._pause_accepting(exc)
                     return
                 continue
-            self._admit(sock, _peer(addr))
+            self._admit(sock, peer_name(addr))
 
     def _pause_accepting(self, exc: OSError) -> None:
         """Out of descriptors with nothing to close: leave new connections in the kernel's
@@ -399,7 +228,7 @@ class HttpEndpoint:
             return
         now = time.monotonic()
         phase = "handshake" if self.tls is not None else "header"
-        c = _Conn(sock, peer, now, phase, now + self.limits.header_timeout)
+        c = Conn(sock, peer, now, phase, now + self.limits.header_timeout)
         try:
             sock.setblocking(False)
             if self.tls is not None:
@@ -440,7 +269,7 @@ class HttpEndpoint:
         )
         return True
 
-    def _drop(self, c: _Conn) -> None:
+    def _drop(self, c: Conn) -> None:
         """Forget a pending connection and close it."""
         with self._lock:
             self._pending.pop(id(c), None)
@@ -449,11 +278,11 @@ class HttpEndpoint:
         self._close(c)
 
     @staticmethod
-    def _close(c: _Conn) -> None:
+    def _close(c: Conn) -> None:
         with contextlib.suppress(OSError):
             c.sock.close()
 
-    def _reply_and_drop(self, c: _Conn, code: int, reason: str, msg: str, **fields: Any) -> None:
+    def _reply_and_drop(self, c: Conn, code: int, reason: str, msg: str, **fields: Any) -> None:
         """Answer a request the loop refuses with a short error (best effort: never blocks)."""
         body = f"{reason}\n".encode()
         head = (
@@ -487,7 +316,7 @@ class HttpEndpoint:
                 received_bytes=len(c.buf),
             )
 
-    def _readable(self, c: _Conn) -> None:
+    def _readable(self, c: Conn) -> None:
         if c.phase == "handshake" and not self._handshake(c):
             return
         while True:
@@ -525,7 +354,7 @@ class HttpEndpoint:
             if self._advance(c):
                 return
 
-    def _handshake(self, c: _Conn) -> bool:
+    def _handshake(self, c: Conn) -> bool:
         """Advance a TLS handshake; True when it is done and the request may be read."""
         assert isinstance(c.sock, ssl.SSLSocket)
         try:
@@ -547,11 +376,11 @@ class HttpEndpoint:
         c.phase = "header"
         return True
 
-    def _advance(self, c: _Conn) -> bool:
+    def _advance(self, c: Conn) -> bool:
         """Look at what has arrived; True when the connection left the loop (dispatched to a
         worker or refused)."""
         if c.phase == "header":
-            end = _HEAD_END.search(c.buf)
+            end = HEAD_END.search(c.buf)
             if end is None:
                 if len(c.buf) > MAX_HEADER_BYTES:
                     self._reply_and_drop(
@@ -564,8 +393,8 @@ class HttpEndpoint:
                     return True
                 return False
             head = bytes(c.buf[: end.end()])
-            length = _CONTENT_LENGTH.search(head)
-            if _CHUNKED.search(head):
+            length = CONTENT_LENGTH.search(head)
+            if CHUNKED.search(head):
                 self._reply_and_drop(
                     c,
                     411,
@@ -620,18 +449,18 @@ class HttpEndpoint:
             finally:
                 self._finish(c)
 
-    def _finish(self, c: _Conn) -> None:
+    def _finish(self, c: Conn) -> None:
         with self._lock:
             self._answering.discard(c)
         self._close(c)
 
-    def _answer(self, c: _Conn) -> None:
+    def _answer(self, c: Conn) -> None:
         deadline = time.monotonic() + self.limits.response_timeout
         try:
             c.sock.setblocking(True)
-            request: Any = (bytes(c.buf), _DeadlineWriter(c.sock, deadline))
+            request: Any = (bytes(c.buf), DeadlineWriter(c.sock, deadline))
             self._handler(request, c.peer, cast(Any, self))
-        except _ResponseTimeout:
+        except ResponseTimeout:
             self.throttle(
                 logging.WARNING,
                 "response-timeout",
@@ -656,81 +485,5 @@ class HttpEndpoint:
                 peer=c.peer,
             )
 
-    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
-        endpoint = self
-
-        class Handler(BaseHTTPRequestHandler):
-            """Parses and answers one request already read by the loop (``request`` is the
-            raw bytes and the response writer)."""
-
-            _version = "HTTP/1.0"
-
-            @property
-            def request_version(self) -> str:
-                return self._version
-
-            @request_version.setter
-            def request_version(self, version: str) -> None:
-                # http.server answers an HTTP/0.9 request (a two-word line, "HTTP/0.9", and a
-                # line whose version is bad, which it takes for 0.9 until it knows better) with
-                # a bare body: no status line a client could read, even for its errors (400,
-                # 431, 505). Every answer here has its status line.
-                self._version = "HTTP/1.0" if version == "HTTP/0.9" else version
-
-            def setup(self) -> None:
-                raw, writer = self.request
-                self.rfile = io.BytesIO(raw)
-                self.wfile = writer
-
-            def finish(self) -> None:
-                return
-
-            def do_GET(self) -> None:
-                path = self.path.split("?", 1)[0]
-                try:
-                    code, ctype, body = endpoint._route(path)
-                except Exception as exc:
-                    endpoint.throttle(
-                        logging.ERROR,
-                        "handler",
-                        "HTTP request failed",
-                        exc_info=exc,
-                        path=path,
-                        peer=str(self.client_address),
-                    )
-                    code, ctype, body = 500, "text/plain; charset=utf-8", b"internal error\n"
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
-                return  # access logs off: scrapes every few seconds would drown the real logs
-
-            def log_error(self, format: str, *args: Any) -> None:
-                endpoint.throttle(
-                    logging.WARNING,
-                    "bad-request",
-                    "HTTP request refused",
-                    peer=str(self.client_address),
-                    reason=format % args,
-                )
-
-        return Handler
-
     def _route(self, path: str) -> tuple[int, str, bytes]:
-        if path == "/healthz":
-            alive, detail = self.liveness.evaluate(empty_ok=True)
-            if alive:
-                return 200, "text/plain; charset=utf-8", b"ok\n"
-            failing = "".join(f"{name}: {why}\n" for name, why in detail.items())
-            return 503, "text/plain; charset=utf-8", failing.encode()
-        if path == "/metrics" and self.metrics is not None:
-            body, ctype = self.metrics()
-            return 200, ctype, body
-        if path == "/readyz":
-            ok, detail = self.readiness.evaluate()
-            body = json.dumps({"ready": ok, "checks": detail}, indent=1).encode() + b"\n"
-            return 200 if ok else 503, "application/json", body
-        return 404, "text/plain; charset=utf-8", b"not found\n"
+        return route(path, self.readiness, self.liveness, self.metrics)
