@@ -48,14 +48,19 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 # Tests run in a random order (pytest-randomly) on every core (pytest-xdist: most wait on the
-# daemons they start); `make test SEED=N` repeats one order.
+# daemons they start; worksteal: a worker that runs out takes tests queued for another, so a few
+# long tests at the end do not leave a core idle); `make test SEED=N` repeats one order.
+# Bytecode is cached (PYTHONDONTWRITEBYTECODE unset for the run, __pycache__ is ignored by git):
+# the tests start hundreds of Python processes (daemons, CLIs, the simulated tools) that would
+# each compile the agent again.
 ifeq ($(SEED),)
 SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
 endif
 unit: $(STAMP)
 	@.ci/promtool $(VENV)/bin
 	@echo "test order: random, seed $(SEED) (repeat it with: make test SEED=$(SEED))"
-	$(PY) -m pytest -q -m "not reliability" -p randomly --randomly-seed=$(SEED) -n auto
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -m "not reliability" -p randomly \
+		--randomly-seed=$(SEED) -n auto --dist worksteal
 
 test: lint typecheck unit
 

@@ -306,8 +306,36 @@ def _wanted_dirs(paths: list[str]) -> set[str]:
     return dirs
 
 
+def _create(root: Path, t: Tree) -> None:
+    """The first write, into an empty root: what ``_apply`` leaves, each entry made once, without
+    its comparisons, temporary names and pruning walk (the tree has thousands of entries)."""
+    made: set[Path] = set()
+
+    def parent(path: Path) -> Path:
+        if path.parent not in made:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            made.add(path.parent)
+        return path
+
+    for rel, target in t.links.items():
+        os.symlink(target, parent(root / rel))
+    for rel, data in t.files.items():
+        fd = os.open(parent(root / rel), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    for rel, text in t.executables.items():
+        path = parent(root / rel)
+        path.write_text(text)
+        os.chmod(path, MODE)
+    for rel in t.sockets:
+        os.mknod(parent(root / rel), stat.S_IFSOCK | 0o666)
+
+
 def _apply(root: Path, t: Tree) -> None:
     root.mkdir(parents=True, exist_ok=True)
+    if not any(root.iterdir()):
+        _create(root, t)
+        return
     # a link of the layout may stand where another layout had a directory (or the reverse)
     for rel in t.links:
         p = root / rel

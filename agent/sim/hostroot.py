@@ -70,7 +70,25 @@ def _caps_minors(model: NodeModel) -> list[int]:
     return minors
 
 
+def _create(model: NodeModel, root: Path, cdi_dirs: Sequence[str]) -> None:
+    """The first write, into an empty root: what ``_write_tree`` leaves, each file made once
+    (no comparison, temporary name or pruning over its thousand capability nodes)."""
+    dev = root / "dev"
+    caps = dev / "nvidia-caps"
+    caps.mkdir(parents=True, exist_ok=True)
+    for name in (*CONTROL_NODES, *(f"nvidia{g.index}" for g in model.gpus)):
+        (dev / name).touch(exist_ok=False)
+    for minor in _caps_minors(model):
+        (caps / f"nvidia-cap{minor}").touch(exist_ok=False)
+    containerd = root / "etc" / "containerd"
+    containerd.mkdir(parents=True, exist_ok=True)
+    (containerd / "config.toml").write_text(containerd_config(cdi_dirs))
+
+
 def _write_tree(model: NodeModel, root: Path, cdi_dirs: Sequence[str]) -> None:
+    if not root.exists() or not any(root.iterdir()):
+        _create(model, root, cdi_dirs)
+        return
     dev = root / "dev"
     gpu_nodes = {f"nvidia{g.index}" for g in model.gpus}
     for name in (*CONTROL_NODES, *sorted(gpu_nodes)):

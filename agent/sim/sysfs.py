@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,17 +164,32 @@ def _prune_pci(directory: Path, rel: str, expected: set[str]) -> None:
             shutil.rmtree(entry)
 
 
-def _write_function(devices: Path, fn: SimFunction, model: NodeModel, nr_cpus: int) -> None:
+Put = Callable[[Path, str], None]
+"""Writes a file (``write_text``, or ``_new_text`` into an empty tree)."""
+
+
+def _new_text(path: Path, text: str) -> None:
+    """A file of a first write: its directory exists, nothing is there yet to compare."""
+    path.write_text(text)
+
+
+def _new_link(link: Path, target: str) -> None:
+    link.symlink_to(target)
+
+
+def _write_function(
+    devices: Path, fn: SimFunction, model: NodeModel, nr_cpus: int, put: Put
+) -> None:
     d = devices / fn.rel_path
     d.mkdir(parents=True, exist_ok=True)
     cpulist = model.numa_nodes[fn.numa]
-    write_text(d / "vendor", f"0x{fn.vendor:04x}\n")
-    write_text(d / "device", f"0x{fn.device:04x}\n")
-    write_text(d / "class", f"0x{fn.pci_class:06x}\n")
-    write_text(d / "numa_node", f"{fn.numa}\n")
-    write_text(d / "local_cpulist", f"{cpulist}\n")
-    write_text(d / "local_cpus", f"{cpulist_to_mask(cpulist, nr_cpus)}\n")
-    write_text(
+    put(d / "vendor", f"0x{fn.vendor:04x}\n")
+    put(d / "device", f"0x{fn.device:04x}\n")
+    put(d / "class", f"0x{fn.pci_class:06x}\n")
+    put(d / "numa_node", f"{fn.numa}\n")
+    put(d / "local_cpulist", f"{cpulist}\n")
+    put(d / "local_cpus", f"{cpulist_to_mask(cpulist, nr_cpus)}\n")
+    put(
         d / "uevent",
         f"PCI_CLASS={fn.pci_class:X}\nPCI_ID={fn.vendor:04X}:{fn.device:04X}\n"
         f"PCI_SLOT_NAME={fn.bus}\n",
@@ -181,6 +197,10 @@ def _write_function(devices: Path, fn: SimFunction, model: NodeModel, nr_cpus: i
 
 
 def _write_tree(model: NodeModel, root: Path, removed: frozenset[str]) -> None:
+    # a first write, into an empty root, makes each entry once: no comparison, temporary name
+    # or pruning (a rewrite keeps every entry readable while it changes the tree)
+    fresh = not root.exists() or not any(root.iterdir())
+    put, link = (_new_text, _new_link) if fresh else (write_text, symlink)
     devices = root / "devices"
     functions = pci_functions(model, removed)
     nr_cpus = max((max(parse_cpulist(c), default=0) for c in model.numa_nodes.values()), default=0)
@@ -191,10 +211,10 @@ def _write_tree(model: NodeModel, root: Path, removed: frozenset[str]) -> None:
     bus_links = root / "bus" / "pci" / "devices"
     bus_links.mkdir(parents=True, exist_ok=True)
     for fn in functions:
-        _write_function(devices, fn, model, nr_cpus)
+        _write_function(devices, fn, model, nr_cpus, put)
         parts = fn.rel_path.split("/")
         expected.update("/".join(parts[: i + 1]) for i in range(len(parts)))
-        symlink(bus_links / fn.bus, f"../../../devices/{fn.rel_path}")
+        link(bus_links / fn.bus, f"../../../devices/{fn.rel_path}")
 
     nic_keep: dict[str, tuple[set[str], set[str]]] = {}
     for nic in model.nics:
@@ -202,13 +222,13 @@ def _write_tree(model: NodeModel, root: Path, removed: frozenset[str]) -> None:
         d = devices / rel
         ib = d / "infiniband" / nic.name
         (ib / "ports" / "1").mkdir(parents=True, exist_ok=True)
-        write_text(ib / "ports" / "1" / "link_layer", f"{nic.link_layer}\n")
-        write_text(ib / "ports" / "1" / "state", "4: ACTIVE\n")
-        symlink(ib / "device", f"../../../{nic.bus}")
+        put(ib / "ports" / "1" / "link_layer", f"{nic.link_layer}\n")
+        put(ib / "ports" / "1" / "state", "4: ACTIVE\n")
+        link(ib / "device", f"../../../{nic.bus}")
         net = d / "net" / nic.netdev
         net.mkdir(parents=True, exist_ok=True)
-        write_text(net / "type", f"{ARPHRD.get(nic.link_layer, 1)}\n")
-        symlink(net / "device", f"../../../{nic.bus}")
+        put(net / "type", f"{ARPHRD.get(nic.link_layer, 1)}\n")
+        link(net / "device", f"../../../{nic.bus}")
         keep = nic_keep.setdefault(rel, (set(), set()))
         keep[0].add(nic.name)
         keep[1].add(nic.netdev)
@@ -218,18 +238,20 @@ def _write_tree(model: NodeModel, root: Path, removed: frozenset[str]) -> None:
     net_class.mkdir(parents=True, exist_ok=True)
     for nic in model.nics:
         rel = by_bus[nic.bus].rel_path
-        symlink(ib_class / nic.name, f"../../devices/{rel}/infiniband/{nic.name}")
-        symlink(net_class / nic.netdev, f"../../devices/{rel}/net/{nic.netdev}")
+        link(ib_class / nic.name, f"../../devices/{rel}/infiniband/{nic.name}")
+        link(net_class / nic.netdev, f"../../devices/{rel}/net/{nic.netdev}")
 
     node_dir = devices / "system" / "node"
     node_dir.mkdir(parents=True, exist_ok=True)
     ids = format_cpulist(list(model.numa_nodes))
     for name in ("online", "possible", "has_cpu"):
-        write_text(node_dir / name, f"{ids}\n")
+        put(node_dir / name, f"{ids}\n")
     for node, cpulist in model.numa_nodes.items():
         (node_dir / f"node{node}").mkdir(exist_ok=True)
-        write_text(node_dir / f"node{node}" / "cpulist", f"{cpulist}\n")
+        put(node_dir / f"node{node}" / "cpulist", f"{cpulist}\n")
 
+    if fresh:
+        return
     # What an earlier write (of another model) left behind goes; readers never see a gap.
     _prune(bus_links, {f.bus for f in functions})
     _prune(ib_class, {n.name for n in model.nics})

@@ -25,6 +25,7 @@ from agent.hotplug import (
 from agent.node import discover
 from agent.sim.node import simulated_node
 from agent.sim.udev import remove_gpu
+from tests.fakeclock import FakeClock
 
 LOG = logging.getLogger("tessera.test.hotplug")
 H100 = {"PCI_ID": "10DE:2330", "PCI_SLOT_NAME": "0000:1B:00.0", "PCI_CLASS": "30200"}
@@ -147,21 +148,13 @@ def test_an_endless_trickle_is_still_read_at_the_maximum_delay():
     assert d.due_at() == 110.0
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 class ScriptedSource:
     """Events at given clock times; a poll advances the fake clock to the next event or by its
     timeout (never sleeps). Sets ``stop`` once the clock passes ``until``."""
 
     def __init__(
         self,
-        clock: Clock,
+        clock: FakeClock,
         script: list[tuple[float, PciEvent]],
         until: float,
         stop: threading.Event,
@@ -194,7 +187,7 @@ class ScriptedSource:
 
 
 def run_loop(script: list[tuple[float, PciEvent]], until: float, interval: float, debounce=2.0):
-    clock = Clock()
+    clock = FakeClock()
     stop = threading.Event()
     source = ScriptedSource(clock, [(1000.0 + t, e) for t, e in script], 1000.0 + until, stop)
     calls: list[tuple[float, frozenset[str]]] = []

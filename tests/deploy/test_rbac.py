@@ -161,11 +161,31 @@ def events(server: ApiServer, reason: str) -> int:
     return sum(e["count"] for e in server.objects("events", "default") if e["reason"] == reason)
 
 
-def take(server: ApiServer) -> list[RequestRecord]:
-    """The requests since the last take."""
-    records = server.requests.snapshot()
-    server.clear_log()
-    return records
+class Phases:
+    """The requests of each phase, told apart by when they arrived.
+
+    A phase ends when the test sees its effect in the server's store; the server logs a request
+    when it answers, after the store changed, so a log cut at that moment could miss the request
+    that ended the phase and give it to the next one (a Node event's PATCH seen in the restart).
+    Every request that caused what the test saw arrived before the test saw it, and every request
+    of the next phase arrives after the test starts it: so each phase ends at an instant (``end``)
+    and the log is split by arrival time once the agent has exited (all answered then)."""
+
+    def __init__(self) -> None:
+        self.ends: list[tuple[str, float]] = []
+
+    def end(self, mode: str) -> None:
+        self.ends.append((mode, time.monotonic()))
+
+    def split(self, server: ApiServer, last: str) -> dict[str, list[RequestRecord]]:
+        """Every request the server logged, by the phase it arrived in; after the last end:
+        ``last``."""
+        modes: dict[str, list[RequestRecord]] = {mode: [] for mode, _ in self.ends}
+        modes[last] = []
+        for record in server.requests.snapshot():
+            mode = next((m for m, at in self.ends if record.at < at), last)
+            modes[mode].append(record)
+        return modes
 
 
 def drive_the_agent(server: ApiServer, state: Path) -> dict[str, list[RequestRecord]]:
@@ -178,7 +198,7 @@ def drive_the_agent(server: ApiServer, state: Path) -> dict[str, list[RequestRec
     claim = claim_manifest("train", "uid-train", [("gpu", "gpu-1")], node, "team-a")
     uid = server.put_object("resourceclaims", claim)["metadata"]["uid"]
     ref = ClaimRef("team-a", "train", uid)
-    modes: dict[str, list[RequestRecord]] = {}
+    phases = Phases()
     try:
         d.start()
         until(lambda: len(ours(server, node)) == 1, d, "the node's slice published")
@@ -197,12 +217,12 @@ def drive_the_agent(server: ApiServer, state: Path) -> dict[str, list[RequestRec
             d,
             "the edit repaired and the stale slice removed",
         )
-        modes["publisher"] = take(server)
+        phases.end("publisher")
 
         with KubeletClient(d.dra_socket) as k:
             (result,) = k.prepare([ref])["claims"].values()
         assert result["error"] == "", result
-        modes["claims"] = take(server)
+        phases.end("claims")
 
         # GPU 0 flaps twice: lost (one read fails as a lost GPU's would), then answers again
         sim = FakeNvml(node_model(MODEL), d.state / "sim")
@@ -213,7 +233,7 @@ def drive_the_agent(server: ApiServer, state: Path) -> dict[str, list[RequestRec
                 d,
                 f"flap {cycle} recorded",
             )
-        modes["events"] = take(server)
+        phases.end("events")
 
         d.kill()  # kill -9, then the checkpoint is damaged: the claim is found through the API
         (d.state / "checkpoint.json").write_text('{"version": 2, "claims": {"uid-')
@@ -222,22 +242,21 @@ def drive_the_agent(server: ApiServer, state: Path) -> dict[str, list[RequestRec
         assert d.checkpoint()["claims"][uid]["rebuiltFrom"] == "cdi-spec+api"
         assert d.stop() == 0  # and --cleanup-on-exit removes the slices
         assert ours(server, node) == []
-        modes["restart and exit"] = take(server)
+        phases.end("restart and exit")
     finally:
         d.kill()
-    modes["doctor"] = doctor(state, kubeconfig, server)
+    doctor(state, kubeconfig)
     assert server.rejected == []
-    return modes
+    return phases.split(server, "doctor")
 
 
-def doctor(state: Path, kubeconfig: str, server: ApiServer) -> list[RequestRecord]:
+def doctor(state: Path, kubeconfig: str) -> None:
     out, err = io.StringIO(), io.StringIO()
     argv = ["doctor", "--simulate", MODEL, "--state-dir", str(state), "--kubeconfig", kubeconfig]
     main([*argv, "-o", "json"], {}, out, err)
     report = json.loads(out.getvalue())
     for check in ("api-server", "rbac"):
         assert {c["status"] for c in report["checks"] if c["check"] == check} == {"ok"}, report
-    return take(server)
 
 
 # -- the test -----------------------------------------------------------------------------------

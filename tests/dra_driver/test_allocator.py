@@ -24,6 +24,7 @@ from tests.dra_driver.allocator_helpers import (
     rslice,
 )
 from tests.dra_driver.fakecel import FakeCel
+from tests.fakeclock import FakeClock
 
 A = f'device.attributes["{DRIVER}"]'
 """How a selector names one of our driver's attributes."""
@@ -770,16 +771,6 @@ def test_too_many_devices_for_one_claim() -> None:
 # -- time limit ---------------------------------------------------------------------------------
 
 
-class FakeClock:
-    def __init__(self, step: float) -> None:
-        self.now = 0.0
-        self.step = step
-
-    def __call__(self) -> float:
-        self.now += self.step
-        return self.now
-
-
 def test_gives_up_at_the_time_limit() -> None:
     # 16 devices in 16 cliques, 8 must match: no allocation, and a fake clock that advances a
     # second per look runs out long before the search does
@@ -788,7 +779,7 @@ def test_gives_up_at_the_time_limit() -> None:
         exact("g", count=8), constraints=[{"distinctAttribute": f"{DRIVER}/clique"}], name="big"
     )
     c["spec"]["devices"]["constraints"] = [{"matchAttribute": f"{DRIVER}/clique"}]
-    e = run(c, [rslice(devices)], time_limit_s=2, clock=FakeClock(1.0))
+    e = run(c, [rslice(devices)], time_limit_s=2, clock=FakeClock(0.0, step=1.0))
     assert e.gave_up and not e.ok
     assert e.first_reason().startswith("gave up after 2 s")
     assert e.to_json()["gaveUp"] is True
@@ -799,7 +790,7 @@ def test_enough_time_finds_the_answer() -> None:
         claim(exact("gpus", count=2), constraints=[{"matchAttribute": f"{DRIVER}/clique"}]),
         [rslice(CLIQUES)],
         time_limit_s=1000,
-        clock=FakeClock(1.0),
+        clock=FakeClock(0.0, step=1.0),
     )
     assert e.ok and not e.gave_up
 

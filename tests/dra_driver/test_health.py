@@ -3,14 +3,7 @@
 from __future__ import annotations
 
 from dra_driver.kubeletplugin.health_stream import HEALTHY, UNHEALTHY, HealthBoard
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.fakeclock import FakeClock
 
 
 def listed(board: HealthBoard) -> dict[str, str]:
@@ -19,7 +12,7 @@ def listed(board: HealthBoard) -> dict[str, str]:
 
 def test_devices_of_a_removed_gpu_that_claims_hold_stay_unhealthy_until_unprepared():
     held = {"gpu-3"}
-    clock = Clock()
+    clock = FakeClock()
     board = HealthBoard("node-a", clock, held=lambda: held)
     board.set_devices(["gpu-1", "gpu-2", "gpu-3"])
     assert listed(board) == {"gpu-1": HEALTHY, "gpu-2": HEALTHY, "gpu-3": HEALTHY}
@@ -38,7 +31,7 @@ def test_devices_of_a_removed_gpu_that_claims_hold_stay_unhealthy_until_unprepar
 
 def test_a_device_that_returns_starts_healthy_and_others_keep_their_state():
     held = {"gpu-3"}
-    board = HealthBoard("node-a", Clock(), held=lambda: held)
+    board = HealthBoard("node-a", FakeClock(), held=lambda: held)
     board.set_devices(["gpu-1", "gpu-3"])
     board.mark("gpu-1", UNHEALTHY)
     board.set_devices(["gpu-1"])
@@ -47,7 +40,7 @@ def test_a_device_that_returns_starts_healthy_and_others_keep_their_state():
 
 
 def test_without_holders_a_gone_device_is_dropped():
-    board = HealthBoard("node-a", Clock())
+    board = HealthBoard("node-a", FakeClock())
     board.set_devices(["gpu-0", "gpu-1"])
     board.set_devices(["gpu-0"])
     assert listed(board) == {"gpu-0": HEALTHY}

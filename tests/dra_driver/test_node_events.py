@@ -21,18 +21,11 @@ from dra_driver.cluster.node_events import (
     gpu_health,
 )
 from dra_driver.errors import KubeError
+from tests.fakeclock import FakeClock
 
 T0 = 1_780_000_000.0
 NODE = "node-a"
 UID = "8d1f2c5e-0000-4000-8000-000000000001"
-
-
-class Clock:
-    def __init__(self, now: float = T0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def event(message: str, at: float, type: str = WARNING, reason: str = "GpuUnhealthy") -> NodeEvent:
@@ -176,19 +169,19 @@ class FakeSink:
         return dataclasses.replace(e, resource_version=str(len(self.calls)))
 
 
-def recorder(sink: Any, clock: Clock | None = None, **kw: Any) -> NodeEventRecorder:
+def recorder(sink: Any, clock: FakeClock | None = None, **kw: Any) -> NodeEventRecorder:
     return NodeEventRecorder(
         sink,
         NODE,
         "gpu.tessera.dev",
         logging.getLogger("test.node-events"),
         node_uid=UID,
-        clock=clock or Clock(),
+        clock=clock or FakeClock(T0),
         **{"retry_delays": (0.0,), **kw},
     )
 
 
-def flap(rec: NodeEventRecorder, clock: Clock, cycles: int, gpu: int = 1) -> None:
+def flap(rec: NodeEventRecorder, clock: FakeClock, cycles: int, gpu: int = 1) -> None:
     for _ in range(cycles):
         rec.record(*gpu_health(gpu, "GPU-1111", False, "xid-79"))
         clock.now += 1
@@ -197,7 +190,7 @@ def flap(rec: NodeEventRecorder, clock: Clock, cycles: int, gpu: int = 1) -> Non
 
 
 def test_a_flapping_gpu_is_a_bounded_number_of_writes_mostly_patches_of_one_event():
-    sink, clock = FakeSink(), Clock()
+    sink, clock = FakeSink(), FakeClock(T0)
     rec = recorder(sink, clock)
     flap(rec, clock, 50)
     rec.drain()
@@ -317,7 +310,7 @@ def test_the_loop_writes_as_events_come_and_stops_when_asked():
 class SlowSink(FakeSink):
     """Each write takes 0.6 s of the fake monotonic clock."""
 
-    def __init__(self, monotonic: Clock) -> None:
+    def __init__(self, monotonic: FakeClock) -> None:
         super().__init__()
         self.monotonic = monotonic
 
@@ -327,7 +320,7 @@ class SlowSink(FakeSink):
 
 
 def test_shutdown_flushes_what_is_queued_within_its_bound_and_reports_the_rest(caplog):
-    monotonic = Clock(0.0)
+    monotonic = FakeClock(0.0)
     sink = SlowSink(monotonic)
     rec = recorder(sink, monotonic=monotonic, flush_timeout=1.0)
     for i in range(3):
@@ -357,7 +350,9 @@ def test_standalone_mode_logs_each_event_as_one_structured_record(caplog):
 
 def test_without_the_nodes_uid_the_node_name_stands_in_as_the_kubelet_does():
     sink = FakeSink()
-    rec = NodeEventRecorder(sink, NODE, "gpu.tessera.dev", logging.getLogger("t"), clock=Clock())
+    rec = NodeEventRecorder(
+        sink, NODE, "gpu.tessera.dev", logging.getLogger("t"), clock=FakeClock(T0)
+    )
     rec.record(WARNING, "GpuUnhealthy", "x")
     rec.drain()
     rec.set_node_uid(UID)

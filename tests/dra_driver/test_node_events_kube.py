@@ -21,17 +21,10 @@ from dra_driver.cluster.node_events import (
     NodeEventRecorder,
     gpu_health,
 )
+from tests.fakeclock import FakeClock
 
 NODE = "node-a"
 VERSIONS = ("1.34.0", "1.35.0")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_780_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
@@ -49,12 +42,12 @@ def kube(server: ApiServer, tmp_path: Path) -> Iterator[KubeClient]:
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> FakeClock:
+    return FakeClock(1_780_000_000.0)
 
 
 @pytest.fixture
-def recorder(server: ApiServer, kube: KubeClient, clock: Clock) -> NodeEventRecorder:
+def recorder(server: ApiServer, kube: KubeClient, clock: FakeClock) -> NodeEventRecorder:
     rec = NodeEventRecorder(
         KubeEventSink(kube),
         NODE,

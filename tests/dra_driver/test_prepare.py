@@ -23,6 +23,7 @@ from dra_driver.kubeletplugin.claims import ClaimKey
 from dra_driver.kubeletplugin.effects import Effects
 from dra_driver.kubeletplugin.locks import ClaimLocks
 from dra_driver.kubeletplugin.prepare import Preparer
+from tests.fakeclock import FakeClock
 
 
 class BlockingClaims:
@@ -120,16 +121,8 @@ def test_closing_answers_new_claims_and_reports_the_ones_still_running(tmp_path)
     assert "not found" in results["uid-slow"].error
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def test_a_claim_running_past_the_deadline_is_reported_stuck(tmp_path):
-    claims, clock = BlockingClaims(), FakeClock()
+    claims, clock = BlockingClaims(), FakeClock(100.0)
     preparer = make_preparer(tmp_path, claims, deadline_s=40.0, clock=clock)
     preparer.reconcile_on_start()
     key = ClaimKey("ns", "slow", "uid-slow")

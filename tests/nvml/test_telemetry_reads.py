@@ -12,6 +12,7 @@ from agent.nvml.samples import GpuSample
 from agent.nvml.telemetry import TelemetryReader
 from agent.sim.model import load_model
 from agent.sim.nvml import FakeNvml
+from tests.fakeclock import FakeClock
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
@@ -20,17 +21,6 @@ UNKNOWN = 999  # NVML_ERROR_UNKNOWN
 # NVML calls per GPU per read once warm (documented in agent.nvml.telemetry)
 WHOLE_GPU_CALLS = 12  # fields + 10 reads + process utilization (only with processes)
 MIG_GPU_BASE_CALLS = 10  # fields + 9 reads (no utilization, no process utilization in MIG mode)
-
-
-class FakeClock:
-    def __init__(self, t: float = 500.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
 
 
 class Counting:
@@ -57,7 +47,7 @@ class Counting:
 
 @pytest.fixture
 def clock():
-    return FakeClock()
+    return FakeClock(500.0)
 
 
 @pytest.fixture

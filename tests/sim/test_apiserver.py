@@ -19,6 +19,7 @@ from kubernetes.client.exceptions import ApiException
 
 from agent.sim.apiserver import ApiServer
 from tests.apiclient import api_client as client_for
+from tests.fakeclock import FakeClock
 
 DRIVER = "gpu.tessera.dev"
 OTHER_DRIVER = "nic.example.com"
@@ -450,14 +451,6 @@ def test_watch_from_compacted_history_is_410() -> None:
         assert exc.value.status == 410
 
 
-class FakeMonotonic:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def _watch_in_thread(
     server: ApiServer, timeout_seconds: int
 ) -> tuple[queue.Queue, threading.Thread]:
@@ -485,7 +478,7 @@ def _watch_in_thread(
 
 def test_watch_ends_at_timeout_seconds() -> None:
     """Open until timeoutSeconds has passed on the server's clock, then ended by the server."""
-    clock = FakeMonotonic()
+    clock = FakeClock()
     with ApiServer(monotonic=clock) as server:
         events, thread = _watch_in_thread(server, timeout_seconds=30)
         server.put_object("resourceslices", slice_body("early"))
@@ -619,7 +612,7 @@ def test_a_retry_after_is_only_for_429_and_5xx_and_one_word(server: ApiServer, k
 
 
 def test_the_request_log_stamps_each_request_when_it_arrived() -> None:
-    clock = FakeMonotonic()
+    clock = FakeClock()
     with ApiServer(monotonic=clock) as server, client_for(server, retries=False) as api_client:
         core = client.CoreV1Api(api_client)
         core.list_node()

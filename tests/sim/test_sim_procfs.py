@@ -15,18 +15,11 @@ from agent.sim.nvml import FakeNvml
 from agent.sim.procfs import CLK_TCK, cgroup_line, stat_line
 from agent.sim.telemetry_state import STATE_FILE, telemetry_from_json
 from agent.telemetry.owners import ProcessPods, pod_uid, start_time
+from tests.fakeclock import FakeClock
 
 GIB = 1024**3
 POD_A = "5f1c9b7e-3a2d-4e8f-9c0b-1d2e3f4a5b6c"
 POD_B = "0b9e7a3c-5d0e-4c7a-9b1e-2f6d8c4a1e01"
-
-
-class FakeClock:
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from agent.sim.telemetry_state import (
     telemetry_from_json,
     telemetry_to_json,
 )
+from tests.fakeclock import FakeClock
 from tests.sim.test_signatures import signature_mismatches, simulated_calls
 
 MIB = 1024 * 1024
@@ -28,17 +29,6 @@ GIB = 1024 * MIB
 ALL_LINKS = 0xFFFFFFFF
 NOT_MIG = 0xFFFFFFFF
 XID = pynvml.nvmlEventTypeXidCriticalError
-
-
-class FakeClock:
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
 
 
 @pytest.fixture

@@ -19,18 +19,11 @@ from agent.telemetry.energy import (
     energy_delta,
 )
 from agent.telemetry.gpuinfo import GpuInfo, gpu_info
+from tests.fakeclock import FakeClock
 from tests.telemetry.holders import Claim, Held
 
 A100_PROFILES = ((19, 14), (14, 28), (9, 42), (5, 56), (0, 98))
 H100_PROFILES = ((19, 16), (14, 32), (9, 60), (5, 64), (0, 132))
-
-
-class Clock:
-    def __init__(self, t: float = 1_000_000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def gpu(index: int, *, sms: int | None = None, profiles=()) -> GpuInfo:
@@ -124,7 +117,7 @@ def test_implausible_jump_with_a_plausible_new_value_is_a_reset():
 
 
 def test_counters_only_grow_across_reset_and_missing_counter(tmp_path):
-    clock = Clock()
+    clock = FakeClock(1_000_000.0)
     acc = EnergyAccounting(tmp_path / "energy.json", clock)
     gpus = [gpu(0)]
     holders = checkpoint(claim("a", whole(0)))
@@ -158,7 +151,7 @@ def test_counters_only_grow_across_reset_and_missing_counter(tmp_path):
 
 
 def test_power_only_gpu_integrates_with_the_trapezoid(tmp_path):
-    acc = EnergyAccounting(tmp_path / "e.json", Clock())
+    acc = EnergyAccounting(tmp_path / "e.json", FakeClock(1_000_000.0))
     gpus = [gpu(0)]
     for t, w in enumerate([100.0, 200.0, 300.0]):
         out = acc.update([sample(0, float(t), None, w)], gpus, None)
@@ -166,13 +159,13 @@ def test_power_only_gpu_integrates_with_the_trapezoid(tmp_path):
 
 
 def test_gpu_without_energy_or_power_has_no_total(tmp_path):
-    acc = EnergyAccounting(tmp_path / "e.json", Clock())
+    acc = EnergyAccounting(tmp_path / "e.json", FakeClock(1_000_000.0))
     out = acc.update([sample(0, 0.0)], [gpu(0)], None)
     assert out.gpu_energy[0] is None
 
 
 def test_lost_reads_keep_the_baseline_and_the_next_counter_covers_the_gap(tmp_path):
-    acc = EnergyAccounting(tmp_path / "e.json", Clock())
+    acc = EnergyAccounting(tmp_path / "e.json", FakeClock(1_000_000.0))
     gpus = [gpu(0)]
     holders = checkpoint(claim("a", whole(0)))
     acc.update([sample(0, 0.0, 1000.0, 300.0)], gpus, holders)
@@ -198,7 +191,7 @@ def run_window(acc: EnergyAccounting, gpus, holders, samples_at, ticks: int = 30
 
 
 def test_exclusive_gpu_energy_all_goes_to_its_claim(tmp_path):
-    acc = EnergyAccounting(tmp_path / "e.json", Clock())
+    acc = EnergyAccounting(tmp_path / "e.json", FakeClock(1_000_000.0))
     gpus = [gpu(0), gpu(1)]
     holders = checkpoint(claim("a", whole(0)), claim("b", whole(1)))
     window = run_window(
@@ -216,7 +209,7 @@ def test_exclusive_gpu_energy_all_goes_to_its_claim(tmp_path):
 
 def test_mig_with_every_slice_held_sums_to_the_gpu(tmp_path):
     """An A100: seven 1g.5gb devices of 14 SMs each are 98 SMs, the whole 7g."""
-    acc = EnergyAccounting(tmp_path / "e.json", Clock())
+    acc = EnergyAccounting(tmp_path / "e.json", FakeClock(1_000_000.0))
     gpus = [gpu(0, sms=98, profiles=A100_PROFILES)]
     devices = [mig(0, "1g5gb", 19, s, gi=7 + s) for s in range(7)]
     holders = checkpoint(*(claim(f"c{s}", d) for s, d in enumerate(devices)))
@@ -231,7 +224,7 @@ def test_mig_with_every_slice_held_sums_to_the_gpu(tmp_path):
 
 def test_mig_mixed_profiles_all_held_sum_to_the_gpu(tmp_path):
     """3g + 2g + 2g on an A100: 42 + 28 + 28 = 98 SMs."""
-    acc = EnergyAccounting(tmp_path / "e.json", Clock())
+    acc = EnergyAccounting(tmp_path / "e.json", FakeClock(1_000_000.0))
     gpus = [gpu(0, sms=98, profiles=A100_PROFILES)]
     holders = checkpoint(
         claim("big", mig(0, "3g20gb", 9, 4, gi=2)),
@@ -245,7 +238,7 @@ def test_mig_mixed_profiles_all_held_sum_to_the_gpu(tmp_path):
 
 def test_mig_idle_share_goes_to_no_one(tmp_path):
     """Seven H100 1g devices are 7 x 16 of 132 SMs; one held device gets 16/132."""
-    acc = EnergyAccounting(tmp_path / "e.json", Clock())
+    acc = EnergyAccounting(tmp_path / "e.json", FakeClock(1_000_000.0))
     gpus = [gpu(0, sms=132, profiles=H100_PROFILES)]
     holders = checkpoint(claim("a", mig(0, "1g10gb", 19, 3, gi=9)))
     window = run_window(acc, gpus, holders, lambda t: [sample(0, t, 500 * t, 500.0)], ticks=10)
@@ -271,7 +264,7 @@ def procs(*pairs: tuple[int, float | None], gi: int | None = None) -> tuple[Proc
 
 def test_shared_gpu_is_split_by_the_utilization_of_each_claims_pods(tmp_path):
     pods = {100: "pod-a1", 101: "pod-a2", 200: "pod-b", 300: "pod-c", 999: "pod-elsewhere"}
-    acc = EnergyAccounting(tmp_path / "e.json", Clock(), process_pod=pods.get)
+    acc = EnergyAccounting(tmp_path / "e.json", FakeClock(1_000_000.0), process_pod=pods.get)
     gpus = [gpu(0)]
     shared = whole(0, "gpu-0", sharing="TimeSlicing")
     holders = checkpoint(
@@ -294,7 +287,9 @@ def test_shared_gpu_is_split_by_the_utilization_of_each_claims_pods(tmp_path):
 
 
 def test_shared_gpu_without_utilization_is_split_evenly(tmp_path):
-    acc = EnergyAccounting(tmp_path / "e.json", Clock(), process_pod={1: "pod-a"}.get)
+    acc = EnergyAccounting(
+        tmp_path / "e.json", FakeClock(1_000_000.0), process_pod={1: "pod-a"}.get
+    )
     gpus = [gpu(0)]
     holders = checkpoint(
         claim("a", whole(0, "gpu-0", sharing="MemoryShare"), pods=("pod-a",)),
@@ -315,7 +310,7 @@ def test_the_rule_of_a_holding_never_changes_whatever_the_split(tmp_path):
     """Utilization known, then not, then known again; a second claim joins, then leaves: each
     holding keeps its one rule (a changing label would start a new Prometheus series)."""
     pods = {1: "pod-a", 2: "pod-b"}
-    acc = EnergyAccounting(tmp_path / "e.json", Clock(), process_pod=pods.get)
+    acc = EnergyAccounting(tmp_path / "e.json", FakeClock(1_000_000.0), process_pod=pods.get)
     gpus = [gpu(0)]
     a = claim("a", whole(0, sharing="TimeSlicing"), pods=("pod-a",))
     b = claim("b", whole(0, sharing="TimeSlicing"), pods=("pod-b",))
@@ -411,7 +406,7 @@ def test_holdings_map_by_uuid_then_minor_and_skip_unknown():
 
 
 def test_prepared_devices_and_unknown_gpu_logged_once(tmp_path, caplog):
-    acc = EnergyAccounting(tmp_path / "e.json", Clock(), log=logging.getLogger("t"))
+    acc = EnergyAccounting(tmp_path / "e.json", FakeClock(1_000_000.0), log=logging.getLogger("t"))
     stray = Held("node-a", "gpu-9", "gpu", "GPU-9", 9)
     cp = checkpoint(claim("a", whole(0), stray))
     with caplog.at_level(logging.WARNING, logger="t"):
@@ -422,7 +417,7 @@ def test_prepared_devices_and_unknown_gpu_logged_once(tmp_path, caplog):
 
 
 def test_unknown_holders_attribute_and_release_nothing(tmp_path):
-    clock = Clock()
+    clock = FakeClock(1_000_000.0)
     acc = EnergyAccounting(tmp_path / "e.json", clock, retention=0.0)
     gpus = [gpu(0)]
     holders = checkpoint(claim("a", whole(0)))
@@ -440,7 +435,7 @@ def test_unknown_holders_attribute_and_release_nothing(tmp_path):
 
 
 def test_unprepared_claim_keeps_counters_until_retention(tmp_path):
-    clock = Clock()
+    clock = FakeClock(1_000_000.0)
     acc = EnergyAccounting(tmp_path / "e.json", clock, retention=300.0)
     gpus = [gpu(0)]
     held = checkpoint(claim("a", whole(0)))
@@ -466,7 +461,7 @@ def test_unprepared_claim_keeps_counters_until_retention(tmp_path):
 
 def test_persistence_across_restart_never_goes_backwards(tmp_path):
     path = tmp_path / "state" / "energy.json"
-    clock = Clock()
+    clock = FakeClock(1_000_000.0)
     gpus = [gpu(0, sms=98, profiles=A100_PROFILES), gpu(1)]
     holders = checkpoint(claim("a", mig(0, "1g5gb", 19, 0, gi=7)), claim("b", whole(1)))
     acc = EnergyAccounting(path, clock, persist_interval=30.0)
@@ -500,7 +495,7 @@ def test_persistence_across_restart_never_goes_backwards(tmp_path):
 
 def test_released_claims_keep_their_release_time_across_restart(tmp_path):
     path = tmp_path / "energy.json"
-    clock = Clock()
+    clock = FakeClock(1_000_000.0)
     acc = EnergyAccounting(path, clock, retention=100.0)
     held = checkpoint(claim("a", whole(0)))
     acc.update([sample(0, 0.0, 0.0)], [gpu(0)], held)
@@ -528,7 +523,7 @@ def test_a_state_file_with_an_earlier_rule_is_read_as_shared_and_keeps_counting(
                     "energyJoules": 1000.0, "gpuSeconds": 40.0, "releasedAt": None}],
     }  # fmt: skip
     path.write_text(json.dumps(state))
-    acc = EnergyAccounting(path, Clock())
+    acc = EnergyAccounting(path, FakeClock(1_000_000.0))
     assert by_claim(acc) == {("a", "gpu-0"): (1000.0, 40.0, "shared")}
     holders = checkpoint(claim("a", whole(0, sharing="TimeSlicing")))
     acc.update([sample(0, 0.0, 10.0)], [gpu(0)], holders)
@@ -549,7 +544,7 @@ def test_corrupt_state_is_moved_aside(tmp_path, caplog, content):
     path = tmp_path / "energy.json"
     path.write_bytes(content)
     with caplog.at_level(logging.ERROR):
-        acc = EnergyAccounting(path, Clock())
+        acc = EnergyAccounting(path, FakeClock(1_000_000.0))
     assert acc.usage() == ()
     assert not path.exists()
     (moved,) = tmp_path.glob("energy.json.corrupt-*")
@@ -560,7 +555,7 @@ def test_corrupt_state_is_moved_aside(tmp_path, caplog, content):
 def test_unwritable_state_file_is_logged_not_raised(tmp_path, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    acc = EnergyAccounting(blocker / "energy.json", Clock(), persist_interval=0.0)
+    acc = EnergyAccounting(blocker / "energy.json", FakeClock(1_000_000.0), persist_interval=0.0)
     with caplog.at_level(logging.WARNING):
         acc.update([sample(0, 0.0, 1.0)], [gpu(0)], None)
         acc.close()

@@ -14,23 +14,16 @@ from agent.telemetry.energy import EnergyAccounting
 from agent.telemetry.gpu_health import GpuHealth
 from agent.telemetry.gpuinfo import GpuInfo
 from agent.telemetry.sampler import Sampler
+from tests.fakeclock import FakeClock
 from tests.telemetry.holders import Claim, Held
 
 LOG = logging.getLogger("tessera.test.sampler")
 
 
-class Clock:
-    def __init__(self, t: float = 100.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
 class FakeStop(threading.Event):
     """Advances the fake clock instead of sleeping; set after ``ticks`` waits."""
 
-    def __init__(self, clock: Clock, ticks: int) -> None:
+    def __init__(self, clock: FakeClock, ticks: int) -> None:
         super().__init__()
         self.clock = clock
         self.left = ticks
@@ -53,7 +46,7 @@ def info(index: int) -> GpuInfo:
 class Node:
     """Scripted GPUs: 300 W each, energy counter from the clock; GPUs in ``failing`` raise."""
 
-    def __init__(self, clock: Clock, cost: float = 0.0) -> None:
+    def __init__(self, clock: FakeClock, cost: float = 0.0) -> None:
         self.clock = clock
         self.cost = cost
         self.failing: set[int] = set()
@@ -74,7 +67,7 @@ def holders() -> tuple[Claim, ...]:
 
 
 def make(tmp_path, *, gpus: int = 3, cost: float = 0.0, interval: float = 1.0, **kw):
-    clock = Clock()
+    clock = FakeClock(100.0)
     node = Node(clock, cost)
     sampler = Sampler(
         node="node-a",
@@ -322,7 +315,7 @@ def test_run_returns_at_once_when_stopped(tmp_path):
 
 
 def test_run_with_a_real_event_stops_promptly(tmp_path):
-    node = Node(Clock())
+    node = Node(FakeClock(100.0))
     sampler = Sampler(
         node="node-a",
         read=node.read,
