@@ -29,11 +29,6 @@ import pytest
 
 GRACE_S = 3.0
 POLL_S = 0.02
-NOT_YET = "concurrent.futures.thread._worker"
-"""Idle workers of thread pools are not counted yet: the executors handed to gRPC servers (the
-agent's telemetry stream and DRA servers, the test kubelet's plugins) are never shut down, as
-``server.stop()`` leaves its executor alone; 21 tests leave them (issue 21, item 8's report).
-Remove this once they are closed."""
 MARK = "TESTS_LEAK_OWNER"
 """Environment variable naming the test process whose tests started a process."""
 
@@ -115,12 +110,6 @@ class LeakCheck:
         left: list[str] = []
         for t in threads:
             if t in since.threads or isinstance(t, threading._DummyThread):
-                continue
-            target = getattr(t, "_target", None)
-            if (
-                f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', '')}"
-                == NOT_YET
-            ):
                 continue
             t.join(max(0.0, deadline - time.monotonic()))
             if t.is_alive():

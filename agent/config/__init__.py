@@ -8,7 +8,7 @@ single commands (``-o/--output``, ``--socket``, ...) are others, declared next t
 in ``agent/cli/``. The package:
 
 - :mod:`~agent.config.declare`: :func:`setting`, and :func:`settings_of` resolving declarations;
-- :mod:`~agent.config.values`: the value converters (one raw string -> value);
+- :mod:`~agent.config.converters`: the value converters (one raw string -> value);
 - :mod:`~agent.config.options`: :func:`add_options` (argparse) and :func:`load_settings` (flags
   and environment -> settings, a bad value a ConfigError naming its flag or variable);
 - :mod:`~agent.config.node_settings`, :mod:`~agent.config.daemon_settings`,
@@ -19,6 +19,26 @@ Nothing below the CLI reads ``os.environ``: the CLI passes the environment in.
 """
 
 from agent.config.agent_config import Config, load_config, settings
+from agent.config.converters import (
+    CrashAt,
+    boolean,
+    crash_at,
+    dns_subdomain,
+    fraction,
+    host_port,
+    integer,
+    memory_quantity,
+    non_negative_int,
+    non_negative_seconds,
+    number,
+    parse_host_port,
+    path,
+    pod_uid_text,
+    port,
+    positive_int,
+    seconds,
+    text,
+)
 from agent.config.daemon_settings import (
     CdiSettings,
     ClusterSettings,
@@ -43,26 +63,6 @@ from agent.config.declare import (
 from agent.config.node_settings import DriverSettings, NodeSettings, SimulatorSettings
 from agent.config.options import add_options, dest, load_settings, option_help, resolve_settings
 from agent.config.serving_settings import HttpSettings, TelemetrySettings
-from agent.config.values import (
-    CrashAt,
-    boolean,
-    crash_at,
-    dns_subdomain,
-    fraction,
-    host_port,
-    integer,
-    memory_quantity,
-    non_negative_int,
-    non_negative_seconds,
-    number,
-    parse_host_port,
-    path,
-    pod_uid_text,
-    port,
-    positive_int,
-    seconds,
-    text,
-)
 
 __all__ = [
     "ENV_PREFIX", "REQUIRED", "CdiSettings", "ClusterSettings", "Config", "CrashAt",

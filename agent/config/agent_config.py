@@ -11,6 +11,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent.config.converters import dns_subdomain, pod_uid_text
 from agent.config.daemon_settings import (
     CdiSettings,
     ClusterSettings,
@@ -23,7 +24,6 @@ from agent.config.declare import SettingMeta, build_settings, settings_of
 from agent.config.node_settings import DriverSettings, NodeSettings, SimulatorSettings
 from agent.config.options import load_settings
 from agent.config.serving_settings import HttpSettings, TelemetrySettings
-from agent.config.values import dns_subdomain, pod_uid_text
 from agent.errors import ConfigError
 
 

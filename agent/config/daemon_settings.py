@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.config.converters import non_negative_seconds, pod_uid_text, positive_int, seconds
 from agent.config.declare import setting
-from agent.config.values import non_negative_seconds, pod_uid_text, positive_int, seconds
 
 
 @dataclass(frozen=True)

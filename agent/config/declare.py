@@ -15,7 +15,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from agent.config.values import boolean, integer, path, seconds, text
+from agent.config.converters import boolean, integer, path, seconds, text
 
 ENV_PREFIX = "TESSERA_"
 REQUIRED: Any = MISSING

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.config.converters import CrashAt, crash_at, dns_subdomain, memory_quantity
 from agent.config.declare import setting
-from agent.config.values import CrashAt, crash_at, dns_subdomain, memory_quantity
 from dra_driver.device_model import SHARING_MODES, DevicePolicy
 from dra_driver.kubeletplugin.plan import SharingPolicy
 from dra_driver.kubeletplugin.prepare import CRASH_POINTS

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.config.converters import host_port, non_negative_int, parse_host_port, positive_int
 from agent.config.declare import setting
-from agent.config.values import host_port, non_negative_int, parse_host_port, positive_int
 from agent.telemetry.gpu_health import parse_xids
 from agent.tls import TlsFiles
 

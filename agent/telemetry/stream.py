@@ -267,6 +267,8 @@ class _Listener:
     """``unix`` or ``tcp``."""
     server: grpc.Server
     watchers: Watchers
+    executor: ThreadPoolExecutor
+    """The server's threads: ``server.stop`` leaves them, so ``stop`` shuts them down."""
 
 
 class TelemetryServer:
@@ -301,8 +303,9 @@ class TelemetryServer:
 
     def _listener(self, name: str) -> _Listener:
         threads = self.limits.max_watchers + SNAPSHOT_THREADS
+        executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"telemetry-{name}")
         server = grpc.server(
-            ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"telemetry-{name}"),
+            executor,
             options=[("grpc.max_concurrent_streams", self.limits.streams_per_connection)],
             maximum_concurrent_rpcs=threads + QUEUED_CALLS,
             interceptors=[MalformedRequests(self._malformed)],
@@ -312,7 +315,7 @@ class TelemetryServer:
             self._latest, self._stop, self.wake, watchers, self.throttle, listener=name
         )
         pb_grpc.add_TelemetryServicer_to_server(service, server)
-        return _Listener(name, server, watchers)
+        return _Listener(name, server, watchers, executor)
 
     def _malformed(self, method: str, error: str) -> None:
         """A request that does not decode (``agent.grpcguard``): one rate-limited warning."""
@@ -415,6 +418,8 @@ class TelemetryServer:
         stopped = [lst.server.stop(grace) for lst in self._listeners]  # all at once
         for done in stopped:
             done.wait()
+        for lst in self._listeners:  # every call has ended: the idle workers may go
+            lst.executor.shutdown(wait=False)
         if self._watchdog is not None:
             self._watchdog.join(timeout=5)
         if self._started:  # only our own socket, never another instance's

@@ -190,6 +190,8 @@ class BatchRunner:
         self._running: dict[Future[ClaimResult], tuple[ClaimKey, str, float]] = {}
         self._running_lock = threading.Lock()
         self._closed = False
+        self.closing = threading.Event()
+        """Set once ``close`` has stopped taking claims and cancelled the queued ones."""
 
     def call(self, op: str, claims: Sequence[ClaimKey]) -> dict[str, ClaimResult]:
         """Run one call's claims as one batch in the background and wait for each claim's
@@ -289,6 +291,7 @@ class BatchRunner:
             running = list(self._running)
         for pool in [*self._pools.values(), *self._steps.values()]:
             pool.shutdown(wait=False, cancel_futures=True)
+        self.closing.set()
         # a queued claim cancelled by the shutdown never counts as done for wait() (only a
         # worker notifies its waiters): wait for the started ones only
         started = [f for f in running if not f.cancelled()]

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -176,6 +177,11 @@ class Preparer:
         """The claims whose prepare or unprepare has run longer than the call deadline (a
         worker that is stuck: for /readyz, the metrics and the log)."""
         return self._runner.stuck()
+
+    @property
+    def closing(self) -> threading.Event:
+        """Set once :meth:`close` has stopped taking claims and cancelled the queued ones."""
+        return self._runner.closing
 
     def close(self, timeout: float) -> list[str]:
         """Stop taking claims and give the running ones up to ``timeout`` seconds to finish.

@@ -187,11 +187,14 @@ class PluginServer:
         self._stop = threading.Event()
         self.throttle = Throttle(log, LOG_INTERVAL)
         guard = MalformedRequests(self._malformed)
-        self._reg = grpc.server(
-            ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS, interceptors=[guard]
-        )
-        self._dra = grpc.server(
+        # grpc's server.stop leaves its executor alone: stop() shuts these down
+        self._executors = (
+            ThreadPoolExecutor(max_workers=2, thread_name_prefix="registration"),
             ThreadPoolExecutor(max_workers=max_workers + health_streams, thread_name_prefix="dra"),
+        )
+        self._reg = grpc.server(self._executors[0], options=GRPC_OPTIONS, interceptors=[guard])
+        self._dra = grpc.server(
+            self._executors[1],
             options=GRPC_OPTIONS,
             interceptors=[guard],
         )
@@ -327,6 +330,8 @@ class PluginServer:
         self.health.wake_all()
         self._reg.stop(grace).wait()
         self._dra.stop(grace).wait()
+        for executor in self._executors:  # every call has ended: the idle workers may go
+            executor.shutdown(wait=False)
         for sock, ident in self._bound.items():  # only our own, never another instance's
             if ident is None or socket_identity(sock) == ident:
                 sock.unlink(missing_ok=True)

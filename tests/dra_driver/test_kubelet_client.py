@@ -150,8 +150,8 @@ class Health(health_v1alpha1_pb2_grpc.DRAResourceHealthServicer):
             time.sleep(0.01)
 
 
-def _serve(path: Path, *adders: tuple[Any, Any]) -> grpc.Server:
-    server = grpc.server(ThreadPoolExecutor(max_workers=4))
+def _serve(path: Path, executor: ThreadPoolExecutor, *adders: tuple[Any, Any]) -> grpc.Server:
+    server = grpc.server(executor)
     for add, servicer in adders:
         add(servicer, server)
     assert server.add_insecure_port(f"unix://{path}")
@@ -168,12 +168,15 @@ def fake(tmp_path):
         "endpoint": str(plugin.dra_socket),
         "supported_versions": ["v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth"],
     }
+    executors = [ThreadPoolExecutor(max_workers=4) for _ in range(2)]
     reg = _serve(
         plugin.reg_socket,
+        executors[0],
         (registration_pb2_grpc.add_RegistrationServicer_to_server, Registration(plugin)),
     )
     dra = _serve(
         plugin.dra_socket,
+        executors[1],
         (dra_v1_pb2_grpc.add_DRAPluginServicer_to_server, DRAv1(plugin)),
         (dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server, DRAv1beta1(plugin)),
         (health_v1alpha1_pb2_grpc.add_DRAResourceHealthServicer_to_server, Health(plugin)),
@@ -182,6 +185,8 @@ def fake(tmp_path):
     plugin.stop.set()
     dra.stop(None).wait()
     reg.stop(None).wait()
+    for executor in executors:  # grpc's stop leaves them
+        executor.shutdown(wait=False)
 
 
 def claims(*names: str) -> list[ClaimRef]:
@@ -605,9 +610,11 @@ def test_cli_help_says_what_it_is_for():
 def other_grpc_socket(tmp_path):
     """A unix socket whose gRPC server serves something else (like the agent's telemetry.sock)."""
     path = tmp_path / "other.sock"
-    server = _serve(path)
+    executor = ThreadPoolExecutor(max_workers=4)
+    server = _serve(path, executor)
     yield path
     server.stop(None).wait()
+    executor.shutdown(wait=False)
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,7 @@ class Fake:
     notifications: list[tuple[bool, str]] = field(default_factory=list)
     calls: list[str] = field(default_factory=list)
     servers: list[grpc.Server] = field(default_factory=list)
+    executors: list[ThreadPoolExecutor] = field(default_factory=list)
 
     @property
     def reg_socket(self) -> Path:
@@ -81,16 +82,26 @@ class Fake:
 
         if self.endpoint is None:  # several fakes may share one endpoint
             self.servers.append(
-                _serve(self.dra_socket, dra_v1_pb2_grpc.add_DRAPluginServicer_to_server, Dra())
+                _serve(
+                    self.dra_socket,
+                    self._executor(),
+                    dra_v1_pb2_grpc.add_DRAPluginServicer_to_server,
+                    Dra(),
+                )
             )
         self.servers.append(
             _serve(
                 self.reg_socket,
+                self._executor(),
                 registration_pb2_grpc.add_RegistrationServicer_to_server,
                 Registration(),
             )
         )
         return self
+
+    def _executor(self) -> ThreadPoolExecutor:
+        self.executors.append(ThreadPoolExecutor(max_workers=2))
+        return self.executors[-1]
 
     def stop_dra(self) -> None:
         """The process is gone but left its sockets (a crash): nothing accepts on them."""
@@ -100,11 +111,13 @@ class Fake:
     def stop(self) -> None:
         for server in self.servers:
             server.stop(None).wait()
+        for executor in self.executors:  # grpc's stop leaves them
+            executor.shutdown(wait=False)
         self.reg_socket.unlink(missing_ok=True)
 
 
-def _serve(path: Path, add: Any, servicer: Any) -> grpc.Server:
-    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+def _serve(path: Path, executor: ThreadPoolExecutor, add: Any, servicer: Any) -> grpc.Server:
+    server = grpc.server(executor)
     add(servicer, server)
     assert server.add_insecure_port(f"unix://{path}")
     server.start()

@@ -232,6 +232,9 @@ def test_closing_waits_for_the_running_claims_only_not_for_the_queued_ones(tmp_p
     left: list[list[str]] = []
     closer = threading.Thread(target=lambda: left.append(preparer.close(600)))
     closer.start()
+    # a is released only once close() has cancelled b (released earlier, the one worker could
+    # take b before close() ran: this test failed so under load)
+    assert preparer.closing.wait(10)
     claims.release.set()
     closer.join(60)  # far less than the 600 s it was given
     assert not closer.is_alive() and left == [[]]
