@@ -14,7 +14,7 @@ from agent.nvml.types import MigInstance
 from agent.sim.nvml import FakeNvml
 from agent.sim.sharing import COMPUTE_MODE_DEFAULT, COMPUTE_MODE_EXCLUSIVE_PROCESS
 from dra_driver.errors import CheckpointCorrupt, CheckpointTooNew
-from dra_driver.kubeletplugin.cdi import validate_spec
+from dra_driver.kubeletplugin.cdi_spec import validate_spec
 from dra_driver.kubeletplugin.checkpoint import PREPARE_COMPLETED, Checkpoint, ClaimEntry, decode
 from dra_driver.kubeletplugin.params import INTERVALS
 from dra_driver.kubeletplugin.plan import MEMORY_SHARE, MPS, TIME_SLICING

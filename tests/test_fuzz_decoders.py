@@ -511,7 +511,7 @@ def _l40s_model() -> Any:
 
 
 def _rebuild(obj: Any) -> Any:
-    from dra_driver.kubeletplugin.cdi import SpecEvidence
+    from dra_driver.kubeletplugin.cdi_spec import SpecEvidence
     from dra_driver.kubeletplugin.plan import SharingPolicy
     from dra_driver.kubeletplugin.rebuild import decide
 

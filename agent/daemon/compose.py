@@ -52,7 +52,7 @@ from agent.telemetry.stream import TelemetryLimits, TelemetryServer
 from dra_driver.advertise.publisher import DirSliceStore, KubeSliceStore, Publisher, SliceStore
 from dra_driver.advertise.slices import SlicePolicy
 from dra_driver.cluster.node_events import KubeEventSink, LogEventSink, NodeEventRecorder
-from dra_driver.kubeletplugin.cdi import MakeNode
+from dra_driver.kubeletplugin.cdi_spec import MakeNode
 from dra_driver.kubeletplugin.checkpoint import CheckpointStore
 from dra_driver.kubeletplugin.claims import DirClaimSource, KubeClaimSource
 from dra_driver.kubeletplugin.health_stream import HealthBoard

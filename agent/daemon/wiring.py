@@ -30,7 +30,8 @@ from dra_driver.cluster.node_events import (
     gpu_removed,
 )
 from dra_driver.errors import KubeError
-from dra_driver.kubeletplugin.cdi import CdiWriter, MakeNode
+from dra_driver.kubeletplugin.cdi import CdiWriter
+from dra_driver.kubeletplugin.cdi_spec import MakeNode
 from dra_driver.kubeletplugin.effects import Effects
 from dra_driver.kubeletplugin.prepare import Preparer
 from dra_driver.kubeletplugin.server import PluginServer

@@ -24,7 +24,8 @@ from agent.nvml.errors import DriverNotFoundError
 from agent.nvml.mig import mode_switch_needs_reset
 from agent.nvml.types import GpuDevice, SystemInfo
 from dra_driver.errors import CdiError
-from dra_driver.kubeletplugin.cdi import CAPS_DIR, CONTROL_NODES, CdiWriter, read_caps_minor
+from dra_driver.kubeletplugin.cdi import CdiWriter
+from dra_driver.kubeletplugin.cdi_spec import CAPS_DIR, CONTROL_NODES, read_caps_minor
 
 NV_MAJOR = 195
 NV_CTL_MINOR = 255

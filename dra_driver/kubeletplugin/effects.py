@@ -36,7 +36,7 @@ from agent.logs import fields_
 from agent.nvml.types import MigInstance
 from dra_driver.device_model import AdvertisedDevice, DeviceModel
 from dra_driver.errors import SharingError
-from dra_driver.kubeletplugin.cdi import MpsEdits
+from dra_driver.kubeletplugin.cdi_spec import MpsEdits
 from dra_driver.kubeletplugin.checkpoint import (
     PREPARE_COMPLETED,
     Checkpoint,

@@ -23,7 +23,7 @@ from agent.errors import TesseraError
 from agent.nvml.types import MigInstance
 from dra_driver.device_model import AdvertisedDevice, DeviceModel
 from dra_driver.errors import ClaimError, ParamsError
-from dra_driver.kubeletplugin.cdi import SpecEvidence
+from dra_driver.kubeletplugin.cdi_spec import SpecEvidence
 from dra_driver.kubeletplugin.checkpoint import (
     PREPARE_COMPLETED,
     ClaimEntry,

@@ -20,7 +20,7 @@ from agent.nvml.types import MigInstance
 from dra_driver.device_model import AdvertisedDevice, DeviceModel
 from dra_driver.errors import CdiError, ClaimError, KubeError
 from dra_driver.kubeletplugin.cdi import CdiWriter
-from dra_driver.kubeletplugin.cdi import SpecEvidence as CdiEvidence
+from dra_driver.kubeletplugin.cdi_spec import SpecEvidence as CdiEvidence
 from dra_driver.kubeletplugin.checkpoint import (
     PREPARE_COMPLETED,
     PREPARE_STARTED,

@@ -9,7 +9,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 
-from dra_driver.kubeletplugin.cdi import CdiRequest, CdiWriter
+from dra_driver.kubeletplugin.cdi import CdiWriter
+from dra_driver.kubeletplugin.cdi_spec import CdiRequest
 from dra_driver.kubeletplugin.checkpoint import ClaimEntry, MpsRecord, PreparedDevice
 from dra_driver.kubeletplugin.claims import ClaimKey
 from dra_driver.kubeletplugin.effects import mps_edits

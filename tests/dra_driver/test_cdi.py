@@ -19,7 +19,8 @@ import pytest
 from agent.sim.driverroot import caps_minor, make_device_node, write_driver_root
 from agent.sim.model import load_model
 from dra_driver.errors import CdiError
-from dra_driver.kubeletplugin.cdi import CDI_VERSION, CdiRequest, CdiWriter, validate_spec
+from dra_driver.kubeletplugin.cdi import CdiWriter
+from dra_driver.kubeletplugin.cdi_spec import CDI_VERSION, CdiRequest, validate_spec
 
 DRIVER = "gpu.tessera.dev"
 UID = "7f3c2a1e-9b8d-4c6f-a5e4-3d2c1b0a9f8e"

@@ -26,7 +26,8 @@ from agent.sim.driverroot import (
 )
 from agent.sim.model import load_model
 from dra_driver.errors import CdiError
-from dra_driver.kubeletplugin.cdi import NVIDIA_LIB64, CdiRequest, CdiWriter, validate_spec
+from dra_driver.kubeletplugin.cdi import CdiWriter
+from dra_driver.kubeletplugin.cdi_spec import NVIDIA_LIB64, CdiRequest, validate_spec
 from tests.dra_driver.container_loader import Image, ubi_cuda_image, ubuntu_cuda_image
 
 DRIVER = "gpu.tessera.dev"

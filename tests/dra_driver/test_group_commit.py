@@ -12,7 +12,7 @@ import pytest
 
 from agent.config import Config
 from dra_driver.errors import CheckpointError, SharingError
-from dra_driver.kubeletplugin.cdi import validate_spec
+from dra_driver.kubeletplugin.cdi_spec import validate_spec
 from dra_driver.kubeletplugin.checkpoint import PREPARE_COMPLETED, Checkpoint
 from dra_driver.kubeletplugin.claims import ClaimKey
 from dra_driver.kubeletplugin.effects import Applied

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dra_driver.kubeletplugin.cdi import validate_spec
+from dra_driver.kubeletplugin.cdi_spec import validate_spec
 from tests.integration.daemon import Daemon
 
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from dra_driver.errors import KubeletApiError
-from dra_driver.kubeletplugin.cdi import validate_spec
+from dra_driver.kubeletplugin.cdi_spec import validate_spec
 from dra_driver.kubeletplugin.params import API_VERSION
 from dra_driver.testkubelet.calls import ClaimRef
 from dra_driver.testkubelet.client import KubeletClient, register_like_kubelet

@@ -16,7 +16,7 @@ import psutil
 import pytest
 import yaml
 
-from dra_driver.kubeletplugin.cdi import validate_spec
+from dra_driver.kubeletplugin.cdi_spec import validate_spec
 from dra_driver.quantity import parse_bytes
 from dra_driver.testkubelet.calls import ClaimRef
 from dra_driver.testkubelet.client import KubeletClient
