@@ -316,6 +316,19 @@ class HttpEndpoint:
                 received_bytes=len(c.buf),
             )
 
+    def _went_away(self, c: Conn, **error: Any) -> None:
+        """The client left before its request was complete: dropped, one rate-limited warning."""
+        self._drop(c)
+        self.throttle(
+            logging.WARNING,
+            "broken-request",
+            "HTTP client went away before finishing its request",
+            peer=c.peer,
+            phase=c.phase,
+            received_bytes=len(c.buf),
+            **error,
+        )
+
     def _readable(self, c: Conn) -> None:
         if c.phase == "handshake" and not self._handshake(c):
             return
@@ -327,28 +340,13 @@ class HttpEndpoint:
             except ssl.SSLWantWriteError:
                 return  # the selector wakes us when the peer sends again
             except (OSError, ssl.SSLError) as exc:
-                self._drop(c)
-                self.throttle(
-                    logging.WARNING,
-                    "broken-request",
-                    "HTTP client went away before finishing its request",
-                    peer=c.peer,
-                    phase=c.phase,
-                    received_bytes=len(c.buf),
-                    error=str(exc),
-                )
+                self._went_away(c, error=str(exc))
                 return
             if not data:
-                self._drop(c)
-                if c.buf:  # nothing sent at all is a TCP probe, not worth a warning
-                    self.throttle(
-                        logging.WARNING,
-                        "broken-request",
-                        "HTTP client went away before finishing its request",
-                        peer=c.peer,
-                        phase=c.phase,
-                        received_bytes=len(c.buf),
-                    )
+                if c.buf:
+                    self._went_away(c)
+                else:  # nothing sent at all is a TCP probe, not worth a warning
+                    self._drop(c)
                 return
             c.buf += data
             if self._advance(c):
