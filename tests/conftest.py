@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
 
+from tests import tmproot
 from tests.leakcheck import LeakCheck
 
 # Property tests: a few hundred cases per property in `make test`; `make reliability` passes
@@ -19,17 +18,20 @@ settings.register_profile("reliability", max_examples=2500)
 settings.load_profile("default")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's tmp_path plugin reads --basetemp
 def pytest_configure(config: pytest.Config) -> None:
-    """Every test is checked for threads and processes it leaves running (tests/leakcheck.py)."""
+    """Every test is checked for threads and processes it leaves running (tests/leakcheck.py);
+    temporary files go to RAM where there is a tmpfs (tests/tmproot.py)."""
     config.pluginmanager.register(LeakCheck(), "tessera-leakcheck")
+    tmproot.choose(config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    tmproot.release()
 
 
 @pytest.fixture
 def short_tmp() -> Iterator[Path]:
-    """A temporary directory with a short path: unix socket paths are limited to 107 bytes and
-    pytest's tmp_path is long."""
-    path = Path(tempfile.mkdtemp(prefix="ts-", dir="/tmp"))
-    try:
+    """A temporary directory with a short path for one test (tests/tmproot.py)."""
+    with tmproot.short_tmp_dir() as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
