@@ -4,6 +4,7 @@ goes away). Fake plugins are real gRPC servers on unix sockets in the test's dir
 
 from __future__ import annotations
 
+import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -146,6 +147,11 @@ def fakes(dirs):
 
     def make(name: str, **kw: Any) -> Fake:
         fake = Fake(name, *dirs, **kw).start()
+        if started:  # file times are coarse (a jiffy): two sockets made at once can tie
+            made = os.lstat(fake.reg_socket).st_mtime_ns
+            before = os.lstat(started[-1].reg_socket).st_mtime_ns
+            if made <= before:
+                os.utime(fake.reg_socket, ns=(before + 1, before + 1), follow_symlinks=False)
         started.append(fake)
         return fake
 

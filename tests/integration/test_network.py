@@ -244,7 +244,9 @@ def test_70_idle_watchers_leave_snapshot_and_top_working_on_the_unix_socket(shor
             refused = [f for f in firsts if isinstance(f, grpc.RpcError)]
             assert len(samples) == 32 and all(s.gpus for s in samples)
             assert {e.code() for e in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
-            assert "--telemetry-max-watchers" in refused[0].details()
+            # the service's refusal names the flag; a burst of calls beyond the server's queue
+            # can also meet gRPC's own limit first ("Concurrent RPC limit exceeded!")
+            assert any("--telemetry-max-watchers" in e.details() for e in refused)
             with telemetry_channel(target) as ch:
                 snap = pb_grpc.TelemetryStub(ch).Snapshot(pb.SnapshotRequest(), timeout=30)
             assert len(snap.gpus) == 8
