@@ -116,9 +116,14 @@ def _sharing(
         total = _memory(device)
         memory = consumed if consumed is not None else policy.memory_share_min
         if not 0 < memory <= total:
+            source = (
+                "consumedCapacity 'memory' (its allocation results together)"
+                if consumed is not None
+                else "--memory-share-min"
+            )
             raise ClaimError(
-                f"claim {claim}: {device.name}: a memory share of {memory} bytes does not fit its"
-                f" {total} bytes",
+                f"claim {claim}: {device.name}: a memory share of {memory} bytes from {source}"
+                f" does not fit its {total} bytes",
                 "invalid_claim",
             )
         mps = sharing if isinstance(sharing, params.Mps) else params.Mps()
