@@ -11,7 +11,7 @@ from pathlib import Path
 
 from agent.errors import ConfigError
 from dra_driver.errors import QuantityError
-from dra_driver.kubeletplugin.prepare import CRASH_POINTS
+from dra_driver.kubeletplugin.crash_points import CRASH_POINTS
 from dra_driver.quantity import parse_bytes
 
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")

@@ -9,8 +9,8 @@ from pathlib import Path
 from agent.config.converters import CrashAt, crash_at, dns_subdomain, memory_quantity
 from agent.config.declare import setting
 from dra_driver.device_model import SHARING_MODES, DevicePolicy
+from dra_driver.kubeletplugin.crash_points import CRASH_POINTS
 from dra_driver.kubeletplugin.plan import SharingPolicy
-from dra_driver.kubeletplugin.prepare import CRASH_POINTS
 from dra_driver.quantity import parse_bytes
 
 

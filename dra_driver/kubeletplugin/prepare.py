@@ -36,21 +36,7 @@ from dra_driver.kubeletplugin.reconcile import Reconciler
 from dra_driver.kubeletplugin.records import Records
 from dra_driver.kubeletplugin.transaction import CrashHook, Transactions
 
-__all__ = ["CRASH_POINTS", "ClaimLocks", "ClaimResult", "CrashHook", "Observer", "Preparer"]
-
-CRASH_POINTS = (
-    "after-started",
-    "after-gi-create",
-    "after-ci-create",
-    "after-compute-policy",
-    "after-mps-start",
-    "after-cdi",
-    "after-completed",
-    "after-unprepare-undo",
-    "after-unprepare-commit",
-)
-"""Where ``crash_hook`` is called (``--sim-crash-at``): the steps of ``transaction`` and of the
-side effects (``effects``)."""
+__all__ = ["ClaimLocks", "ClaimResult", "CrashHook", "Observer", "Preparer"]
 
 
 class Preparer:

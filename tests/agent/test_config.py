@@ -15,7 +15,7 @@ from agent.config import (
     settings_of,
 )
 from agent.errors import ConfigError
-from dra_driver.kubeletplugin.prepare import CRASH_POINTS
+from dra_driver.kubeletplugin.crash_points import CRASH_POINTS
 
 
 def test_defaults_are_pinned():

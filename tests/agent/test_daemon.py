@@ -12,7 +12,7 @@ import pytest
 from agent.cli.node_access import node_access
 from agent.config import Config, CrashAt
 from agent.daemon import Agent, NodeAccess, build_agent, crash_hook
-from dra_driver.kubeletplugin.prepare import CRASH_POINTS
+from dra_driver.kubeletplugin.crash_points import CRASH_POINTS
 
 
 def config(state_dir, **more: object) -> Config:
