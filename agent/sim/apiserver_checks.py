@@ -12,6 +12,7 @@ from typing import Any
 from agent.errors import TesseraError
 from agent.sim import apiserver_errors as err
 from agent.sim.apiserver_errors import ApiError
+from agent.sim.apiserver_schemas import Schemas
 from agent.sim.apiserver_types import ResourceType
 
 Obj = dict[str, Any]
@@ -85,7 +86,7 @@ def schema_validator() -> ModuleType:
 
 
 def schema_failure(
-    rt: ResourceType, obj: Obj, versions: Sequence[str]
+    schemas: Schemas, rt: ResourceType, obj: Obj, versions: Sequence[str]
 ) -> tuple[str, ApiError] | None:
     """(version, 422 error) for the first Kubernetes version whose schema rejects ``obj``.
 
@@ -94,7 +95,7 @@ def schema_failure(
     kubernetes_validate = schema_validator()
     for version in versions:
         try:
-            kubernetes_validate.validate(obj, version, strict=True)
+            schemas.validate(obj, version)
         except kubernetes_validate.SchemaNotFoundError:
             continue
         except kubernetes_validate.ValidationError as exc:

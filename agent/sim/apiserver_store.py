@@ -42,6 +42,7 @@ from agent.sim.apiserver_checks import (
 from agent.sim.apiserver_errors import ApiError
 from agent.sim.apiserver_history import ADDED, DELETED, MODIFIED, History, WatchEvent
 from agent.sim.apiserver_patch import PatchError, apply_patch
+from agent.sim.apiserver_schemas import Schemas
 from agent.sim.apiserver_select import Selection
 from agent.sim.apiserver_types import ResourceType
 
@@ -70,8 +71,8 @@ class Store:
         self.closed = False
         self.rejected: list[Rejection] = []
         self._validate_versions = tuple(validate_versions)
-        if self._validate_versions:
-            schema_validator()  # refused here, at construction, when the validator is missing
+        # refused here, at construction, when the validator is missing
+        self._schemas = Schemas(schema_validator()) if self._validate_versions else None
         self._rng = rng
         self._clock = clock
         self._objects: dict[str, dict[Key, Obj]] = {t: {} for t in self.types}
@@ -121,7 +122,9 @@ class Store:
         return error
 
     def _validate(self, method: str, rt: ResourceType, obj: Obj) -> None:
-        failure = schema_failure(rt, obj, self._validate_versions)
+        failure = None
+        if self._schemas is not None:
+            failure = schema_failure(self._schemas, rt, obj, self._validate_versions)
         if failure is not None:
             raise self._reject(method, rt, obj, failure[1], failure[0])
         semantic = event_failure(rt, obj)

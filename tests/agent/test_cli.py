@@ -13,6 +13,7 @@ import yaml
 from agent.cli import main
 from agent.sim.model import model_names
 from tests.hardware import needs_no_driver
+from tests.k8sschema import validate as validate_k8s
 
 LEVEL = re.compile(r"^(X|NV\d+|PIX|PXB|PHB|NODE|SYS)$")
 
@@ -152,7 +153,6 @@ def test_no_driver_run_says_so_without_traceback(tmp_path):
 
 @pytest.mark.parametrize("layout", ["1.35", "1.34"])
 def test_slices_prints_valid_resourceslices(layout):
-    import kubernetes_validate
 
     code, out, err = run(
         ["slices", "--simulate", "dgx-a100", "--mig-mode", "dynamic", "--kube-layout", layout]
@@ -162,7 +162,7 @@ def test_slices_prints_valid_resourceslices(layout):
     assert len(docs) == docs[0]["spec"]["pool"]["resourceSliceCount"] > 1
     for d in docs:
         for v in ("1.34.0", "1.35.0"):
-            kubernetes_validate.validate(d, v, strict=True)
+            validate_k8s(d, v)
     names = [dev["name"] for d in docs for dev in d["spec"].get("devices", [])]
     # an A100 in MIG mode offers its placements, not itself (leaving MIG needs a GPU reset)
     assert "gpu-0" not in names and "gpu-0-mig-3g20gb-9-4" in names

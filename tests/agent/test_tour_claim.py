@@ -6,7 +6,6 @@ import io
 import shutil
 from pathlib import Path
 
-import kubernetes_validate
 import pytest
 import yaml
 
@@ -16,6 +15,7 @@ from dra_driver.kubeletplugin.claims import ClaimKey, parse_allocation
 from dra_driver.testkubelet.calls import ClaimRef
 from dra_driver.testkubelet.client import KubeletClient
 from tests.integration.daemon import DRIVER, Daemon
+from tests.k8sschema import validate as validate_k8s
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "deploy" / "daemonset" / "examples"
@@ -58,7 +58,7 @@ def test_the_tour_claim_is_allocated_on_every_model(tmp_path, model):
     assert [d.device for d in allocation.devices] == [result["device"]]
     assert claim["spec"] == yaml.safe_load(SAMPLE.read_text())["spec"]
     for version in ("1.34.0", "1.35.0"):
-        kubernetes_validate.validate(claim, version, strict=True)
+        validate_k8s(claim, version)
 
 
 def test_the_dgx_h100_allocation_is_the_documented_example(tmp_path):

@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import cel
-import kubernetes_validate
 import pytest
 import yaml
 
 from agent.cli.node_commands import slices_for
 from agent.config import Config
 from dra_driver.device_model import DeviceModel
+from tests.k8sschema import validate as validate_k8s
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICY_FILE = ROOT / "deploy" / "daemonset" / "admission-policy.yaml"
@@ -132,7 +132,7 @@ def test_the_manifests_validate_strictly_on_1_34_and_1_35():
     ]
     for doc in docs:
         for version in ("1.34.0", "1.35.0"):
-            kubernetes_validate.validate(doc, version, strict=True)
+            validate_k8s(doc, version)
     kust = yaml.safe_load((POLICY_FILE.parent / "kustomization.yaml").read_text())
     assert POLICY_FILE.name in kust["resources"]
 

@@ -6,6 +6,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.k8sschema import validate as validate_k8s
+
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = sorted((ROOT / "deploy" / "daemonset").glob("*.yaml"))
 EXAMPLES = sorted((ROOT / "deploy" / "daemonset" / "examples").glob("*.yaml"))
@@ -24,7 +26,7 @@ def k8s_objects():
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("obj", list(k8s_objects()))
 def test_manifest_is_valid(obj, version):
-    kubernetes_validate.validate(obj, version, strict=True)
+    validate_k8s(obj, version)
 
 
 def test_kustomization_lists_every_manifest():
@@ -41,7 +43,7 @@ def test_validation_can_fail():
         "spec": {"bogus": 1},
     }
     with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(bad, "1.35.0", strict=True)
+        validate_k8s(bad, "1.35.0")
 
 
 def test_the_agent_stops_within_the_pods_grace_period():

@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
-import kubernetes_validate
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.k8sschema import validate as validate_k8s
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "deploy" / "daemonset"
@@ -269,7 +270,7 @@ def test_the_monitoring_objects_validate_against_the_operators_crds(
 @pytest.mark.parametrize("version", ["1.34.0", "1.35.0"])
 def test_the_dashboard_configmap_is_what_grafanas_sidecar_loads(with_service_monitor, version):
     cm = one(with_service_monitor, "ConfigMap")
-    kubernetes_validate.validate(cm, version, strict=True)
+    validate_k8s(cm, version)
     assert cm["metadata"]["name"] == "tessera-dashboard"  # no hash suffix: one per dashboard
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert cm["data"] == {DASHBOARD.name: DASHBOARD.read_text()}

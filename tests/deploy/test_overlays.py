@@ -14,13 +14,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-import kubernetes_validate
 import pytest
 import yaml
 
 from agent.cli.doctor import DoctorOptions
 from agent.config import Config, load_config, load_settings, settings_of
 from agent.daemon import agent_paths
+from tests.k8sschema import validate as validate_k8s
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -142,7 +142,7 @@ def test_every_rendered_object_validates(components, version):
     objs = validatable(render(components))
     assert any(o["kind"] == "DaemonSet" for o in objs)
     for obj in objs:
-        kubernetes_validate.validate(dict(obj), version, strict=True)
+        validate_k8s(dict(obj), version)
 
 
 @needs_kubectl
@@ -388,4 +388,4 @@ def test_every_kustomization_under_deploy_renders_and_validates(where):
     assert out.returncode == 0, out.stderr
     for obj in validatable([d for d in yaml.safe_load_all(out.stdout) if d]):
         for version in VERSIONS:
-            kubernetes_validate.validate(dict(obj), version, strict=True)
+            validate_k8s(dict(obj), version)

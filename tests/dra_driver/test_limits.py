@@ -7,10 +7,10 @@ from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
 
-import kubernetes_validate
 import pytest
 
 from dra_driver.advertise.slice_limits import check_pool, check_slice, is_semver, parse_quantity
+from tests.k8sschema import validate as validate_k8s
 
 Obj = dict[str, Any]
 
@@ -65,7 +65,7 @@ def good(layout: str) -> Obj:
 def test_good_slices_pass(layout: str) -> None:
     obj = good(layout)
     assert check_slice(obj, layout) == []
-    kubernetes_validate.validate(obj, f"{layout}.0", strict=True)
+    validate_k8s(obj, f"{layout}.0")
 
 
 def test_unknown_layout_is_a_programming_error() -> None:

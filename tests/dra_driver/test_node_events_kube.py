@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import kubernetes_validate
 import pytest
 
 from agent.sim.apiserver import ApiServer
@@ -22,6 +21,7 @@ from dra_driver.cluster.node_events import (
     gpu_health,
 )
 from tests.fakeclock import FakeClock
+from tests.k8sschema import validate as validate_k8s
 
 NODE = "node-a"
 VERSIONS = ("1.34.0", "1.35.0")
@@ -64,7 +64,7 @@ def events(server: ApiServer) -> list[dict[str, Any]]:
     found = server.objects("events")
     for e in found:  # every Event as stored passes the upstream schemas
         for version in VERSIONS:
-            kubernetes_validate.validate(e, version, strict=True)
+            validate_k8s(e, version)
     return found
 
 

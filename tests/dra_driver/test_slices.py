@@ -7,7 +7,6 @@ import dataclasses
 import re
 from typing import Any
 
-import kubernetes_validate
 import pytest
 
 from agent.sim.model import model_names
@@ -26,6 +25,7 @@ from dra_driver.device_model import (
     advertised_devices,
 )
 from tests.dra_driver.conftest import Inventory
+from tests.k8sschema import validate as validate_k8s
 
 DRIVER = "gpu.tessera.dev"
 VERSIONS = ("1.34.0", "1.35.0")
@@ -67,7 +67,7 @@ def test_every_slice_is_valid(
     slices = build_slices(model, policy(inv.hostname, layout), generation=7)
     for obj in slices:
         for version in VERSIONS:
-            kubernetes_validate.validate(obj, version, strict=True)
+            validate_k8s(obj, version)
         assert check_slice(obj, layout) == []
         assert obj["spec"]["pool"] == {
             "name": inv.hostname,
@@ -139,7 +139,7 @@ def test_empty_model_still_publishes_one_slice(layout: str) -> None:
     assert slices[0]["spec"]["devices"] == []
     assert "sharedCounters" not in slices[0]["spec"]
     for version in VERSIONS:
-        kubernetes_validate.validate(slices[0], version, strict=True)
+        validate_k8s(slices[0], version)
     assert check_slice(slices[0], layout) == []
 
 

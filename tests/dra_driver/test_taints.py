@@ -7,7 +7,6 @@ import copy
 import dataclasses
 import logging
 
-import kubernetes_validate
 import pytest
 
 from dra_driver.advertise.publisher import DirSliceStore, Publisher, plan_changes
@@ -20,6 +19,7 @@ from dra_driver.advertise.slices import SlicePolicy, build_slices
 from dra_driver.advertise.taints import UnhealthyGpu, UnhealthyGpus, rfc3339, taint_key, with_health
 from dra_driver.device_model import DeviceModel, DevicePolicy, advertised_devices
 from tests.dra_driver.conftest import Inventory
+from tests.k8sschema import validate as validate_k8s
 
 DRIVER = "gpu.tessera.dev"
 VERSIONS = ("1.34.0", "1.35.0")
@@ -122,7 +122,7 @@ def test_slices_with_unhealthy_gpus_are_valid(
         slices = build_slices(out, SlicePolicy(DRIVER, inv.hostname, "uid-1", layout), 3)
         for obj in slices:
             for version in VERSIONS:
-                kubernetes_validate.validate(obj, version, strict=True)
+                validate_k8s(obj, version)
             assert check_slice(obj, layout) == []
             devices = obj["spec"].get("devices") or []
             if layout == "1.35" and any("taints" in d for d in devices):

@@ -7,7 +7,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import kubernetes_validate
 import yaml
 
 from agent.cli.sim import simulator_dir
@@ -15,6 +14,7 @@ from agent.sim.model import load_model
 from agent.sim.nvml import FakeNvml
 from dra_driver.testkubelet.client import KubeletClient
 from tests.integration.daemon import DRIVER, Daemon
+from tests.k8sschema import validate as validate_k8s
 
 INTERVAL = "0.2"
 TAINT = f"{DRIVER}/unhealthy"
@@ -105,7 +105,7 @@ def test_xid_79_taints_the_gpu_everywhere_xid_13_changes_nothing_and_recover_lif
         slices = standalone_slices(d)
         for obj in slices:
             for version in ("1.34.0", "1.35.0"):
-                kubernetes_validate.validate(obj, version, strict=True)
+                validate_k8s(obj, version)
         found = devices(slices)
         assert set(found) == names  # tainted, not withdrawn
         for name, dev in found.items():

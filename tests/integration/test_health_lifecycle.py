@@ -14,12 +14,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import kubernetes_validate
 import pytest
 
 from agent.sim.apiserver import ApiServer
 from dra_driver.testkubelet.client import KubeletClient
 from tests.integration.daemon import DRIVER, Daemon
+from tests.k8sschema import validate as validate_k8s
 
 MODEL = "l40s-pcie"
 TICK = "1.0"
@@ -83,7 +83,7 @@ def events(server: ApiServer, node: str, reason: str) -> list[dict[str, Any]]:
     ]
     for e in found:
         for version in ("1.34.0", "1.35.0"):
-            kubernetes_validate.validate(e, version, strict=True)
+            validate_k8s(e, version)
     return found
 
 

@@ -12,13 +12,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import kubernetes_validate
 import pynvml
 import pytest
 
 from agent.sim.apiserver import ApiServer
 from agent.sim.nvml import FakeNvml
 from tests.integration.daemon import Daemon
+from tests.k8sschema import validate as validate_k8s
 from tests.simnode import node_model
 
 MODEL = "l40s-pcie"
@@ -54,7 +54,7 @@ def node_events(server: ApiServer, node: str) -> list[dict[str, Any]]:
     found = on_node(server, node)
     for e in found:
         for version in ("1.34.0", "1.35.0"):
-            kubernetes_validate.validate(e, version, strict=True)
+            validate_k8s(e, version)
     return found
 
 

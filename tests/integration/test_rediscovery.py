@@ -10,7 +10,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import kubernetes_validate
 import yaml
 
 from agent.cli import main
@@ -18,6 +17,7 @@ from dra_driver.errors import KubeletApiError
 from dra_driver.testkubelet.calls import ClaimRef
 from dra_driver.testkubelet.client import KubeletClient
 from tests.integration.daemon import Daemon, claim_manifest, write_claims
+from tests.k8sschema import validate as validate_k8s
 
 VERSIONS = ("1.34.0", "1.35.0")
 DEADLINE_S = 30.0
@@ -123,7 +123,7 @@ def test_a_removed_gpu_leaves_the_slices_and_returns_without_touching_other_clai
             assert index_of(d, "gpu-4") == 3  # NVML indexes shift; names stay
             for s in slices(d):
                 for version in VERSIONS:
-                    kubernetes_validate.validate(s, version, strict=True)
+                    validate_k8s(s, version)
             assert changed["gpus_removed"] == [uuid3]
             assert changed["devices_removed"] == ["gpu-3"]
             assert changed["gpus_added"] == [] and changed["devices_added"] == []
@@ -189,7 +189,7 @@ def test_an_admin_mig_change_on_a_static_node_is_re_advertised(short_tmp):
         assert len(others) == 4  # the balanced layout on the other GPUs is unchanged
         for s in slices(d):
             for version in VERSIONS:
-                kubernetes_validate.validate(s, version, strict=True)
+                validate_k8s(s, version)
         d.wait_log("node inventory changed")
         after = sorted(n for n in devices(d) if n.startswith("gpu-0-"))
         # an administrator's layout change is several NVML calls (as nvidia-smi's is), so a
