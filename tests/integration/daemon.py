@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +54,9 @@ class Daemon:
         """Every stderr line as written (the daemon's logs must all be JSON)."""
         self.umask: int | None = None
         """The daemon's umask (a test's); None: the test process's."""
+        self.since = 0
+        """Where :meth:`wait_log` starts looking in :attr:`logs`: a daemon shared by the tests of
+        a module (:class:`SharedDaemon`) answers each test from the lines written in it."""
         self._reader: threading.Thread | None = None
 
     @property
@@ -87,6 +93,7 @@ class Daemon:
             args.append("--no-kube")
         self.logs = []
         self.raw = []
+        self.since = 0
         self.proc = subprocess.Popen(
             args,
             stdout=subprocess.DEVNULL,
@@ -126,10 +133,13 @@ class Daemon:
             except ValueError:
                 self.logs.append({"msg": line.rstrip()})
 
-    def wait_log(self, msg: str, timeout: float = 60) -> dict[str, Any]:
+    def wait_log(self, msg: str, timeout: float = 60, since: int | None = None) -> dict[str, Any]:
+        """The first log record with message ``msg`` from line ``since`` on (default
+        :attr:`since`), waiting up to ``timeout`` seconds for it."""
+        first = self.since if since is None else since
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for rec in list(self.logs):
+            for rec in self.logs[first:]:
                 if rec.get("msg") == msg:
                     return rec
             if self.proc is not None and self.proc.poll() is not None:
@@ -139,7 +149,7 @@ class Daemon:
 
     def metrics_url(self, path: str = "/readyz") -> str:
         """``http://host:port<path>`` of the running daemon (from its "agent started" line)."""
-        return self.wait_log("agent started")["healthz"].replace("/healthz", path)
+        return self.wait_log("agent started", since=0)["healthz"].replace("/healthz", path)
 
     def fault(self, *args: str) -> str:
         """``tessera sim fault --state-dir STATE ARGS`` on this daemon's simulated node, run in
@@ -247,3 +257,51 @@ def write_claims(state: Path, *claims: dict[str, Any]) -> None:
     for c in claims:
         meta = c["metadata"]
         (d / f"{meta['namespace']}-{meta['name']}.yaml").write_text(yaml.safe_dump(c))
+
+
+class SharedDaemon:
+    """One daemon for the tests of a module that neither kill nor reconfigure it (a module-scoped
+    fixture starts it and closes it): a daemon start costs about a second of CPU. Each test gets
+    it through :meth:`lend`, which answers :meth:`Daemon.wait_log` from the test's own log lines
+    and, after the test, checks that the test left the node as it found it: the daemon still
+    running, no claim in the checkpoint, no claim's CDI spec (the claim files the test wrote are
+    removed). A test that leaves anything fails in its teardown; the daemon is then stopped, and
+    the module's later tests that want it fail naming that test."""
+
+    def __init__(self, state: Path, model: str, *extra: str) -> None:
+        self.daemon: Daemon | None = Daemon(state, model, *extra).start()
+        self.state = state
+        self.model = model
+        self.spoiled_by = ""
+
+    @contextlib.contextmanager
+    def lend(self, test: str) -> Iterator[Daemon]:
+        d = self.daemon
+        if d is None:
+            raise AssertionError(f"the shared {self.model} daemon was stopped: {self.spoiled_by}")
+        d.since = len(d.logs)
+        yield d
+        claims = self.state / "resourceclaims"
+        if claims.exists():
+            shutil.rmtree(claims)
+        left = self.left(d)
+        if left:
+            self.spoiled_by = f"{test} left {left}"
+            self.close()
+            raise AssertionError(f"the test left the shared {self.model} daemon unclean: {left}")
+
+    @staticmethod
+    def left(d: Daemon) -> list[str]:
+        """What a test left on the daemon's node (empty: clean)."""
+        if d.proc is None or d.proc.poll() is not None:
+            return ["the daemon is not running"]
+        left = [f"CDI spec {name}" for name in d.cdi_files()]
+        checkpoint = d.state / "checkpoint.json"
+        if checkpoint.exists():
+            left += [f"checkpointed claim {uid}" for uid in d.checkpoint()["claims"]]
+        return left
+
+    def close(self) -> None:
+        if self.daemon is not None:
+            self.daemon.kill()
+            self.daemon = None

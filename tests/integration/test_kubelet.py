@@ -15,16 +15,35 @@ from dra_driver.kubeletplugin.cdi_spec import validate_spec
 from dra_driver.kubeletplugin.params import API_VERSION
 from dra_driver.testkubelet.calls import ClaimRef
 from dra_driver.testkubelet.client import KubeletClient, register_like_kubelet
-from tests.integration.daemon import DRIVER, Daemon, claim_manifest, write_claims
+from tests.integration.daemon import DRIVER, Daemon, SharedDaemon, claim_manifest, write_claims
 from tests.integration.test_daemon import wait_ready
 from tests.integration.test_sharing import sharing_config
 from tests.simnode import sharing
+from tests.tmproot import short_tmp_dir
 
 CDI_KIND = f"k8s.{DRIVER}/claim"
 
 
+@pytest.fixture(scope="module")
+def shared_h100() -> Iterator[SharedDaemon]:
+    with short_tmp_dir() as state:
+        shared = SharedDaemon(state, "dgx-h100")
+        try:
+            yield shared
+        finally:
+            shared.close()
+
+
 @pytest.fixture
-def h100(short_tmp) -> Iterator[Daemon]:
+def h100(shared_h100: SharedDaemon, request: pytest.FixtureRequest) -> Iterator[Daemon]:
+    """The module's dgx-h100 daemon; the test must leave no claim prepared."""
+    with shared_h100.lend(request.node.nodeid) as d:
+        yield d
+
+
+@pytest.fixture
+def own_h100(short_tmp) -> Iterator[Daemon]:
+    """A dgx-h100 daemon of the test's own (it stops it, or changes what the kubelet knows)."""
     d = Daemon(short_tmp, "dgx-h100").start()
     yield d
     d.kill()
@@ -52,7 +71,8 @@ def unprepare(d: Daemon, *claims: ClaimRef, api: str = "v1") -> dict:
         return k.unprepare(list(claims), api=api)["claims"]
 
 
-def test_registration_handshake_and_socket_hygiene(h100):
+def test_registration_handshake_and_socket_hygiene(own_h100):
+    h100 = own_h100
     result = register_like_kubelet(h100.reg_socket)
     assert result["registered"] and result["chosenVersion"] == "v1.DRAPlugin"
     info = result["info"]
@@ -68,7 +88,8 @@ def test_registration_handshake_and_socket_hygiene(h100):
     assert not h100.reg_socket.exists() and not h100.dra_socket.exists()
 
 
-def test_refused_registration_is_logged_with_the_reason(h100):
+def test_refused_registration_is_logged_with_the_reason(own_h100):
+    h100 = own_h100
     with KubeletClient(h100.reg_socket) as k:
         k.notify_registration(False, "plugin version not supported")
     rec = h100.wait_log("the kubelet refused the registration")
@@ -157,6 +178,7 @@ def test_same_claim_from_many_callers_at_once(h100):
     assert len(results) == 8 and all(r == results[0] for r in results)
     assert results[0]["uid-busy"]["error"] == ""
     assert len(h100.cdi_files()) == 1
+    assert unprepare(h100, ref) == {"uid-busy": {"error": ""}}
 
 
 def test_many_claims_in_one_call_and_one_device_twice(h100):
@@ -170,6 +192,8 @@ def test_many_claims_in_one_call_and_one_device_twice(h100):
     winner = "uid-c0" if loser == "uid-rival" else "uid-rival"
     assert "gpu-0" in message and winner in message and loser in message
     assert len(h100.cdi_files()) == 6
+    done = [r for r in [*refs, rival] if r.uid != loser]
+    assert unprepare(h100, *done) == {r.uid: {"error": ""} for r in done}
 
 
 def test_bad_input_gets_a_per_claim_error(h100):
@@ -210,6 +234,7 @@ def test_bad_input_gets_a_per_claim_error(h100):
         assert res[uid]["devices"] == []
     assert h100.proc is not None and h100.proc.poll() is None  # no crash
     assert len(h100.cdi_files()) == 1
+    assert unprepare(h100, ok) == {"uid-fine": {"error": ""}}
 
 
 def test_health_stream_lists_every_advertised_device(h100):
