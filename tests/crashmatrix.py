@@ -37,7 +37,7 @@ from typing import Any
 
 import dra_driver.kubeletplugin.effects as effects_module
 from dra_driver.errors import KubeletApiError
-from dra_driver.kubeletplugin.prepare import CRASH_POINTS
+from dra_driver.kubeletplugin.crash_points import CRASH_POINTS
 from dra_driver.testkubelet.calls import ClaimRef
 from dra_driver.testkubelet.client import KubeletClient
 from tests.crashnode import MigLayout, leftovers, load_checkpoint, mig_layout, node_violations

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from dra_driver.errors import KubeletApiError
-from dra_driver.kubeletplugin.prepare import CRASH_POINTS
+from dra_driver.kubeletplugin.crash_points import CRASH_POINTS
 from dra_driver.testkubelet.calls import ClaimRef
 from dra_driver.testkubelet.client import KubeletClient
 from tests.crashmatrix import MIG_STEPS, MPS_STEPS, TIMESLICE_STEPS
