@@ -18,7 +18,7 @@ only once (a step the claims of a call share, as a group commit makes) is armed 
 ``POINT`` in a fresh node; the cell says so. Points a mode never reaches are checked with the
 batch only (it takes every path the single claim takes), armed as ``POINT``.
 
-The points come from ``dra_driver.kubeletplugin.prepare.CRASH_POINTS`` (and a list
+The points come from ``dra_driver.kubeletplugin.crash_points.CRASH_POINTS`` (and a list
 ``sharing.effects`` may
 export), so a new point is in the matrix without an edit here: it is expected to fire in every
 mode until it is listed as unreachable for some.
