@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from agent.decode.bounds import YamlLoader
 from agent.sim.errors import ModelError
 
 MIB = 1024 * 1024
@@ -139,7 +140,7 @@ def load_gpu_specs(path: Path) -> Mapping[str, GpuSpec]:
 def parse_gpu_specs(text: str, source: str) -> Mapping[str, GpuSpec]:
     """The products of one ``gpus.yaml`` document; ModelError naming ``source`` when malformed."""
     try:
-        raw = yaml.safe_load(text)["products"]
+        raw = yaml.load(text, Loader=YamlLoader)["products"]
         specs: dict[str, GpuSpec] = {}
         for key, d in raw.items():
             specs[key] = GpuSpec(
