@@ -4,6 +4,8 @@ model is the "real" node, the reference is a copy of the GPU products with one c
 from __future__ import annotations
 
 import ast
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -16,6 +18,7 @@ import pytest
 import yaml
 
 from agent.cli import TREE
+from bench.gpu_check import check
 from tests.hardware import needs_no_driver
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,7 +26,18 @@ PACKAGE = ROOT / "bench" / "gpu_check"
 NVLINK_FIELD = "telemetry.field.NVLINK_THROUGHPUT_DATA"
 
 
-def gpu_check(*args, timeout=240):
+def gpu_check(*args):
+    """``make gpu-check`` with these arguments against a simulated node, in this process (its
+    ``tessera`` steps are real processes): (exit code, stdout, stderr)."""
+    assert "--simulate" in args, "without --simulate it loads the real NVML: use gpu_check_process"
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = check.main(list(args), out)
+    return code, out.getvalue(), err.getvalue()
+
+
+def gpu_check_process(*args, timeout=240):
+    """``python -m bench.gpu_check`` with these arguments as a process of its own."""
     done = subprocess.run(
         [sys.executable, "-m", "bench.gpu_check", *args],
         cwd=ROOT,
@@ -250,7 +264,7 @@ def test_a_tessera_that_is_missing_fails_the_steps(tmp_path):
 @needs_no_driver
 @pytest.mark.parametrize("output", ["text", "json"])
 def test_without_a_driver_it_says_so_and_exits_2(output):
-    code, out, err = gpu_check("-o", output)
+    code, out, err = gpu_check_process("-o", output)
     assert code == 2
     assert err.startswith("gpu-check: cannot run: no NVIDIA driver: pynvml.nvmlInit failed: ")
     assert "; run on a GPU node" in err and "--simulate" in err
