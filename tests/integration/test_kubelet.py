@@ -15,30 +15,12 @@ from dra_driver.kubeletplugin.cdi_spec import validate_spec
 from dra_driver.kubeletplugin.params import API_VERSION
 from dra_driver.testkubelet.calls import ClaimRef
 from dra_driver.testkubelet.client import KubeletClient, register_like_kubelet
-from tests.integration.daemon import DRIVER, Daemon, SharedDaemon, claim_manifest, write_claims
+from tests.integration.daemon import DRIVER, Daemon, claim_manifest, write_claims
 from tests.integration.test_daemon import wait_ready
 from tests.integration.test_sharing import sharing_config
 from tests.simnode import sharing
-from tests.tmproot import short_tmp_dir
 
 CDI_KIND = f"k8s.{DRIVER}/claim"
-
-
-@pytest.fixture(scope="module")
-def shared_h100() -> Iterator[SharedDaemon]:
-    with short_tmp_dir() as state:
-        shared = SharedDaemon(state, "dgx-h100")
-        try:
-            yield shared
-        finally:
-            shared.close()
-
-
-@pytest.fixture
-def h100(shared_h100: SharedDaemon, request: pytest.FixtureRequest) -> Iterator[Daemon]:
-    """The module's dgx-h100 daemon; the test must leave no claim prepared."""
-    with shared_h100.lend(request.node.nodeid) as d:
-        yield d
 
 
 @pytest.fixture

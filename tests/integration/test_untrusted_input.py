@@ -115,20 +115,18 @@ def test_one_bad_claim_file_affects_only_what_it_holds(short_tmp):
     ],
     ids=["no-request", "device-number", "results-string", "result-list"],
 )  # fmt: skip
-def test_a_malformed_claim_is_an_error_for_that_claim_only(short_tmp, results, field):
-    d = Daemon(short_tmp, "dgx-h100").start()
-    try:
-        bad = claim_manifest("bad", "uid-bad", [("gpu", "gpu-0")], d.node)
-        bad["status"]["allocation"]["devices"]["results"] = results
-        write_claims(short_tmp, bad, claim_manifest("ok", "uid-ok", [("gpu", "gpu-1")], d.node))
-        answers = prepare(
-            d, ClaimRef("default", "bad", "uid-bad"), ClaimRef("default", "ok", "uid-ok")
-        )
-        assert field in answers["uid-bad"]["error"]
-        assert answers["uid-ok"]["error"] == ""  # the other claim of the same call
-        assert d.proc is not None and d.proc.poll() is None
-    finally:
-        d.kill()
+def test_a_malformed_claim_is_an_error_for_that_claim_only(h100, results, field):
+    d = h100
+    bad = claim_manifest("bad", "uid-bad", [("gpu", "gpu-0")], d.node)
+    bad["status"]["allocation"]["devices"]["results"] = results
+    write_claims(d.state, bad, claim_manifest("ok", "uid-ok", [("gpu", "gpu-1")], d.node))
+    ok = ClaimRef("default", "ok", "uid-ok")
+    answers = prepare(d, ClaimRef("default", "bad", "uid-bad"), ok)
+    assert field in answers["uid-bad"]["error"]
+    assert answers["uid-ok"]["error"] == ""  # the other claim of the same call
+    assert d.proc is not None and d.proc.poll() is None
+    with KubeletClient(d.dra_socket) as k:
+        assert k.unprepare([ok])["claims"] == {"uid-ok": {"error": ""}}
 
 
 def test_slow_claim_reads_answer_before_the_kubelet_gives_up_and_never_hold_up_unprepare(
