@@ -304,8 +304,11 @@ def version() -> str:
         return "unknown (not installed)"
 
 
-def build_parser(out: IO[str] | None = None, err: IO[str] | None = None) -> Parser:
-    return build_tree_parser(TREE, version, out, err)
+def build_parser(
+    out: IO[str] | None = None, err: IO[str] | None = None, argv: Sequence[str] | None = None
+) -> Parser:
+    """The command line's parser; with ``argv``, only for the commands it names."""
+    return build_tree_parser(TREE, version, out, err, argv)
 
 
 def main(
@@ -318,7 +321,8 @@ def main(
     err = err or sys.stderr
     env = os.environ if environ is None else environ
     try:
-        return invoke(build_parser(out, err), argv, env, out, err)
+        words = sys.argv[1:] if argv is None else argv
+        return invoke(build_parser(out, err, words), argv, env, out, err)
     except BrokenPipeError:
         # the reader went away (`tessera ... | head`): stop quietly, like other Unix tools
         devnull = os.open(os.devnull, os.O_WRONLY)
