@@ -38,22 +38,15 @@ from dra_driver.device_model import DeviceModel, advertised_devices
 from dra_driver.kubeletplugin.cdi import CdiWriter
 from dra_driver.kubeletplugin.checkpoint import PREPARE_COMPLETED, CheckpointStore
 from dra_driver.kubeletplugin.claims import ClaimKey, DirClaimSource
+from dra_driver.kubeletplugin.crash_points import CRASH_POINTS
 from dra_driver.kubeletplugin.prepare import Preparer
 from tests.integration.daemon import DRIVER, claim_manifest, write_claims
 from tests.simnode import mig_instances, mps_daemons, node_model, reap_mps_daemons, sharing
 
 MODEL = "dgx-h100"
 INTERVALS = {"Default": 0, "Short": 1, "Medium": 2, "Long": 3}
-PREPARE_POINTS = (
-    "after-started",
-    "after-gi-create",
-    "after-ci-create",
-    "after-compute-policy",
-    "after-mps-start",
-    "after-cdi",
-    "after-completed",
-)
-UNPREPARE_POINTS = ("after-unprepare-undo", "after-unprepare-commit")
+UNPREPARE_POINTS = tuple(p for p in CRASH_POINTS if p.startswith("after-unprepare-"))
+PREPARE_POINTS = tuple(p for p in CRASH_POINTS if p not in UNPREPARE_POINTS)
 
 
 class Crash(BaseException):
