@@ -11,7 +11,8 @@ from pathlib import Path
 from agent.sim.apiserver import ApiServer
 from bench.common import ms, report, simulated_inventory, timings
 from bench.table import Figure, equal_to, measured
-from dra_driver.advertise.publisher import KubeSliceStore, Publisher
+from dra_driver.advertise.publisher import Publisher
+from dra_driver.advertise.slice_stores import KubeSliceStore
 from dra_driver.advertise.slices import SlicePolicy, build_slices
 from dra_driver.cluster.kube import KubeClient
 from dra_driver.device_model import DeviceModel, DevicePolicy, advertised_devices

@@ -80,8 +80,7 @@ class Agent:
         self.telemetry.restore()
         self.preparer.cdi.write_base()
         inventory = discover(self.source)
-        if self.kube is not None:
-            self.node_events.set_node_uid(self.owner.read())
+        self.owner.read()  # the Node's uid: the slices' owner and the events' subject
         self.node.apply_inventory(inventory)
         self.preparer.reconcile_on_start()
         self.plugin.start()

@@ -49,7 +49,8 @@ from agent.telemetry.metrics import AgentCollector, DriverMetrics, Exposition, S
 from agent.telemetry.owners import ProcessPods
 from agent.telemetry.sampler import Sampler
 from agent.telemetry.stream import TelemetryLimits, TelemetryServer
-from dra_driver.advertise.publisher import DirSliceStore, KubeSliceStore, Publisher, SliceStore
+from dra_driver.advertise.publisher import Publisher
+from dra_driver.advertise.slice_stores import DirSliceStore, KubeSliceStore, SliceStore
 from dra_driver.advertise.slices import SlicePolicy
 from dra_driver.cluster.node_events import KubeEventSink, LogEventSink, NodeEventRecorder
 from dra_driver.kubeletplugin.cdi_spec import MakeNode
@@ -131,13 +132,14 @@ def _build(
     )
     paths = agent_paths(config, state_dir)
     events_log = log.getChild("node-events")
+    owner = NodeOwner(kube, source.hostname, log)
     node_events = NodeEventRecorder(
         LogEventSink(events_log) if kube is None else KubeEventSink(kube),
         node=source.hostname,
         component=driver_name,
         log=events_log,
+        node_uid=owner.uid,
     )
-    owner = NodeOwner(kube, source.hostname, log)
     # handled by NodeDevices, built once what it needs is
     health_changes: Relay[GpuHealth] = Relay("on_health_change")
     taints_dropped: Relay[None] = Relay("on_taints_dropped")

@@ -42,7 +42,7 @@ class Access:
 
 
 AGENT_ACCESS: tuple[Access, ...] = (
-    # dra_driver/advertise/publisher.py KubeSliceStore: list, watch, create, update (PUT), delete
+    # dra_driver/advertise/slice_stores.py KubeSliceStore: list, watch, create, update (PUT), delete
     *(
         Access("resource.k8s.io", "resourceslices", verb, "publishing this node's ResourceSlices")
         for verb in ("list", "watch", "create", "update", "delete")

@@ -223,6 +223,9 @@ class _Occurrence:
 class NodeEventRecorder:
     """Records Events about the Node ``node`` from ``component``; see the module docstring.
 
+    ``node_uid`` answers the Node's uid when an event is written (read at start in kube mode;
+    until then, or when it is None, the node name stands in for it, as the kubelet does).
+
     ``clock`` is Unix time (names, timestamps, intervals and token buckets); ``monotonic``
     bounds the shutdown flush. Thread-safe ``record``; ``run``/``drain`` on one thread."""
 
@@ -233,7 +236,7 @@ class NodeEventRecorder:
         component: str,
         log: logging.Logger,
         *,
-        node_uid: str | None = None,
+        node_uid: Callable[[], str | None] | None = None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         correlator: Correlator | None = None,
@@ -243,7 +246,8 @@ class NodeEventRecorder:
         poll: float = 0.25,
     ) -> None:
         self._sink = sink
-        self._node = NodeRef(node, node_uid or node)
+        self._node_name = node
+        self._node_uid = node_uid or (lambda: None)
         self._component = component
         self._log = log
         self._throttle = Throttle(log, interval=60.0, clock=monotonic)
@@ -260,10 +264,6 @@ class NodeEventRecorder:
         self._lock = threading.Lock()
 
     # -- any thread --------------------------------------------------------------------------
-
-    def set_node_uid(self, uid: str | None) -> None:
-        """The Node's uid (read at start); None keeps the node name in its place."""
-        self._node = NodeRef(self._node.name, uid or self._node.name)
 
     def record(self, type: str, reason: str, message: str) -> bool:
         """Queue an event; False when the queue was full (dropped, counted). Never blocks.
@@ -358,14 +358,14 @@ class NodeEventRecorder:
     def _event(self, o: _Occurrence) -> NodeEvent:
         ns = max(int(o.at * 1e9), self._last_ns + 1)  # unique names, even within one ns
         self._last_ns = ns
-        name = f"{self._node.name}.{ns:x}"
+        name = f"{self._node_name}.{ns:x}"
         if len(name) > _MAX_NAME:
             name = str(uuid.uuid4())
         return NodeEvent(
             name=name,
-            node=self._node,
+            node=NodeRef(self._node_name, self._node_uid() or self._node_name),
             component=self._component,
-            host=self._node.name,
+            host=self._node_name,
             type=o.type,
             reason=o.reason,
             message=o.message,

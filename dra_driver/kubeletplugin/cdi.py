@@ -68,14 +68,12 @@ import json
 import os
 import re
 from collections.abc import Sequence
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from agent.decode import load_json
 from agent.driverfiles.discover import (
-    FIRMWARE_DIR,
     DriverFiles,
-    Library,
     discover_driver_files,
     has_dev_dir,
     make_char_device,
@@ -85,6 +83,7 @@ from agent.driverfiles.discover import (
 from agent.errors import DecodeError
 from agent.fsutil import atomic_write, fsync_dir, remove_temp_files
 from dra_driver.errors import CdiError
+from dra_driver.kubeletplugin.cdi_driver_edits import DriverEdits
 from dra_driver.kubeletplugin.cdi_spec import (
     BASE_DEVICE,
     CAPS_DIR,
@@ -94,13 +93,9 @@ from dra_driver.kubeletplugin.cdi_spec import (
     CONTROL_NODES,
     DNS_SUBDOMAIN_RE,
     DRIVER_VERSION_RE,
-    HOOK_ENV,
-    HOOK_LIFECYCLE,
     MAX_SPEC_BYTES,
     MPS_CONTAINER_PIPE_DIR,
     NVIDIA_CAPS,
-    NVIDIA_LIB64,
-    SOCKET_OPTIONS,
     SPEC_FILE_MODE,
     CdiRequest,
     MakeNode,
@@ -108,8 +103,6 @@ from dra_driver.kubeletplugin.cdi_spec import (
     SpecEvidence,
     check_claim_uid,
     check_device_name,
-    hook_argv0,
-    mount,
     node_paths,
     read_caps,
     validate_spec,
@@ -223,84 +216,15 @@ class CdiWriter:
                 f" {exc.strerror or exc}; the agent needs CAP_MKNOD and the host's /dev writable"
             ) from exc
 
-    # -- the driver's files ----------------------------------------------------------------
-    def _library_names(self, lib: Library) -> list[str]:
-        """The names a container's programs may ask for: the versioned file, its SONAME, and
-        its development link where the host has one (libcuda's always, as the toolkit)."""
-        names = [lib.filename]
-        if lib.soname is not None:
-            names.append(lib.soname)
-        if lib.dev_link or lib.name == "libcuda.so":
-            names.append(lib.name)
-        return list(dict.fromkeys(names))
-
-    def library_mounts(self) -> list[dict[str, Any]]:
-        """Read-only bind mounts of the driver libraries found under the driver root: the
-        versioned files, plus (without a hook) every other name of each, also under
-        :data:`NVIDIA_LIB64`."""
-        mounts: list[dict[str, Any]] = []
-        for lib in self.files.libraries:
-            if self.hook is not None:
-                mounts.append(mount(self.host(lib.path), lib.path))
-                continue
-            for name in self._library_names(lib):
-                mounts.append(mount(self.host(lib.path), f"{lib.directory}/{name}"))
-        if self.hook is None:
-            for lib in self.files.libraries:
-                for name in self._library_names(lib):
-                    mounts.append(mount(self.host(lib.path), f"{NVIDIA_LIB64}/{name}"))
-        return mounts
-
-    def file_mounts(self) -> list[dict[str, Any]]:
-        """Read-only bind mounts of the binaries, firmware and sockets."""
-        f = self.files
-        mounts = [mount(self.host(b), b) for b in f.binaries]
-        for fw in f.firmware:
-            name = PurePosixPath(fw).name
-            mounts.append(mount(self.host(fw), f"{FIRMWARE_DIR}/{f.version}/{name}"))
-        for sock in f.sockets:
-            inside = sock.removeprefix("/var") if sock.startswith("/var/run/") else sock
-            mounts.append(mount(self.host(sock), inside, SOCKET_OPTIONS))
-        return mounts
-
-    def hooks(self) -> list[dict[str, Any]]:
-        """The toolkit's ``create-symlinks`` and ``update-ldcache`` hooks (none without the
-        hook binary or libraries)."""
-        if self.hook is None or not self.files.libraries:
-            return []
-        links: list[str] = []
-        for lib in self.files.libraries:
-            d = lib.directory
-            if lib.name == "libcuda.so":  # many programs dlopen libcuda.so: always linked
-                links.append(f"{lib.soname or lib.filename}::{d}/{lib.name}")
-            if lib.soname is not None and lib.soname != lib.filename:
-                links.append(f"{lib.filename}::{d}/{lib.soname}")
-            if lib.dev_link and lib.name != "libcuda.so" and lib.soname is not None:
-                links.append(f"{lib.soname}::{d}/{lib.name}")
-        argv0 = hook_argv0(self.hook)
-        out = []
-        if links:
-            args = [*argv0, "create-symlinks"]
-            for link in dict.fromkeys(links):
-                args += ["--link", link]
-            out.append(self._hook(args))
-        folders = [*argv0, "update-ldcache"]
-        for d in self.files.library_dirs:
-            folders += ["--folder", d]
-        out.append(self._hook(folders))
-        return out
-
-    def _hook(self, args: list[str]) -> dict[str, Any]:
-        return {"hookName": HOOK_LIFECYCLE, "path": self.hook, "args": args, "env": list(HOOK_ENV)}
-
     def build_base_spec(self) -> dict[str, Any]:
         """The base spec: the driver's files and the control device nodes. Pure apart from
         reading the driver root (at construction)."""
         edits: dict[str, Any] = {"deviceNodes": [self.node(p) for p in CONTROL_NODES]}
-        mounts = self.library_mounts() + self.file_mounts()
+        driver = DriverEdits(self.files, self.host, self.hook)
+        mounts = driver.library_mounts() + driver.file_mounts()
         if mounts:
             edits["mounts"] = mounts
-        hooks = self.hooks()
+        hooks = driver.hooks()
         if hooks:
             edits["hooks"] = hooks
         spec: dict[str, Any] = {

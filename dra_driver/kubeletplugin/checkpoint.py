@@ -15,7 +15,8 @@ The checksum covers the canonical JSON (sorted keys, no whitespace, UTF-8) of th
 unknown fields (a later build of the same version may add some) and strict about types: a wrong
 type is treated like any other corruption, its message naming the field path.
 
-Older formats are converted step by step through ``MIGRATIONS`` (version N -> N+1). Version 0 is
+Older formats are converted step by step through ``MIGRATIONS`` (version N -> N+1,
+:mod:`dra_driver.kubeletplugin.checkpoint_migrations`). Version 0 is
 the pre-release shape (no apiVersion, kind or checksum)::
 
     {"version": 0, "bootId": "<boot id>",
@@ -57,6 +58,7 @@ from agent.errors import DecodeError, TesseraError
 from agent.fsutil import atomic_write, move_aside
 from agent.logs import fields_
 from dra_driver.errors import CheckpointCorrupt, CheckpointError, CheckpointTooNew
+from dra_driver.kubeletplugin.checkpoint_migrations import MIGRATIONS
 from dra_driver.kubeletplugin.checkpoint_records import (
     Checkpoint,
     ClaimEntry,
@@ -302,62 +304,6 @@ def _from_current(obj: Mapping[str, Any]) -> Checkpoint:
         boot_id=fields.text(obj.get("bootID"), "checkpoint.bootID"),
         claims={uid: _claim(uid, c, f"claims[{uid!r}]") for uid, c in claims.items()},
     )
-
-
-def _v0_to_v1(obj: dict[str, Any]) -> dict[str, Any]:
-    """Convert the pre-release shape (see the module docstring) to version 1. Pure."""
-    claims: dict[str, Any] = {}
-    prepared = fields.objects(obj.get("preparedClaims"), "preparedClaims", required=True)
-    for i, c in enumerate(prepared):
-        where = f"preparedClaims[{i}]"
-        uid = fields.text(c.get("uid"), f"{where}.uid")
-        if uid in claims:
-            raise fields.FieldError(where, f"claim {uid!r} appears twice")
-        devices = []
-        for j, d in enumerate(fields.objects(c.get("devices"), f"{where}.devices", required=True)):
-            dw = f"{where}.devices[{j}]"
-            devices.append(
-                {
-                    "requestNames": list(
-                        fields.texts(d.get("requests"), f"{dw}.requests", required=True)
-                    ),
-                    "pool": fields.text(d.get("pool"), f"{dw}.pool"),
-                    "device": fields.text(d.get("device"), f"{dw}.device"),
-                    "cdiDeviceIDs": list(
-                        fields.texts(d.get("cdiDevices"), f"{dw}.cdiDevices", required=True)
-                    ),
-                    "kind": fields.text(d.get("type"), f"{dw}.type"),
-                    "gpuUUID": fields.text(d.get("uuid"), f"{dw}.uuid"),
-                    "gpuMinor": fields.integer(d.get("minor"), f"{dw}.minor"),
-                    "migUUID": fields.opt_text(d.get("migUuid"), f"{dw}.migUuid"),
-                    "gpuInstanceID": fields.opt_integer(d.get("giId"), f"{dw}.giId"),
-                    "computeInstanceID": fields.opt_integer(d.get("ciId"), f"{dw}.ciId"),
-                }
-            )
-        claims[uid] = {
-            "uid": uid,
-            "namespace": fields.text(c.get("namespace"), f"{where}.namespace"),
-            "name": fields.text(c.get("name"), f"{where}.name"),
-            "state": fields.text(c.get("status"), f"{where}.status"),
-            "devices": devices,
-            "updatedAt": 0.0,
-        }
-    return {
-        "apiVersion": API_VERSION,
-        "kind": KIND,
-        "version": 1,
-        "bootID": fields.text(obj.get("bootId"), "checkpoint.bootId"),
-        "claims": claims,
-    }
-
-
-def _v1_to_v2(obj: dict[str, Any]) -> dict[str, Any]:
-    """Version 2 only adds optional fields (sharing, dynamic MIG, MPS daemons, pods). Pure."""
-    return {**obj, "version": 2}
-
-
-MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {0: _v0_to_v1, 1: _v1_to_v2}
-"""Format version N -> a version N+1 object (no checksum needed: it is checked on the input)."""
 
 
 def decode(data: bytes, source: str = "<checkpoint>") -> tuple[Checkpoint, int | None]:

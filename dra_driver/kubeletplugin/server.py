@@ -104,14 +104,7 @@ class RegistrationService(registration_pb2_grpc.RegistrationServicer):
         error = request.error
         if len(error) > MAX_REGISTRATION_ERROR:
             error = f"{error[:MAX_REGISTRATION_ERROR]}... ({len(request.error)} characters)"
-        self.plugin.registered = bool(request.plugin_registered)
-        self.plugin.registration_error = error or None
-        if request.plugin_registered:
-            self.plugin.log.info("registered with the kubelet")
-        else:
-            self.plugin.log.error(
-                "the kubelet refused the registration", extra=fields_(reason=error)
-            )
+        self.plugin.registration_answered(bool(request.plugin_registered), error or None)
         return registration_pb2.RegistrationStatusResponse()
 
 
@@ -212,6 +205,15 @@ class PluginServer:
             HealthService(health, self._stop, resend_interval, health_streams, log, self.gate),
             self._dra,
         )
+
+    def registration_answered(self, registered: bool, error: str | None) -> None:
+        """The kubelet's answer to our registration (``NotifyRegistrationStatus``): kept for
+        /readyz and logged."""
+        self.registered, self.registration_error = registered, error
+        if registered:
+            self.log.info("registered with the kubelet")
+        else:
+            self.log.error("the kubelet refused the registration", extra=fields_(reason=error))
 
     def _malformed(self, method: str, error: str) -> None:
         """A request that does not decode (``agent.grpcguard``): one rate-limited warning."""

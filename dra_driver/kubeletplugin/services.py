@@ -39,15 +39,20 @@ the claims of one pod); a call naming more is refused with INVALID_ARGUMENT, so 
 class Gate:
     """Closed until the agent may touch its state; DRA calls wait here (:meth:`wait`).
 
-    ``waiting_for`` says what it waits for (the state directory and who holds it), for the
-    answer a call gets when the wait runs out. :meth:`abort` (shutting down) wakes every waiter
-    with False."""
+    :meth:`waiting_for` says what it waits for (the state directory and who holds it), for
+    the answer a call gets when the wait runs out. :meth:`abort` (shutting down) wakes every
+    waiter with False."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._open = False
         self._aborted = False
-        self.waiting_for = "the agent's state"
+        self._waiting_for = "the agent's state"
+
+    def waiting_for(self, what: str) -> None:
+        """What the closed gate waits for, in the words a refused call is answered with."""
+        with self._cond:
+            self._waiting_for = what
 
     @property
     def is_open(self) -> bool:
@@ -80,12 +85,12 @@ class Gate:
         if self.wait(budget):
             return {}
         with self._cond:
-            aborted = self._aborted
+            aborted, waiting_for = self._aborted, self._waiting_for
         why = (
             "the agent is shutting down; the kubelet retries it with the next agent"
             if aborted
             else f"the agent is taking over from the one before it and is still waiting for"
-            f" {self.waiting_for}; the kubelet retries the call"
+            f" {waiting_for}; the kubelet retries the call"
         )
         return {c.uid: f"claim {c}: {why}" for c in claims}
 

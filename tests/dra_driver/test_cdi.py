@@ -188,12 +188,13 @@ def test_libraries_found_in_other_dirs(tmp_path: Path) -> None:
     (root / "usr/lib/libcudadebugger.so.535.1").write_bytes(b"")
     (root / "usr/lib/libnvidia-nvvm.so.999.9").write_bytes(b"")  # other driver version: ignored
     w = CdiWriter(tmp_path / "cdi", DRIVER, root, "535.1", hook="/usr/bin/nvidia-cdi-hook")
-    assert [m["containerPath"] for m in w.library_mounts()] == [
+    mounts = w.build_base_spec()["containerEdits"]["mounts"]
+    assert [m["containerPath"] for m in mounts] == [
         "/usr/lib64/libnvidia-ml.so.535.1",
         "/usr/lib/libcuda.so.535.1",
         "/usr/lib/libcudadebugger.so.535.1",
     ]
-    assert w.library_mounts()[0]["hostPath"] == str(root / "usr/lib64/libnvidia-ml.so.535.1")
+    assert mounts[0]["hostPath"] == str(root / "usr/lib64/libnvidia-ml.so.535.1")
 
 
 def test_no_libraries_no_mounts(tmp_path: Path) -> None:

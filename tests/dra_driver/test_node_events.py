@@ -175,7 +175,7 @@ def recorder(sink: Any, clock: FakeClock | None = None, **kw: Any) -> NodeEventR
         NODE,
         "gpu.tessera.dev",
         logging.getLogger("test.node-events"),
-        node_uid=UID,
+        node_uid=lambda: UID,
         clock=clock or FakeClock(T0),
         **{"retry_delays": (0.0,), **kw},
     )
@@ -350,12 +350,18 @@ def test_standalone_mode_logs_each_event_as_one_structured_record(caplog):
 
 def test_without_the_nodes_uid_the_node_name_stands_in_as_the_kubelet_does():
     sink = FakeSink()
+    read: list[str | None] = [None]
     rec = NodeEventRecorder(
-        sink, NODE, "gpu.tessera.dev", logging.getLogger("t"), clock=FakeClock(T0)
+        sink,
+        NODE,
+        "gpu.tessera.dev",
+        logging.getLogger("t"),
+        node_uid=lambda: read[0],
+        clock=FakeClock(T0),
     )
     rec.record(WARNING, "GpuUnhealthy", "x")
     rec.drain()
-    rec.set_node_uid(UID)
+    read[0] = UID  # the agent's start has read the Node
     rec.record(NORMAL, "GpuHealthy", "y")
     rec.drain()
     uids = [o["involvedObject"]["uid"] for o in sink.objects.values()]

@@ -48,16 +48,16 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 def recorder(server: ApiServer, kube: KubeClient, clock: FakeClock) -> NodeEventRecorder:
-    rec = NodeEventRecorder(
+    uid = server.get_object("nodes", NODE)["metadata"]["uid"]
+    return NodeEventRecorder(
         KubeEventSink(kube),
         NODE,
         "gpu.tessera.dev",
         logging.getLogger("test.node-events"),
+        node_uid=lambda: uid,
         clock=clock,
         retry_delays=(0.0,),
     )
-    rec.set_node_uid(server.get_object("nodes", NODE)["metadata"]["uid"])
-    return rec
 
 
 def events(server: ApiServer) -> list[dict[str, Any]]:

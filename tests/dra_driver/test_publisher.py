@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
-from dra_driver.advertise.publisher import Backoff, DirSliceStore, Publisher, plan_changes
+from dra_driver.advertise.publisher import Backoff, Publisher, plan_changes
+from dra_driver.advertise.slice_stores import DirSliceStore
 from dra_driver.advertise.slices import SlicePolicy
 from dra_driver.device_model import DeviceModel, DevicePolicy, advertised_devices
 from dra_driver.errors import KubeConflict, KubeError

@@ -9,12 +9,13 @@ import logging
 
 import pytest
 
-from dra_driver.advertise.publisher import DirSliceStore, Publisher, plan_changes
+from dra_driver.advertise.publisher import Publisher, plan_changes
 from dra_driver.advertise.slice_limits import (
     MAX_DEVICES_WITH_TAINTS_OR_COUNTERS,
     check_pool,
     check_slice,
 )
+from dra_driver.advertise.slice_stores import DirSliceStore
 from dra_driver.advertise.slices import SlicePolicy, build_slices
 from dra_driver.advertise.taints import UnhealthyGpu, UnhealthyGpus, rfc3339, taint_key, with_health
 from dra_driver.device_model import DeviceModel, DevicePolicy, advertised_devices

@@ -19,7 +19,8 @@ from agent.cli.node_access import open_node
 from agent.config import Config
 from agent.node import discover
 from agent.sim.apiserver import ApiServer
-from dra_driver.advertise.publisher import Backoff, KubeSliceStore, Publisher
+from dra_driver.advertise.publisher import Backoff, Publisher
+from dra_driver.advertise.slice_stores import KubeSliceStore
 from dra_driver.advertise.slices import SlicePolicy
 from dra_driver.cluster.kube import KubeClient
 from dra_driver.device_model import DevicePolicy, advertised_devices
@@ -287,7 +288,7 @@ def test_recovers_after_a_timeout(server, models):
          "rv-number"],
 )  # fmt: skip
 def test_a_list_of_the_wrong_shape_is_a_temporary_error_naming_the_field(answer):
-    from dra_driver.advertise.publisher import slice_list
+    from dra_driver.advertise.slice_stores import slice_list
     from dra_driver.errors import KubeMalformed
 
     with pytest.raises(KubeMalformed) as e:
