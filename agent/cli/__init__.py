@@ -22,7 +22,6 @@ from typing import IO, Any
 
 import yaml
 
-from agent.cli import doctor, explain, kubelet, sim
 from agent.cli.framework import (
     EXIT_ERROR,
     NO_DRIVER_HINT,
@@ -287,10 +286,23 @@ TREE = Command(
             description="A live view of a running agent's telemetry API: utilization, memory,"
             " power, energy, temperatures and the claims holding each device.",
         ),
-        explain.COMMAND,
-        doctor.COMMAND,
-        kubelet.COMMAND,
-        sim.COMMAND,
+        Command(
+            "explain",
+            "would a ResourceClaim fit, on which node, and why not (the scheduler's allocator)",
+            module="agent.cli.explain",
+        ),
+        Command(
+            "doctor",
+            "check that this node is ready for the agent (driver, devices, CDI, kubelet, API"
+            " server)",
+            module="agent.cli.doctor",
+        ),
+        Command(
+            "kubelet",
+            "call a DRA plugin's sockets exactly as the kubelet does (debugging on a node)",
+            module="agent.cli.kubelet",
+        ),
+        Command("sim", "simulator controls", module="agent.cli.sim"),
     ),
 )
 

@@ -30,7 +30,7 @@ def _chains(command: Command, chain: tuple[Command, ...] = ()) -> Iterator[tuple
     chain = (*chain, command)
     yield chain
     for child in command.subcommands:
-        yield from _chains(child, chain)
+        yield from _chains(child.resolved(), chain)
 
 
 def _name(chain: tuple[Command, ...]) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -82,6 +83,17 @@ class Command:
     description: str | None = None
     metavar: str = "COMMAND"
     """How the usage names the subcommand argument."""
+    module: str | None = None
+    """A command defined in another module (its ``COMMAND``), imported only when a command line
+    names it or the whole tree is walked (:meth:`resolved`): what ``explain``, ``doctor``,
+    ``kubelet`` and ``sim`` import is 100 ms of every other command's start. This stub carries
+    the name and help the parent lists (a test keeps them equal to the module's)."""
+
+    def resolved(self) -> Command:
+        """The command itself: the one in :attr:`module` for a stub, else this one."""
+        if self.module is None:
+            return self
+        return cast(Command, importlib.import_module(self.module).COMMAND)
 
 
 class Parser(argparse.ArgumentParser):
@@ -147,14 +159,16 @@ def _populate(
         dest=f"_tessera_{len(chain)}", required=True, metavar=command.metavar, title="commands"
     )
     for child in command.subcommands:
+        chosen = named is None or child.name in named
+        full = child.resolved() if chosen else child
         child_parser = sub.add_parser(
             child.name,
             help=child.help,
-            description=child.description or child.help,
+            description=full.description or full.help,
             streams=streams,
         )
-        if named is None or child.name in named:
-            _populate(child_parser, child, (*chain, child), streams, named)
+        if chosen:
+            _populate(child_parser, full, (*chain, full), streams, named)
 
 
 def invoke(

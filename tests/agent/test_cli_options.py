@@ -4,6 +4,8 @@ and errors that say where a bad value came from."""
 import argparse
 import io
 import json
+import subprocess
+import sys
 from importlib import metadata
 
 import pytest
@@ -33,7 +35,7 @@ def chains(command=TREE, chain=()):
     chain = (*chain, command)
     yield chain
     for child in command.subcommands:
-        yield from chains(child, chain)
+        yield from chains(child.resolved(), chain)
 
 
 def test_every_option_and_command_has_help():
@@ -210,3 +212,29 @@ def test_a_lower_layers_message_names_the_variable_that_gave_the_value():
     )
     _, origins = resolve_settings(Config, {"state_dir": "/x"}, {}, ("node",))
     assert describe(error, origins) == str(error)
+
+
+def test_a_command_loaded_on_demand_is_listed_with_its_own_name_and_help():
+    """``tessera --help`` lists explain, doctor, kubelet and sim from stubs, so that a start
+    imports none of them; each stub says what the command itself says."""
+    stubs = [c for c in TREE.subcommands if c.module is not None]
+    assert {c.name for c in stubs} == {"explain", "doctor", "kubelet", "sim"}
+    for stub in stubs:
+        full = stub.resolved()
+        assert full.module is None and full is not stub
+        assert (full.name, full.help) == (stub.name, stub.help)
+
+
+def test_a_command_line_imports_only_the_commands_it_names(tmp_path):
+    code = (
+        "import sys; from agent.cli import main; main(['discover', '--simulate', 'l40s-pcie',"
+        " '--state-dir', sys.argv[1], '-o', 'json']);"
+        " print(sorted(m for m in sys.modules if m.startswith('agent.cli.')), file=sys.stderr)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True
+    )
+    loaded = result.stderr.strip().splitlines()[-1]
+    assert "'agent.cli.framework'" in loaded  # what is printed is the list of modules
+    for lazy in ("agent.cli.explain", "agent.cli.doctor", "agent.cli.kubelet", "agent.cli.sim"):
+        assert f"'{lazy}'" not in loaded
