@@ -12,6 +12,7 @@ from typing import Protocol
 
 from agent.nvml.samples import GpuSample
 from agent.telemetry.gpuinfo import GpuInfo
+from agent.usage.weights import Held
 
 EXCLUSIVE = "exclusive"
 MIG_SM_SHARE = "mig-sm-share"
@@ -28,30 +29,14 @@ HoldingKey = tuple[str, str, str]
 """(claim uid, pool, device)."""
 
 
-class HeldDevice(Protocol):
+class HeldDevice(Held, Protocol):
     """One device a claim holds, as telemetry needs to know it (a read-only view: the driver's
-    checkpoint records satisfy it; telemetry never imports the driver)."""
+    checkpoint records satisfy it; telemetry never imports the driver): what the usage weights
+    read (:class:`agent.usage.weights.Held`), and the GPU's minor number, the fallback that
+    places a device whose GPU UUID is not known."""
 
-    @property
-    def pool(self) -> str: ...
-    @property
-    def device(self) -> str: ...
-    @property
-    def kind(self) -> str:
-        """``gpu`` or ``mig``."""
-        ...
-
-    @property
-    def gpu_uuid(self) -> str: ...
     @property
     def gpu_minor(self) -> int: ...
-    @property
-    def gpu_instance_id(self) -> int | None: ...
-    @property
-    def sharing(self) -> str | None:
-        """How prepare set the device up: None (exclusive), ``TimeSlicing``, ``MPS`` or
-        ``MemoryShare``; decides its rule (:func:`rule_for`)."""
-        ...
 
 
 class ClaimHolder(Protocol):

@@ -15,6 +15,7 @@ class Held:
     gpu_minor: int
     gpu_instance_id: int | None = None
     sharing: str | None = None
+    memory_bytes: int | None = None
 
 
 @dataclass(frozen=True)

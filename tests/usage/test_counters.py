@@ -1,0 +1,170 @@
+"""The node's usage counters (agent/usage/counters.py): every interval counted once, across
+crashes at any tick, restarts, handovers, reboots and driver reloads."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agent.usage.counters import Interval, UsageLedger
+
+BOOT, OTHER_BOOT = "boot-1", "boot-2"
+KEY = ("uid-1", "node-a", "gpu-0")
+GPU = "GPU-0"
+
+
+def iv(weight: float = 1.0, joules: float = 0.0, busy: float | None = None, key=KEY) -> Interval:
+    return Interval(key, "team-a", "train", GPU, weight, "whole-gpu", joules, busy)
+
+
+def test_an_interval_adds_allocated_busy_and_energy_and_is_on_disk_when_account_returns(
+    tmp_path: Path,
+):
+    ledger = UsageLedger(tmp_path / "usage.json", BOOT)
+    ledger.account(1000.0, 0.0, [iv(0.5)], {GPU: 100.0})
+    ledger.account(1010.0, 10.0, [iv(0.5, joules=1500.0, busy=0.25)], {GPU: 3100.0})
+    c = ledger.counters()[KEY]
+    assert (c.allocated_gpu_seconds, c.busy_gpu_seconds, c.energy_joules) == (5.0, 2.5, 1500.0)
+    stored = UsageLedger(tmp_path / "usage.json", BOOT).counters()[KEY]
+    assert stored == c
+    assert UsageLedger(tmp_path / "usage.json", BOOT).through == 1010.0
+
+
+def test_busy_time_that_was_not_measured_is_counted_as_unobserved(tmp_path: Path):
+    ledger = UsageLedger(tmp_path / "usage.json", BOOT)
+    ledger.account(1000.0, 4.0, [iv(1.0, busy=None)], {})
+    c = ledger.counters()[KEY]
+    assert (c.allocated_gpu_seconds, c.busy_gpu_seconds, c.unobserved_seconds) == (4.0, 0.0, 4.0)
+
+
+def test_the_start_after_a_crash_counts_the_downtime_once(tmp_path: Path):
+    path = tmp_path / "usage.json"
+    ledger = UsageLedger(path, BOOT)
+    ledger.account(1000.0, 0.0, [iv(0.5)], {GPU: 10_000.0})
+    # kill -9: nothing more is written; the next agent starts 30 s later
+    after = UsageLedger(path, BOOT)
+    gap = after.credit_gap(1030.0, [KEY], {GPU: 16_000.0})
+    assert (gap.reason, gap.seconds, gap.holdings) == ("credited", 30.0, 1)
+    c = after.counters()[KEY]
+    assert c.allocated_gpu_seconds == 15.0  # 30 s at weight 0.5
+    assert c.energy_joules == 3000.0  # its half of the GPU's 6,000 J
+    assert c.unobserved_seconds == 30.0
+    assert after.credit_gap(1060.0, [KEY], {GPU: 20_000.0}).reason == "no-state"  # once
+    assert UsageLedger(path, BOOT).counters()[KEY] == c  # the credit was written
+
+
+def test_no_gap_is_credited_after_a_reboot_or_for_a_claim_no_longer_held(tmp_path: Path):
+    path = tmp_path / "usage.json"
+    UsageLedger(path, BOOT).account(1000.0, 0.0, [iv(1.0)], {GPU: 0.0})
+    rebooted = UsageLedger(path, OTHER_BOOT)
+    gap = rebooted.credit_gap(1100.0, [KEY], {GPU: 50.0})
+    assert gap.reason == "rebooted"
+    c = rebooted.counters()[KEY]
+    assert c.allocated_gpu_seconds == 0.0 and c.released_at == 1100.0
+    UsageLedger(tmp_path / "b.json", BOOT).account(1000.0, 0.0, [iv(1.0)], {})
+    gone = UsageLedger(tmp_path / "b.json", BOOT)
+    assert gone.credit_gap(1100.0, [], {}).holdings == 0
+
+
+def test_a_driver_reload_in_the_gap_counts_the_energy_since_the_reload(tmp_path: Path):
+    path = tmp_path / "usage.json"
+    UsageLedger(path, BOOT).account(1000.0, 0.0, [iv(1.0)], {GPU: 900_000.0})
+    after = UsageLedger(path, BOOT)
+    after.credit_gap(1010.0, [KEY], {GPU: 2_000.0})  # the counter restarted at the reload
+    assert after.counters()[KEY].energy_joules == 2_000.0
+
+
+def test_a_clock_behind_the_file_counts_no_gap(tmp_path: Path):
+    path = tmp_path / "usage.json"
+    UsageLedger(path, BOOT).account(1000.0, 0.0, [iv(1.0)], {})
+    assert UsageLedger(path, BOOT).credit_gap(990.0, [KEY], {}).reason == "clock-behind"
+
+
+def test_a_released_claim_keeps_its_counters_for_the_retention_then_goes(tmp_path: Path):
+    ledger = UsageLedger(tmp_path / "usage.json", BOOT, retention=60.0)
+    ledger.account(1000.0, 10.0, [iv(1.0)], {})
+    ledger.account(1001.0, 1.0, [], {})
+    assert ledger.counters()[KEY].released_at == 1001.0
+    assert ledger.counters()[KEY].allocated_gpu_seconds == 10.0
+    ledger.account(1050.0, 49.0, [], {})
+    assert KEY in ledger.counters()
+    ledger.account(1062.0, 12.0, [], {})
+    assert KEY not in ledger.counters()
+
+
+def test_a_failed_write_counts_nothing_and_raises(tmp_path: Path):
+    path = tmp_path / "state" / "usage.json"
+    ledger = UsageLedger(path, BOOT)
+    ledger.account(1000.0, 5.0, [iv(1.0)], {})
+    (tmp_path / "state").rename(tmp_path / "elsewhere")
+    (tmp_path / "state").write_text("a file where the directory was")  # root cannot write either
+    with pytest.raises(OSError):
+        ledger.account(1010.0, 10.0, [iv(1.0)], {})
+    assert ledger.counters()[KEY].allocated_gpu_seconds == 5.0 and ledger.through == 1000.0
+
+
+def test_a_corrupt_file_is_moved_aside_and_counting_starts_again(tmp_path: Path, caplog):
+    path = tmp_path / "usage.json"
+    path.write_text(json.dumps({"kind": "TesseraUsageLedger", "version": 1, "holdings": 3}))
+    ledger = UsageLedger(path, BOOT)
+    assert ledger.counters() == {} and ledger.through is None
+    assert [p.name for p in tmp_path.iterdir() if ".corrupt-" in p.name]
+    assert "usage ledger is corrupt" in caplog.text
+
+
+# -- the arithmetic, under crashes at any tick ------------------------------------------------
+
+
+@given(
+    ticks=st.lists(
+        st.tuples(
+            st.floats(min_value=0.05, max_value=5.0),  # seconds since the previous tick
+            st.floats(min_value=0.0, max_value=700.0),  # the GPU's power in that interval
+            st.floats(min_value=0.0, max_value=1.0),  # its utilization
+            st.booleans(),  # the agent is killed after this tick...
+            st.floats(min_value=0.0, max_value=30.0),  # ...and restarts this much later
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+    weight=st.sampled_from([1.0, 0.5, (1 / 7 + 1 / 8) / 2, 0.25]),
+)
+def test_allocated_time_and_energy_are_exact_across_any_crashes(ticks, weight):
+    """A claim held throughout: whatever ticks the agent is killed after and however long it is
+    down, its allocated GPU-seconds are weight x the time held and its energy weight x the GPU's,
+    exactly once; busy GPU-seconds are exact for the time observed, and the rest is counted as
+    unobserved."""
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "usage.json"
+        now, energy = 1_000.0, 5_000.0
+        ledger = UsageLedger(path, BOOT)
+        ledger.account(now, 0.0, [iv(weight)], {GPU: energy})
+        start_energy, observed_busy, down = energy, 0.0, 0.0
+        for seconds, watts, util, crash, downtime in ticks:
+            now += seconds
+            energy += watts * seconds
+            busy = util * weight
+            ledger.account(
+                now, seconds, [iv(weight, watts * seconds * weight, busy)], {GPU: energy}
+            )
+            observed_busy += busy * seconds
+            if crash:
+                now += downtime
+                energy += 300.0 * downtime  # the GPU kept working while no agent watched
+                down += downtime
+                ledger = UsageLedger(path, BOOT)  # the next agent
+                ledger.credit_gap(now, [KEY], {GPU: energy})
+        c = UsageLedger(path, BOOT).counters()[KEY]
+        held = now - 1_000.0
+        assert c.allocated_gpu_seconds == pytest.approx(weight * held, rel=1e-9, abs=1e-9)
+        assert c.energy_joules == pytest.approx(
+            weight * (energy - start_energy), rel=1e-9, abs=1e-6
+        )
+        assert c.busy_gpu_seconds == pytest.approx(observed_busy, rel=1e-9, abs=1e-9)
+        assert c.unobserved_seconds == pytest.approx(down, rel=1e-9, abs=1e-9)
+        assert c.busy_gpu_seconds <= c.allocated_gpu_seconds + 1e-9
