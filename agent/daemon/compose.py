@@ -49,6 +49,7 @@ from agent.telemetry.metrics import AgentCollector, DriverMetrics, Exposition, S
 from agent.telemetry.owners import ProcessPods
 from agent.telemetry.sampler import Sampler
 from agent.telemetry.stream import TelemetryLimits, TelemetryServer
+from agent.telemetry.usage_meter import UsageMeter
 from dra_driver.advertise.publisher import Publisher
 from dra_driver.advertise.slice_stores import DirSliceStore, KubeSliceStore, SliceStore
 from dra_driver.advertise.slices import SlicePolicy
@@ -219,6 +220,7 @@ def _build(
         xids=lambda: events.wait(0),
         on_health_change=health_changes,
         application_xids=application_xids(telemetry.application_xids),
+        usage=UsageMeter(state_dir / "usage.json", source.boot_id, log.getChild("usage")),
     )
     status = agent_status(source.hostname, kube, plugin, publisher, preparer, node_events)
     registry.register(SnapshotCollector(lambda: sampler.latest))

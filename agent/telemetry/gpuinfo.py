@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 
 from agent.nvml.types import GpuDevice
+from agent.usage.weights import GpuCapacity, capacity_of
 
 _MIG_DEVICE = re.compile(r"^gpu-\d+-mig-[a-z0-9]+-(\d+)-\d+$")
 
@@ -34,6 +35,8 @@ class GpuInfo:
     mig_multiprocessors: tuple[tuple[int, int], ...] = ()
     """(GPU instance id, SMs) of the existing MIG devices: the fallback when a device name does
     not carry a profile id."""
+    capacity: GpuCapacity | None = None
+    """What the GPU divides into (memory, MIG slices): the usage weights of its devices."""
 
     def mig_device_multiprocessors(self, device: str, gpu_instance_id: int | None) -> int | None:
         """SMs of the MIG device named ``device`` (profile id from the name, else the GPU
@@ -64,4 +67,5 @@ def gpu_info(device: GpuDevice) -> GpuInfo:
             sorted((p.profile_id, p.multiprocessors) for p in device.mig_profiles)
         ),
         mig_multiprocessors=tuple((i.gpu_instance_id, i.multiprocessors) for i in instances),
+        capacity=capacity_of(device),
     )

@@ -171,6 +171,34 @@ SPECS: tuple[Spec, ...] = (
         CLAIM,
     ),
     Spec(
+        "tessera_usage_allocated_gpu_seconds",
+        "counter",
+        "Seconds a claim's device was held x the share of the physical GPU it holds (rule label:"
+        " whole-gpu, mig-slices, memory-share or time-sliced; docs/budgets.md). Durable: kept in"
+        " the state directory's usage ledger, counted once across restarts and crashes.",
+        CLAIM,
+    ),
+    Spec(
+        "tessera_usage_busy_gpu_seconds",
+        "counter",
+        "Seconds x the GPUs' worth a claim's device kept busy (utilization-integrated).",
+        CLAIM,
+    ),
+    Spec(
+        "tessera_usage_unobserved_seconds",
+        "counter",
+        "Seconds a claim's device was held while its busy time could not be measured (the agent"
+        " was down, or no utilization was read): what tessera_usage_busy_gpu_seconds may lack.",
+        CLAIM,
+    ),
+    Spec(
+        "tessera_usage_accounted_through_timestamp_seconds",
+        "gauge",
+        "Unix time up to which the usage ledger has counted (written to disk): behind the clock"
+        " by more than a few intervals means accounting has stalled.",
+        NODE,
+    ),
+    Spec(
         "tessera_device_prepared",
         "gauge",
         "1 for every device prepared for a claim on this node.",
@@ -289,6 +317,12 @@ def _fill(families: dict[str, Metric], snap: Snapshot) -> None:
         _add(families, "tessera_claim_energy_joules", labels, c.energy_joules_total)
         _add(families, "tessera_claim_gpu_seconds", labels, c.gpu_seconds_total)
         _add(families, "tessera_claim_share_ratio", labels, c.share)
+    for key, u in snap.usage:
+        labels = (node, u.namespace, u.claim, *key, u.rule)
+        _add(families, "tessera_usage_allocated_gpu_seconds", labels, u.allocated_gpu_seconds)
+        _add(families, "tessera_usage_busy_gpu_seconds", labels, u.busy_gpu_seconds)
+        _add(families, "tessera_usage_unobserved_seconds", labels, u.unobserved_seconds)
+    _add(families, "tessera_usage_accounted_through_timestamp_seconds", (node,), snap.usage_through)
     for p in snap.prepared:
         _add(
             families,

@@ -49,6 +49,7 @@ from agent.telemetry.gpu_health import (
 )
 from agent.telemetry.gpuinfo import GpuInfo
 from agent.telemetry.snapshot import GpuTelemetry, Snapshot
+from agent.telemetry.usage_meter import UsageMeter
 
 __all__ = ["APPLICATION_XIDS", "FATAL_XIDS", "Sampler", "Subscription"]
 STALE_INTERVALS = 3
@@ -120,6 +121,7 @@ class Sampler:
         on_health_change: Callable[[GpuHealth], None] | None = None,
         application_xids: frozenset[int] = APPLICATION_XIDS,
         probe_reads: int = PROBE_READS,
+        usage: UsageMeter | None = None,
     ) -> None:
         if interval <= 0:
             raise ValueError("interval must be positive")
@@ -129,6 +131,8 @@ class Sampler:
         self._gpus = tuple(gpus)
         self._holders = holders
         self._accounting = accounting
+        self._usage = usage
+        """Feeds the usage ledger each tick (None: no usage accounting, as in unit tests)."""
         self._log = log
         self._clock = clock
         self._wall = wall
@@ -234,6 +238,8 @@ class Sampler:
             self._drain_xids(gpus)
             holders = self._read_holders()
             accounted = self._accounting.update(samples, gpus, holders)
+            if self._usage is not None:
+                self._usage.tick(started, samples, gpus, holders, accounted.claims)
             telemetry = tuple(
                 GpuTelemetry(
                     sample=s,
@@ -259,6 +265,8 @@ class Sampler:
                 prepared=accounted.prepared,
                 tick_duration_seconds=finished - started,
                 lag_seconds=lag,
+                usage=() if self._usage is None else tuple(sorted(self._usage.counters().items())),
+                usage_through=None if self._usage is None else self._usage.through,
             )
             self._publish(snap)
             return snap
