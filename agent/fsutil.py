@@ -62,23 +62,32 @@ def remove_temp_files(directory: Path, name_glob: str = "*") -> list[Path]:
     return removed
 
 
-def atomic_write(path: Path, data: bytes, mode: int = 0o640, dir_mode: int = 0o750) -> None:
+def atomic_write(
+    path: Path, data: bytes, mode: int = 0o640, dir_mode: int = 0o750, *, sync: bool = True
+) -> None:
     """Replace ``path`` with ``data`` so that a crash leaves either the old or the new file
     (plus, at worst, a temporary file that ``remove_temp_files`` sweeps); a missing directory is
-    created with ``dir_mode``."""
+    created with ``dir_mode``.
+
+    ``sync=False`` skips the two fsyncs (the file's and the directory's): the replacement is
+    still atomic for every reader and survives the process being killed (the page cache is the
+    kernel's), but a power loss may bring back an earlier file. For a file rewritten every
+    second whose caller syncs it every so often."""
     ensure_dir(path.parent, dir_mode)
     fd, tmp = tempfile.mkstemp(prefix=temp_name_prefix(path), suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                os.fsync(f.fileno())
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    if sync:
+        fsync_dir(path.parent)
 
 
 DISK_HEADROOM_BYTES = 64 * 1024

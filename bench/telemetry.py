@@ -31,8 +31,9 @@ from agent.telemetry.energy import EnergyAccounting
 from agent.telemetry.gpuinfo import gpu_info
 from agent.telemetry.metrics import DriverMetrics, Exposition, SnapshotCollector
 from agent.telemetry.sampler import Sampler
+from agent.telemetry.usage_meter import UsageMeter
 from bench.common import ms, percentile, report
-from bench.table import Figure, measured
+from bench.table import Figure, measured, ratio_at_most
 from dra_driver.kubeletplugin.checkpoint import PREPARE_COMPLETED, ClaimEntry, PreparedDevice
 
 NAME = "telemetry"
@@ -140,7 +141,14 @@ def run(quick: bool) -> list[Figure]:
         return _run(Path(tmp), quick)
 
 
-def _sampler(src: Any, nvml: Nvml, inv: Any, state: Path, holders: Callable[[], Any]) -> Sampler:
+def _sampler(
+    src: Any,
+    nvml: Nvml,
+    inv: Any,
+    state: Path,
+    holders: Callable[[], Any],
+    usage: UsageMeter | None = None,
+) -> Sampler:
     return Sampler(
         node=inv.hostname,
         read=TelemetryReader(nvml).read,
@@ -148,7 +156,42 @@ def _sampler(src: Any, nvml: Nvml, inv: Any, state: Path, holders: Callable[[], 
         holders=holders,
         accounting=EnergyAccounting(state / "energy.json", log=LOG),
         log=LOG,
+        usage=usage,
     )
+
+
+def _usage_cost(tmp: Path, rounds: int, ticks: int) -> tuple[list[float], list[float]]:
+    """Sampler CPU per tick on dgx-a100 all-1g with its 56 MIG devices held by claims, with the
+    usage ledger fed (and written) every tick and without, in turns (the simulator's CPU
+    excluded in both): (with, without), one value per round."""
+    state = tmp / "usage-a100"
+    src = open_node(Config.of(simulate="dgx-a100", sim_mig_layout="all-1g"), state)
+    timed = TimedNvml(src.sim)
+    nvml = Nvml(timed)
+    nvml.init()
+    inv = discover(type(src)(**{**src.__dict__, "nvml": nvml}))
+    held = checkpoint(inv, mig=True)
+    meter = UsageMeter(state / "usage.json", "bench-boot", LOG)
+    samplers = {
+        "on": _sampler(src, nvml, inv, state, lambda: held, meter),
+        "off": _sampler(src, nvml, inv, state / "off", lambda: held),
+    }
+    out: dict[str, list[float]] = {"on": [], "off": []}
+    try:
+        for smp in samplers.values():
+            for _ in range(3):
+                smp.tick()
+        for _ in range(rounds):
+            for name, smp in samplers.items():
+                spent = []
+                for _ in range(ticks):
+                    before_sim, t0 = timed.cpu, time.thread_time()
+                    smp.tick()
+                    spent.append(time.thread_time() - t0 - (timed.cpu - before_sim))
+                out[name].append(statistics.fmean(spent))
+    finally:
+        nvml.shutdown()
+    return out["on"], out["off"]
 
 
 def _run(tmp: Path, quick: bool) -> list[Figure]:
@@ -223,6 +266,8 @@ def _run(tmp: Path, quick: bool) -> list[Figure]:
             "fraction_of_core_at_1s": statistics.fmean(per_tick) / 1.0,
         }
 
+    on, off = _usage_cost(tmp, 2 * repeats + 1, max(10, ticks // 5))
+
     figures = [
         measured(NAME, f"/metrics p50, one scraper (dgx-a100 all-1g, {series} series)", "ms",
                  [1000 * x["serial_p50_s"] for x in runs["live"]],
@@ -237,6 +282,12 @@ def _run(tmp: Path, quick: bool) -> list[Figure]:
             measured(NAME, f"sampler CPU per tick, {model} (the simulator's excluded)", "ms",
                      [1000 * c["sampler_cpu_s"]])
         )  # fmt: skip
+    figures.append(
+        measured(NAME, "sampler CPU per tick with usage accounting, dgx-a100 all-1g, 56 claims",
+                 "ms", [1000 * x for x in on], [1000 * x for x in off],
+                 floor_how="the same sampler without the usage ledger, in turns",
+                 goal=ratio_at_most(1.10))
+    )  # fmt: skip
     rows = [
         ("dgx-a100 all-1g: series / bytes", f"{series} / {len(body)}"),
         ("render every scrape: serial p50 / p99",

@@ -6,7 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.config.converters import host_port, non_negative_int, parse_host_port, positive_int
+from agent.config.converters import (
+    host_port,
+    non_negative_int,
+    parse_host_port,
+    positive_int,
+    seconds,
+)
 from agent.config.declare import setting
 from agent.telemetry.gpu_health import parse_xids
 from agent.tls import TlsFiles
@@ -116,6 +122,15 @@ class TelemetrySettings:
         " latest sample.",
         groups=("daemon",),
         metavar="SECONDS",
+    )
+    usage_write_interval: float = setting(
+        5.0,
+        "Seconds between writes of the usage ledger (<state-dir>/usage.json) while no claim comes"
+        " or goes (a change is written at once). A crash loses at most this much busy time;"
+        " allocated GPU-seconds and energy are exact across it (docs/budgets.md).",
+        groups=("daemon",),
+        metavar="SECONDS",
+        parse=seconds,
     )
     application_xids: frozenset[int] | None = setting(
         None,

@@ -209,6 +209,12 @@ def _build(
         process_pod=ProcessPods(source.proc_root, log=log.getChild("owners")),
         load=False,  # Agent.start, once the state directory is ours
     )
+    usage = UsageMeter(
+        state_dir / "usage.json",
+        source.boot_id,
+        log.getChild("usage"),
+        write_interval=telemetry.usage_write_interval,
+    )
     sampler = Sampler(
         node=source.hostname,
         read=reader.read,
@@ -220,10 +226,12 @@ def _build(
         xids=lambda: events.wait(0),
         on_health_change=health_changes,
         application_xids=application_xids(telemetry.application_xids),
-        usage=UsageMeter(state_dir / "usage.json", source.boot_id, log.getChild("usage")),
+        usage=usage,
     )
     status = agent_status(source.hostname, kube, plugin, publisher, preparer, node_events)
-    registry.register(SnapshotCollector(lambda: sampler.latest))
+    registry.register(
+        SnapshotCollector(lambda: sampler.latest, lambda: (usage.counters(), usage.through))
+    )
     registry.register(AgentCollector(status))
     exposition = Exposition(
         registry,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import (
@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from agent.telemetry.snapshot import GpuTelemetry, Snapshot
+from agent.usage.counters import Counters, HoldingKey
 
 GPU = ("node", "gpu", "uuid", "pci_bus_id", "model")
 MIG = (*GPU, "mig_profile", "gpu_instance")
@@ -230,11 +231,17 @@ def _family(spec: Spec) -> Metric:
     return GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)
 
 
-class SnapshotCollector(Collector):
-    """Serves the latest snapshot; ``latest`` must be a cheap, non-blocking read."""
+Usage = Callable[[], tuple[Mapping[HoldingKey, Counters], float | None]]
+"""The usage ledger's counters now and the second they are on disk up to (read per scrape)."""
 
-    def __init__(self, latest: Callable[[], Snapshot | None]) -> None:
+
+class SnapshotCollector(Collector):
+    """Serves the latest snapshot; ``latest`` must be a cheap, non-blocking read. ``usage``: the
+    usage counters, read at each scrape (they are not in the per-tick snapshot)."""
+
+    def __init__(self, latest: Callable[[], Snapshot | None], usage: Usage | None = None) -> None:
         self.latest = latest
+        self.usage = usage
 
     def describe(self) -> Iterator[Metric]:
         for spec in SPECS:
@@ -245,7 +252,23 @@ class SnapshotCollector(Collector):
         families = {s.name: _family(s) for s in SPECS}
         if snap is not None:
             _fill(families, snap)
+            if self.usage is not None:
+                _usage(families, snap.node, *self.usage())
         yield from families.values()
+
+
+def _usage(
+    families: dict[str, Metric],
+    node: str,
+    counters: Mapping[HoldingKey, Counters],
+    through: float | None,
+) -> None:
+    for key, u in sorted(counters.items()):
+        labels = (node, u.namespace, u.claim, *key, u.rule)
+        _add(families, "tessera_usage_allocated_gpu_seconds", labels, u.allocated_gpu_seconds)
+        _add(families, "tessera_usage_busy_gpu_seconds", labels, u.busy_gpu_seconds)
+        _add(families, "tessera_usage_unobserved_seconds", labels, u.unobserved_seconds)
+    _add(families, "tessera_usage_accounted_through_timestamp_seconds", (node,), through)
 
 
 def _add(
@@ -317,12 +340,6 @@ def _fill(families: dict[str, Metric], snap: Snapshot) -> None:
         _add(families, "tessera_claim_energy_joules", labels, c.energy_joules_total)
         _add(families, "tessera_claim_gpu_seconds", labels, c.gpu_seconds_total)
         _add(families, "tessera_claim_share_ratio", labels, c.share)
-    for key, u in snap.usage:
-        labels = (node, u.namespace, u.claim, *key, u.rule)
-        _add(families, "tessera_usage_allocated_gpu_seconds", labels, u.allocated_gpu_seconds)
-        _add(families, "tessera_usage_busy_gpu_seconds", labels, u.busy_gpu_seconds)
-        _add(families, "tessera_usage_unobserved_seconds", labels, u.unobserved_seconds)
-    _add(families, "tessera_usage_accounted_through_timestamp_seconds", (node,), snap.usage_through)
     for p in snap.prepared:
         _add(
             families,

@@ -265,8 +265,6 @@ class Sampler:
                 prepared=accounted.prepared,
                 tick_duration_seconds=finished - started,
                 lag_seconds=lag,
-                usage=() if self._usage is None else tuple(sorted(self._usage.counters().items())),
-                usage_through=None if self._usage is None else self._usage.through,
             )
             self._publish(snap)
             return snap

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agent.nvml.samples import GpuSample
-from agent.usage.counters import Counters, HoldingKey
 
 
 @dataclass(frozen=True)
@@ -69,7 +68,3 @@ class Snapshot:
     """How long the tick's reads took."""
     lag_seconds: float
     """How late the tick started against its schedule."""
-    usage: tuple[tuple[HoldingKey, Counters], ...] = ()
-    """The usage ledger's counters per (claim UID, pool, device) (:mod:`agent.usage.counters`)."""
-    usage_through: float | None = None
-    """The wall-clock second the written usage counters count up to."""

@@ -1,7 +1,9 @@
 """The sampler's feed of the usage ledger (:mod:`agent.usage.counters`): each tick, every held
 device's weight, busy GPUs and energy since the tick before.
 
-- **Weight**: :func:`agent.usage.weights.weights` of the claims holding devices now.
+- **Weight**: :func:`agent.usage.weights.weights` of the claims holding devices, found again only
+  when the holders or the GPUs change (the checkpoint's records are immutable: the same objects
+  mean the same holdings).
 - **Busy GPUs**: for a device on a whole GPU, the GPU's utilization (0-1) x the share of it the
   device got in the interval (``ClaimUsage.share``: 1 for a device held alone, else the split of
   the telemetry's attribution, by its processes' SM utilization where NVML reports it); for a MIG
@@ -13,27 +15,43 @@ device's weight, busy GPUs and energy since the tick before.
 
 The ledger is opened at the first tick (the agent holds its state directory by then: during a
 rolling update's handover only the agent that holds it writes). That tick counts the time since
-the file's last interval (:meth:`UsageLedger.credit_gap`) and makes the baselines; every later
-tick adds the time since the last tick that was written. A tick whose holders cannot be read, or
-whose write fails, advances nothing: the next written tick covers its time.
+the file's last interval (:meth:`UsageLedger.credit_gap`) and makes the baselines. A tick whose
+holders cannot be read counts nothing; the next one covers its time. Scrapes read the counters
+through :meth:`UsageMeter.counters` (thread-safe), not through the per-tick snapshot: building
+them every tick would cost more than counting them.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from agent.logs import Throttle, fields_
-from agent.nvml.samples import GpuSample
-from agent.telemetry.attribution import ClaimHolder
+from agent.nvml.samples import GpuSample, MigSample
+from agent.telemetry.attribution import ClaimHolder, HeldDevice
 from agent.telemetry.gpuinfo import GpuInfo
 from agent.telemetry.snapshot import ClaimUsage
-from agent.usage.counters import Counters, HoldingKey, Interval, UsageLedger
-from agent.usage.weights import Holding, Weight, weights
+from agent.usage.counters import Counters, Gap, HoldingKey, Interval, UsageLedger
+from agent.usage.weights import Holding, weights
 
 WRITE_WARNING_INTERVAL_S = 60.0
+
+
+@dataclass(frozen=True)
+class _Held:
+    """One holding as every tick needs it (found when the holders change)."""
+
+    key: HoldingKey
+    namespace: str
+    claim: str
+    gpu_uuid: str
+    weight: float
+    rule: str
+    device: HeldDevice
 
 
 class UsageMeter:
@@ -47,27 +65,34 @@ class UsageMeter:
         *,
         wall: Callable[[], float] = time.time,
         retention: float = 3600.0,
+        write_interval: float = 5.0,
     ) -> None:
         self.path = path
+        self._write_interval = write_interval
         self.boot_id = boot_id
         self._log = log
         self._wall = wall
         self._retention = retention
         self._throttle = Throttle(log, WRITE_WARNING_INTERVAL_S)
+        self._lock = threading.Lock()
         self._ledger: UsageLedger | None = None
         self._last: float | None = None
-        """The monotonic time of the last tick that was written."""
+        """The monotonic time of the last tick counted."""
         self._energy: dict[HoldingKey, float] = {}
-        """Each device's ``energy_joules_total`` at the last written tick."""
+        """Each device's ``energy_joules_total`` at the last tick counted."""
+        self._plan: tuple[tuple[int, ...], tuple[_Held, ...]] = ((), ())
         self._unweighed: set[HoldingKey] = set()
 
-    def counters(self) -> Mapping[HoldingKey, Counters]:
-        return {} if self._ledger is None else self._ledger.counters()
+    def counters(self) -> dict[HoldingKey, Counters]:
+        """Every holding's counters now (any thread)."""
+        with self._lock:
+            return {} if self._ledger is None else self._ledger.counters()
 
     @property
     def through(self) -> float | None:
-        """The wall-clock second the written counters count up to."""
-        return None if self._ledger is None else self._ledger.through
+        """The wall-clock second the counters on disk count up to."""
+        with self._lock:
+            return None if self._ledger is None else self._ledger.through
 
     def tick(
         self,
@@ -77,55 +102,77 @@ class UsageMeter:
         holders: Sequence[ClaimHolder] | None,
         claims: Sequence[ClaimUsage],
     ) -> None:
-        """Account the interval since the last written tick, ending at monotonic ``now``."""
+        """Account the interval since the last tick counted, ending at monotonic ``now``."""
         if holders is None:
             return
+        with self._lock:
+            self._tick(now, samples, gpus, holders, claims)
+
+    def _tick(
+        self,
+        now: float,
+        samples: Sequence[GpuSample],
+        gpus: Sequence[GpuInfo],
+        holders: Sequence[ClaimHolder],
+        claims: Sequence[ClaimUsage],
+    ) -> None:
         wall = self._wall()
-        held = self._weights(holders, gpus)
+        held = self._held(holders, gpus)
         energy_now = {(c.uid, c.pool, c.device): c.energy_joules_total for c in claims}
         counters = {u.uuid: u.energy_joules for u in samples if not u.lost}
         if self._ledger is None:
             self._ledger = UsageLedger(
-                self.path, self.boot_id, log=self._log, retention=self._retention
+                self.path,
+                self.boot_id,
+                log=self._log,
+                retention=self._retention,
+                write_interval=self._write_interval,
             )
-            gap = self._ledger.credit_gap(wall, [_key(w) for w in held], counters)
-            if gap.reason != "no-state":
-                self._log.info(
-                    "usage ledger continued",
-                    extra=fields_(
-                        reason=gap.reason,
-                        gap_seconds=round(gap.seconds, 3),
-                        holdings=gap.holdings,
-                        gap_energy_joules=round(gap.energy_joules, 3),
-                    ),
-                )
+            self._continue(self._ledger.credit_gap(wall, [h.key for h in held], counters))
             seconds = 0.0
             self._energy = dict(energy_now)  # the baselines: their past is in the ledger
         else:
             assert self._last is not None
             seconds = max(0.0, now - self._last)
-        intervals = self._intervals(held, samples, gpus, holders, claims, energy_now)
+        intervals = self._intervals(held, samples, claims, energy_now)
+        self._last = now
+        self._energy.update(energy_now)
         try:
             self._ledger.account(wall, seconds, intervals, counters)
         except OSError as exc:
             self._throttle(
                 logging.WARNING,
                 "write",
-                "cannot write the usage ledger; the next tick written covers this one",
+                "cannot write the usage ledger; counting goes on in memory and the next write"
+                " catches up",
                 path=str(self.path),
                 error=str(exc.strerror or exc),
             )
-            return
-        self._last = now
-        self._energy.update(energy_now)
 
-    def _weights(self, holders: Sequence[ClaimHolder], gpus: Sequence[GpuInfo]) -> list[Weight]:
+    def _continue(self, gap: Gap) -> None:
+        if gap.reason != "no-state":
+            self._log.info(
+                "usage ledger continued",
+                extra=fields_(
+                    reason=gap.reason,
+                    gap_seconds=round(gap.seconds, 3),
+                    holdings=gap.holdings,
+                    gap_energy_joules=round(gap.energy_joules, 3),
+                ),
+            )
+
+    def _held(self, holders: Sequence[ClaimHolder], gpus: Sequence[GpuInfo]) -> tuple[_Held, ...]:
+        """The holdings with their weights, found again only when the holders or GPUs change."""
+        identity = (*map(id, holders), -1, *map(id, gpus))
+        if identity == self._plan[0]:
+            return self._plan[1]
         capacities = [g.capacity for g in gpus if g.capacity is not None]
+        devices = {(h.uid, d.pool, d.device): (h, d) for h in holders for d in h.devices}
         found, unknown = weights(
             [Holding(h.uid, d) for h in holders for d in h.devices], capacities
         )
-        for h in unknown:
-            key = (h.claim_uid, h.device.pool, h.device.device)
+        for u in unknown:
+            key = (u.claim_uid, u.device.pool, u.device.device)
             if key not in self._unweighed:
                 self._unweighed.add(key)
                 self._log.warning(
@@ -133,45 +180,45 @@ class UsageMeter:
                     " its usage is not counted",
                     extra=fields_(claim_uid=key[0], pool=key[1], device=key[2]),
                 )
-        return list(found)
+        plan = []
+        for w in found:
+            key = (w.claim_uid, w.pool, w.device)
+            holder, device = devices[key]
+            plan.append(
+                _Held(key, holder.namespace, holder.name, w.gpu_uuid, w.weight, w.rule, device)
+            )
+        self._plan = (identity, tuple(plan))
+        return self._plan[1]
 
     def _intervals(
         self,
-        held: Sequence[Weight],
+        held: Sequence[_Held],
         samples: Sequence[GpuSample],
-        gpus: Sequence[GpuInfo],
-        holders: Sequence[ClaimHolder],
         claims: Sequence[ClaimUsage],
         energy_now: Mapping[HoldingKey, float],
     ) -> list[Interval]:
-        by_uuid = {s.uuid: s for s in samples}
-        names = {h.uid: (h.namespace, h.name) for h in holders}
-        devices = {(h.uid, d.pool, d.device): d for h in holders for d in h.devices}
+        util = {s.uuid: s.utilization_gpu for s in samples if not s.lost}
+        migs: dict[tuple[str, int | None], MigSample] = {
+            (s.uuid, m.gpu_instance_id): m for s in samples if not s.lost for m in s.mig
+        }
         shares = {(c.uid, c.pool, c.device): c.share for c in claims}
+        last = self._energy
         out = []
-        for w in held:
-            key = _key(w)
+        for h in held:
+            key = h.key
             total = energy_now.get(key)
-            joules = 0.0 if total is None else max(0.0, total - self._energy.get(key, 0.0))
-            device = devices[key]
-            sample = by_uuid.get(w.gpu_uuid)
+            joules = 0.0 if total is None else total - last.get(key, 0.0)  # negatives: ignored
             busy: float | None = None
-            if sample is not None and not sample.lost:
-                if device.kind != "mig":
-                    share = shares.get(key)
-                    if sample.utilization_gpu is not None and share is not None:
-                        busy = sample.utilization_gpu * share
-                elif device.sharing in (None, "MPS"):
-                    mig = next(
-                        (m for m in sample.mig if m.gpu_instance_id == device.gpu_instance_id),
-                        None,
-                    )
-                    if mig is not None and mig.utilization is not None:
-                        busy = mig.utilization * w.weight
-            namespace, name = names.get(w.claim_uid, ("", ""))
-            out.append(Interval(key, namespace, name, w.gpu_uuid, w.weight, w.rule, joules, busy))
+            d = h.device
+            if d.kind != "mig":
+                u, share = util.get(h.gpu_uuid), shares.get(key)
+                if u is not None and share is not None:
+                    busy = u * share
+            elif d.sharing in (None, "MPS"):
+                mig = migs.get((h.gpu_uuid, d.gpu_instance_id))
+                if mig is not None and mig.utilization is not None:
+                    busy = mig.utilization * h.weight
+            out.append(
+                Interval(key, h.namespace, h.claim, h.gpu_uuid, h.weight, h.rule, joules, busy)
+            )
         return out
-
-
-def _key(w: Weight) -> HoldingKey:
-    return (w.claim_uid, w.pool, w.device)

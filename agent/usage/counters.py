@@ -12,25 +12,31 @@ For every (claim UID, pool, device) the ledger keeps four monotonic counters:
 Cost is not stored: it is derived from these counters and a price table.
 
 **Exactly once.** The state file holds the counters together with ``through``, the wall-clock
-second up to which they count, and each GPU's last energy-counter reading; every
-:meth:`UsageLedger.account` adds one interval and replaces the file atomically (temporary file,
-fsync, rename, fsync of the directory) before it returns. A crash (``kill -9``, power) at any
-moment leaves either the file before the interval or the file after it: an interval is never
-half-counted, and none is counted twice, because the counters and ``through`` are written in one
-file.
+second up to which they count, and each GPU's last energy-counter reading, and is replaced
+atomically (temporary file, rename): a crash (``kill -9``) at any moment leaves either the file
+before a write or the file after it, never half of one, and since the counters and ``through``
+are in one file, no second is counted twice. :meth:`UsageLedger.account` counts every interval
+in memory and writes the file when a holding came or went (or its weight changed), else every
+``write_interval`` seconds (5 by default): writing every second was most of the accounting's
+cost (``python -m bench telemetry``). The file and its directory are fsynced every
+``sync_interval`` seconds (15): a process's crash loses nothing the kernel was given, and a
+power loss, which reboots the node (and so ends the claims), may bring back a file up to that
+old.
 
-**Nothing lost but the interval in flight.** The start after a crash, a restart or a rolling
-update's handover continues from the file: :meth:`UsageLedger.credit_gap` counts the seconds from
+**What a crash loses.** The start after a crash, a restart or a rolling update's handover
+continues from the file: :meth:`UsageLedger.credit_gap` counts the seconds from the file's
 ``through`` to the first interval of the new agent for every holding held before and after (no
 prepare or unprepare can happen while no agent holds the state directory: the kubelet's calls
 wait at the new agent's gate), at the weight it had; the energy of that gap is the difference of
 each GPU's energy counter (the driver's, since it was loaded), split between those holdings by
-weight; its busy time, which nothing measured, is ``unobservedSeconds``. So allocated
-GPU-seconds and energy are exact across an agent's downtime; what a crash loses is the interval
-being measured when it struck (at most one sampling interval of every counter). The gap is not
-credited after a reboot (another boot id: the claims are gone and the time they were held is
-not known), and a driver reload during the gap loses the gap's energy before the reload (the
-counter restarted; the energy since the reload is counted when plausible).
+weight. Because the file is written whenever who holds what changes, the holdings in it are the
+ones held since its ``through``, so allocated GPU-seconds and energy are exact across the
+crash. Busy time is not: what was counted in memory since the last write is lost, and the gap,
+which nothing measured, is ``unobservedSeconds`` (at most ``write_interval`` seconds of busy
+time is lost, plus the downtime, which is reported). The gap is not credited after a reboot
+(another boot id: the claims are gone and the time they were held is not known), and a driver
+reload during the gap loses the gap's energy before the reload (the counter restarted; the
+energy since the reload is counted when plausible).
 
 **Released claims** keep their final counters for ``retention`` seconds after they were first
 seen gone (so that whoever exports them, the cluster record or a scrape, sees the last value);
@@ -48,9 +54,9 @@ import json
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from agent.decode import fields, load_json
 from agent.errors import DecodeError
@@ -68,9 +74,9 @@ HoldingKey = tuple[str, str, str]
 """(claim UID, pool, device)."""
 
 
-@dataclass(frozen=True)
-class Interval:
-    """One holding's use over one interval, as the sampler measured it."""
+class Interval(NamedTuple):
+    """One holding's use over one interval, as the sampler measured it (a named tuple: one is
+    made per held device every tick)."""
 
     key: HoldingKey
     namespace: str
@@ -113,6 +119,44 @@ class Gap:
     """``credited``, ``no-state`` (a first start), ``rebooted`` or ``clock-behind``."""
 
 
+class _Record:
+    """One holding's counters as the ledger updates them every interval (mutable, private)."""
+
+    __slots__ = (
+        "allocated",
+        "busy",
+        "claim",
+        "energy",
+        "gpu_uuid",
+        "namespace",
+        "released_at",
+        "rule",
+        "unobserved",
+        "weight",
+    )
+
+    def __init__(self, c: Counters) -> None:
+        self.namespace, self.claim, self.gpu_uuid = c.namespace, c.claim, c.gpu_uuid
+        self.weight, self.rule = c.weight, c.rule
+        self.allocated, self.busy = c.allocated_gpu_seconds, c.busy_gpu_seconds
+        self.energy, self.unobserved = c.energy_joules, c.unobserved_seconds
+        self.released_at = c.released_at
+
+    def frozen(self) -> Counters:
+        return Counters(
+            self.namespace,
+            self.claim,
+            self.gpu_uuid,
+            self.weight,
+            self.rule,
+            self.allocated,
+            self.busy,
+            self.energy,
+            self.unobserved,
+            self.released_at,
+        )
+
+
 class UsageLedger:
     """The counters of one node's state directory (see the module docstring). One thread."""
 
@@ -124,29 +168,40 @@ class UsageLedger:
         log: logging.Logger | None = None,
         retention: float = 3600.0,
         max_watts: float = MAX_WATTS,
+        write_interval: float = 5.0,
+        sync_interval: float = 15.0,
     ) -> None:
         self.path = Path(path)
         self.boot_id = boot_id
         self.retention = retention
         self.max_watts = max_watts
+        self.write_interval = write_interval
+        self.sync_interval = sync_interval
         self._log = log or logging.getLogger(__name__)
         self._through: float | None = None
         self._stored_boot: str | None = None
         self._energy: dict[str, float] = {}
         """GPU UUID -> the driver's energy counter at ``through``."""
-        self._counters: dict[HoldingKey, Counters] = {}
+        self._records: dict[HoldingKey, _Record] = {}
         self._gap_pending = False
+        self._written: float | None = None
+        """``through`` of the last write; None: none yet, or the last one failed."""
+        self._written_through: float | None = None
+        """``through`` as the file holds it (what a start after a crash continues from)."""
+        self._synced_at: float | None = None
         self._load()
 
     # -- reading -----------------------------------------------------------------------------
 
     @property
     def through(self) -> float | None:
-        """The wall-clock second the counters count up to (None before the first interval)."""
-        return self._through
+        """The wall-clock second the file's counters count up to (None before the first)."""
+        return self._written_through
 
-    def counters(self) -> Mapping[HoldingKey, Counters]:
-        return dict(self._counters)
+    def counters(self) -> dict[HoldingKey, Counters]:
+        """Every holding's counters now (in memory: ahead of the file by less than
+        ``write_interval``)."""
+        return {k: r.frozen() for k, r in self._records.items()}
 
     # -- counting ----------------------------------------------------------------------------
 
@@ -163,30 +218,29 @@ class UsageLedger:
         if self._through is None:
             return Gap(0.0, 0, 0.0, "no-state")
         if self._stored_boot != self.boot_id:
-            self._counters = {k: _released(c, now) for k, c in self._counters.items()}
+            for r in self._records.values():
+                if r.released_at is None:
+                    r.released_at = now
             self._through, self._energy = now, {}
-            self._save()
+            self._save(sync=True)
             return Gap(0.0, 0, 0.0, "rebooted")
         seconds = now - self._through
         if seconds <= 0:
             return Gap(0.0, 0, 0.0, "clock-behind")
-        kept = [k for k in held if k in self._counters and self._counters[k].released_at is None]
+        kept = [k for k in held if k in self._records and self._records[k].released_at is None]
         energy = self._gap_energy(seconds, gpu_energy)
         total = 0.0
         for key in kept:
-            c = self._counters[key]
-            joules = energy.get(c.gpu_uuid, (0.0, 0.0))
-            share = c.weight / joules[1] if joules[1] > 0 else 0.0
-            total += joules[0] * share
-            self._counters[key] = replace(
-                c,
-                allocated_gpu_seconds=c.allocated_gpu_seconds + c.weight * seconds,
-                unobserved_seconds=c.unobserved_seconds + seconds,
-                energy_joules=c.energy_joules + joules[0] * share,
-            )
+            r = self._records[key]
+            used, weights = energy.get(r.gpu_uuid, (0.0, 0.0))
+            joules = used * r.weight / weights if weights > 0 else 0.0
+            total += joules
+            r.allocated += r.weight * seconds
+            r.unobserved += seconds
+            r.energy += joules
         self._through = now
         self._energy.update(_readings(gpu_energy))
-        self._save()
+        self._save(sync=True)
         return Gap(seconds, len(kept), total, "credited")
 
     def _gap_energy(
@@ -194,9 +248,9 @@ class UsageLedger:
     ) -> dict[str, tuple[float, float]]:
         """GPU UUID -> (joules used in the gap, the weights held on it throughout)."""
         weights: dict[str, float] = {}
-        for c in self._counters.values():
-            if c.released_at is None:
-                weights[c.gpu_uuid] = weights.get(c.gpu_uuid, 0.0) + c.weight
+        for r in self._records.values():
+            if r.released_at is None:
+                weights[r.gpu_uuid] = weights.get(r.gpu_uuid, 0.0) + r.weight
         out: dict[str, tuple[float, float]] = {}
         for uuid, now_j in gpu_energy.items():
             before = self._energy.get(uuid)
@@ -215,50 +269,51 @@ class UsageLedger:
         seconds: float,
         intervals: Sequence[Interval],
         gpu_energy: Mapping[str, float | None],
-    ) -> None:
+    ) -> bool:
         """Add one interval of ``seconds`` ending at wall-clock ``now``: each held device's
-        ``intervals`` entry; holdings not in it are released. Written (atomically) before it
-        returns; raises OSError when it cannot be, and then counts nothing: the caller's next
-        interval covers this one too (or the next start's gap does)."""
+        ``intervals`` entry; holdings not in it are released. The file is replaced when a
+        holding came or went (so that a start after a crash knows exactly who held what), and
+        otherwise every ``write_interval`` seconds; True when it was. Raises OSError when the
+        write fails: the counts stay in memory and the next interval writes them."""
         self._gap_pending = False
         seconds = max(0.0, seconds)
-        counters = dict(self._counters)
+        changed = False
         seen = set()
+        records = self._records
         for iv in intervals:
-            seen.add(iv.key)
-            c = counters.get(iv.key) or Counters(
-                iv.namespace, iv.claim, iv.gpu_uuid, iv.weight, iv.rule
-            )
-            busy = None if iv.busy_gpus is None else min(max(iv.busy_gpus, 0.0), 1.0)
-            counters[iv.key] = replace(
-                c,
-                namespace=iv.namespace,
-                claim=iv.claim,
-                gpu_uuid=iv.gpu_uuid,
-                weight=iv.weight,
-                rule=iv.rule,
-                allocated_gpu_seconds=c.allocated_gpu_seconds + iv.weight * seconds,
-                busy_gpu_seconds=c.busy_gpu_seconds + (busy or 0.0) * seconds,
-                energy_joules=c.energy_joules + max(0.0, iv.energy_joules),
-                unobserved_seconds=c.unobserved_seconds + (seconds if busy is None else 0.0),
-                released_at=None,
-            )
-        for key, c in list(counters.items()):
-            if key in seen:
-                continue
-            if c.released_at is None:
-                counters[key] = replace(c, released_at=now)
-            elif now - c.released_at > self.retention:
-                del counters[key]
-        energy = dict(self._energy)
-        energy.update(_readings(gpu_energy))
-        previous = (self._counters, self._through, self._energy)
-        self._counters, self._through, self._energy = counters, now, energy
-        try:
-            self._save()
-        except OSError:
-            self._counters, self._through, self._energy = previous
-            raise
+            key = iv.key
+            seen.add(key)
+            r = records.get(key)
+            if r is None or r.released_at is not None:
+                changed = True
+                if r is None:
+                    r = records[key] = _Record(_ZERO)
+                r.released_at = None
+            r.namespace, r.claim, r.gpu_uuid, r.rule = iv.namespace, iv.claim, iv.gpu_uuid, iv.rule
+            if r.weight != iv.weight:
+                r.weight, changed = iv.weight, True
+            r.allocated += iv.weight * seconds
+            if iv.energy_joules > 0:
+                r.energy += iv.energy_joules
+            busy = iv.busy_gpus
+            if busy is None:
+                r.unobserved += seconds
+            elif busy > 0:
+                r.busy += (busy if busy < 1.0 else 1.0) * seconds
+        for key in [k for k in records if k not in seen]:
+            r = records[key]
+            if r.released_at is None:
+                r.released_at, changed = now, True
+            elif now - r.released_at > self.retention:
+                del records[key]
+                changed = True
+        self._through = now
+        self._energy.update(_readings(gpu_energy))
+        due = self._written is None or now - self._written >= self.write_interval
+        if not (changed or due):
+            return False
+        self._save()
+        return True
 
     # -- the file ----------------------------------------------------------------------------
 
@@ -274,24 +329,37 @@ class UsageLedger:
                     "uid": key[0],
                     "pool": key[1],
                     "device": key[2],
-                    "namespace": c.namespace,
-                    "claim": c.claim,
-                    "gpuUUID": c.gpu_uuid,
-                    "weight": c.weight,
-                    "rule": c.rule,
-                    "allocatedGpuSeconds": c.allocated_gpu_seconds,
-                    "busyGpuSeconds": c.busy_gpu_seconds,
-                    "energyJoules": c.energy_joules,
-                    "unobservedSeconds": c.unobserved_seconds,
-                    "releasedAt": c.released_at,
+                    "namespace": r.namespace,
+                    "claim": r.claim,
+                    "gpuUUID": r.gpu_uuid,
+                    "weight": r.weight,
+                    "rule": r.rule,
+                    "allocatedGpuSeconds": r.allocated,
+                    "busyGpuSeconds": r.busy,
+                    "energyJoules": r.energy,
+                    "unobservedSeconds": r.unobserved,
+                    "releasedAt": r.released_at,
                 }
-                for key, c in sorted(self._counters.items())
+                for key, r in sorted(self._records.items())
             ],
         }
 
-    def _save(self) -> None:
-        data = json.dumps(self._state(), sort_keys=True, separators=(",", ":")).encode()
-        atomic_write(self.path, data + b"\n", mode=0o600)
+    def _save(self, *, sync: bool = False) -> None:
+        """Replace the file; fsync it (and its directory) when ``sync``, or when the last
+        fsynced write is ``sync_interval`` seconds old."""
+        data = json.dumps(self._state(), separators=(",", ":")).encode()  # in order already
+        now = self._through or 0.0
+        sync = sync or self._synced_at is None or now - self._synced_at >= self.sync_interval
+        self._written = None
+        atomic_write(self.path, data + b"\n", mode=0o600, sync=sync)
+        self._written = self._written_through = self._through
+        if sync:
+            self._synced_at = now
+
+    def sync(self) -> None:
+        """Write the file and fsync it now (at a clean stop)."""
+        if self._through is not None:
+            self._save(sync=True)
 
     def _load(self) -> None:
         try:
@@ -301,26 +369,19 @@ class UsageLedger:
         try:
             boot, through, energy, counters = decode(raw)
         except (DecodeError, ValueError) as exc:
-            moved = move_aside(self.path, self._now_for_names())
+            moved = move_aside(self.path, self._through or 0.0)
             self._log.error(
                 "usage ledger is corrupt; moved aside, counting starts again from zero",
                 extra=fields_(path=str(self.path), moved_to=str(moved), reason=str(exc)),
             )
             return
-        self._stored_boot, self._through, self._energy, self._counters = (
-            boot,
-            through,
-            energy,
-            counters,
-        )
+        self._stored_boot, self._through, self._energy = boot, through, energy
+        self._written_through = through
+        self._records = {k: _Record(c) for k, c in counters.items()}
         self._gap_pending = True
 
-    def _now_for_names(self) -> float:
-        return self._through or 0.0
 
-
-def _released(c: Counters, now: float) -> Counters:
-    return c if c.released_at is not None else replace(c, released_at=now)
+_ZERO = Counters("", "", "", 0.0, "")
 
 
 def _readings(gpu_energy: Mapping[str, float | None]) -> dict[str, float]:

@@ -25,6 +25,7 @@ visible.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import defaultdict
 from collections.abc import Sequence
@@ -68,14 +69,19 @@ class GpuCapacity:
         if m is not None:
             profile = int(m.group(1))
         elif gpu_instance_id is not None:
-            profile = dict(self.instances).get(gpu_instance_id)
-        slices = (
-            {p: (g, s) for p, g, s in self.profiles}.get(profile) if profile is not None else None
-        )
-        if slices is None:
-            return None
-        g, s = slices
-        return (g / self.compute_slices + s / self.memory_slices) / 2
+            profile = self._instance_profiles.get(gpu_instance_id)
+        return None if profile is None else self._fractions.get(profile)
+
+    @functools.cached_property
+    def _fractions(self) -> dict[int, float]:
+        """Profile id -> its weight (made once: the weights are found every tick)."""
+        return {
+            p: (g / self.compute_slices + s / self.memory_slices) / 2 for p, g, s in self.profiles
+        }
+
+    @functools.cached_property
+    def _instance_profiles(self) -> dict[int, int]:
+        return dict(self.instances)
 
 
 def capacity_of(device: GpuDevice) -> GpuCapacity:

@@ -49,7 +49,7 @@ def held_for_a_while(d: Daemon) -> None:
 def test_a_claim_held_across_a_kill_is_counted_for_every_second_it_was_held_once(
     short_tmp: Path,
 ):
-    d = Daemon(short_tmp, "dgx-h100").start()
+    d = Daemon(short_tmp, "dgx-h100", "--usage-write-interval", "1").start()
     try:
         write_claims(d.state, claim_manifest("train", UID, [("gpu", "gpu-0")], d.node))
         ref = ClaimRef("default", "train", UID)

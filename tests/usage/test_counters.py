@@ -97,7 +97,7 @@ def test_a_released_claim_keeps_its_counters_for_the_retention_then_goes(tmp_pat
     assert KEY not in ledger.counters()
 
 
-def test_a_failed_write_counts_nothing_and_raises(tmp_path: Path):
+def test_a_failed_write_keeps_counting_in_memory_and_the_next_write_catches_up(tmp_path: Path):
     path = tmp_path / "state" / "usage.json"
     ledger = UsageLedger(path, BOOT)
     ledger.account(1000.0, 5.0, [iv(1.0)], {})
@@ -105,7 +105,27 @@ def test_a_failed_write_counts_nothing_and_raises(tmp_path: Path):
     (tmp_path / "state").write_text("a file where the directory was")  # root cannot write either
     with pytest.raises(OSError):
         ledger.account(1010.0, 10.0, [iv(1.0)], {})
-    assert ledger.counters()[KEY].allocated_gpu_seconds == 5.0 and ledger.through == 1000.0
+    assert ledger.counters()[KEY].allocated_gpu_seconds == 15.0 and ledger.through == 1000.0
+    (tmp_path / "state").unlink()
+    (tmp_path / "elsewhere").rename(tmp_path / "state")
+    assert ledger.account(1011.0, 1.0, [iv(1.0)], {})  # written at once: the last one failed
+    assert UsageLedger(path, BOOT).counters()[KEY].allocated_gpu_seconds == 16.0
+
+
+def test_the_file_is_written_when_a_holding_comes_or_goes_else_every_write_interval(
+    tmp_path: Path,
+):
+    path = tmp_path / "usage.json"
+    ledger = UsageLedger(path, BOOT, write_interval=5.0)
+    assert ledger.account(1000.0, 0.0, [iv(1.0)], {})  # the first
+    assert not ledger.account(1001.0, 1.0, [iv(1.0)], {})
+    other = ("uid-2", "node-a", "gpu-1")
+    assert ledger.account(1002.0, 1.0, [iv(1.0), iv(1.0, key=other)], {})  # one came
+    assert not ledger.account(1003.0, 1.0, [iv(1.0), iv(1.0, key=other)], {})
+    assert ledger.account(1004.0, 1.0, [iv(1.0)], {})  # one went
+    assert not ledger.account(1008.0, 4.0, [iv(1.0)], {})
+    assert ledger.account(1009.0, 1.0, [iv(1.0)], {})  # 5 s since the last write
+    assert UsageLedger(path, BOOT).through == 1009.0
 
 
 def test_a_corrupt_file_is_moved_aside_and_counting_starts_again(tmp_path: Path, caplog):
@@ -137,34 +157,40 @@ def test_a_corrupt_file_is_moved_aside_and_counting_starts_again(tmp_path: Path,
 def test_allocated_time_and_energy_are_exact_across_any_crashes(ticks, weight):
     """A claim held throughout: whatever ticks the agent is killed after and however long it is
     down, its allocated GPU-seconds are weight x the time held and its energy weight x the GPU's,
-    exactly once; busy GPU-seconds are exact for the time observed, and the rest is counted as
-    unobserved."""
+    exactly once. Busy GPU-seconds are exact for what was written before each crash; the rest of
+    the time (what was counted only in memory, and the downtime) is counted as unobserved."""
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "usage.json"
         now, energy = 1_000.0, 5_000.0
         ledger = UsageLedger(path, BOOT)
         ledger.account(now, 0.0, [iv(weight)], {GPU: energy})
-        start_energy, observed_busy, down = energy, 0.0, 0.0
+        start_energy = energy
+        busy = unobserved = 0.0  # what the counters hold in memory
+        written = (now, busy, unobserved)  # what the file holds: through, busy, unobserved
         for seconds, watts, util, crash, downtime in ticks:
             now += seconds
             energy += watts * seconds
-            busy = util * weight
-            ledger.account(
-                now, seconds, [iv(weight, watts * seconds * weight, busy)], {GPU: energy}
-            )
-            observed_busy += busy * seconds
+            if ledger.account(
+                now, seconds, [iv(weight, watts * seconds * weight, util * weight)], {GPU: energy}
+            ):
+                busy += util * weight * seconds
+                written = (now, busy, unobserved)
+            else:
+                busy += util * weight * seconds
             if crash:
                 now += downtime
                 energy += 300.0 * downtime  # the GPU kept working while no agent watched
-                down += downtime
+                through, busy, unobserved = written  # what was only in memory is gone
+                unobserved += now - through  # the gap: held, not observed
                 ledger = UsageLedger(path, BOOT)  # the next agent
                 ledger.credit_gap(now, [KEY], {GPU: energy})
-        c = UsageLedger(path, BOOT).counters()[KEY]
+                written = (now, busy, unobserved)
+        c = ledger.counters()[KEY]
         held = now - 1_000.0
         assert c.allocated_gpu_seconds == pytest.approx(weight * held, rel=1e-9, abs=1e-9)
         assert c.energy_joules == pytest.approx(
             weight * (energy - start_energy), rel=1e-9, abs=1e-6
         )
-        assert c.busy_gpu_seconds == pytest.approx(observed_busy, rel=1e-9, abs=1e-9)
-        assert c.unobserved_seconds == pytest.approx(down, rel=1e-9, abs=1e-9)
+        assert c.busy_gpu_seconds == pytest.approx(busy, rel=1e-9, abs=1e-9)
+        assert c.unobserved_seconds == pytest.approx(unobserved, rel=1e-9, abs=1e-9)
         assert c.busy_gpu_seconds <= c.allocated_gpu_seconds + 1e-9
