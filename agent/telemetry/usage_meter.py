@@ -80,7 +80,8 @@ class UsageMeter:
         """The monotonic time of the last tick counted."""
         self._energy: dict[HoldingKey, float] = {}
         """Each device's ``energy_joules_total`` at the last tick counted."""
-        self._plan: tuple[tuple[int, ...], tuple[_Held, ...]] = ((), ())
+        self._plan: tuple[tuple[object, ...], tuple[_Held, ...]] = ((), ())
+        """(the holders and GPUs it was found for, the holdings with their weights)."""
         self._unweighed: set[HoldingKey] = set()
 
     def counters(self) -> dict[HoldingKey, Counters]:
@@ -163,8 +164,10 @@ class UsageMeter:
 
     def _held(self, holders: Sequence[ClaimHolder], gpus: Sequence[GpuInfo]) -> tuple[_Held, ...]:
         """The holdings with their weights, found again only when the holders or GPUs change."""
-        identity = (*map(id, holders), -1, *map(id, gpus))
-        if identity == self._plan[0]:
+        # the same objects (kept alive by the plan, so an id is never another's) mean the same
+        # holdings: the checkpoint's records are immutable
+        seen, plan_for = self._plan[0], (*holders, None, *gpus)
+        if len(seen) == len(plan_for) and all(a is b for a, b in zip(seen, plan_for, strict=True)):
             return self._plan[1]
         capacities = [g.capacity for g in gpus if g.capacity is not None]
         devices = {(h.uid, d.pool, d.device): (h, d) for h in holders for d in h.devices}
@@ -187,7 +190,7 @@ class UsageMeter:
             plan.append(
                 _Held(key, holder.namespace, holder.name, w.gpu_uuid, w.weight, w.rule, device)
             )
-        self._plan = (identity, tuple(plan))
+        self._plan = (plan_for, tuple(plan))
         return self._plan[1]
 
     def _intervals(
