@@ -302,6 +302,11 @@ TREE = Command(
             "call a DRA plugin's sockets exactly as the kubelet does (debugging on a node)",
             module="agent.cli.kubelet",
         ),
+        Command(
+            "usage",
+            "GPU-hours, energy and cost this node has counted per claim or namespace",
+            module="agent.cli.usage",
+        ),
         Command("sim", "simulator controls", module="agent.cli.sim"),
     ),
 )

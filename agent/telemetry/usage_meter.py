@@ -52,6 +52,7 @@ class _Held:
     weight: float
     rule: str
     device: HeldDevice
+    product: str
 
 
 class UsageMeter:
@@ -183,12 +184,22 @@ class UsageMeter:
                     " its usage is not counted",
                     extra=fields_(claim_uid=key[0], pool=key[1], device=key[2]),
                 )
+        products = {g.uuid: g.name for g in gpus}
         plan = []
         for w in found:
             key = (w.claim_uid, w.pool, w.device)
             holder, device = devices[key]
             plan.append(
-                _Held(key, holder.namespace, holder.name, w.gpu_uuid, w.weight, w.rule, device)
+                _Held(
+                    key,
+                    holder.namespace,
+                    holder.name,
+                    w.gpu_uuid,
+                    w.weight,
+                    w.rule,
+                    device,
+                    products.get(w.gpu_uuid, ""),
+                )
             )
         self._plan = (plan_for, tuple(plan))
         return self._plan[1]
@@ -222,6 +233,8 @@ class UsageMeter:
                 if mig is not None and mig.utilization is not None:
                     busy = mig.utilization * h.weight
             out.append(
-                Interval(key, h.namespace, h.claim, h.gpu_uuid, h.weight, h.rule, joules, busy)
+                Interval(
+                    key, h.namespace, h.claim, h.gpu_uuid, h.weight, h.rule, joules, busy, h.product
+                )
             )
         return out

@@ -88,6 +88,8 @@ class Interval(NamedTuple):
     energy_joules: float
     busy_gpus: float | None
     """GPUs' worth it kept busy on average (0 to 1); None: not measured."""
+    product: str = ""
+    """The GPU's product name (what a price table matches)."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,8 @@ class Counters:
     unobserved_seconds: float = 0.0
     released_at: float | None = None
     """Wall-clock second it was first seen gone; None while held."""
+    product: str = ""
+    """The GPU's product name (what a price table matches)."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,7 @@ class _Record:
         "energy",
         "gpu_uuid",
         "namespace",
+        "product",
         "released_at",
         "rule",
         "unobserved",
@@ -141,6 +146,7 @@ class _Record:
         self.allocated, self.busy = c.allocated_gpu_seconds, c.busy_gpu_seconds
         self.energy, self.unobserved = c.energy_joules, c.unobserved_seconds
         self.released_at = c.released_at
+        self.product = c.product
 
     def frozen(self) -> Counters:
         return Counters(
@@ -154,6 +160,7 @@ class _Record:
             self.energy,
             self.unobserved,
             self.released_at,
+            self.product,
         )
 
 
@@ -290,6 +297,7 @@ class UsageLedger:
                     r = records[key] = _Record(_ZERO)
                 r.released_at = None
             r.namespace, r.claim, r.gpu_uuid, r.rule = iv.namespace, iv.claim, iv.gpu_uuid, iv.rule
+            r.product = iv.product
             if r.weight != iv.weight:
                 r.weight, changed = iv.weight, True
             r.allocated += iv.weight * seconds
@@ -332,6 +340,7 @@ class UsageLedger:
                     "namespace": r.namespace,
                     "claim": r.claim,
                     "gpuUUID": r.gpu_uuid,
+                    "product": r.product,
                     "weight": r.weight,
                     "rule": r.rule,
                     "allocatedGpuSeconds": r.allocated,
@@ -429,6 +438,7 @@ def decode(
             namespace=fields.text(h.get("namespace"), f"{p}.namespace"),
             claim=fields.text(h.get("claim"), f"{p}.claim"),
             gpu_uuid=fields.text(h.get("gpuUUID"), f"{p}.gpuUUID"),
+            product=fields.opt_text(h.get("product"), f"{p}.product") or "",
             weight=_weight(h.get("weight"), f"{p}.weight"),
             rule=fields.text(h.get("rule"), f"{p}.rule"),
             allocated_gpu_seconds=fields.number(

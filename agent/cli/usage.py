@@ -1,0 +1,236 @@
+"""``tessera usage``: the usage this node has counted for each claim (or namespace), from the usage
+ledger in the state directory (``<state-dir>/usage.json``, docs/budgets.md), with its cost under a
+price table when one is given. It reads the file only: no NVML, no running agent needed; the
+figures are those written by the agent (at most ``--usage-write-interval`` behind it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from agent.cli.framework import EXIT_ERROR, Command, Invocation, Uses
+from agent.config import Config, setting
+from agent.decode import load_yaml_documents
+from agent.errors import DecodeError
+from agent.usage.counters import Counters, HoldingKey, decode
+from agent.usage.prices import PriceTable, cost, price_table
+
+DEFAULT_STATE_DIR = Path("/var/lib/tessera")
+MAX_PRICES_BYTES = 1024 * 1024
+_MIG_PROFILE_OF_NAME = "-mig-"
+
+
+@dataclass(frozen=True, kw_only=True)
+class UsageOptions:
+    by: str = setting(
+        "claim",
+        "One row per claim device, or per namespace (the sums of its claims).",
+        choices=("claim", "namespace"),
+    )
+    prices: Path | None = setting(
+        None,
+        "A price table (YAML or JSON, docs/budgets.md): adds each row's cost.",
+        metavar="FILE",
+    )
+    node_labels: tuple[str, ...] = setting(
+        (),
+        "The node's labels as KEY=VALUE, for the price table's energy prices (nodeSelector).",
+        metavar="KEY=VALUE",
+    )
+    output: str = setting(
+        "table",
+        "Output format: table (for people), json or yaml (for scripts).",
+        flags=("-o", "--output"),
+        choices=("table", "json", "yaml"),
+    )
+
+
+@dataclass(frozen=True)
+class Row:
+    namespace: str
+    claim: str
+    device: str
+    rule: str
+    gpu_hours: float
+    busy_gpu_hours: float
+    unobserved_hours: float
+    energy_kwh: float
+    cost: Decimal | None
+    released: bool
+
+
+def cmd_usage(inv: Invocation) -> int:
+    config, opts = inv.get(Config), inv.get(UsageOptions)
+    path = (config.node.state_dir or DEFAULT_STATE_DIR) / "usage.json"
+    try:
+        _, through, _, counters = decode(path.read_bytes())
+        table = None if opts.prices is None else _prices(opts.prices)
+        labels = _labels(opts.node_labels)
+    except FileNotFoundError:
+        inv.err.write(
+            f"tessera: error: no usage ledger at {path}: no agent has counted usage in this"
+            " state directory (--state-dir)\n"
+        )
+        return EXIT_ERROR
+    except (OSError, DecodeError, ValueError) as exc:
+        inv.err.write(f"tessera: error: {exc}\n")
+        return EXIT_ERROR
+    rows = [_row(key, c, table, labels) for key, c in sorted(counters.items())]
+    if opts.by == "namespace":
+        rows = _by_namespace(rows)
+    currency = None if table is None else table.currency
+    if opts.output == "table":
+        inv.out.write(_table(rows, currency, through))
+        return 0
+    data = {
+        "through": through,
+        "currency": currency,
+        "rows": [_json(r) for r in rows],
+    }
+    if opts.output == "json":
+        inv.out.write(json.dumps(data, indent=2) + "\n")
+    else:
+        inv.out.write(yaml.safe_dump(data, sort_keys=False))
+    return 0
+
+
+def _prices(path: Path) -> PriceTable:
+    raw = path.read_bytes()
+    if len(raw) > MAX_PRICES_BYTES:
+        raise DecodeError(f"{path}: {len(raw)} bytes, more than the {MAX_PRICES_BYTES} allowed")
+    docs = load_yaml_documents(raw.decode("utf-8", "replace"), str(path), MAX_PRICES_BYTES)
+    if len(docs) != 1:
+        raise DecodeError(f"{path}: expected one price table, found {len(docs)} documents")
+    return price_table(docs[0], "prices")
+
+
+def _labels(pairs: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--node-labels {pair!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def _mig_profile(device: str) -> str | None:
+    """``gpu-0-mig-1g10gb-19-0`` -> ``1g.10gb`` (the profile's name as nvidia-smi writes it)."""
+    if _MIG_PROFILE_OF_NAME not in device:
+        return None
+    compact = device.split(_MIG_PROFILE_OF_NAME, 1)[1].split("-")[0]  # 1g10gb, 1g10gbme
+    g, _, rest = compact.partition("g")
+    return f"{g}g.{rest.replace('me', '+me')}" if rest else None
+
+
+def _row(key: HoldingKey, c: Counters, table: PriceTable | None, labels: dict[str, str]) -> Row:
+    priced = None
+    if table is not None:
+        priced = cost(
+            table,
+            c.allocated_gpu_seconds,
+            c.energy_joules,
+            product=c.product,
+            mig_profile=_mig_profile(key[2]),
+            device_class=None,  # not known on the node: entries that name one match no row here
+            node_labels=labels,
+        ).total
+    return Row(
+        c.namespace,
+        c.claim,
+        key[2],
+        c.rule,
+        c.allocated_gpu_seconds / 3600,
+        c.busy_gpu_seconds / 3600,
+        c.unobserved_seconds / 3600,
+        c.energy_joules / 3.6e6,
+        priced,
+        c.released_at is not None,
+    )
+
+
+def _by_namespace(rows: list[Row]) -> list[Row]:
+    groups: dict[str, list[Row]] = defaultdict(list)
+    for r in rows:
+        groups[r.namespace].append(r)
+    out = []
+    for ns, members in sorted(groups.items()):
+        costs = [m.cost for m in members if m.cost is not None]
+        priced = len(costs) == len(members)
+        out.append(
+            Row(
+                ns,
+                f"{len({m.claim for m in members})} claims",
+                f"{len(members)} devices",
+                "",
+                sum(m.gpu_hours for m in members),
+                sum(m.busy_gpu_hours for m in members),
+                sum(m.unobserved_hours for m in members),
+                sum(m.energy_kwh for m in members),
+                sum(costs, Decimal(0)) if priced else None,
+                all(m.released for m in members),
+            )
+        )
+    return out
+
+
+def _json(r: Row) -> dict[str, Any]:
+    return {
+        "namespace": r.namespace,
+        "claim": r.claim,
+        "device": r.device,
+        "rule": r.rule,
+        "gpuHours": r.gpu_hours,
+        "busyGpuHours": r.busy_gpu_hours,
+        "unobservedHours": r.unobserved_hours,
+        "energyKWh": r.energy_kwh,
+        "cost": None if r.cost is None else str(r.cost),  # a string: exact
+        "released": r.released,
+    }
+
+
+def _table(rows: list[Row], currency: str | None, through: float | None) -> str:
+    head = ["NAMESPACE", "CLAIM", "DEVICE", "RULE", "GPU-H", "BUSY-GPU-H", "UNOBS-H", "KWH"]
+    if currency is not None:
+        head.append(f"COST ({currency})")
+    lines = [head]
+    for r in rows:
+        line = [
+            r.namespace or "-",
+            r.claim + (" (released)" if r.released else ""),
+            r.device,
+            r.rule or "-",
+            f"{r.gpu_hours:.3f}",
+            f"{r.busy_gpu_hours:.3f}",
+            f"{r.unobserved_hours:.3f}",
+            f"{r.energy_kwh:.3f}",
+        ]
+        if currency is not None:
+            line.append("-" if r.cost is None else f"{r.cost:.2f}")
+        lines.append(line)
+    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+    text = "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in lines
+    )
+    note = "no usage counted yet" if through is None else f"counted up to {through:.0f} (unix)"
+    return f"{text}\n{note}\n"
+
+
+COMMAND = Command(
+    "usage",
+    "GPU-hours, energy and cost this node has counted per claim or namespace",
+    cmd_usage,
+    (Uses(Config, ("node",)), Uses(UsageOptions)),
+    description="The usage this node's agent has counted (the usage ledger in --state-dir,"
+    " docs/budgets.md): allocated and busy GPU-hours, unobserved hours and energy for each"
+    " claim device, or summed per namespace (--by namespace); with --prices, each row's cost."
+    " Reads the file only: works while the agent runs, and after it stopped.",
+)
