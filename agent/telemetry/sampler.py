@@ -48,7 +48,7 @@ from agent.telemetry.gpu_health import (
     xid_kind,
 )
 from agent.telemetry.gpuinfo import GpuInfo
-from agent.telemetry.snapshot import GpuTelemetry, Snapshot
+from agent.telemetry.snapshot import ClaimUsage, GpuTelemetry, Snapshot
 from agent.telemetry.usage_meter import UsageMeter
 
 __all__ = ["APPLICATION_XIDS", "FATAL_XIDS", "Sampler", "Subscription"]
@@ -239,7 +239,7 @@ class Sampler:
             holders = self._read_holders()
             accounted = self._accounting.update(samples, gpus, holders)
             if self._usage is not None:
-                self._usage.tick(started, samples, gpus, holders, accounted.claims)
+                self._feed_usage(started, samples, gpus, holders, accounted.claims)
             telemetry = tuple(
                 GpuTelemetry(
                     sample=s,
@@ -324,6 +324,26 @@ class Sampler:
                     compute_instance=ev.compute_instance_id,
                     fatal=kind == "fatal",
                 ),
+            )
+
+    def _feed_usage(
+        self,
+        now: float,
+        samples: Sequence[GpuSample],
+        gpus: Sequence[GpuInfo],
+        holders: Sequence[ClaimHolder] | None,
+        claims: Sequence[ClaimUsage],
+    ) -> None:
+        """Usage accounting must never stop the telemetry and health it rides on: a failure (a
+        bug; a failed write is handled inside) is logged, and that tick's usage may be lost."""
+        assert self._usage is not None
+        try:
+            self._usage.tick(now, samples, gpus, holders, claims)
+        except Exception as exc:
+            self._log.error(
+                "usage accounting failed this tick",
+                exc_info=exc,
+                extra=fields_(error=f"{type(exc).__name__}: {exc}"),
             )
 
     def _read_holders(self) -> Sequence[ClaimHolder] | None:

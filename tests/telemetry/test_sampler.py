@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -369,3 +370,34 @@ def test_health_and_xid_counts_follow_the_gpu_by_uuid_when_indexes_shift(tmp_pat
     state = {g.sample.index: g for g in sampler.tick().gpus}
     assert state[1].healthy is False and state[1].xid_counts == ((79, 1),)
     assert state[0].healthy is True and state[0].xid_counts == ()
+
+
+class BrokenUsage:
+    """A usage meter with a bug."""
+
+    def tick(self, *args: object) -> None:
+        raise KeyError("a bug in usage accounting")
+
+
+def test_a_failing_usage_meter_does_not_stop_the_tick(tmp_path, caplog):
+    sampler, _, _ = make(tmp_path, usage=BrokenUsage())
+    with caplog.at_level(logging.ERROR):
+        snap = sampler.tick()
+    assert sampler.latest is snap and snap.tick == 1 and len(snap.gpus) == 3
+    assert any(r.getMessage() == "usage accounting failed this tick" for r in caplog.records)
+
+
+def test_the_usage_meter_is_fed_every_tick_with_the_holders(tmp_path):
+    from agent.telemetry.usage_meter import UsageMeter
+    from agent.usage.weights import GpuCapacity
+
+    meter = UsageMeter(tmp_path / "usage.json", "boot", LOG, wall=lambda: 1.7e9)
+    sampler, _, clock = make(tmp_path, usage=meter)
+    sampler.set_gpus(
+        [dataclasses.replace(info(i), capacity=GpuCapacity(f"GPU-{i}", 80 << 30)) for i in range(3)]
+    )
+    sampler.tick()
+    clock.t += 1
+    sampler.tick()
+    ((key, c),) = meter.counters().items()
+    assert key[0] == "uid-a" and c.allocated_gpu_seconds == pytest.approx(1.0)
