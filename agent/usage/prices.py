@@ -37,7 +37,6 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Any
 
 from agent.decode import fields
 
@@ -148,41 +147,36 @@ def price_table(value: object, path: str = "prices") -> PriceTable:
     return PriceTable(currency, gpu, energy)
 
 
-def _entries(value: object, path: str) -> list[Mapping[str, Any]]:
+def _entries(
+    value: object, path: str, key: str, price: str, allowed_keys: Sequence[str] | None
+) -> list[tuple[tuple[tuple[str, str], ...], Decimal]]:
+    """The (``key``'s pairs, ``price``) of each entry of a list: at most ``MAX_ENTRIES``, no two
+    with the same pairs (so at most one default, the entry without ``key``)."""
     entries = fields.objects(value, path)
     if len(entries) > MAX_ENTRIES:
         raise fields.FieldError(path, f"{len(entries)} entries, at most {MAX_ENTRIES} allowed")
-    return entries
+    out: list[tuple[tuple[tuple[str, str], ...], Decimal]] = []
+    seen: dict[tuple[tuple[str, str], ...], int] = {}
+    for i, e in enumerate(entries):
+        p = f"{path}[{i}]"
+        fields.check_known(e, p, (key, price))
+        pairs = _pairs(e.get(key), f"{p}.{key}", allowed_keys)
+        if pairs in seen:
+            what = f"the default (no {key})" if not pairs else f"the same {key}"
+            raise fields.FieldError(p, f"{what} as {path}[{seen[pairs]}]")
+        seen[pairs] = i
+        out.append((pairs, _money(e.get(price), f"{p}.{price}")))
+    return out
 
 
 def _gpu_entries(value: object, path: str) -> tuple[GpuHourPrice, ...]:
-    out: list[GpuHourPrice] = []
-    seen: dict[tuple[tuple[str, str], ...], int] = {}
-    for i, e in enumerate(_entries(value, path)):
-        p = f"{path}[{i}]"
-        fields.check_known(e, p, ("match", "price"))
-        match = _pairs(e.get("match"), f"{p}.match", MATCH_KEYS)
-        if match in seen:
-            what = "the default (no match)" if not match else "the same match"
-            raise fields.FieldError(p, f"{what} as {path}[{seen[match]}]")
-        seen[match] = i
-        out.append(GpuHourPrice(match, _money(e.get("price"), f"{p}.price")))
-    return tuple(out)
+    return tuple(GpuHourPrice(m, v) for m, v in _entries(value, path, "match", "price", MATCH_KEYS))
 
 
 def _energy_entries(value: object, path: str) -> tuple[EnergyPrice, ...]:
-    out: list[EnergyPrice] = []
-    seen: dict[tuple[tuple[str, str], ...], int] = {}
-    for i, e in enumerate(_entries(value, path)):
-        p = f"{path}[{i}]"
-        fields.check_known(e, p, ("nodeSelector", "pricePerKWh"))
-        selector = _pairs(e.get("nodeSelector"), f"{p}.nodeSelector", None)
-        if selector in seen:
-            what = "the default (no nodeSelector)" if not selector else "the same nodeSelector"
-            raise fields.FieldError(p, f"{what} as {path}[{seen[selector]}]")
-        seen[selector] = i
-        out.append(EnergyPrice(selector, _money(e.get("pricePerKWh"), f"{p}.pricePerKWh")))
-    return tuple(out)
+    return tuple(
+        EnergyPrice(m, v) for m, v in _entries(value, path, "nodeSelector", "pricePerKWh", None)
+    )
 
 
 def _pairs(value: object, path: str, allowed: Sequence[str] | None) -> tuple[tuple[str, str], ...]:
