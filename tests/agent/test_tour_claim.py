@@ -3,6 +3,7 @@ allocates it on every simulated model (a whole GPU, else a MIG device), the way 
 README do it, and the agent prepares what was written."""
 
 import io
+import json
 import shutil
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from dra_driver.testkubelet.calls import ClaimRef
 from dra_driver.testkubelet.client import KubeletClient
 from tests.integration.daemon import DRIVER, Daemon
 from tests.k8sschema import validate as validate_k8s
+from tests.sim.tools_helpers import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "deploy" / "daemonset" / "examples"
@@ -104,7 +106,26 @@ def test_the_readme_tour_prepares_the_written_claim_on_dgx_a100(short_tmp):
             answer = kubelet.prepare([ClaimRef(KEY.namespace, KEY.name, KEY.uid)])["claims"][
                 KEY.uid
             ]
+        # the README's next step: `tessera usage` shows the claim (written when it came)
+        wait_for(
+            lambda: (
+                (short_tmp / "usage.json").exists()
+                and KEY.uid in (short_tmp / "usage.json").read_text()
+            ),
+            "the claim in the usage ledger",
+        )
     finally:
         daemon.kill()
     assert answer["error"] == ""
     assert [d["deviceName"] for d in answer["devices"]] == [result["device"]]
+    rows = json.loads(run("usage", "--state-dir", str(short_tmp), "-o", "json"))["rows"]
+    assert [(r["namespace"], r["claim"], r["device"], r["rule"]) for r in rows] == [
+        (KEY.namespace, KEY.name, result["device"], "mig-slices")
+    ]
+
+
+def test_the_readme_tour_shows_the_claims_usage_after_unpreparing_it():
+    readme = (ROOT / "README.md").read_text()
+    assert readme.index("tessera kubelet unprepare") < readme.index(
+        "tessera usage --state-dir .run/state"
+    )
