@@ -6,6 +6,7 @@ figures are those written by the agent (at most ``--usage-write-interval`` behin
 
 from __future__ import annotations
 
+import datetime
 import json
 from collections import defaultdict
 from dataclasses import dataclass
@@ -220,7 +221,11 @@ def _table(rows: list[Row], currency: str | None, through: float | None) -> str:
         "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
         for row in lines
     )
-    note = "no usage counted yet" if through is None else f"counted up to {through:.0f} (unix)"
+    if through is None:
+        note = "no usage counted yet"
+    else:
+        at = datetime.datetime.fromtimestamp(through, datetime.UTC)
+        note = f"counted up to {at.strftime('%Y-%m-%dT%H:%M:%SZ')}"
     return f"{text}\n{note}\n"
 
 

@@ -65,7 +65,7 @@ def test_per_namespace_sums_and_a_table_for_people(tmp_path: Path):
     assert lines[0].split() == ["NAMESPACE", "CLAIM", "DEVICE", "RULE", "GPU-H", "BUSY-GPU-H",
                                 "UNOBS-H", "KWH"]  # fmt: skip
     assert lines[1].split()[:5] == ["team-a", "1", "claims", "1", "devices"]
-    assert "2.000" in lines[1] and lines[-1] == "counted up to 7201 (unix)"
+    assert "2.000" in lines[1] and lines[-1] == "counted up to 1970-01-01T02:00:01Z"
 
 
 def test_no_ledger_and_a_bad_price_table_are_one_line_each(tmp_path: Path):
