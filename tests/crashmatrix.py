@@ -31,11 +31,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import dra_driver.kubeletplugin.effects as effects_module
+from agent.errors import DecodeError
+from agent.usage.counters import decode as decode_usage
 from dra_driver.errors import KubeletApiError
 from dra_driver.kubeletplugin.crash_points import CRASH_POINTS
 from dra_driver.testkubelet.calls import ClaimRef
@@ -44,6 +47,7 @@ from tests.crashnode import MigLayout, leftovers, load_checkpoint, mig_layout, n
 from tests.integration.daemon import Daemon, claim_manifest, write_claims
 from tests.integration.test_sharing import sharing_config
 from tests.reliability.report import results_dir
+from tests.sim.tools_helpers import wait_for
 from tests.simnode import reap_mps_daemons
 
 POINTS: tuple[str, ...] = tuple(
@@ -282,6 +286,7 @@ def _run(
     write_claims(d.state, *(c.manifest(mode.model) for c in claims))
     refs = [c.ref() for c in claims]
     passes = 0
+    started = time.time()
     try:
         d.start("--sim-crash-at", arm)
         baseline = mig_layout(d)
@@ -307,16 +312,64 @@ def _run(
                 out.failures.append(f"{what}: answers {answer}")
             if op == "prepare":
                 out.failures += _answers_match_checkpoint(d, answer)
+                _counted(d, [r.uid for r in refs])  # held across a tick: the ledger counts them
+            if op == "unprepare":
+                _counted(d, [r.uid for r in refs], released=True)
             _check(out, d, baseline, what)
         passes += _passes(d, point)
         out.lost += [f"at the end: {p}" for p in leftovers(d, baseline)]
         code = d.stop()
         if code != 0:
             out.failures.append(f"the daemon stopped with {code}, not 0")
+        out.lost += usage_violations(d, started)
     finally:
         d.kill()
         reap_mps_daemons(d.state / "sim", d.model)
     return passes
+
+
+def _counted(d: Daemon, uids: list[str], *, released: bool = False) -> None:
+    """Wait until the usage ledger lists every claim as held (``released``: as released). The
+    ledger is written when a holding comes or goes, at the next sampler tick; waiting for it
+    makes the unprepare, and a crash in it, meet counted claims, and the stop a ledger that saw
+    them go."""
+    path = d.state / "usage.json"
+
+    def seen() -> bool:
+        try:
+            holdings = json.loads(path.read_text())["holdings"]
+        except (FileNotFoundError, ValueError):
+            return False
+        state = {h["uid"]: h["releasedAt"] is not None for h in holdings}
+        return all(state.get(uid) == released for uid in uids)
+
+    what = "released" if released else "held"
+    wait_for(seen, f"the claims {what} in the usage ledger", timeout=30.0)
+
+
+def usage_violations(d: Daemon, started: float) -> list[str]:
+    """The usage ledger after a cell (every claim unprepared, the daemon stopped): it decodes,
+    every holding in it is released, and none was counted for longer than the cell ran (a
+    second counted twice across the crash would show as more), allowing one sampling interval
+    for the interval a device is first counted in."""
+    path = d.state / "usage.json"
+    if not path.exists():
+        return []  # no tick saw a claim held, nor any tick at all: nothing to count
+    try:
+        _, through, _, counters = decode_usage(path.read_bytes())
+    except (DecodeError, ValueError) as exc:
+        return [f"the usage ledger does not decode: {exc}"]
+    out = []
+    ran = (through or started) - started + 1.0
+    for key, c in sorted(counters.items()):
+        if c.released_at is None:
+            out.append(f"usage ledger: {key} still held after everything was unprepared")
+        if c.allocated_gpu_seconds > c.weight * ran + 1e-6:
+            out.append(
+                f"usage ledger: {key} counted {c.allocated_gpu_seconds:.3f} GPU-seconds at weight"
+                f" {c.weight:.3f} in a cell of {ran:.3f} s: counted twice"
+            )
+    return out
 
 
 def _check(out: Outcome, d: Daemon, baseline: MigLayout, when: str) -> None:

@@ -323,6 +323,7 @@ def _build(
             reader=reader,
             events=events,
             accounting=accounting,
+            usage=usage,
             faults=faults,
             server=telemetry_server,
             log=log,

@@ -15,6 +15,7 @@ from agent.telemetry.energy import EnergyAccounting
 from agent.telemetry.faults import FaultStore
 from agent.telemetry.sampler import Sampler
 from agent.telemetry.stream import TelemetryServer
+from agent.telemetry.usage_meter import UsageMeter
 
 
 class Sampling:
@@ -27,6 +28,7 @@ class Sampling:
         reader: TelemetryReader,
         events: EventWatcher,
         accounting: EnergyAccounting,
+        usage: UsageMeter,
         faults: FaultStore,
         server: TelemetryServer,
         log: logging.Logger,
@@ -35,6 +37,7 @@ class Sampling:
         self.reader = reader
         self.events = events
         self.accounting = accounting
+        self.usage = usage
         self.faults = faults
         self.server = server
         self.log = log
@@ -67,8 +70,10 @@ class Sampling:
             sub.close()
 
     def save(self) -> None:
-        """Save the energy accounts (once the state directory is ours) and stop accounting."""
+        """Save the energy accounts and the usage counted since the ledger's last write (once
+        the state directory is ours) and stop accounting."""
         self.accounting.close()
+        self.usage.close()
 
     def close(self) -> None:
         """Close the NVML readers."""

@@ -96,6 +96,22 @@ class UsageMeter:
         with self._lock:
             return None if self._ledger is None else self._ledger.through
 
+    def close(self) -> None:
+        """At a clean stop (the sampler has stopped): write and fsync what was counted since
+        the ledger's last write, so a clean restart or a rolling update loses no busy time.
+        Releases after the last tick are seen by the next agent's first one."""
+        with self._lock:
+            if self._ledger is None:
+                return
+            try:
+                self._ledger.sync()
+            except OSError as exc:
+                self._log.warning(
+                    "cannot write the usage ledger at stop; the next start counts from its"
+                    " last write",
+                    extra=fields_(path=str(self.path), error=str(exc.strerror or exc)),
+                )
+
     def tick(
         self,
         now: float,
