@@ -25,7 +25,6 @@ from agent.usage.prices import PriceTable, cost, price_table
 
 DEFAULT_STATE_DIR = Path("/var/lib/tessera")
 MAX_PRICES_BYTES = 1024 * 1024
-_MIG_PROFILE_OF_NAME = "-mig-"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +57,7 @@ class Row:
     namespace: str
     claim: str
     device: str
+    mig_profile: str | None
     rule: str
     gpu_hours: float
     busy_gpu_hours: float
@@ -122,15 +122,6 @@ def _labels(pairs: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
-def _mig_profile(device: str) -> str | None:
-    """``gpu-0-mig-1g10gb-19-0`` -> ``1g.10gb`` (the profile's name as nvidia-smi writes it)."""
-    if _MIG_PROFILE_OF_NAME not in device:
-        return None
-    compact = device.split(_MIG_PROFILE_OF_NAME, 1)[1].split("-")[0]  # 1g10gb, 1g10gbme
-    g, _, rest = compact.partition("g")
-    return f"{g}g.{rest.replace('me', '+me')}" if rest else None
-
-
 def _row(key: HoldingKey, c: Counters, table: PriceTable | None, labels: dict[str, str]) -> Row:
     priced = None
     if table is not None:
@@ -139,7 +130,7 @@ def _row(key: HoldingKey, c: Counters, table: PriceTable | None, labels: dict[st
             c.allocated_gpu_seconds,
             c.energy_joules,
             product=c.product,
-            mig_profile=_mig_profile(key[2]),
+            mig_profile=c.mig_profile,
             device_class=None,  # not known on the node: entries that name one match no row here
             node_labels=labels,
         ).total
@@ -147,6 +138,7 @@ def _row(key: HoldingKey, c: Counters, table: PriceTable | None, labels: dict[st
         c.namespace,
         c.claim,
         key[2],
+        c.mig_profile,
         c.rule,
         c.allocated_gpu_seconds / 3600,
         c.busy_gpu_seconds / 3600,
@@ -170,6 +162,7 @@ def _by_namespace(rows: list[Row]) -> list[Row]:
                 ns,
                 f"{len({m.claim for m in members})} claims",
                 f"{len(members)} devices",
+                None,
                 "",
                 sum(m.gpu_hours for m in members),
                 sum(m.busy_gpu_hours for m in members),
@@ -187,6 +180,7 @@ def _json(r: Row) -> dict[str, Any]:
         "namespace": r.namespace,
         "claim": r.claim,
         "device": r.device,
+        "migProfile": r.mig_profile,
         "rule": r.rule,
         "gpuHours": r.gpu_hours,
         "busyGpuHours": r.busy_gpu_hours,

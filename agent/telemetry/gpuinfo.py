@@ -6,13 +6,10 @@ and for mapping checkpoint entries to GPUs, and the SM counts that split a MIG G
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from agent.nvml.types import GpuDevice
-from agent.usage.weights import GpuCapacity, capacity_of
-
-_MIG_DEVICE = re.compile(r"^gpu-\d+-mig-[a-z0-9]+-(\d+)-\d+$")
+from agent.usage.weights import GpuCapacity, capacity_of, mig_profile_id
 
 
 @dataclass(frozen=True)
@@ -41,11 +38,11 @@ class GpuInfo:
     def mig_device_multiprocessors(self, device: str, gpu_instance_id: int | None) -> int | None:
         """SMs of the MIG device named ``device`` (profile id from the name, else the GPU
         instance), None when neither is known."""
-        m = _MIG_DEVICE.match(device)
-        if m is not None:
+        profile = mig_profile_id(device)
+        if profile is not None:
             by_profile = dict(self.profile_multiprocessors)
-            if int(m.group(1)) in by_profile:
-                return by_profile[int(m.group(1))]
+            if profile in by_profile:
+                return by_profile[profile]
         if gpu_instance_id is not None:
             return dict(self.mig_multiprocessors).get(gpu_instance_id)
         return None

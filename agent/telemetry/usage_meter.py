@@ -53,6 +53,7 @@ class _Held:
     rule: str
     device: HeldDevice
     product: str
+    mig_profile: str | None
 
 
 class UsageMeter:
@@ -200,11 +201,15 @@ class UsageMeter:
                     " its usage is not counted",
                     extra=fields_(claim_uid=key[0], pool=key[1], device=key[2]),
                 )
-        products = {g.uuid: g.name for g in gpus}
+        by_uuid = {g.uuid: g for g in gpus}
         plan = []
         for w in found:
             key = (w.claim_uid, w.pool, w.device)
             holder, device = devices[key]
+            gpu = by_uuid[w.gpu_uuid]
+            profile = None
+            if device.kind == "mig" and gpu.capacity is not None:
+                profile = gpu.capacity.mig_profile_name(device.device, device.gpu_instance_id)
             plan.append(
                 _Held(
                     key,
@@ -214,7 +219,8 @@ class UsageMeter:
                     w.weight,
                     w.rule,
                     device,
-                    products.get(w.gpu_uuid, ""),
+                    gpu.name,
+                    profile,
                 )
             )
         self._plan = (plan_for, tuple(plan))
@@ -250,7 +256,16 @@ class UsageMeter:
                     busy = mig.utilization * h.weight
             out.append(
                 Interval(
-                    key, h.namespace, h.claim, h.gpu_uuid, h.weight, h.rule, joules, busy, h.product
+                    key,
+                    h.namespace,
+                    h.claim,
+                    h.gpu_uuid,
+                    h.weight,
+                    h.rule,
+                    joules,
+                    busy,
+                    h.product,
+                    h.mig_profile,
                 )
             )
         return out

@@ -90,6 +90,8 @@ class Interval(NamedTuple):
     """GPUs' worth it kept busy on average (0 to 1); None: not measured."""
     product: str = ""
     """The GPU's product name (what a price table matches)."""
+    mig_profile: str | None = None
+    """A MIG device's profile (``1g.10gb``, what a price table matches); None for a GPU."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,8 @@ class Counters:
     """Wall-clock second it was first seen gone; None while held."""
     product: str = ""
     """The GPU's product name (what a price table matches)."""
+    mig_profile: str | None = None
+    """A MIG device's profile (``1g.10gb``); None for a whole GPU."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,7 @@ class _Record:
         "claim",
         "energy",
         "gpu_uuid",
+        "mig_profile",
         "namespace",
         "product",
         "released_at",
@@ -146,7 +151,7 @@ class _Record:
         self.allocated, self.busy = c.allocated_gpu_seconds, c.busy_gpu_seconds
         self.energy, self.unobserved = c.energy_joules, c.unobserved_seconds
         self.released_at = c.released_at
-        self.product = c.product
+        self.product, self.mig_profile = c.product, c.mig_profile
 
     def frozen(self) -> Counters:
         return Counters(
@@ -161,6 +166,7 @@ class _Record:
             self.unobserved,
             self.released_at,
             self.product,
+            self.mig_profile,
         )
 
 
@@ -297,7 +303,7 @@ class UsageLedger:
                     r = records[key] = _Record(_ZERO)
                 r.released_at = None
             r.namespace, r.claim, r.gpu_uuid, r.rule = iv.namespace, iv.claim, iv.gpu_uuid, iv.rule
-            r.product = iv.product
+            r.product, r.mig_profile = iv.product, iv.mig_profile
             if r.weight != iv.weight:
                 r.weight, changed = iv.weight, True
             r.allocated += iv.weight * seconds
@@ -341,6 +347,7 @@ class UsageLedger:
                     "claim": r.claim,
                     "gpuUUID": r.gpu_uuid,
                     "product": r.product,
+                    "migProfile": r.mig_profile,
                     "weight": r.weight,
                     "rule": r.rule,
                     "allocatedGpuSeconds": r.allocated,
@@ -439,6 +446,7 @@ def decode(
             claim=fields.text(h.get("claim"), f"{p}.claim"),
             gpu_uuid=fields.text(h.get("gpuUUID"), f"{p}.gpuUUID"),
             product=fields.opt_text(h.get("product"), f"{p}.product") or "",
+            mig_profile=fields.opt_text(h.get("migProfile"), f"{p}.migProfile"),
             weight=_weight(h.get("weight"), f"{p}.weight"),
             rule=fields.text(h.get("rule"), f"{p}.rule"),
             allocated_gpu_seconds=fields.number(

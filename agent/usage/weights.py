@@ -41,7 +41,13 @@ TIME_SLICED = "time-sliced"
 RULES = (WHOLE_GPU, MIG_SLICES, MEMORY_SHARE, TIME_SLICED)
 
 _MIG_DEVICE = re.compile(r"^gpu-\d+-mig-[a-z0-9]+-(\d+)-\d+$")
-"""A MIG device's name carries its GPU-instance profile id: ``gpu-0-mig-1g10gb-19-0``."""
+
+
+def mig_profile_id(device: str) -> int | None:
+    """The GPU-instance profile id a MIG device's name carries (``gpu-0-mig-1g10gb-19-0``:
+    19); None for another name."""
+    m = _MIG_DEVICE.match(device)
+    return None if m is None else int(m.group(1))
 
 
 @dataclass(frozen=True)
@@ -58,19 +64,28 @@ class GpuCapacity:
     """(profile id, compute slices, memory slices) of every MIG profile the GPU offers."""
     instances: tuple[tuple[int, int], ...] = ()
     """(GPU instance id, profile id) of the MIG devices that exist."""
+    profile_names: tuple[tuple[int, str], ...] = ()
+    """(profile id, name as NVML gives it: ``1g.10gb``) of every MIG profile."""
+
+    def mig_profile_of(self, device: str, gpu_instance_id: int | None) -> int | None:
+        """The profile id of the MIG device ``device``: its name's, else its GPU instance's."""
+        profile = mig_profile_id(device)
+        if profile is None and gpu_instance_id is not None:
+            profile = self._instance_profiles.get(gpu_instance_id)
+        return profile
 
     def mig_fraction(self, device: str, gpu_instance_id: int | None) -> float | None:
         """``(g / G + m / M) / 2`` of the MIG device ``device``; None when its profile is not
-        known (from the name's profile id, else the GPU instance's)."""
+        known."""
         if not self.compute_slices or not self.memory_slices:
             return None
-        profile: int | None = None
-        m = _MIG_DEVICE.match(device)
-        if m is not None:
-            profile = int(m.group(1))
-        elif gpu_instance_id is not None:
-            profile = self._instance_profiles.get(gpu_instance_id)
+        profile = self.mig_profile_of(device, gpu_instance_id)
         return None if profile is None else self._fractions.get(profile)
+
+    def mig_profile_name(self, device: str, gpu_instance_id: int | None) -> str | None:
+        """The name of the MIG device's profile (``1g.10gb``); None when not known."""
+        profile = self.mig_profile_of(device, gpu_instance_id)
+        return None if profile is None else dict(self.profile_names).get(profile)
 
     @functools.cached_property
     def _fractions(self) -> dict[int, float]:
@@ -99,6 +114,7 @@ def capacity_of(device: GpuDevice) -> GpuCapacity:
         memory_slices=max((s for _, _, s in profiles), default=0),
         profiles=profiles,
         instances=tuple(sorted((i.gpu_instance_id, i.profile_id) for i in device.mig_instances)),
+        profile_names=tuple(sorted((p.profile_id, p.name) for p in device.mig_profiles)),
     )
 
 

@@ -28,7 +28,7 @@ def ledger(state: Path) -> None:
     whole = Interval(("u1", "node-a", "gpu-0"), "team-a", "train", "GPU-0", 1.0, "whole-gpu",
                      0.0, 0.5, H100)  # fmt: skip
     mig = Interval(("u2", "node-a", "gpu-1-mig-1g10gb-19-0"), "team-b", "infer", "GPU-1", 0.25,
-                   "mig-slices", 0.0, None, H100)  # fmt: skip
+                   "mig-slices", 0.0, None, H100, "1g.10gb")  # fmt: skip
     led.account(0.0, 0.0, [whole, mig], {})
     led.account(7200.0, 7200.0, [whole._replace(energy_joules=3.6e6), mig], {})
     led.account(7201.0, 0.0, [whole], {})  # the MIG claim is released

@@ -122,6 +122,8 @@ def test_the_readme_tour_prepares_the_written_claim_on_dgx_a100(short_tmp):
     assert [(r["namespace"], r["claim"], r["device"], r["rule"]) for r in rows] == [
         (KEY.namespace, KEY.name, result["device"], "mig-slices")
     ]
+    # the profile's name as NVML gives it (1g.5gb), whose compact form the device name carries
+    assert f"-mig-{rows[0]['migProfile'].replace('.', '')}-" in result["device"]
 
 
 def test_the_readme_tour_shows_the_claims_usage_after_unpreparing_it():

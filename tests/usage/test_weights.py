@@ -77,6 +77,7 @@ def test_the_a100_and_h100_mig_profiles_weigh_their_mean_slice_fractions():
     assert w == pytest.approx((3 / 7 + 4 / 8) / 2)
     w, _ = one(Dev("gpu-0-mig-7g40gb-0-0", uuid, "mig"), [a100])
     assert w == pytest.approx(1.0)
+    assert a100.mig_profile_name("gpu-0-mig-3g20gb-9-4", None) == "3g.20gb"  # for prices
 
 
 def test_mig_devices_side_by_side_never_weigh_more_than_their_gpu():
