@@ -88,7 +88,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -112,51 +111,11 @@ from agent.telemetry.attribution import (
 )
 from agent.telemetry.gpuinfo import GpuInfo
 from agent.telemetry.snapshot import ClaimUsage, PreparedDevice
+from agent.usage.joules import COUNTER, MAX_WATTS, Reading, energy_delta
 
 STATE_KIND = "TesseraEnergyState"
 STATE_VERSION = 1
 MAX_STATE_BYTES = 64 * 1024 * 1024
-MAX_WATTS = 2000.0
-"""Above any GPU's power draw: a counter delta larger than this x seconds is not believed."""
-
-COUNTER, COUNTER_RESET, POWER, NONE = "counter", "counter-reset", "power", "none"
-
-
-@dataclass(frozen=True)
-class Reading:
-    """What one sample says about energy: the baseline of the next interval."""
-
-    timestamp: float
-    energy_joules: float | None
-    power_watts: float | None
-
-
-def _power(watts: float | None, max_watts: float) -> float | None:
-    if watts is None or not math.isfinite(watts):
-        return None
-    return min(max(watts, 0.0), max_watts)
-
-
-def energy_delta(prev: Reading, now: Reading, max_watts: float = MAX_WATTS) -> tuple[float, str]:
-    """Joules used between two readings and how they were found (``counter``,
-    ``counter-reset``, ``power`` or ``none``); never negative. Pure; rules in the module
-    docstring."""
-    dt = now.timestamp - prev.timestamp
-    if dt <= 0:
-        return 0.0, NONE
-    limit = max_watts * dt
-    if prev.energy_joules is not None and now.energy_joules is not None:
-        diff = now.energy_joules - prev.energy_joules
-        if 0 <= diff <= limit:
-            return diff, COUNTER
-        if 0 <= now.energy_joules <= limit:
-            return now.energy_joules, COUNTER_RESET
-    a, b = _power(prev.power_watts, max_watts), _power(now.power_watts, max_watts)
-    if a is None and b is None:
-        return 0.0, NONE
-    mean = (a + b) / 2 if a is not None and b is not None else (a if a is not None else b)
-    assert mean is not None
-    return mean * dt, POWER
 
 
 @dataclass

@@ -62,13 +62,11 @@ from agent.decode import fields, load_json
 from agent.errors import DecodeError
 from agent.fsutil import atomic_write, move_aside
 from agent.logs import fields_
+from agent.usage.joules import MAX_WATTS, Reading, energy_delta
 
 KIND = "TesseraUsageLedger"
 VERSION = 1
 MAX_BYTES = 64 * 1024 * 1024
-MAX_WATTS = 2000.0
-"""Above any GPU's power draw: an energy-counter difference larger than this x seconds is not
-believed (the counter restarted, or a bad read)."""
 
 HoldingKey = tuple[str, str, str]
 """(claim UID, pool, device)."""
@@ -269,10 +267,10 @@ class UsageLedger:
             before = self._energy.get(uuid)
             if before is None or now_j is None or not _finite(now_j):
                 continue
-            limit = self.max_watts * seconds
-            used = now_j - before
-            if not 0 <= used <= limit:  # the counter restarted (a driver reload), or a bad read
-                used = now_j if 0 <= now_j <= limit else 0.0
+            # the telemetry's counter rules: a reset (driver reload) counts the new reading
+            used, _ = energy_delta(
+                Reading(0.0, before, None), Reading(seconds, now_j, None), self.max_watts
+            )
             out[uuid] = (used * min(1.0, weights.get(uuid, 0.0)), weights.get(uuid, 0.0))
         return out
 

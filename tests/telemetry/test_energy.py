@@ -9,16 +9,9 @@ import pytest
 
 from agent.nvml.samples import GpuSample, ProcessSample
 from agent.telemetry.attribution import holdings, shares
-from agent.telemetry.energy import (
-    COUNTER,
-    COUNTER_RESET,
-    NONE,
-    POWER,
-    EnergyAccounting,
-    Reading,
-    energy_delta,
-)
+from agent.telemetry.energy import EnergyAccounting
 from agent.telemetry.gpuinfo import GpuInfo, gpu_info
+from agent.usage.joules import COUNTER, COUNTER_RESET, NONE, POWER, Reading, energy_delta
 from tests.fakeclock import FakeClock
 from tests.telemetry.holders import Claim, Held
 
