@@ -160,6 +160,16 @@ def _sampler(
     )
 
 
+def _tick_cpu(smp: Sampler, timed: TimedNvml, ticks: int) -> list[float]:
+    """The sampler's CPU time of each of ``ticks`` ticks, the simulator's own excluded."""
+    out = []
+    for _ in range(ticks):
+        before_sim, t0 = timed.cpu, time.thread_time()
+        smp.tick()
+        out.append(time.thread_time() - t0 - (timed.cpu - before_sim))
+    return out
+
+
 def _usage_cost(tmp: Path, rounds: int, ticks: int) -> tuple[list[float], list[float]]:
     """Sampler CPU per tick on dgx-a100 all-1g with its 56 MIG devices held by claims, with the
     usage ledger fed (and written) every tick and without, in turns (the simulator's CPU
@@ -183,12 +193,7 @@ def _usage_cost(tmp: Path, rounds: int, ticks: int) -> tuple[list[float], list[f
                 smp.tick()
         for _ in range(rounds):
             for name, smp in samplers.items():
-                spent = []
-                for _ in range(ticks):
-                    before_sim, t0 = timed.cpu, time.thread_time()
-                    smp.tick()
-                    spent.append(time.thread_time() - t0 - (timed.cpu - before_sim))
-                out[name].append(statistics.fmean(spent))
+                out[name].append(statistics.fmean(_tick_cpu(smp, timed, ticks)))
     finally:
         nvml.shutdown()
     return out["on"], out["off"]
@@ -249,17 +254,10 @@ def _run(tmp: Path, quick: bool) -> list[Figure]:
         for _ in range(5):
             smp.tick()
         timed.cpu = 0.0
-        total = 0.0
-        per_tick = []
-        for _ in range(ticks):
-            before_sim, t0 = timed.cpu, time.thread_time()
-            smp.tick()
-            spent = time.thread_time() - t0
-            total += spent
-            per_tick.append(spent - (timed.cpu - before_sim))
+        per_tick = _tick_cpu(smp, timed, ticks)
         nvml.shutdown()
         cpu[model] = {
-            "tick_cpu_total_s": total / ticks,
+            "tick_cpu_total_s": statistics.fmean(per_tick) + timed.cpu / ticks,
             "simulator_cpu_s": timed.cpu / ticks,
             "sampler_cpu_s": statistics.fmean(per_tick),
             "sampler_cpu_p99_s": percentile(per_tick, 99),
