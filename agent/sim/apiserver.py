@@ -42,8 +42,10 @@ import yaml
 
 from agent.sim.apiserver_access import AccessRules
 from agent.sim.apiserver_checks import Rejection
+from agent.sim.apiserver_eviction import EvictionLog, EvictionRecord
 from agent.sim.apiserver_faults import Fault, FaultInjector, RequestLog, RequestRecord
 from agent.sim.apiserver_http import Context, HttpServer
+from agent.sim.apiserver_openapi import OpenApi
 from agent.sim.apiserver_select import Selection
 from agent.sim.apiserver_store import Obj, Store
 from agent.sim.apiserver_types import RESOURCES, ResourceType
@@ -52,6 +54,7 @@ __all__ = [
     "RESOURCES",
     "AccessRules",
     "ApiServer",
+    "EvictionRecord",
     "Fault",
     "FaultInjector",
     "Rejection",
@@ -108,6 +111,8 @@ class ApiServer:
             clock=clock,
         )
         self._kube_version = kube_version
+        self._evictions = EvictionLog()
+        self._openapi = OpenApi(kube_version)
         self._watch_timeout = watch_timeout
         self._bookmark_interval = bookmark_interval
         self._monotonic = monotonic
@@ -137,6 +142,8 @@ class ApiServer:
             self._watch_timeout,
             monotonic=self._monotonic,
             access=self.access,
+            evictions=self._evictions,
+            openapi=self._openapi,
         )
         self._httpd = HttpServer((self._host, self._port), self._ctx)
         self._port = int(self._httpd.server_address[1])
@@ -231,6 +238,11 @@ class ApiServer:
         """The current (global) resourceVersion."""
         with self._store.lock:
             return self._store.rv
+
+    @property
+    def evictions(self) -> list[EvictionRecord]:
+        """The pod evictions granted (``POST .../pods/{name}/eviction``), oldest first."""
+        return self._evictions.snapshot()
 
     def writes(self, resource: str | None = None) -> int:
         """POST/PUT/PATCH/DELETE requests received, about ``resource`` (plural) when given."""

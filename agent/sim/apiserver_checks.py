@@ -11,6 +11,7 @@ from typing import Any
 
 from agent.errors import TesseraError
 from agent.sim import apiserver_errors as err
+from agent.sim.apiserver_crd import CRD_PLURAL, check, decode, definition_errors
 from agent.sim.apiserver_errors import ApiError
 from agent.sim.apiserver_schemas import Schemas
 from agent.sim.apiserver_types import ResourceType
@@ -67,6 +68,7 @@ def prepare_body(rt: ResourceType, namespace: str | None, body: Any) -> Obj:
             raise err.bad_request("the namespace of the object is not set")
     else:
         meta.pop("namespace", None)
+    decode(rt, obj)  # a custom resource: unknown fields pruned, defaults applied
     return obj
 
 
@@ -122,3 +124,16 @@ def event_failure(rt: ResourceType, obj: Obj) -> ApiError | None:
     name = str(obj["metadata"].get("name", ""))
     message = f'Invalid value: "{object_ns}": does not match event.namespace'
     return err.invalid(rt, name, "involvedObject.namespace", "FieldValueInvalid", message)
+
+
+def custom_failure(
+    rt: ResourceType, obj: Obj, old: Obj | None, served: Sequence[ResourceType]
+) -> ApiError | None:
+    """422 for a custom object its CRD's schema or CEL rules refuse, or for a CRD the real
+    server refuses beyond its schema (apiserver_crd); None otherwise."""
+    found = definition_errors(obj, served) if rt.plural == CRD_PLURAL and rt.group else []
+    found = found or check(rt, obj, old)
+    if not found:
+        return None
+    name = str(obj["metadata"].get("name", ""))
+    return err.invalid_fields(rt, name, [(e.field, e.reason, e.body) for e in found])

@@ -97,6 +97,18 @@ def invalid(rt: ResourceType, name: str, field: str, cause: str, message: str) -
     )
 
 
+def invalid_fields(rt: ResourceType, name: str, errors: list[tuple[str, str, str]]) -> ApiError:
+    """422 Invalid with one cause per (field, reason, body), worded as apimachinery's
+    ``errors.NewInvalid``: one error as ``field: body``, several as ``[a: x, b: y]``."""
+    details = _details(rt, name, rt.kind)
+    details["causes"] = [{"reason": r, "message": b, "field": f} for f, r, b in errors]
+    said = [f"{f}: {b}" for f, _, b in errors]
+    text = said[0] if len(said) == 1 else f"[{', '.join(said)}]"
+    return ApiError(
+        422, "Invalid", f'{rt.qualified_kind} "{name}" is invalid: {text}', details=details
+    )
+
+
 def bad_request(message: str) -> ApiError:
     return ApiError(400, "BadRequest", message)
 

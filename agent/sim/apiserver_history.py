@@ -33,6 +33,11 @@ class History:
         self._events: dict[str, deque[WatchEvent]] = {r: deque() for r in resources}
         self._compacted: dict[str, int] = dict.fromkeys(self._events, 0)
 
+    def add(self, resource: str) -> None:
+        """Keep a history for ``resource`` too (a custom resource served from now on)."""
+        self._events.setdefault(resource, deque())
+        self._compacted.setdefault(resource, 0)
+
     def record(self, resource: str, event: WatchEvent) -> None:
         events = self._events[resource]
         events.append(event)

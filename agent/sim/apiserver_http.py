@@ -25,7 +25,9 @@ from urllib.parse import parse_qsl, urlsplit
 from agent.sim import apiserver_errors as err
 from agent.sim import apiserver_types as types
 from agent.sim.apiserver_access import REVIEW_PATHS, AccessRules, review, verb_of
+from agent.sim.apiserver_crd import field_validation
 from agent.sim.apiserver_errors import ApiError
+from agent.sim.apiserver_eviction import EvictionLog, evict
 from agent.sim.apiserver_faults import (
     MALFORMED_KINDS,
     TRUE,
@@ -34,6 +36,7 @@ from agent.sim.apiserver_faults import (
     RequestRecord,
 )
 from agent.sim.apiserver_history import ADDED, DELETED, MODIFIED, WatchEvent
+from agent.sim.apiserver_openapi import OpenApi
 from agent.sim.apiserver_select import (
     FieldTerm,
     Selection,
@@ -42,6 +45,7 @@ from agent.sim.apiserver_select import (
     parse_labels,
 )
 from agent.sim.apiserver_store import Obj, Store
+from agent.sim.apiserver_table import table, wants_table
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +67,10 @@ class Context:
     """Times watches; the real waits between checks are at most ``_POLL``."""
     access: AccessRules = field(default_factory=AccessRules)
     """Who may do what (everything, unless denied)."""
+    evictions: EvictionLog = field(default_factory=EvictionLog)
+    """The pod evictions granted."""
+    openapi: OpenApi | None = None
+    """The /openapi/v3 documents (None: not served)."""
     stopping: threading.Event = field(default_factory=threading.Event)
     watch_count: int = 0
     watch_done: threading.Condition = field(default_factory=threading.Condition)
@@ -315,6 +323,9 @@ class Handler(BaseHTTPRequestHandler):
             return
         store = self.server.ctx.store
         access = self.server.ctx.access
+        if path == "/openapi/v3" or path.startswith("/openapi/v3/"):
+            self._openapi(path)
+            return
         if path in REVIEW_PATHS:
             self._send_json(201, review(access, method, path, _json_body(raw)))
             return
@@ -336,6 +347,8 @@ class Handler(BaseHTTPRequestHandler):
         if not access.allowed(verb, rt.group, resource):
             raise access.forbidden(verb, rt.group, resource, ns, name)
         dry_run = params.get("dryRun") == "All"
+        headers = self._custom_write(rt, method, body, params)
+        as_table = method == "GET" and wants_table(self.headers.get("Accept", ""))
         if name is None or route.watch_path:
             selection = selection_for(rt, ns, params, name)
             if method == "GET" and (route.watch_path or params.get("watch") in _TRUE):
@@ -343,26 +356,69 @@ class Handler(BaseHTTPRequestHandler):
             elif method == "GET":
                 limit = _int_param(params, "limit") or 0
                 token = params.get("continue", "")
-                self._send_json(200, store.list_objects(rt, selection, limit=limit, token=token))
+                found = store.list_objects(rt, selection, limit=limit, token=token)
+                if as_table:
+                    rv = found["metadata"]["resourceVersion"]
+                    found = table(rt, found["items"], rv, store.clock())
+                self._send_json(200, found)
             elif method == "POST" and (ns is not None or not rt.namespaced):
-                self._send_json(201, store.create(rt, ns, body, dry_run=dry_run))
+                self._send_json(201, store.create(rt, ns, body, dry_run=dry_run), headers)
             elif method == "DELETE":
                 self._send_json(200, store.delete_collection(rt, selection))
             else:
                 raise err.method_not_allowed(method, f"{rt.qualified} collections")
-        elif method == "GET":
-            self._send_json(200, store.get(rt, ns, name))
-        elif method == "PUT":
-            self._send_json(200, store.update(rt, ns, name, body, subresource=sub, dry_run=dry_run))
-        elif method == "PATCH":
-            kind = self.headers.get("Content-Type", "application/merge-patch+json")
+        elif method == "POST" and sub == "eviction" and ns is not None:
+            self._send_json(201, evict(store, rt, self.server.ctx.evictions, ns, name, body))
+        elif method == "GET" and sub in (None, "status"):
+            got = store.get(rt, ns, name)
+            meta = got["metadata"]
             self._send_json(
-                200, store.patch(rt, ns, name, kind, body, subresource=sub, dry_run=dry_run)
+                200, table(rt, [got], meta["resourceVersion"], store.clock()) if as_table else got
             )
+        elif method == "PUT" and sub in (None, "status"):
+            found = store.update(rt, ns, name, body, subresource=sub, dry_run=dry_run)
+            self._send_json(200, found, headers)
+        elif method == "PATCH" and sub in (None, "status"):
+            kind = self.headers.get("Content-Type", "application/merge-patch+json")
+            found = store.patch(rt, ns, name, kind, body, subresource=sub, dry_run=dry_run)
+            self._send_json(200, found, headers)
         elif method == "DELETE" and sub is None:
             self._send_json(*store.delete(rt, ns, name, body, dry_run=dry_run))
         else:
             raise err.method_not_allowed(method, rt.qualified)
+
+    def _custom_write(
+        self, rt: types.ResourceType, method: str, body: Any, params: dict[str, str]
+    ) -> dict[str, str]:
+        """A custom resource's write: 415 for a strategic merge patch (the real server has no
+        patch strategy for one), then the unknown fields under ``fieldValidation`` (400 or
+        Warning headers, apiserver_crd.field_validation). The headers of the answer."""
+        if not rt.crd or method not in ("POST", "PUT", "PATCH"):
+            return {}
+        kind = self.headers.get("Content-Type", "")
+        if method == "PATCH" and "strategic-merge-patch" in kind:
+            raise ApiError(
+                415,
+                "UnsupportedMediaType",
+                "the body of the request was in an unknown format - accepted media types"
+                " include: application/json-patch+json, application/merge-patch+json",
+            )
+        if method == "PATCH" and "merge-patch" not in kind:
+            return {}  # a JSON patch names no fields of the object
+        return field_validation(rt, body, params.get("fieldValidation", ""))
+
+    def _openapi(self, path: str) -> None:
+        ctx = self.server.ctx
+        if ctx.openapi is None:
+            raise err.path_not_found()
+        known = list(ctx.store.types.values())
+        if path.rstrip("/") == "/openapi/v3":
+            self._send_json(200, ctx.openapi.index(known))
+            return
+        data = ctx.openapi.document(known, path.removeprefix("/openapi/v3/").strip("/"))
+        if data is None:
+            raise err.path_not_found()
+        self._send(200, data, "application/json")
 
     # ------------------------------------------------------------------------------- watch
 

@@ -56,6 +56,19 @@ class Schemas:
             raise self._kv.ValidationError(exc, version=version_used) from None
         return str(self._utils.major_minor(schema_version))
 
+    def definitions(self, version: str) -> dict[str, Any]:
+        """The upstream definitions (``$defs``, by OpenAPI name such as
+        ``io.k8s.api.core.v1.Pod``; their ``$ref`` s are ``#/$defs/NAME``) of Kubernetes
+        ``version``, as the API server publishes them (not the strict variant)."""
+        schema_dir = f"kubernetes-json-schema/v{self._schema_version(version)}-local"
+        with self._lock:
+            found = self._definitions.get(schema_dir)
+            if found is None:
+                found = self._utils.schema_contents(f"{schema_dir}/_definitions.json", version)
+                self._definitions[schema_dir] = found
+        defs: dict[str, Any] = found["$defs"]
+        return defs
+
     def _schema_version(self, version: str) -> str:
         wanted = self._utils.major_minor(version.removeprefix("v"))
         if wanted > self._utils.major_minor(self._versions[-1]):

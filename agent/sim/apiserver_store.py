@@ -28,17 +28,19 @@ import random
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from agent.sim import apiserver_errors as err
 from agent.sim.apiserver_checks import (
     Rejection,
+    custom_failure,
     event_failure,
     prepare_body,
     schema_failure,
     schema_validator,
 )
+from agent.sim.apiserver_crd import CRD_PLURAL, established_status, served_types
 from agent.sim.apiserver_errors import ApiError
 from agent.sim.apiserver_history import ADDED, DELETED, MODIFIED, History, WatchEvent
 from agent.sim.apiserver_patch import PatchError, apply_patch
@@ -78,6 +80,10 @@ class Store:
         self._objects: dict[str, dict[Key, Obj]] = {t: {} for t in self.types}
         self._history = History(self.types, history_size)
 
+    def clock(self) -> datetime:
+        """Now, by the server's clock."""
+        return self._clock().astimezone(UTC)
+
     def type_of(self, resource: str) -> ResourceType:
         try:
             return self.types[resource]
@@ -110,6 +116,8 @@ class Store:
             self._objects[rt.plural][key] = obj
         self._history.record(rt.plural, WatchEvent(self.rv, kind, obj, old))
         self.changed.notify_all()
+        if rt.plural == CRD_PLURAL:
+            self._serve_crd(kind, obj)
         return copy.deepcopy(obj)
 
     def _reject(
@@ -121,13 +129,13 @@ class Store:
         )
         return error
 
-    def _validate(self, method: str, rt: ResourceType, obj: Obj) -> None:
+    def _validate(self, method: str, rt: ResourceType, obj: Obj, old: Obj | None = None) -> None:
         failure = None
         if self._schemas is not None:
             failure = schema_failure(self._schemas, rt, obj, self._validate_versions)
         if failure is not None:
             raise self._reject(method, rt, obj, failure[1], failure[0])
-        semantic = event_failure(rt, obj)
+        semantic = event_failure(rt, obj) or custom_failure(rt, obj, old, list(self.types.values()))
         if semantic is not None:
             raise self._reject(method, rt, obj, semantic)
 
@@ -350,7 +358,7 @@ class Store:
                     rt, name, "spec", "FieldValueInvalid", "Invalid value: field is immutable"
                 )
                 raise self._reject(method, rt, obj, error)
-            if rt.generation and new.get("spec") != old.get("spec"):
+            if rt.generation and rt.generation_content(new) != rt.generation_content(old):
                 meta["generation"] = int(old_meta.get("generation", 0)) + 1
             if rt.status:
                 if "status" in old:
@@ -358,7 +366,7 @@ class Store:
                 else:
                     new.pop("status", None)
         new["metadata"]["resourceVersion"] = old_meta["resourceVersion"]
-        self._validate(method, rt, new)
+        self._validate(method, rt, new, old)
         if new == old or dry_run:
             return copy.deepcopy(new)
         if new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers"):
@@ -495,3 +503,62 @@ class Store:
         """Forget the watch history: a watch from any older resourceVersion gets 410."""
         with self.lock:
             self._history.compact(self.rv)
+
+    # ------------------------------------------------------------------------------- CRDs, pods
+
+    def _serve_crd(self, kind: str, crd: Obj) -> None:
+        """Serve what a committed CustomResourceDefinition defines, as the real server does at
+        once; a deleted one stops being served and its objects go. Then, as the real
+        establishing controller does, write its Established status. Lock held."""
+        name = crd["metadata"]["name"]
+        serves = [] if kind == DELETED else served_types(crd)
+        for rt in [t for t in self.types.values() if t.crd == name]:
+            if rt.plural not in {t.plural for t in serves}:
+                for key, o in sorted(self._objects[rt.plural].items()):
+                    self._commit(rt, DELETED, key, copy.deepcopy(o), o)
+                del self.types[rt.plural]
+        for rt in serves:
+            self.types[rt.plural] = rt
+            self._objects.setdefault(rt.plural, {})
+            self._history.add(rt.plural)
+        status = None if kind == DELETED else established_status(crd, self._now())
+        if status is not None:
+            new = {**copy.deepcopy(crd), "status": status}
+            self._commit(self.types[CRD_PLURAL], MODIFIED, ("", name), new, crd)
+
+    def check_body(self, rt: ResourceType, obj: Obj) -> None:
+        """Validate a body that is not stored (an Eviction) as a write's: 422 when it fails."""
+        with self.lock:
+            self._validate("POST", rt, obj)
+
+    def graceful_delete(
+        self, rt: ResourceType, namespace: str, name: str, grace: int
+    ) -> tuple[bool, Obj]:
+        """Delete as the real server deletes a pod (pkg/registry/core/pod/strategy.go
+        CheckGracefulDelete, apiserver's BeforeDelete): grace 0, a pod bound to no node, or one
+        Succeeded/Failed goes at once ((True, its last state); finalizers still hold it). Else it
+        stays with ``deletionTimestamp`` = now + grace and ``deletionGracePeriodSeconds`` = grace
+        ((False, the pod)) until deleted with grace 0, as the kubelet does once its containers
+        stopped. A second graceful delete only ever shortens the grace."""
+        with self.lock:
+            key, old = self._existing(rt, namespace, name)
+            phase = (old.get("status") or {}).get("phase")
+            if (
+                grace <= 0
+                or not (old.get("spec") or {}).get("nodeName")
+                or phase
+                in (
+                    "Succeeded",
+                    "Failed",
+                )
+            ):
+                code, last = self._delete_locked(rt, key, old, False)
+                return code == 200, last
+            meta = old["metadata"]
+            if meta.get("deletionTimestamp") and meta.get("deletionGracePeriodSeconds", 0) <= grace:
+                return False, copy.deepcopy(old)
+            new = copy.deepcopy(old)
+            at = self._clock().astimezone(UTC) + timedelta(seconds=grace)
+            new["metadata"]["deletionTimestamp"] = at.strftime("%Y-%m-%dT%H:%M:%SZ")
+            new["metadata"]["deletionGracePeriodSeconds"] = grace
+            return False, self._commit(rt, MODIFIED, key, new, old)

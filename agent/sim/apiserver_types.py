@@ -9,7 +9,7 @@ answers 400 to any other field), whether ``metadata.generation`` is kept.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,17 @@ DEFAULT_FIELDS = ("metadata.name", "metadata.namespace")
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+@dataclass(frozen=True)
+class Subresource:
+    """A subresource other than ``status``, answered by its own handler (``pods/eviction``)."""
+
+    name: str
+    kind: str
+    group: str
+    version: str
+    verbs: tuple[str, ...] = ("create",)
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,21 @@ class ResourceType:
     verbs: tuple[str, ...] = field(
         default=("create", "delete", "deletecollection", "get", "list", "patch", "update", "watch")
     )
+    subresources: tuple[Subresource, ...] = ()  # beyond status (pods/eviction)
+    crd: str = ""  # the CustomResourceDefinition serving it ("" for a built-in resource)
+    schema: Mapping[str, Any] | None = field(default=None, compare=False, hash=False, repr=False)
+    """A custom resource's structural OpenAPI v3 schema (the CRD's, of this version)."""
+    columns: tuple[Mapping[str, Any], ...] = field(default=(), compare=False, hash=False)
+    """A custom resource's additionalPrinterColumns."""
+
+    def generation_content(self, obj: Mapping[str, Any]) -> Any:
+        """What bumps ``metadata.generation`` when it changes: ``spec`` for the built-in
+        resources; for a custom one everything but metadata (and status, when it is a
+        subresource), as the CRD strategy compares."""
+        if not self.crd:
+            return obj.get("spec")
+        skip = ("metadata", "status") if self.status else ("metadata",)
+        return {k: v for k, v in obj.items() if k not in skip}
 
     @property
     def api_version(self) -> str:
@@ -133,6 +159,7 @@ RESOURCES: tuple[ResourceType, ...] = (
         namespaced=True,
         status=True,
         short_names=("po",),
+        subresources=(Subresource("eviction", "Eviction", "policy", "v1"),),
         fields=(
             "metadata.name",
             "metadata.namespace",
@@ -145,6 +172,15 @@ RESOURCES: tuple[ResourceType, ...] = (
             "status.podIP",
             "status.nominatedNodeName",
         ),
+    ),
+    ResourceType("leases", "Lease", "coordination.k8s.io", namespaced=True),
+    ResourceType(
+        "customresourcedefinitions",
+        "CustomResourceDefinition",
+        "apiextensions.k8s.io",
+        status=True,
+        generation=True,
+        short_names=("crd", "crds"),
     ),
     ResourceType(
         "events",
@@ -180,7 +216,7 @@ class Route:
     rt: ResourceType
     namespace: str | None  # None: cluster-scoped, or a namespaced resource across namespaces
     name: str | None  # None: the collection
-    subresource: str | None  # "status" or None
+    subresource: str | None  # "status", another of the resource's subresources, or None
     watch_path: bool  # the legacy /watch/ URL form
 
 
@@ -221,7 +257,9 @@ def resolve(types: Sequence[ResourceType], path: str) -> Route | None:
     rt = served[rest[0]]
     name = rest[1] if len(rest) > 1 else None
     sub = rest[2] if len(rest) > 2 else None
-    if sub is not None and (sub != "status" or not rt.status):
+    if sub is not None and not (
+        (sub == "status" and rt.status) or any(s.name == sub for s in rt.subresources)
+    ):
         raise RouteError(path)
     if rt.namespaced and namespace is None and name is not None:
         raise RouteError(path)
@@ -318,6 +356,18 @@ def api_resource_list(
                     "namespaced": t.namespaced,
                     "kind": t.kind,
                     "verbs": ["get", "patch", "update"],
+                }
+            )
+        for sub in t.subresources:
+            resources.append(
+                {
+                    "name": f"{t.plural}/{sub.name}",
+                    "singularName": "",
+                    "namespaced": t.namespaced,
+                    "group": sub.group,
+                    "version": sub.version,
+                    "kind": sub.kind,
+                    "verbs": list(sub.verbs),
                 }
             )
     return {
