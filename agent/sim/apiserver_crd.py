@@ -167,6 +167,26 @@ def field_validation(rt: ResourceType, body: Any, directive: str) -> dict[str, s
     return {"Warning": ", ".join('299 - "' + s.replace('"', '\\"') + '"' for s in said)}
 
 
+def custom_write(
+    rt: ResourceType, method: str, content_type: str, body: Any, directive: str
+) -> dict[str, str]:
+    """A write of a custom resource, before the store sees it: 415 for a strategic merge patch
+    (the real server has no patch strategy for one), then :func:`field_validation` of the body
+    (of a merge patch too; a JSON patch names no fields). The headers of the answer."""
+    if not rt.crd or method not in ("POST", "PUT", "PATCH"):
+        return {}
+    if method == "PATCH" and "strategic-merge-patch" in content_type:
+        raise err.ApiError(
+            415,
+            "UnsupportedMediaType",
+            "the body of the request was in an unknown format - accepted media types include:"
+            " application/json-patch+json, application/merge-patch+json",
+        )
+    if method == "PATCH" and "merge-patch" not in content_type:
+        return {}
+    return field_validation(rt, body, directive)
+
+
 def decode(rt: ResourceType, obj: Obj) -> None:
     """Prune unknown fields from ``obj`` and apply the schema's defaults (in place)."""
     if rt.schema is None:

@@ -6,10 +6,10 @@ the real server answers it (kubernetes pkg/registry/core/pod/storage/eviction.go
   match name in Eviction object``) and its namespace the URL's (400);
 * a missing pod is 404; ``deleteOptions.preconditions`` (uid, resourceVersion) that do not hold
   are 409;
-* the pod is then deleted gracefully (:meth:`~agent.sim.apiserver_store.Store.graceful_delete`):
-  grace ``deleteOptions.gracePeriodSeconds``, else the pod's ``terminationGracePeriodSeconds``,
-  else 30; an unscheduled, Succeeded or Failed pod goes at once; a pod already terminating keeps
-  its (shorter) grace. The answer is 201 with a ``Status`` Success.
+* the pod is then deleted gracefully, as the pod strategy deletes it (:func:`terminate`): grace
+  ``deleteOptions.gracePeriodSeconds``, else the pod's ``terminationGracePeriodSeconds``, else
+  30; an unscheduled, Succeeded or Failed pod goes at once; a pod already terminating keeps its
+  (shorter) grace. The answer is 201 with a ``Status`` Success.
 
 PodDisruptionBudgets are not modelled (the emulator serves none): every eviction is allowed. A
 test that needs the 429 a PDB causes arms a fault (``faults.add("POST", r"/eviction$",
@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import threading
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 from agent.sim import apiserver_errors as err
@@ -84,6 +85,27 @@ def _body(namespace: str, name: str, body: Any) -> Obj:
     return obj
 
 
+def terminate(pod: Obj, grace: int, now: datetime) -> Obj | None:
+    """The pod strategy's graceful deletion (pkg/registry/core/pod/strategy.go
+    CheckGracefulDelete, and apiserver's BeforeDelete): grace 0, a pod bound to no node, or
+    one Succeeded or Failed goes at once (None); else it gets ``deletionTimestamp`` = now +
+    grace and ``deletionGracePeriodSeconds`` = grace, and stays until deleted with grace 0
+    (the kubelet's delete once its containers stopped). A second graceful delete only ever
+    shortens the grace."""
+    phase = (pod.get("status") or {}).get("phase")
+    if grace <= 0 or not (pod.get("spec") or {}).get("nodeName"):
+        return None
+    if phase in ("Succeeded", "Failed"):
+        return None
+    meta = pod["metadata"]
+    if meta.get("deletionTimestamp") and meta.get("deletionGracePeriodSeconds", 0) <= grace:
+        return pod
+    at = now + timedelta(seconds=grace)
+    meta["deletionTimestamp"] = at.strftime("%Y-%m-%dT%H:%M:%SZ")
+    meta["deletionGracePeriodSeconds"] = grace
+    return pod
+
+
 def evict(
     store: Store, pods: ResourceType, log: EvictionLog, namespace: str, name: str, body: Any
 ) -> Obj:
@@ -103,11 +125,13 @@ def evict(
                 f"Precondition failed: {label} in precondition: {want}, {label} in object meta:"
                 f" {meta.get(field)}",
             )
-    grace = options.get("gracePeriodSeconds")
-    if grace is None:
-        grace = (pod.get("spec") or {}).get("terminationGracePeriodSeconds", DEFAULT_GRACE)
+    asked = options.get("gracePeriodSeconds")
+    if asked is None:
+        asked = (pod.get("spec") or {}).get("terminationGracePeriodSeconds", DEFAULT_GRACE)
+    grace = int(asked)
     terminating = bool(meta.get("deletionTimestamp"))
-    gone, after = store.graceful_delete(pods, namespace, name, int(grace))
+    now = store.clock()
+    gone, after = store.rewrite(pods, namespace, name, lambda p: terminate(p, grace, now))
     kept = 0 if gone else int(after["metadata"].get("deletionGracePeriodSeconds", 0))
     log.append(EvictionRecord(namespace, name, kept, terminating, obj))
     return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}

@@ -25,7 +25,7 @@ from urllib.parse import parse_qsl, urlsplit
 from agent.sim import apiserver_errors as err
 from agent.sim import apiserver_types as types
 from agent.sim.apiserver_access import REVIEW_PATHS, AccessRules, review, verb_of
-from agent.sim.apiserver_crd import field_validation
+from agent.sim.apiserver_crd import custom_write
 from agent.sim.apiserver_errors import ApiError
 from agent.sim.apiserver_eviction import EvictionLog, evict
 from agent.sim.apiserver_faults import (
@@ -347,7 +347,8 @@ class Handler(BaseHTTPRequestHandler):
         if not access.allowed(verb, rt.group, resource):
             raise access.forbidden(verb, rt.group, resource, ns, name)
         dry_run = params.get("dryRun") == "All"
-        headers = self._custom_write(rt, method, body, params)
+        kind = self.headers.get("Content-Type", "application/merge-patch+json")
+        headers = custom_write(rt, method, kind, body, params.get("fieldValidation", ""))
         as_table = method == "GET" and wants_table(self.headers.get("Accept", ""))
         if name is None or route.watch_path:
             selection = selection_for(rt, ns, params, name)
@@ -379,7 +380,6 @@ class Handler(BaseHTTPRequestHandler):
             found = store.update(rt, ns, name, body, subresource=sub, dry_run=dry_run)
             self._send_json(200, found, headers)
         elif method == "PATCH" and sub in (None, "status"):
-            kind = self.headers.get("Content-Type", "application/merge-patch+json")
             found = store.patch(rt, ns, name, kind, body, subresource=sub, dry_run=dry_run)
             self._send_json(200, found, headers)
         elif method == "DELETE" and sub is None:
@@ -387,35 +387,9 @@ class Handler(BaseHTTPRequestHandler):
         else:
             raise err.method_not_allowed(method, rt.qualified)
 
-    def _custom_write(
-        self, rt: types.ResourceType, method: str, body: Any, params: dict[str, str]
-    ) -> dict[str, str]:
-        """A custom resource's write: 415 for a strategic merge patch (the real server has no
-        patch strategy for one), then the unknown fields under ``fieldValidation`` (400 or
-        Warning headers, apiserver_crd.field_validation). The headers of the answer."""
-        if not rt.crd or method not in ("POST", "PUT", "PATCH"):
-            return {}
-        kind = self.headers.get("Content-Type", "")
-        if method == "PATCH" and "strategic-merge-patch" in kind:
-            raise ApiError(
-                415,
-                "UnsupportedMediaType",
-                "the body of the request was in an unknown format - accepted media types"
-                " include: application/json-patch+json, application/merge-patch+json",
-            )
-        if method == "PATCH" and "merge-patch" not in kind:
-            return {}  # a JSON patch names no fields of the object
-        return field_validation(rt, body, params.get("fieldValidation", ""))
-
     def _openapi(self, path: str) -> None:
         ctx = self.server.ctx
-        if ctx.openapi is None:
-            raise err.path_not_found()
-        known = list(ctx.store.types.values())
-        if path.rstrip("/") == "/openapi/v3":
-            self._send_json(200, ctx.openapi.index(known))
-            return
-        data = ctx.openapi.document(known, path.removeprefix("/openapi/v3/").strip("/"))
+        data = None if ctx.openapi is None else ctx.openapi.answer(ctx.store.types.values(), path)
         if data is None:
             raise err.path_not_found()
         self._send(200, data, "application/json")

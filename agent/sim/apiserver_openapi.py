@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from agent.sim.apiserver_checks import schema_validator
@@ -177,6 +177,13 @@ class OpenApi:
             data = json.dumps(self._build(served), separators=(",", ":")).encode()
             self._cache[path] = (key, data)
             return data
+
+    def answer(self, types: Iterable[ResourceType], path: str) -> bytes | None:
+        """The body of ``GET <path>`` (``/openapi/v3`` or a document under it), None: 404."""
+        known = list(types)
+        if path.rstrip("/") == "/openapi/v3":
+            return json.dumps(self.index(known), separators=(",", ":")).encode()
+        return self.document(known, path.removeprefix("/openapi/v3/").strip("/"))
 
     def index(self, types: Sequence[ResourceType]) -> Obj:
         """``GET /openapi/v3``: every served group-version and its document's URL."""

@@ -28,7 +28,7 @@ import random
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 from agent.sim import apiserver_errors as err
@@ -507,9 +507,8 @@ class Store:
     # ------------------------------------------------------------------------------- CRDs, pods
 
     def _serve_crd(self, kind: str, crd: Obj) -> None:
-        """Serve what a committed CustomResourceDefinition defines, as the real server does at
-        once; a deleted one stops being served and its objects go. Then, as the real
-        establishing controller does, write its Established status. Lock held."""
+        """Serve a committed CRD's resources at once (a deleted one's stop, its objects go), then
+        write its Established status as the real establishing controller does. Lock held."""
         name = crd["metadata"]["name"]
         serves = [] if kind == DELETED else served_types(crd)
         for rt in [t for t in self.types.values() if t.crd == name]:
@@ -531,34 +530,23 @@ class Store:
         with self.lock:
             self._validate("POST", rt, obj)
 
-    def graceful_delete(
-        self, rt: ResourceType, namespace: str, name: str, grace: int
+    def rewrite(
+        self,
+        rt: ResourceType,
+        namespace: str | None,
+        name: str,
+        change: Callable[[Obj], Obj | None],
     ) -> tuple[bool, Obj]:
-        """Delete as the real server deletes a pod (pkg/registry/core/pod/strategy.go
-        CheckGracefulDelete, apiserver's BeforeDelete): grace 0, a pod bound to no node, or one
-        Succeeded/Failed goes at once ((True, its last state); finalizers still hold it). Else it
-        stays with ``deletionTimestamp`` = now + grace and ``deletionGracePeriodSeconds`` = grace
-        ((False, the pod)) until deleted with grace 0, as the kubelet does once its containers
-        stopped. A second graceful delete only ever shortens the grace."""
+        """A server-side change of one object (as the real server's own strategies make, e.g. a
+        pod's graceful deletion), atomic and unvalidated: ``change`` gets a copy of the object
+        and returns its new state, or None to delete it (finalizers still hold it). (deleted,
+        the state after)."""
         with self.lock:
             key, old = self._existing(rt, namespace, name)
-            phase = (old.get("status") or {}).get("phase")
-            if (
-                grace <= 0
-                or not (old.get("spec") or {}).get("nodeName")
-                or phase
-                in (
-                    "Succeeded",
-                    "Failed",
-                )
-            ):
+            new = change(copy.deepcopy(old))
+            if new is None:
                 code, last = self._delete_locked(rt, key, old, False)
                 return code == 200, last
-            meta = old["metadata"]
-            if meta.get("deletionTimestamp") and meta.get("deletionGracePeriodSeconds", 0) <= grace:
-                return False, copy.deepcopy(old)
-            new = copy.deepcopy(old)
-            at = self._clock().astimezone(UTC) + timedelta(seconds=grace)
-            new["metadata"]["deletionTimestamp"] = at.strftime("%Y-%m-%dT%H:%M:%SZ")
-            new["metadata"]["deletionGracePeriodSeconds"] = grace
+            if new == old:
+                return False, new
             return False, self._commit(rt, MODIFIED, key, new, old)
