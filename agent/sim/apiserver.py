@@ -9,10 +9,16 @@
         assert server.rejected == []
 
 It serves ``resource.k8s.io/v1`` ResourceSlices, ResourceClaims (with ``/status``),
-ResourceClaimTemplates and DeviceClasses, and core ``v1`` Nodes, Namespaces, Pods and Events
-(the table is :data:`agent.sim.apiserver_types.RESOURCES`), plus the discovery documents
-(``/api``, ``/apis``, ``/apis/<group>/<version>``, ``/version``) and the self reviews
-(SelfSubjectAccessReview, SelfSubjectReview). Access follows :attr:`ApiServer.access` (everything
+ResourceClaimTemplates and DeviceClasses, core ``v1`` Nodes, Namespaces, Pods (with
+``/eviction``, :mod:`~agent.sim.apiserver_eviction`; granted evictions in :attr:`evictions`) and
+Events, ``coordination.k8s.io/v1`` Leases and ``apiextensions.k8s.io/v1``
+CustomResourceDefinitions, each CRD's custom resource as soon as it is written
+(:mod:`~agent.sim.apiserver_crd`: schema, defaults, pruning, CEL rules, status subresource). The
+table is :data:`agent.sim.apiserver_types.RESOURCES`. Also: the discovery documents (``/api``,
+``/apis``, ``/apis/<group>/<version>``, ``/version``), the ``/openapi/v3`` documents kubectl
+validates with (:mod:`~agent.sim.apiserver_openapi`), Tables for ``kubectl get``
+(:mod:`~agent.sim.apiserver_table`), and the self reviews (SelfSubjectAccessReview,
+SelfSubjectReview). Access follows :attr:`ApiServer.access` (everything
 allowed unless a test denies it: then 403, as RBAC answers). The semantics a client can tell
 apart follow the real server: status codes and ``Status`` bodies, ``resourceVersion`` conflicts,
 ``generateName``, field selectors (400 for a field the real server does not support), label
@@ -25,7 +31,8 @@ strategic merge patches (see :mod:`~agent.sim.apiserver_patch`); any other type 
 Modules: :mod:`~agent.sim.apiserver_types` (resource table, routes, discovery),
 :mod:`~agent.sim.apiserver_store` (objects, events, validation), :mod:`~agent.sim.apiserver_http`
 (HTTP and watch streaming), :mod:`~agent.sim.apiserver_faults` (faults, request log),
-:mod:`~agent.sim.apiserver_select` (selectors), :mod:`~agent.sim.apiserver_patch` (PATCH bodies).
+:mod:`~agent.sim.apiserver_select` (selectors), :mod:`~agent.sim.apiserver_patch` (PATCH bodies),
+the CRD, eviction, OpenAPI and Table modules named above.
 """
 
 from __future__ import annotations

@@ -208,7 +208,12 @@ def check(
     found = validate({**schema, "properties": props}, body)
     if found:
         return found
-    return evaluate_rules({**schema, "properties": props}, body, old, has_old=old is not None)
+    # a root rule may read metadata.name and metadata.generateName, nothing else of metadata
+    meta = {k: v for k, v in obj["metadata"].items() if k in ("name", "generateName")}
+    old_meta = {k: v for k, v in (old or {}).get("metadata", {}).items() if k in meta}
+    old_body = None if old is None else {**old, "metadata": old_meta}
+    rules = {**schema, "properties": {**props, "metadata": {"type": "object"}}}
+    return evaluate_rules(rules, {**body, "metadata": meta}, old_body, has_old=old is not None)
 
 
 def violations(

@@ -15,7 +15,8 @@ What the real server does and the store copies:
 * delete of an object with finalizers only sets ``deletionTimestamp`` (202); the object goes when
   an update empties its finalizers;
 * every written object is validated against the Kubernetes JSON schemas (strict) of each version
-  in ``validate_versions``; failures are 422 Invalid and recorded in :attr:`Store.rejected`.
+  in ``validate_versions``, a custom object against its CRD (apiserver_crd); failures are 422
+  Invalid and recorded in :attr:`Store.rejected`.
 """
 
 from __future__ import annotations
@@ -508,18 +509,21 @@ class Store:
 
     def _serve_crd(self, kind: str, crd: Obj) -> None:
         """Serve a committed CRD's resources at once (a deleted one's stop, its objects go), then
-        write its Established status as the real establishing controller does. Lock held."""
+        write its Established status as the real establishing controller does. Lock held;
+        ``types`` is replaced, never changed, so a request reading it unlocked sees one table."""
         name = crd["metadata"]["name"]
         serves = [] if kind == DELETED else served_types(crd)
-        for rt in [t for t in self.types.values() if t.crd == name]:
+        types = dict(self.types)
+        for rt in [t for t in types.values() if t.crd == name]:
             if rt.plural not in {t.plural for t in serves}:
                 for key, o in sorted(self._objects[rt.plural].items()):
                     self._commit(rt, DELETED, key, copy.deepcopy(o), o)
-                del self.types[rt.plural]
+                del types[rt.plural]
         for rt in serves:
-            self.types[rt.plural] = rt
+            types[rt.plural] = rt
             self._objects.setdefault(rt.plural, {})
             self._history.add(rt.plural)
+        self.types = types
         status = None if kind == DELETED else established_status(crd, self._now())
         if status is not None:
             new = {**copy.deepcopy(crd), "status": status}

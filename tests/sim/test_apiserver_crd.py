@@ -444,3 +444,24 @@ def test_kubectl_get_gets_a_table_of_the_printer_columns(
     namespaces = call(api, "/api/v1/namespaces/default", accept=accept)[1]
     assert [c["name"] for c in namespaces["columnDefinitions"]] == ["Name", "Age"]
     assert [r["cells"][0] for r in namespaces["rows"]] == ["default"]
+
+
+def test_a_root_rule_reads_the_objects_name_and_fails_at_nil(api: Any) -> None:
+    crd = copy.deepcopy(WIDGET_CRD)
+    root = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    root["x-kubernetes-validations"] = [
+        {"rule": "self.metadata.name.startsWith('w-')", "message": "a widget's name starts w-"}
+    ]
+    install(api, crd)
+    objects = client.CustomObjectsApi(api)
+    objects.create_namespaced_custom_object(
+        "example.com", "v1", "default", "widgets", widget("w-1")
+    )
+    with pytest.raises(ApiException) as exc:
+        objects.create_namespaced_custom_object(
+            "example.com", "v1", "default", "widgets", widget("gadget")
+        )
+    assert refusal(exc)["message"] == (
+        'Widget.example.com "gadget" is invalid: <nil>: Invalid value: "object": a widget\'s'
+        " name starts w-"
+    )
