@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agent.sim import apiserver_errors as err
-from agent.sim.apiserver_crd_rules import evaluate_rules
+from agent.sim.apiserver_crd_rules import compile_errors, evaluate_rules
 from agent.sim.apiserver_crd_schema import FieldError, apply_defaults, invalid, prune, validate
 from agent.sim.apiserver_types import ResourceType
 
@@ -91,6 +91,11 @@ def definition_errors(crd: Mapping[str, Any], served: Sequence[ResourceType]) ->
     want = f"{names.get('plural', '')}.{spec.get('group', '')}"
     if name != want:
         found.append(invalid("metadata.name", name, 'must be spec.names.plural+"."+spec.group'))
+    for i, version in enumerate(spec.get("versions") or ()):
+        schema = (version.get("schema") or {}).get("openAPIV3Schema") or {}
+        where = f"spec.versions[{i}].schema.openAPIV3Schema"
+        for at, rule, why in compile_errors(schema, where):
+            found.append(invalid(at, rule, f"compilation failed: {why}"))
     storage = [v for v in spec.get("versions") or () if v.get("storage")]
     if len(storage) != 1:
         found.append(

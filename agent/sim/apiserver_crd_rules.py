@@ -44,6 +44,22 @@ def evaluate_rules(
     return list(_rules(schema, value, old, path, has_old))
 
 
+def compile_errors(schema: Mapping[str, Any], path: str) -> Iterator[tuple[str, str, str]]:
+    """(path, rule, why) for every rule of ``schema`` (and its nodes') that does not parse: the
+    real server refuses such a CRD (``compilation failed``); type errors it would also catch are
+    left to evaluation, which reports them per object."""
+    for i, rule in enumerate(schema.get("x-kubernetes-validations") or ()):
+        try:
+            cel.compile(str(rule.get("rule", "")))
+        except ValueError as exc:
+            yield f"{path}.x-kubernetes-validations[{i}].rule", str(rule.get("rule")), str(exc)
+    for name, sub in (schema.get("properties") or {}).items():
+        yield from compile_errors(sub, f"{path}.properties[{name}]")
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), dict):
+            yield from compile_errors(schema[key], f"{path}.{key}")
+
+
 def _schema_type(schema: Mapping[str, Any]) -> str:
     return str(schema.get("type") or ("object" if "properties" in schema else ""))
 

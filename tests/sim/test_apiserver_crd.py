@@ -465,3 +465,16 @@ def test_a_root_rule_reads_the_objects_name_and_fails_at_nil(api: Any) -> None:
         'Widget.example.com "gadget" is invalid: <nil>: Invalid value: "object": a widget\'s'
         " name starts w-"
     )
+
+
+def test_a_crd_whose_rule_does_not_compile_is_refused(api: Any) -> None:
+    crd = copy.deepcopy(WIDGET_CRD)
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    spec["x-kubernetes-validations"] = [{"rule": "self.size >"}]
+    with pytest.raises(ApiException) as exc:
+        client.ApiextensionsV1Api(api).create_custom_resource_definition(crd)
+    (cause,) = refusal(exc)["details"]["causes"]
+    assert cause["field"] == (
+        "spec.versions[0].schema.openAPIV3Schema.properties[spec].x-kubernetes-validations[0].rule"
+    )
+    assert cause["message"].startswith('Invalid value: "self.size >": compilation failed: ')
