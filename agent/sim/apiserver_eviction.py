@@ -8,8 +8,9 @@ the real server answers it (kubernetes pkg/registry/core/pod/storage/eviction.go
   are 409;
 * the pod is then deleted gracefully, as the pod strategy deletes it (:func:`terminate`): grace
   ``deleteOptions.gracePeriodSeconds``, else the pod's ``terminationGracePeriodSeconds``, else
-  30; an unscheduled, Succeeded or Failed pod goes at once; a pod already terminating keeps its
-  (shorter) grace. The answer is 201 with a ``Status`` Success.
+  30; an unscheduled, Succeeded or Failed pod goes at once; a pod already terminating is
+  deleted again without a PDB check (``canIgnorePDB``), which keeps its grace when shorter. The
+  answer is 201 with a ``Status`` Success.
 
 PodDisruptionBudgets are not modelled (the emulator serves none): every eviction is allowed. A
 test that needs the 429 a PDB causes arms a fault (``faults.add("POST", r"/eviction$",
