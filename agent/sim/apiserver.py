@@ -40,7 +40,9 @@ from types import TracebackType
 
 import yaml
 
-from agent.sim.apiserver_access import AccessRules
+from agent.sim.apiserver_access import DEFAULT_IDENTITY, AccessRules
+from agent.sim.apiserver_admission import Admission, AuditRecord
+from agent.sim.apiserver_admission_match import UserInfo
 from agent.sim.apiserver_checks import Rejection
 from agent.sim.apiserver_faults import Fault, FaultInjector, RequestLog, RequestRecord
 from agent.sim.apiserver_http import Context, HttpServer
@@ -52,12 +54,14 @@ __all__ = [
     "RESOURCES",
     "AccessRules",
     "ApiServer",
+    "AuditRecord",
     "Fault",
     "FaultInjector",
     "Rejection",
     "RequestLog",
     "RequestRecord",
     "ResourceType",
+    "UserInfo",
 ]
 
 DEFAULT_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
@@ -93,19 +97,23 @@ class ApiServer:
         clock: Callable[[], datetime] = _utcnow,
         monotonic: Callable[[], float] = time.monotonic,
         host: str = "127.0.0.1",
+        identity: UserInfo = DEFAULT_IDENTITY,
     ) -> None:
         self._host, self._port = host, port
         self.faults = FaultInjector()
         self.requests = RequestLog()
-        self.access = AccessRules()
+        self.access = AccessRules(identity)
         """Who may do what: everything unless denied (``access.deny(verb, resource, group)``);
-        SelfSubjectAccessReviews answer from it."""
+        SelfSubjectAccessReviews answer from it. ``identity`` is who every request is from
+        (unless it impersonates another user): what admission policies see."""
+        self._admission = Admission(identity)
         self._store = Store(
             resources,
             validate_versions=validate_versions,
             rng=random.Random(seed),
             history_size=history_size,
             clock=clock,
+            admission=self._admission,
         )
         self._kube_version = kube_version
         self._watch_timeout = watch_timeout
@@ -231,6 +239,11 @@ class ApiServer:
         """The current (global) resourceVersion."""
         with self._store.lock:
             return self._store.rv
+
+    @property
+    def audits(self) -> list[AuditRecord]:
+        """What ValidatingAdmissionPolicies with Audit bindings found, oldest first."""
+        return self._admission.audits
 
     def writes(self, resource: str | None = None) -> int:
         """POST/PUT/PATCH/DELETE requests received, about ``resource`` (plural) when given."""

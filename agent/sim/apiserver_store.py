@@ -32,6 +32,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from agent.sim import apiserver_errors as err
+from agent.sim.apiserver_admission import Admission
 from agent.sim.apiserver_checks import (
     Rejection,
     event_failure,
@@ -63,8 +64,10 @@ class Store:
         rng: random.Random,
         history_size: int,
         clock: Callable[[], datetime],
+        admission: Admission | None = None,
     ) -> None:
         self.types = {t.plural: t for t in types}
+        self._admission = admission
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.rv = 0
@@ -130,6 +133,27 @@ class Store:
         semantic = event_failure(rt, obj)
         if semantic is not None:
             raise self._reject(method, rt, obj, semantic)
+
+    def _admit(
+        self,
+        operation: str,
+        rt: ResourceType,
+        obj: Obj | None,
+        old: Obj | None,
+        subresource: str | None,
+        dry_run: bool,
+    ) -> None:
+        """Validating admission (apiserver_admission), after the schema checks and before the
+        write commits, as the real server's chain runs it; a denial raises. Lock held."""
+        if self._admission is not None:
+            self._admission.review(operation, rt, obj, old, subresource, dry_run, self._served)
+
+    def _served(self, api_version: str, kind: str) -> tuple[ResourceType, list[Obj]] | None:
+        """(type, stored objects) of a kind, for admission's lookups; lock held."""
+        for rt in self.types.values():
+            if rt.api_version == api_version and rt.kind == kind:
+                return rt, list(self._objects[rt.plural].values())
+        return None
 
     def _key(self, rt: ResourceType, namespace: str | None, name: str) -> Key:
         return (namespace or "" if rt.namespaced else "", name)
@@ -252,6 +276,7 @@ class Store:
             elif rt.status and not rt.keep_status_on_create:
                 obj.pop("status", None)
             self._validate("POST", rt, obj)
+            self._admit("CREATE", rt, obj, None, None, dry_run)
             if dry_run:
                 return copy.deepcopy(obj)
             return self._commit(rt, ADDED, key, obj, None)
@@ -359,6 +384,7 @@ class Store:
                     new.pop("status", None)
         new["metadata"]["resourceVersion"] = old_meta["resourceVersion"]
         self._validate(method, rt, new)
+        self._admit("UPDATE", rt, new, old, subresource, dry_run)
         if new == old or dry_run:
             return copy.deepcopy(new)
         if new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers"):
@@ -389,6 +415,7 @@ class Store:
                         f"Precondition failed: {label} in precondition: {want}, {label} in object"
                         f" meta: {have}",
                     )
+            self._admit("DELETE", rt, None, old, None, dry_run)
             return self._delete_locked(rt, key, old, dry_run)
 
     def _delete_locked(
@@ -416,6 +443,7 @@ class Store:
             items = []
             for key, obj in sorted(self._objects[rt.plural].items()):
                 if selection.matches(obj):
+                    self._admit("DELETE", rt, None, obj, None, False)
                     items.append(self._delete_locked(rt, key, obj, False)[1])
             rv = self.rv
         return {
