@@ -150,11 +150,24 @@ class _Scope:
         self._busy: set[str] = set()
 
     def run(self, expression: str) -> Any:
+        """Evaluate ``expression``. The variables it names are computed first; one that fails is
+        left out of ``variables``, so the expression fails with that variable's error only if
+        it reaches it (CEL's && and || skip what they need not evaluate)."""
         names = [n for n in dict.fromkeys(_VARIABLE.findall(expression)) if n in self._defs]
+        variables: Obj = {}
+        failed: _EvalError | None = None
         for name in names:
-            self._variable(name)
-        variables = {n: self._values[n] for n in names}
-        return self._programs.run(expression, self._base | {"variables": variables})
+            try:
+                self._variable(name)
+                variables[name] = self._values[name]
+            except _EvalError as exc:
+                failed = failed or exc
+        try:
+            return self._programs.run(expression, self._base | {"variables": variables})
+        except _EvalError:
+            if failed is not None:
+                raise failed from None
+            raise
 
     def _variable(self, name: str) -> None:
         if name in self._errors:
