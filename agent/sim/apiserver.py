@@ -22,6 +22,13 @@ Kubernetes JSON schemas of ``validate_versions`` (and a core Event against the s
 namespace rule); a failure is 422 and lands in :attr:`rejected`. PATCH takes merge, JSON and
 strategic merge patches (see :mod:`~agent.sim.apiserver_patch`); any other type is 415.
 
+After those checks come the ``admissionregistration.k8s.io/v1`` ValidatingAdmissionPolicies
+and bindings written to it, with params of any kind it serves (core ``v1`` ConfigMaps among
+them), evaluated by :mod:`~agent.sim.apiserver_admission`: a denial is the real server's 403/422,
+a Warn binding's failure a ``Warning`` header, an Audit one lands in :attr:`audits`. Requests
+come from ``identity`` (by default the agent's service account), or from the user they
+impersonate.
+
 Modules: :mod:`~agent.sim.apiserver_types` (resource table, routes, discovery),
 :mod:`~agent.sim.apiserver_store` (objects, events, validation), :mod:`~agent.sim.apiserver_http`
 (HTTP and watch streaming), :mod:`~agent.sim.apiserver_faults` (faults, request log),
