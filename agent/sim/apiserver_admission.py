@@ -414,10 +414,19 @@ class Admission:
         old: Obj | None,
         subresource: str | None,
         dry_run: bool,
-        lookup: Lookup,
+        types: Mapping[str, ResourceType],
+        objects: Mapping[str, Mapping[Any, Obj]],
     ) -> None:
         """Raise the refusal (an ApiError) of a denied write; add the warnings of Warn bindings
-        to the caller's answer."""
+        to the caller's answer. ``types`` and ``objects`` are the store's (by plural), read
+        under its lock."""
+
+        def lookup(api_version: str, kind: str) -> tuple[ResourceType, list[Obj]] | None:
+            for t in types.values():
+                if t.api_version == api_version and t.kind == kind:
+                    return t, list(objects[t.plural].values())
+            return None
+
         caller = CALLER.get()
         meta = (obj if obj is not None else old or {}).get("metadata") or {}
         attrs = Attributes(

@@ -136,24 +136,17 @@ class Store:
 
     def _admit(
         self,
-        operation: str,
+        op: str,
         rt: ResourceType,
         obj: Obj | None,
         old: Obj | None,
-        subresource: str | None,
-        dry_run: bool,
+        sub: str | None,
+        dry: bool,
     ) -> None:
-        """Validating admission (apiserver_admission), after the schema checks and before the
-        write commits, as the real server's chain runs it; a denial raises. Lock held."""
+        """Validating admission (apiserver_admission) after the schema checks, before the write
+        commits, as the real server's chain runs it; a denial raises. Lock held."""
         if self._admission is not None:
-            self._admission.review(operation, rt, obj, old, subresource, dry_run, self._served)
-
-    def _served(self, api_version: str, kind: str) -> tuple[ResourceType, list[Obj]] | None:
-        """(type, stored objects) of a kind, for admission's lookups; lock held."""
-        for rt in self.types.values():
-            if rt.api_version == api_version and rt.kind == kind:
-                return rt, list(self._objects[rt.plural].values())
-        return None
+            self._admission.review(op, rt, obj, old, sub, dry, self.types, self._objects)
 
     def _key(self, rt: ResourceType, namespace: str | None, name: str) -> Key:
         return (namespace or "" if rt.namespaced else "", name)
