@@ -317,3 +317,14 @@ def test_a_pod_without_claims_is_not_matched():
     params = budget("b", {"namespace": "team-a"})
     assert run_policy("CREATE", "pods", pod(claims=False), None, params, NS_A) is None
     assert run_policy("CREATE", "pods", pod(), None, params, NS_A) != []
+
+
+def test_a_claim_the_controller_makes_from_a_template_is_refused_too(server, api):
+    """The resourceclaim controller creates a Pod's claims from its templates under its own
+    identity (impersonated here); the policy matches every user."""
+    server.put_object("gpubudgets", budget("team-a-monthly", {"namespace": "team-a"}))
+    api.set_default_header(
+        "Impersonate-User", "system:serviceaccount:kube-system:resourceclaim-controller"
+    )
+    status, message = create_claim(api, "team-a", "trainer-gpu-x7k2p")
+    assert status == 403 and "GpuBudget 'team-a-monthly' is exhausted" in message

@@ -351,7 +351,7 @@ def test_impersonation_sets_groups_and_extra(api):
     assert shown(body) == "bob team-a 1 gpu-node-1"
 
 
-def test_an_identity_given_to_the_server_is_the_requests_user(tmp_path):
+def test_an_identity_given_to_the_server_is_the_requests_user():
     who = UserInfo("system:node:gpu-node-1", ("system:nodes", "system:authenticated"))
     with ApiServer(identity=who) as server:
         c = api_client(server, retries=False)
