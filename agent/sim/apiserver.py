@@ -28,6 +28,13 @@ Kubernetes JSON schemas of ``validate_versions`` (and a core Event against the s
 namespace rule); a failure is 422 and lands in :attr:`rejected`. PATCH takes merge, JSON and
 strategic merge patches (see :mod:`~agent.sim.apiserver_patch`); any other type is 415.
 
+After those checks come the ``admissionregistration.k8s.io/v1`` ValidatingAdmissionPolicies
+and bindings written to it, with params of any kind it serves (core ``v1`` ConfigMaps among
+them), evaluated by :mod:`~agent.sim.apiserver_admission`: a denial is the real server's 403/422,
+a Warn binding's failure a ``Warning`` header, an Audit one lands in :attr:`audits`. Requests
+come from ``identity`` (by default the agent's service account), or from the user they
+impersonate.
+
 Modules: :mod:`~agent.sim.apiserver_types` (resource table, routes, discovery),
 :mod:`~agent.sim.apiserver_store` (objects, events, validation), :mod:`~agent.sim.apiserver_http`
 (HTTP and watch streaming), :mod:`~agent.sim.apiserver_faults` (faults, request log),
@@ -47,7 +54,9 @@ from types import TracebackType
 
 import yaml
 
-from agent.sim.apiserver_access import AccessRules
+from agent.sim.apiserver_access import DEFAULT_IDENTITY, AccessRules
+from agent.sim.apiserver_admission import Admission, AuditRecord
+from agent.sim.apiserver_admission_match import UserInfo
 from agent.sim.apiserver_checks import Rejection
 from agent.sim.apiserver_eviction import EvictionLog, EvictionRecord
 from agent.sim.apiserver_faults import Fault, FaultInjector, RequestLog, RequestRecord
@@ -61,6 +70,7 @@ __all__ = [
     "RESOURCES",
     "AccessRules",
     "ApiServer",
+    "AuditRecord",
     "EvictionRecord",
     "Fault",
     "FaultInjector",
@@ -68,6 +78,7 @@ __all__ = [
     "RequestLog",
     "RequestRecord",
     "ResourceType",
+    "UserInfo",
 ]
 
 DEFAULT_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
@@ -103,19 +114,23 @@ class ApiServer:
         clock: Callable[[], datetime] = _utcnow,
         monotonic: Callable[[], float] = time.monotonic,
         host: str = "127.0.0.1",
+        identity: UserInfo = DEFAULT_IDENTITY,
     ) -> None:
         self._host, self._port = host, port
         self.faults = FaultInjector()
         self.requests = RequestLog()
-        self.access = AccessRules()
+        self.access = AccessRules(identity)
         """Who may do what: everything unless denied (``access.deny(verb, resource, group)``);
-        SelfSubjectAccessReviews answer from it."""
+        SelfSubjectAccessReviews answer from it. ``identity`` is who every request is from
+        (unless it impersonates another user): what admission policies see."""
+        self._admission = Admission(identity)
         self._store = Store(
             resources,
             validate_versions=validate_versions,
             rng=random.Random(seed),
             history_size=history_size,
             clock=clock,
+            admission=self._admission,
         )
         self._kube_version = kube_version
         self._evictions = EvictionLog()
@@ -250,6 +265,11 @@ class ApiServer:
     def evictions(self) -> list[EvictionRecord]:
         """The pod evictions granted (``POST .../pods/{name}/eviction``), oldest first."""
         return self._evictions.snapshot()
+
+    @property
+    def audits(self) -> list[AuditRecord]:
+        """What ValidatingAdmissionPolicies with Audit bindings found, oldest first."""
+        return self._admission.audits
 
     def writes(self, resource: str | None = None) -> int:
         """POST/PUT/PATCH/DELETE requests received, about ``resource`` (plural) when given."""

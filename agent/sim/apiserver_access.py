@@ -4,7 +4,11 @@ Everything is allowed unless denied (``server.access.deny("delete", "resourcesli
 "resource.k8s.io")``). A denied request is answered 403 ``Forbidden`` with the real server's
 wording; ``SelfSubjectAccessReview`` (``authorization.k8s.io/v1``) answers from the same table, and
 ``SelfSubjectReview`` (``authentication.k8s.io/v1``) names the emulator's one user, by default
-the agent's service account as deploy/daemonset names it.
+the agent's service account as deploy/daemonset names it (with the groups the service-account
+authenticator gives it), or the identity the server was built with. A request may act as another
+user with the impersonation headers (``Impersonate-User``, ``Impersonate-Group``,
+``Impersonate-Extra-<key>``), as the real server allows a user granted ``impersonate``; the
+identity is what admission policies see as ``request.userInfo``.
 
 RBAC matches a rule on the API group, the resource (``<resource>/<subresource>`` for a
 subresource) and the verb; ``*`` matches any. A review of a namespaced resource with no
@@ -15,15 +19,24 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from email.message import Message
 from typing import Any
+from urllib.parse import unquote
 
 from agent.sim import apiserver_errors as err
+from agent.sim.apiserver_admission_match import UserInfo
 from agent.sim.apiserver_errors import ApiError
 
 SSAR_PATH = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
 SSR_PATH = "/apis/authentication.k8s.io/v1/selfsubjectreviews"
 REVIEW_PATHS = (SSAR_PATH, SSR_PATH)
 DEFAULT_USER = "system:serviceaccount:tessera-system:tessera"
+DEFAULT_IDENTITY = UserInfo(
+    DEFAULT_USER,
+    ("system:serviceaccounts", "system:serviceaccounts:tessera-system", "system:authenticated"),
+)
+"""The agent's service account as the real server authenticates its token (groups from
+k8s.io/apiserver pkg/authentication/serviceaccount, MakeGroupNames)."""
 VERBS = ("get", "list", "watch", "create", "update", "patch", "delete", "deletecollection")
 
 
@@ -55,8 +68,9 @@ def verb_of(method: str, named: bool, watch: bool, collection_delete: bool) -> s
 class AccessRules:
     """The emulator's access table (thread-safe)."""
 
-    def __init__(self, user: str = DEFAULT_USER) -> None:
-        self.user = user
+    def __init__(self, identity: UserInfo = DEFAULT_IDENTITY) -> None:
+        self.identity = identity
+        self.user = identity.username
         self._denied: list[Rule] = []
         self._lock = threading.Lock()
 
@@ -129,8 +143,33 @@ class AccessRules:
             "kind": "SelfSubjectReview",
             "apiVersion": "authentication.k8s.io/v1",
             "metadata": {},
-            "status": {"userInfo": {"username": self.user, "groups": ["system:authenticated"]}},
+            "status": {"userInfo": self.identity.cel()},
         }
+
+    def caller(self, headers: Message[str, str]) -> UserInfo:
+        """Who a request acts as: the impersonated user its headers name, else the server's
+        identity. As the real filter
+        (k8s.io/apiserver pkg/endpoints/filters/impersonation.go): extra keys are lowercased and
+        unescaped; without Impersonate-Group a service account gets its groups, and every user
+        but system:anonymous gets system:authenticated. 403 where ``impersonate`` is denied."""
+        username = headers.get("Impersonate-User")
+        if not username:
+            return self.identity
+        groups = list(headers.get_all("Impersonate-Group") or [])
+        extra: dict[str, tuple[str, ...]] = {}
+        for name in dict.fromkeys(headers.keys()):
+            prefix, key = name[:18], name[18:]
+            if prefix.lower() == "impersonate-extra-" and key:
+                extra[unquote(key.lower())] = tuple(headers.get_all(name) or [])
+        if not self.allowed("impersonate", "", "users"):
+            raise self.forbidden("impersonate", "", "users", None, username)
+        if not groups:
+            parts = username.split(":")
+            if len(parts) == 4 and parts[:2] == ["system", "serviceaccount"]:
+                groups = ["system:serviceaccounts", f"system:serviceaccounts:{parts[2]}"]
+            if username != "system:anonymous":
+                groups.append("system:authenticated")
+        return UserInfo(username, tuple(groups), extra)
 
 
 def review(access: AccessRules, method: str, path: str, body: Any) -> dict[str, Any]:

@@ -113,6 +113,7 @@ def evict(
     """Grant the eviction of pod ``namespace/name`` (see the module's doc); the answer body."""
     obj = _body(namespace, name, body)
     store.check_body(EVICTION, {**obj, "apiVersion": "policy/v1"})
+    store.admit("CREATE", pods, {**obj, "apiVersion": "policy/v1"}, "eviction")
     options = obj.get("deleteOptions") or {}
     pod = store.get(pods, namespace, name)
     meta = pod["metadata"]

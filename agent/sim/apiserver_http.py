@@ -25,6 +25,7 @@ from urllib.parse import parse_qsl, urlsplit
 from agent.sim import apiserver_errors as err
 from agent.sim import apiserver_types as types
 from agent.sim.apiserver_access import REVIEW_PATHS, AccessRules, review, verb_of
+from agent.sim.apiserver_admission import CALLER, Caller, warning_header
 from agent.sim.apiserver_crd import custom_write
 from agent.sim.apiserver_errors import ApiError
 from agent.sim.apiserver_eviction import EvictionLog, evict
@@ -233,6 +234,9 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Cache-Control", "no-cache, private")
         for name, value in (headers or {}).items():
             self.send_header(name, value)
+        caller = CALLER.get()  # the warnings of admission policies with Warn bindings
+        for text in caller.warnings if caller is not None else ():
+            self.send_header("Warning", warning_header(text))
         self.end_headers()
         self.wfile.write(data)
 
@@ -283,7 +287,9 @@ class Handler(BaseHTTPRequestHandler):
             elif (error := fault.error) is not None:
                 self._send_error(err.injected(error[0], url.path, retry_after=error[1]))
                 return
+        token = CALLER.set(None)
         try:
+            CALLER.set(Caller(ctx.access.caller(self.headers)))
             self._dispatch(method, url.path, _params(url.query), body)
         except ApiError as exc:
             self._send_error(exc)
@@ -295,6 +301,8 @@ class Handler(BaseHTTPRequestHandler):
                 self.close_connection = True
             else:
                 self._send_error(err.internal(f"{type(exc).__name__}: {exc}"))
+        finally:
+            CALLER.reset(token)
 
     # ------------------------------------------------------------------------------- routing
 

@@ -33,6 +33,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from agent.sim import apiserver_errors as err
+from agent.sim.apiserver_admission import Admission
 from agent.sim.apiserver_checks import (
     Rejection,
     custom_failure,
@@ -66,8 +67,10 @@ class Store:
         rng: random.Random,
         history_size: int,
         clock: Callable[[], datetime],
+        admission: Admission | None = None,
     ) -> None:
         self.types = {t.plural: t for t in types}
+        self._admission = admission
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.rv = 0
@@ -139,6 +142,27 @@ class Store:
         semantic = event_failure(rt, obj) or custom_failure(rt, obj, old, list(self.types.values()))
         if semantic is not None:
             raise self._reject(method, rt, obj, semantic)
+
+    def _admit(
+        self,
+        op: str,
+        rt: ResourceType,
+        obj: Obj | None,
+        old: Obj | None,
+        sub: str | None,
+        dry: bool,
+    ) -> None:
+        """Validating admission (apiserver_admission) after the schema checks, before the write
+        commits, as the real server's chain runs it; a denial raises. Lock held."""
+        if self._admission is not None:
+            self._admission.review(op, rt, obj, old, sub, dry, self.types, self._objects)
+
+    def admit(self, op: str, rt: ResourceType, obj: Obj, sub: str) -> None:
+        """Validating admission of a subresource request the store does not write itself (a
+        pod's eviction: ``CREATE`` of ``pods/eviction`` with the Eviction as the object, as
+        the real server admits it); a denial raises."""
+        with self.lock:
+            self._admit(op, rt, obj, None, sub, False)
 
     def _key(self, rt: ResourceType, namespace: str | None, name: str) -> Key:
         return (namespace or "" if rt.namespaced else "", name)
@@ -261,6 +285,7 @@ class Store:
             elif rt.status and not rt.keep_status_on_create:
                 obj.pop("status", None)
             self._validate("POST", rt, obj)
+            self._admit("CREATE", rt, obj, None, None, dry_run)
             if dry_run:
                 return copy.deepcopy(obj)
             return self._commit(rt, ADDED, key, obj, None)
@@ -368,6 +393,7 @@ class Store:
                     new.pop("status", None)
         new["metadata"]["resourceVersion"] = old_meta["resourceVersion"]
         self._validate(method, rt, new, old)
+        self._admit("UPDATE", rt, new, old, subresource, dry_run)
         if new == old or dry_run:
             return copy.deepcopy(new)
         if new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers"):
@@ -398,6 +424,7 @@ class Store:
                         f"Precondition failed: {label} in precondition: {want}, {label} in object"
                         f" meta: {have}",
                     )
+            self._admit("DELETE", rt, None, old, None, dry_run)
             return self._delete_locked(rt, key, old, dry_run)
 
     def _delete_locked(
@@ -425,6 +452,7 @@ class Store:
             items = []
             for key, obj in sorted(self._objects[rt.plural].items()):
                 if selection.matches(obj):
+                    self._admit("DELETE", rt, None, obj, None, False)
                     items.append(self._delete_locked(rt, key, obj, False)[1])
             rv = self.rv
         return {

@@ -136,6 +136,21 @@ RESOURCES: tuple[ResourceType, ...] = (
         spec_immutable=True,
     ),
     ResourceType("deviceclasses", "DeviceClass", DRA_GROUP, generation=True),
+    # evaluated on every write by apiserver_admission
+    ResourceType(
+        "validatingadmissionpolicies",
+        "ValidatingAdmissionPolicy",
+        "admissionregistration.k8s.io",
+        status=True,
+        generation=True,
+    ),
+    ResourceType(
+        "validatingadmissionpolicybindings",
+        "ValidatingAdmissionPolicyBinding",
+        "admissionregistration.k8s.io",
+        generation=True,
+    ),
+    ResourceType("configmaps", "ConfigMap", namespaced=True, short_names=("cm",)),
     ResourceType(
         "nodes",
         "Node",

@@ -1,12 +1,15 @@
 """The ValidatingAdmissionPolicy in deploy/daemonset/admission-policy.yaml, evaluated as the API
-server evaluates it: its matchConstraints, matchConditions, variables and validations are read
-from the file and run with the CEL library (``cel``) against the requests the agent makes on its
-own node (allowed) and the ones a compromised agent could make (denied, saying what was wrong
-and the offending values); every other user is not matched at all."""
+server evaluates it, by the API-server emulator's evaluator (agent/sim/apiserver_admission): its
+matchConstraints, matchConditions, variables and validations, against the requests the agent
+makes on its own node (allowed) and the ones a compromised agent could make (denied, saying what
+was wrong and the offending values); every other user is not matched at all. The last tests send
+the requests over HTTP to the emulator with the policy installed, as the agent's service account
+with its bound token's node, and as other users (impersonation)."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,10 +17,17 @@ from typing import Any
 import cel
 import pytest
 import yaml
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
 from agent.cli.node_commands import slices_for
 from agent.config import Config
+from agent.sim.apiserver import RESOURCES, ApiServer
+from agent.sim.apiserver_access import DEFAULT_IDENTITY
+from agent.sim.apiserver_admission import Programs, validate
+from agent.sim.apiserver_admission_match import Attributes, UserInfo, matches
 from dra_driver.device_model import DeviceModel
+from tests.apiclient import api_client
 from tests.k8sschema import validate as validate_k8s
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,10 +61,6 @@ class Decision:
         return not self.denials
 
 
-def run(expression: str, activation: Obj) -> Any:
-    return cel.compile(expression).execute(activation)
-
-
 def admit(
     operation: str,
     obj: Obj | None,
@@ -65,48 +71,16 @@ def admit(
 ) -> Decision:
     """What the policy decides about one request (the admission request as the API server
     builds it: ``object`` is null for a DELETE, ``oldObject`` for a CREATE)."""
-    spec = policy()["spec"]
+    rt = {t.plural: t for t in RESOURCES}[resource]
     name = (obj or old or {}).get("metadata", {}).get("name", "")
-    user: Obj = {"username": username, "groups": ["system:authenticated"]}
-    if extra is not None:
-        user["extra"] = extra
-    request = {
-        "operation": operation,
-        "name": name,
-        "resource": {"group": "resource.k8s.io", "version": "v1", "resource": resource},
-        "userInfo": user,
-    }
-    matched_rule = any(
-        "resource.k8s.io" in rule["apiGroups"]
-        and resource in rule["resources"]
-        and operation in rule["operations"]
-        for rule in spec["matchConstraints"]["resourceRules"]
-    )
-    activation: Obj = {"request": request, "object": obj, "oldObject": old}
-    if not matched_rule or not all(
-        run(c["expression"], activation) is True for c in spec["matchConditions"]
-    ):
+    user = UserInfo(username, extra={k: tuple(v) for k, v in (extra or {}).items()})
+    attrs = Attributes(operation, rt, "", name, obj, old, user)
+    if not matches(policy()["spec"]["matchConstraints"], attrs, None):
         return Decision(False, [])
-    variables: Obj = {}
-    for var in spec["variables"]:  # in order: each may use the ones before it
-        try:
-            variables[var["name"]] = run(var["expression"], activation | {"variables": variables})
-        except Exception as exc:  # failurePolicy Fail: an error denies
-            return Decision(True, [f"error in variables.{var['name']}: {exc}"])
-    activation["variables"] = variables
-    denials = []
-    for v in spec["validations"]:
-        try:
-            ok = run(v["expression"], activation)
-        except Exception as exc:  # failurePolicy Fail: an error denies
-            denials.append(f"error: {exc}")
-            continue
-        if ok is not True:
-            message = v["message"]
-            if "messageExpression" in v:
-                message = run(v["messageExpression"], activation)
-            denials.append(str(message))
-    return Decision(True, denials)
+    failures = validate(policy(), attrs, None, None, Programs())
+    if failures is None:  # a matchCondition is false
+        return Decision(False, [])
+    return Decision(True, [f.message for f in failures])
 
 
 def a_slice(node: str | None = OWN, driver: str = DRIVER) -> Obj:
@@ -253,3 +227,59 @@ def test_other_users_are_not_matched(user):
 def test_only_resourceslice_writes_are_matched():
     assert not admit("CREATE", a_slice(OTHER), None, extra=BOUND, resource="resourceclaims").matched
     assert not admit("CONNECT", a_slice(OTHER), None, extra=BOUND).matched
+
+
+# ------------------------------------------------------------------------------ over HTTP
+
+AGENT_ON_OWN = UserInfo(AGENT, DEFAULT_IDENTITY.groups, {k: tuple(v) for k, v in BOUND.items()})
+"""The agent's pod on OWN, as the API server authenticates its bound token."""
+
+
+@pytest.fixture
+def api() -> Iterator[client.ApiClient]:
+    with ApiServer(identity=AGENT_ON_OWN) as server:
+        c = api_client(server, retries=False)
+        adm = client.AdmissionregistrationV1Api(c)
+        binding = [d for d in documents() if d["kind"] == "ValidatingAdmissionPolicyBinding"]
+        adm.create_validating_admission_policy(policy())
+        adm.create_validating_admission_policy_binding(binding[0])
+        yield c
+        c.close()
+
+
+def refusal(call: Any) -> tuple[int, str]:
+    try:
+        call()
+    except ApiException as exc:
+        return int(exc.status), str(yaml.safe_load(exc.body)["message"])
+    return 200, ""
+
+
+def test_over_http_the_agent_writes_its_own_slices_and_no_other_nodes(api):
+    slices = client.ResourceV1Api(api)
+    mine = slices.create_resource_slice(a_slice())
+    mine.spec.pool.generation = 2
+    slices.replace_resource_slice(mine.metadata.name, mine)
+    theirs = a_slice(OTHER)
+    status, message = refusal(lambda: slices.create_resource_slice(theirs))
+    name = theirs["metadata"]["name"]
+    assert status == 422  # the policy sets no reason: Invalid
+    assert message.startswith(
+        f'resourceslices.resource.k8s.io "{name}" is forbidden: ValidatingAdmissionPolicy'
+        " 'tessera-resourceslices-own-node' with binding 'tessera-resourceslices-own-node'"
+        f" denied request: CREATE of ResourceSlice '{name}' denied: the Tessera agent on node"
+        f" '{OWN}'"
+    )
+    moved = slices.read_resource_slice(mine.metadata.name)
+    moved.spec.node_name = OTHER
+    status, message = refusal(lambda: slices.replace_resource_slice(moved.metadata.name, moved))
+    assert status == 422 and f"it has '{OWN}' and would have '{OTHER}'" in message
+    slices.delete_resource_slice(mine.metadata.name)
+
+
+def test_over_http_another_user_is_not_matched(api):
+    """The resourceslice controller (impersonated) writes another node's slice: RBAC's call."""
+    api.set_default_header(
+        "Impersonate-User", "system:serviceaccount:kube-system:resourceclaim-controller"
+    )
+    client.ResourceV1Api(api).create_resource_slice(a_slice(OTHER, "nic.example.com"))
