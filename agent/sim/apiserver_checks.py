@@ -1,16 +1,18 @@
-"""Checks of objects written to the API-server emulator: body shape, JSON schemas and the few
-semantic rules a client can trip over (Events' namespaces)."""
+"""Checks of objects written to the API-server emulator: body shape, JSON schemas, the few
+semantic rules a client can trip over (Events' namespaces), a custom object's CRD, then validating
+admission (:class:`WriteChecks`, which records every 422 it answers)."""
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 from agent.errors import TesseraError
 from agent.sim import apiserver_errors as err
+from agent.sim.apiserver_admission import Admission
 from agent.sim.apiserver_crd import CRD_PLURAL, check, decode, definition_errors
 from agent.sim.apiserver_errors import ApiError
 from agent.sim.apiserver_schemas import Schemas
@@ -137,3 +139,61 @@ def custom_failure(
         return None
     name = str(obj["metadata"].get("name", ""))
     return err.invalid_fields(rt, name, [(e.field, e.reason, e.body) for e in found])
+
+
+class WriteChecks:
+    """The checks every write of one server passes, in the real server's order: the schemas of
+    each version in ``validate_versions`` (strict), the semantic rules, then validating
+    admission (apiserver_admission) before the write commits. Each 422 lands in
+    :attr:`rejected`. Not thread-safe on its own: the store's lock guards it."""
+
+    def __init__(self, validate_versions: Sequence[str], admission: Admission | None) -> None:
+        self.rejected: list[Rejection] = []
+        self._versions = tuple(validate_versions)
+        # refused here, at construction, when the validator is missing
+        self._schemas = Schemas(schema_validator()) if self._versions else None
+        self._admission = admission
+
+    def reject(
+        self, method: str, rt: ResourceType, obj: Obj, error: ApiError, version: str | None = None
+    ) -> ApiError:
+        """Record ``obj`` as refused with ``error`` (422), and return ``error`` to raise."""
+        name = str((obj.get("metadata") or {}).get("name") or "")
+        self.rejected.append(
+            Rejection(method, rt.plural, name, error.message, version, copy.deepcopy(obj))
+        )
+        return error
+
+    def validate(
+        self,
+        method: str,
+        rt: ResourceType,
+        obj: Obj,
+        old: Obj | None,
+        served: Sequence[ResourceType],
+    ) -> None:
+        """Raise (and record) the first schema or semantic failure of ``obj``."""
+        failure = None
+        if self._schemas is not None:
+            failure = schema_failure(self._schemas, rt, obj, self._versions)
+        if failure is not None:
+            raise self.reject(method, rt, obj, failure[1], failure[0])
+        semantic = event_failure(rt, obj) or custom_failure(rt, obj, old, served)
+        if semantic is not None:
+            raise self.reject(method, rt, obj, semantic)
+
+    def admit(
+        self,
+        op: str,
+        rt: ResourceType,
+        obj: Obj | None,
+        old: Obj | None,
+        sub: str | None,
+        dry: bool,
+        types: Mapping[str, ResourceType],
+        objects: Mapping[str, Mapping[tuple[str, str], Obj]],
+    ) -> None:
+        """Validating admission of one request (``types`` and ``objects``: what the server
+        serves and stores, where policies and their params are found); a denial raises."""
+        if self._admission is not None:
+            self._admission.review(op, rt, obj, old, sub, dry, types, objects)

@@ -8,23 +8,17 @@ What the real server does and the store copies:
 
 * one global, increasing ``resourceVersion`` (a string on the wire); a no-op update changes
   nothing and emits no event;
-* create sets ``uid``, ``creationTimestamp`` (and ``generation`` = 1 where the resource keeps one),
-  honours ``generateName`` and drops ``status`` where the resource has a status subresource;
-* update checks ``metadata.resourceVersion`` when set (409 Conflict), keeps the server-owned
-  metadata, ignores status changes (normal update) or everything but status (``/status``);
-* delete of an object with finalizers only sets ``deletionTimestamp`` (202); the object goes when
-  an update empties its finalizers;
-* every written object is validated against the Kubernetes JSON schemas (strict) of each version
-  in ``validate_versions``, a custom object against its CRD (apiserver_crd); failures are 422
-  Invalid and recorded in :attr:`Store.rejected`.
+* how a create, update, patch or delete turns the old object into the new one (server-owned
+  metadata, ``generation``, the status subresource, immutable fields, finalizers) is
+  apiserver_strategy's; the store holds the lock, checks, admits and commits;
+* every written object passes apiserver_checks (the Kubernetes JSON schemas of each version in
+  ``validate_versions``, a custom object's CRD, validating admission); failures are 422 Invalid
+  and recorded in :attr:`Store.rejected`.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import copy
-import json
 import random
 import threading
 import uuid
@@ -34,26 +28,28 @@ from typing import Any
 
 from agent.sim import apiserver_errors as err
 from agent.sim.apiserver_admission import Admission
-from agent.sim.apiserver_checks import (
-    Rejection,
-    custom_failure,
-    event_failure,
-    prepare_body,
-    schema_failure,
-    schema_validator,
-)
+from agent.sim.apiserver_checks import Rejection, WriteChecks, prepare_body
 from agent.sim.apiserver_crd import CRD_PLURAL, established_status, served_types
-from agent.sim.apiserver_errors import ApiError
 from agent.sim.apiserver_history import ADDED, DELETED, MODIFIED, History, WatchEvent
-from agent.sim.apiserver_patch import PatchError, apply_patch
-from agent.sim.apiserver_schemas import Schemas
+from agent.sim.apiserver_lists import continue_start, kind_list, list_page
 from agent.sim.apiserver_select import Selection
+from agent.sim.apiserver_strategy import (
+    Refused,
+    check_create,
+    check_new_name,
+    check_preconditions,
+    finalized,
+    generated_name,
+    mark_deleting,
+    name_suffix,
+    patched_body,
+    prepare_create,
+    prepare_update,
+)
 from agent.sim.apiserver_types import ResourceType
 
 Obj = dict[str, Any]
 Key = tuple[str, str]  # (namespace, or "" for cluster-scoped; name)
-
-_NAME_CHARS = "bcdfghjklmnpqrstvwxz2456789"  # what the real server draws generated names from
 
 
 class Store:
@@ -70,19 +66,20 @@ class Store:
         admission: Admission | None = None,
     ) -> None:
         self.types = {t.plural: t for t in types}
-        self._admission = admission
+        self._checks = WriteChecks(validate_versions, admission)
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.rv = 0
         self.closed = False
-        self.rejected: list[Rejection] = []
-        self._validate_versions = tuple(validate_versions)
-        # refused here, at construction, when the validator is missing
-        self._schemas = Schemas(schema_validator()) if self._validate_versions else None
         self._rng = rng
         self._clock = clock
         self._objects: dict[str, dict[Key, Obj]] = {t: {} for t in self.types}
         self._history = History(self.types, history_size)
+
+    @property
+    def rejected(self) -> list[Rejection]:
+        """Every write answered 422 Invalid, in order."""
+        return self._checks.rejected
 
     def clock(self) -> datetime:
         """Now, by the server's clock."""
@@ -124,24 +121,8 @@ class Store:
             self._serve_crd(kind, obj)
         return copy.deepcopy(obj)
 
-    def _reject(
-        self, method: str, rt: ResourceType, obj: Obj, error: ApiError, version: str | None = None
-    ) -> ApiError:
-        name = str((obj.get("metadata") or {}).get("name") or "")
-        self.rejected.append(
-            Rejection(method, rt.plural, name, error.message, version, copy.deepcopy(obj))
-        )
-        return error
-
     def _validate(self, method: str, rt: ResourceType, obj: Obj, old: Obj | None = None) -> None:
-        failure = None
-        if self._schemas is not None:
-            failure = schema_failure(self._schemas, rt, obj, self._validate_versions)
-        if failure is not None:
-            raise self._reject(method, rt, obj, failure[1], failure[0])
-        semantic = event_failure(rt, obj) or custom_failure(rt, obj, old, list(self.types.values()))
-        if semantic is not None:
-            raise self._reject(method, rt, obj, semantic)
+        self._checks.validate(method, rt, obj, old, list(self.types.values()))
 
     def _admit(
         self,
@@ -154,8 +135,7 @@ class Store:
     ) -> None:
         """Validating admission (apiserver_admission) after the schema checks, before the write
         commits, as the real server's chain runs it; a denial raises. Lock held."""
-        if self._admission is not None:
-            self._admission.review(op, rt, obj, old, sub, dry, self.types, self._objects)
+        self._checks.admit(op, rt, obj, old, sub, dry, self.types, self._objects)
 
     def admit(self, op: str, rt: ResourceType, obj: Obj, sub: str) -> None:
         """Validating admission of a subresource request the store does not write itself (a
@@ -195,13 +175,8 @@ class Store:
     def list_objects(
         self, rt: ResourceType, selection: Selection, *, limit: int = 0, token: str = ""
     ) -> Obj:
-        """The ``<Kind>List`` of the selected objects (items without kind/apiVersion, as real)."""
-        start: list[str] | None = None
-        if token:
-            try:
-                start = list(json.loads(base64.urlsafe_b64decode(token.encode()))["start"])
-            except (ValueError, KeyError, TypeError, binascii.Error):
-                raise err.bad_request(f"continue key is not valid: {token!r}") from None
+        """The ``<Kind>List`` of the selected objects, a page of ``limit`` from ``token`` on."""
+        start = continue_start(token)
         with self.lock:
             rv = self.rv
             found = [
@@ -209,24 +184,7 @@ class Store:
                 for k, o in sorted(self._objects[rt.plural].items())
                 if selection.matches(o) and (start is None or list(k) > start)
             ]
-        meta: Obj = {"resourceVersion": str(rv)}
-        if limit > 0 and len(found) > limit:
-            last = found[limit - 1][0]
-            meta["continue"] = base64.urlsafe_b64encode(
-                json.dumps({"rv": rv, "start": list(last)}).encode()
-            ).decode()
-            meta["remainingItemCount"] = len(found) - limit
-            found = found[:limit]
-        items = [
-            {k: copy.deepcopy(v) for k, v in o.items() if k not in ("apiVersion", "kind")}
-            for _, o in found
-        ]
-        return {
-            "kind": f"{rt.kind}List",
-            "apiVersion": rt.api_version,
-            "metadata": meta,
-            "items": items,
-        }
+        return list_page(rt, rv, found, limit)
 
     # ------------------------------------------------------------------------------- writes
 
@@ -240,50 +198,24 @@ class Store:
                 ns = meta["namespace"]
                 if ("", ns) not in self._objects["namespaces"]:
                     raise err.not_found(self.types["namespaces"], ns)
-            if meta.get("resourceVersion"):
-                raise ApiError(
-                    500, "Unknown", "resourceVersion should not be set on objects to be created"
-                )
+            check_create(obj)
             name = str(meta.get("name") or "")
             if not name and meta.get("generateName"):
-                for _ in range(8):
-                    suffix = "".join(self._rng.choice(_NAME_CHARS) for _ in range(5))
-                    name = f"{meta['generateName']}{suffix}"
-                    if self._key(rt, meta.get("namespace"), name) not in self._objects[rt.plural]:
-                        break
+                stored = self._objects[rt.plural]
+                name = generated_name(
+                    self._rng,
+                    meta["generateName"],
+                    lambda n: self._key(rt, meta.get("namespace"), n) in stored,
+                )
                 meta["name"] = name
-            if not name:
-                error = err.invalid(
-                    rt,
-                    "",
-                    "metadata.name",
-                    "FieldValueRequired",
-                    "Required value: name or generateName is required",
-                )
-                raise self._reject("POST", rt, obj, error)
-            problem = rt.check_name(name)
-            if problem:
-                error = err.invalid(
-                    rt,
-                    name,
-                    "metadata.name",
-                    "FieldValueInvalid",
-                    f'Invalid value: "{name}": {problem}',
-                )
-                raise self._reject("POST", rt, obj, error)
+            try:
+                check_new_name(rt, name)
+            except Refused as refused:
+                raise self._checks.reject("POST", rt, obj, refused.error) from None
             key = self._key(rt, meta.get("namespace"), name)
             if key in self._objects[rt.plural]:
                 raise err.already_exists(rt, name)
-            meta["uid"] = self._uid()
-            meta["creationTimestamp"] = self._now()
-            for server_owned in ("deletionTimestamp", "deletionGracePeriodSeconds"):
-                meta.pop(server_owned, None)
-            if rt.generation:
-                meta["generation"] = 1
-            if rt.initial_status is not None:
-                obj["status"] = copy.deepcopy(rt.initial_status)
-            elif rt.status and not rt.keep_status_on_create:
-                obj.pop("status", None)
+            prepare_create(rt, obj, uid=self._uid(), now=self._now())
             self._validate("POST", rt, obj)
             self._admit("CREATE", rt, obj, None, None, dry_run)
             if dry_run:
@@ -324,15 +256,7 @@ class Store:
     ) -> Obj:
         with self.lock:
             key, old = self._existing(rt, namespace, name)
-            try:
-                patched = apply_patch(content_type, old, patch)
-            except PatchError as exc:
-                if "unsupported patch type" in str(exc):
-                    raise ApiError(415, "UnsupportedMediaType", str(exc)) from None
-                raise ApiError(422, "Invalid", str(exc)) from None
-            obj = prepare_body(rt, namespace, patched)
-            if obj["metadata"].get("name") != name:
-                raise err.bad_request("metadata.name cannot be changed by a patch")
+            obj = patched_body(rt, namespace, name, old, content_type, patch)
             return self._update_locked(rt, key, old, obj, subresource, dry_run, "PATCH")
 
     def _update_locked(
@@ -345,58 +269,15 @@ class Store:
         dry_run: bool,
         method: str,
     ) -> Obj:
-        meta, old_meta = obj["metadata"], old["metadata"]
-        name = key[1]
-        asked = meta.get("resourceVersion")
-        if asked and asked != old_meta["resourceVersion"]:
-            raise err.conflict(rt, name)
-        if subresource == "status":
-            new = copy.deepcopy(old)
-            if "status" in obj:
-                new["status"] = obj["status"]
-            else:
-                new.pop("status", None)
-        else:
-            new = obj
-            uid = meta.get("uid")
-            if uid and uid != old_meta.get("uid"):
-                error = err.invalid(
-                    rt,
-                    name,
-                    "metadata.uid",
-                    "FieldValueInvalid",
-                    f'Invalid value: "{uid}": field is immutable',
-                )
-                raise self._reject(method, rt, obj, error)
-            for owned in (
-                "uid",
-                "creationTimestamp",
-                "generation",
-                "deletionTimestamp",
-                "deletionGracePeriodSeconds",
-            ):
-                if owned in old_meta:
-                    meta[owned] = copy.deepcopy(old_meta[owned])
-                else:
-                    meta.pop(owned, None)
-            if rt.spec_immutable and new.get("spec") != old.get("spec"):
-                error = err.invalid(
-                    rt, name, "spec", "FieldValueInvalid", "Invalid value: field is immutable"
-                )
-                raise self._reject(method, rt, obj, error)
-            if rt.generation and rt.generation_content(new) != rt.generation_content(old):
-                meta["generation"] = int(old_meta.get("generation", 0)) + 1
-            if rt.status:
-                if "status" in old:
-                    new["status"] = copy.deepcopy(old["status"])
-                else:
-                    new.pop("status", None)
-        new["metadata"]["resourceVersion"] = old_meta["resourceVersion"]
+        try:
+            new = prepare_update(rt, key[1], old, obj, subresource)
+        except Refused as refused:
+            raise self._checks.reject(method, rt, obj, refused.error) from None
         self._validate(method, rt, new, old)
         self._admit("UPDATE", rt, new, old, subresource, dry_run)
         if new == old or dry_run:
             return copy.deepcopy(new)
-        if new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers"):
+        if finalized(new):
             return self._commit(rt, DELETED, key, new, old)
         return self._commit(rt, MODIFIED, key, new, old)
 
@@ -410,20 +291,9 @@ class Store:
         dry_run: bool = False,
     ) -> tuple[int, Obj]:
         """(HTTP status, object): 200 and the last state, or 202 while finalizers remain."""
-        pre = (options or {}).get("preconditions") or {} if isinstance(options, dict) else {}
         with self.lock:
             key, old = self._existing(rt, namespace, name)
-            meta = old["metadata"]
-            for field in ("uid", "resourceVersion"):
-                want, have = pre.get(field), meta.get(field)
-                if want and want != have:
-                    label = "UID" if field == "uid" else "ResourceVersion"
-                    raise err.conflict(
-                        rt,
-                        name,
-                        f"Precondition failed: {label} in precondition: {want}, {label} in object"
-                        f" meta: {have}",
-                    )
+            check_preconditions(rt, name, old, options)
             self._admit("DELETE", rt, None, old, None, dry_run)
             return self._delete_locked(rt, key, old, dry_run)
 
@@ -439,9 +309,7 @@ class Store:
         if old["metadata"].get("finalizers") and not force:
             if old["metadata"].get("deletionTimestamp"):
                 return 202, copy.deepcopy(old)
-            new = copy.deepcopy(old)
-            new["metadata"]["deletionTimestamp"] = self._now()
-            new["metadata"]["deletionGracePeriodSeconds"] = 0
+            new = mark_deleting(old, self._now())
             return 202, new if dry_run else self._commit(rt, MODIFIED, key, new, old)
         gone = copy.deepcopy(old)
         return 200, gone if dry_run else self._commit(rt, DELETED, key, gone, old)
@@ -455,12 +323,7 @@ class Store:
                     self._admit("DELETE", rt, None, obj, None, False)
                     items.append(self._delete_locked(rt, key, obj, False)[1])
             rv = self.rv
-        return {
-            "kind": f"{rt.kind}List",
-            "apiVersion": rt.api_version,
-            "metadata": {"resourceVersion": str(rv)},
-            "items": items,
-        }
+        return kind_list(rt, {"resourceVersion": str(rv)}, items)
 
     # ------------------------------------------------------------------------------- seeding
 
@@ -473,9 +336,7 @@ class Store:
         meta = obj["metadata"]
         with self.lock:
             if not meta.get("name") and meta.get("generateName"):
-                meta["name"] = meta["generateName"] + "".join(
-                    self._rng.choice(_NAME_CHARS) for _ in range(5)
-                )
+                meta["name"] = meta["generateName"] + name_suffix(self._rng)
             if not meta.get("name"):
                 raise ValueError("put_object needs metadata.name or metadata.generateName")
             key = self._key(rt, meta.get("namespace"), meta["name"])
