@@ -170,6 +170,7 @@ RESOURCES: tuple[ResourceType, ...] = (
         # source.component (reportingComponent where that is empty)
         field_paths=(("source", "source.component"),),
     ),
+    ResourceType("leases", "Lease", "coordination.k8s.io", namespaced=True),
 )
 
 
