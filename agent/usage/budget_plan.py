@@ -33,7 +33,8 @@ class BudgetEvent:
     namespace: str
     budget: str
     type: str  # "Normal" | "Warning"
-    reason: str  # GpuBudgetThreshold | GpuBudgetExhausted | GpuBudgetRestored | GpuBudgetTerminating
+    reason: str
+    # GpuBudgetThreshold | GpuBudgetExhausted | GpuBudgetRestored | GpuBudgetTerminating
     message: str
 
 
