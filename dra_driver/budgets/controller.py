@@ -29,8 +29,8 @@ from typing import Any
 from agent.errors import DecodeError
 from agent.logs import fields_
 from agent.usage.budget_plan import ClusterView, Plan
+from dra_driver.budgets.budget_metrics import BudgetMetrics
 from dra_driver.budgets.execute import Executor, Outcome
-from dra_driver.budgets.metrics import BudgetMetrics
 from dra_driver.budgets.view import PricesRef, read_view
 from dra_driver.cluster.kube import KubeClient
 from dra_driver.cluster.lease import LeaseElector

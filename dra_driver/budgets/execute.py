@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.usage.budget_plan import Plan, PodEviction
-from dra_driver.budgets import paths
-from dra_driver.budgets.events import event_body
+from dra_driver.budgets import api_paths
+from dra_driver.budgets.budget_events import event_body
 from dra_driver.cluster.kube import KubeClient
 from dra_driver.errors import KubeError
 
@@ -92,21 +92,21 @@ class Executor:
     def _summaries(self, plan: Plan, out: Outcome) -> None:
         for s in plan.summaries:
             if (s.get("metadata") or {}).get("resourceVersion"):
-                self._kube.request("PUT", paths.named(paths.SUMMARIES, _name(s)), body=s)
+                self._kube.request("PUT", api_paths.named(api_paths.SUMMARIES, _name(s)), body=s)
             else:
-                self._kube.request("POST", paths.SUMMARIES, body=s)
+                self._kube.request("POST", api_paths.SUMMARIES, body=s)
             out.written["summaries"] += 1
 
     def _acks(self, plan: Plan, out: Outcome) -> None:
         for r in plan.acks:
-            path = paths.named(paths.REPORTS, _name(r)) + "/status"
+            path = api_paths.named(api_paths.REPORTS, _name(r)) + "/status"
             self._kube.request("PUT", path, body=r)
             out.written["acks"] += 1
 
     def _deletions(self, plan: Plan, out: Outcome) -> None:
         for name in plan.report_deletions:
             try:
-                self._kube.request("DELETE", paths.named(paths.REPORTS, name))
+                self._kube.request("DELETE", api_paths.named(api_paths.REPORTS, name))
             except KubeError as exc:
                 if exc.status != 404:
                     raise
@@ -117,7 +117,7 @@ class Executor:
         for i, e in enumerate(plan.events):
             body = event_body(e, uids.get(e.budget, ""), self._host, now, seq=i)
             try:
-                self._kube.request("POST", paths.namespaced(e.namespace, "events"), body=body)
+                self._kube.request("POST", api_paths.namespaced(e.namespace, "events"), body=body)
             except KubeError as exc:
                 if exc.status != 404:  # 404: the namespace is gone, and nobody to tell
                     raise
@@ -125,13 +125,13 @@ class Executor:
 
     def _statuses(self, plan: Plan, out: Outcome) -> None:
         for b in plan.statuses:
-            path = paths.named(paths.BUDGETS, _name(b)) + "/status"
+            path = api_paths.named(api_paths.BUDGETS, _name(b)) + "/status"
             self._kube.request("PUT", path, body=b)
             out.written["statuses"] += 1
 
     def _evictions(self, plan: Plan, out: Outcome) -> None:
         for e in plan.evictions:
-            path = paths.namespaced(e.namespace, "pods", e.pod) + "/eviction"
+            path = api_paths.namespaced(e.namespace, "pods", e.pod) + "/eviction"
             try:
                 self._kube.request("POST", path, body=eviction_body(e))
             except KubeError as exc:

@@ -16,7 +16,7 @@ from agent.decode import fields, load_yaml_documents
 from agent.errors import DecodeError
 from agent.usage.budget_plan import ClusterView
 from agent.usage.prices import PriceTable, price_table
-from dra_driver.budgets import paths
+from dra_driver.budgets import api_paths
 from dra_driver.cluster.kube import KubeClient
 from dra_driver.errors import KubeError, KubeMalformed
 
@@ -40,7 +40,7 @@ class PricesInvalid(DecodeError):
 
 def list_all(kube: KubeClient, path: str) -> list[dict[str, Any]]:
     """Every object of a collection, page by page; KubeMalformed for an answer without items."""
-    kind, api_version = paths.KINDS[path]
+    kind, api_version = api_paths.KINDS[path]
     out: list[dict[str, Any]] = []
     token = ""
     while True:
@@ -60,7 +60,7 @@ def list_all(kube: KubeClient, path: str) -> list[dict[str, Any]]:
 def read_prices(kube: KubeClient, ref: PricesRef) -> PriceTable | None:
     """The price table from its ConfigMap; None when the ConfigMap (or its key) is absent.
     PricesInvalid names the ConfigMap, the key and what is wrong."""
-    path = paths.namespaced(ref.namespace, "configmaps", ref.name)
+    path = api_paths.namespaced(ref.namespace, "configmaps", ref.name)
     try:
         cm = kube.request("GET", path)
     except KubeError as exc:
@@ -94,14 +94,14 @@ def read_view(kube: KubeClient, prices: PricesRef) -> ClusterView:
     """One consistent-enough read of everything the planner needs (each list is one snapshot;
     the planner is idempotent, so what changed between the lists is seen next time)."""
     return ClusterView(
-        reports=list_all(kube, paths.REPORTS),
-        summaries=list_all(kube, paths.SUMMARIES),
-        budgets=list_all(kube, paths.BUDGETS),
-        namespaces=list_all(kube, paths.NAMESPACES),
+        reports=list_all(kube, api_paths.REPORTS),
+        summaries=list_all(kube, api_paths.SUMMARIES),
+        budgets=list_all(kube, api_paths.BUDGETS),
+        namespaces=list_all(kube, api_paths.NAMESPACES),
         nodes=frozenset(
-            str((n.get("metadata") or {}).get("name", "")) for n in list_all(kube, paths.NODES)
+            str((n.get("metadata") or {}).get("name", "")) for n in list_all(kube, api_paths.NODES)
         ),
-        pods=[p for p in list_all(kube, paths.PODS) if _holds_claims(p)],
-        claims=list_all(kube, paths.CLAIMS),
+        pods=[p for p in list_all(kube, api_paths.PODS) if _holds_claims(p)],
+        claims=list_all(kube, api_paths.CLAIMS),
         prices=read_prices(kube, prices),
     )

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from agent.usage.budget_plan import BudgetEvent
-from dra_driver.budgets.paths import TESSERA_API_VERSION
+from dra_driver.budgets.api_paths import TESSERA_API_VERSION
 from dra_driver.cluster.core_event import timestamp
 
 COMPONENT = "tessera-budgets"
