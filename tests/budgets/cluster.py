@@ -14,6 +14,7 @@ TYPES = (
     ResourceType("gpuusagereports", "GpuUsageReport", *TESSERA, status=True),
     ResourceType("gpuusagesummaries", "GpuUsageSummary", *TESSERA),
     ResourceType("gpubudgets", "GpuBudget", *TESSERA, status=True, generation=True),
+    ResourceType("configmaps", "ConfigMap", namespaced=True),
 )
 
 
