@@ -6,16 +6,16 @@ tested on its own)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
 from agent.sim.apiserver import ApiServer
-from agent.usage.budget_plan import BudgetEvent, Plan, PodEviction
+from agent.usage.budget_plan import PodEviction
 from dra_driver.budgets.execute import Executor
 from dra_driver.cluster.kube import KubeClient
 from tests.apiclient import api_client
 from tests.budgets import cluster
+from tests.budgets.cluster import a_plan, seeded
 from tests.fakeclock import FakeClock
 from tests.k8sschema import VERSIONS, validate
 
@@ -30,44 +30,6 @@ def kube() -> Iterator[tuple[ApiServer, KubeClient]]:
             yield server, client
         finally:
             client.close()
-
-
-def seeded(server: ApiServer) -> dict[str, Any]:
-    """A cluster with a report, a summary and a budget; the objects as stored."""
-    server.put_object("gpuusagereports", cluster.report("gpu-node-1"))
-    server.put_object("gpuusagereports", cluster.report("gpu-node-gone"))
-    server.put_object("gpuusagesummaries", cluster.summary("team-a.2026-12-03"))
-    server.put_object("gpubudgets", cluster.budget("team-a-monthly"))
-    for name in ("train-1", "train-2"):
-        server.put_object("pods", cluster.pod(name))
-    return {
-        "report": server.get_object("gpuusagereports", "gpu-node-1"),
-        "summary": server.get_object("gpuusagesummaries", "team-a.2026-12-03"),
-        "budget": server.get_object("gpubudgets", "team-a-monthly"),
-    }
-
-
-def a_plan(objs: dict[str, Any]) -> Plan:
-    old = objs["summary"]
-    old["spec"]["claims"] = [{"claimUID": "u1", "claim": "train-1"}]
-    ack = objs["report"]
-    ack["status"] = {"acknowledgedThrough": "2026-12-04T12:00:00Z"}
-    status = objs["budget"]
-    status["status"] = {"thresholdsReached": [80], "exhaustedSince": "2026-12-04T11:00:00Z"}
-    return Plan(
-        summaries=[cluster.summary("team-a.2026-12-04"), old],
-        acks=[ack],
-        report_deletions=["gpu-node-gone"],
-        events=[
-            BudgetEvent("team-a", "team-a-monthly", "Warning", "GpuBudgetExhausted", "used 10"),
-            BudgetEvent("team-a", "team-a-monthly", "Warning", "GpuBudgetTerminating", "train-1"),
-        ],
-        statuses=[status],
-        evictions=[PodEviction("team-a", "train-1", "team-a-monthly"),
-                   PodEviction("team-a", "train-2", "team-a-monthly")],
-        gauges=[],
-        oldest_unfolded_bucket=None,
-    )  # fmt: skip
 
 
 def writes(server: ApiServer) -> list[tuple[str, str]]:
