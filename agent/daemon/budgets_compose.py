@@ -85,7 +85,10 @@ def build_budgets(settings: BudgetsSettings, log: logging.Logger) -> BudgetsProc
     """The controller's object graph (nothing below the CLI reads ``os.environ``: the settings
     carry what the environment said)."""
     timing = lease_timing(settings)
-    kube = KubeClient.from_config(settings.kubeconfig)
+    kube = KubeClient.from_config(
+        settings.kubeconfig,
+        hint="run it in a pod (the in-cluster service account), or pass --kubeconfig FILE",
+    )
     elector = LeaseElector(
         kube,
         settings.namespace,

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,6 +71,14 @@ class Replica:
     @property
     def identity(self) -> str:
         return str(self.log("budget controller starting")["identity"])
+
+    def probe(self, path: str) -> tuple[int, str]:
+        url = str(self.log("HTTP endpoint serving")["url"]) + path
+        try:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
 
     def metric(self, name: str) -> float:
         url = str(self.log("HTTP endpoint serving")["url"]) + "/metrics"
@@ -129,6 +138,10 @@ def test_one_replica_leads_and_a_killed_leader_is_replaced_after_its_lease_expir
         leader.log("became the leader")
         assert leader.metric("tessera_budget_leader") == 1
         assert standby.metric("tessera_budget_leader") == 0
+        for r in (leader, standby):  # both serve their probes: a standby is ready, and alive
+            assert r.probe("/healthz")[0] == 200
+            status, body = r.probe("/readyz")
+            assert status == 200 and ("standby" if r is standby else "leader") in body
         leader.proc.send_signal(signal.SIGKILL)  # no release: the lease must expire
         leader.proc.wait(timeout=30)
         _, after = wait_holder(server, {standby.identity})
