@@ -5,7 +5,8 @@ builds it and serves it on ``--metrics-address``.
 
 The per-budget gauges are the last plan's: a label set that no plan names any more (a budget
 deleted, a limit removed) is dropped, so a dashboard never shows a stale budget. Only the leader
-publishes them; a standby replica reports ``tessera_budget_leader 0`` and its own errors.
+publishes them (a replica that loses the Lease drops them); a standby reports
+``tessera_budget_leader 0`` and its own errors.
 """
 
 from __future__ import annotations
@@ -138,6 +139,15 @@ class BudgetMetrics:
         for ns in self._shown_namespaces - set(hours):
             self.namespace_gpu_hours.remove(ns)
         self._shown_namespaces = set(hours)
+
+    def forget_plan(self) -> None:
+        """Drop every per-budget and per-namespace series (this replica no longer leads: the new
+        leader's are the ones to read)."""
+        self.show_gauges(())
+        for ns in self._shown_namespaces:
+            self.namespace_gpu_hours.remove(ns)
+        self._shown_namespaces = set()
+        self.oldest_unfolded.set(0)
 
     def show_oldest_unfolded(self, oldest: datetime | None, now: datetime) -> None:
         age = 0.0 if oldest is None else max(0.0, (now - oldest).total_seconds())

@@ -127,6 +127,8 @@ class BudgetController:
             )
             self._was_leader = leading
             self._next_reconcile = now if leading else None
+            if not leading:
+                self.metrics.forget_plan()
         timing = self.elector.timing
         if not leading:
             return timing.retry_period_s

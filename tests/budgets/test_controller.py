@@ -139,16 +139,20 @@ def test_an_api_outage_is_counted_and_retried_never_a_crash(
 ) -> None:
     server, client = kube
     clock = FakeClock(NOW)
-    planner = Planner(gauges_plan(), gauges_plan())
+    gauge = BudgetGauge("team-a", "gpuHours", 1.0, 10.0, False)
+    planner = Planner(gauges_plan(gauge), gauges_plan())
     c = controller(client, planner, clock)
     c.tick()
     assert c.elector.is_leader()
+    used = ("tessera_budget_used", (("budget", "team-a"), ("limit", "gpuHours")))
+    assert used in scrape(c)
     server.faults.start_outage("503")
     clock.advance(30)
     c.tick()  # the lease cannot be renewed, no reconcile is possible
     errors = scrape(c)[("tessera_budget_reconcile_errors_total", ())]
     assert errors == 1 and not c.elector.is_leader()
     assert scrape(c)[("tessera_budget_leader", ())] == 0
+    assert used not in scrape(c)  # a replica that lost the Lease shows no budget's figures
     server.faults.end_outage()
     clock.advance(2)
     c.tick()
