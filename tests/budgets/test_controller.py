@@ -216,3 +216,22 @@ def test_the_view_reads_every_list_and_pages_through_them(
     assert [p["metadata"]["name"] for p in view.pods] == ["train-1"]  # only pods with claims
     assert {n["metadata"]["name"] for n in view.namespaces} >= {"team-a", "tessera-system"}
     assert view.prices is None
+
+
+def test_each_namespaces_gpu_hours_this_month_come_from_its_summaries(
+    kube: tuple[ApiServer, KubeClient],
+) -> None:
+    server, client = kube
+    for name, seconds in (("team-a.2026-12-04", 5400.0), ("team-a.2026-12-01", 1800.0),
+                          ("team-a.2026-11-30", 3600.0), ("team-b.2026-12-02", 360.0)):  # fmt: skip
+        s = cluster.summary(name)
+        s["spec"]["buckets"] = [{"start": f"{s['spec']['day']}T00:00:00Z", "usage": [
+            {"node": "n1", "allocatedGpuSeconds": seconds / 2},
+            {"node": "n2", "allocatedGpuSeconds": seconds / 2}]}]  # fmt: skip
+        server.put_object("gpuusagesummaries", s)
+    clock = FakeClock(NOW)
+    c = controller(client, Planner(gauges_plan()), clock)
+    c.tick()
+    m = scrape(c)
+    assert m[("tessera_budget_namespace_gpu_hours", (("namespace", "team-a"),))] == 2.0
+    assert m[("tessera_budget_namespace_gpu_hours", (("namespace", "team-b"),))] == 0.1
