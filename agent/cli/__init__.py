@@ -307,6 +307,11 @@ TREE = Command(
             "GPU-hours, energy and cost this node has counted per claim or namespace",
             module="agent.cli.usage",
         ),
+        Command(
+            "budgets",
+            "run the budget controller (GPU-hour, energy and cost budgets; a Deployment)",
+            module="agent.cli.budgets",
+        ),
         Command("sim", "simulator controls", module="agent.cli.sim"),
     ),
 )

@@ -13,12 +13,14 @@ in ``agent/cli/``. The package:
   and environment -> settings, a bad value a ConfigError naming its flag or variable);
 - :mod:`~agent.config.node_settings`, :mod:`~agent.config.daemon_settings`,
   :mod:`~agent.config.serving_settings`: the groups of Config; ``agent.cli.docs`` renders
-  docs/configuration.md from them.
+  docs/configuration.md from them;
+- :mod:`~agent.config.budgets_settings`: the budget controller's (``tessera budgets``).
 
 Nothing below the CLI reads ``os.environ``: the CLI passes the environment in.
 """
 
 from agent.config.agent_config import Config, load_config, settings
+from agent.config.budgets_settings import BudgetsSettings
 from agent.config.converters import (
     CrashAt,
     boolean,
@@ -65,9 +67,9 @@ from agent.config.options import add_options, dest, load_settings, option_help, 
 from agent.config.serving_settings import HttpSettings, TelemetrySettings
 
 __all__ = [
-    "ENV_PREFIX", "REQUIRED", "CdiSettings", "ClusterSettings", "Config", "CrashAt",
-    "DaemonSettings", "DriverSettings", "HttpSettings", "KubeletSettings", "NodeSettings",
-    "Origin", "PublishingSettings", "Setting", "SettingMeta", "SharingSettings",
+    "ENV_PREFIX", "REQUIRED", "BudgetsSettings", "CdiSettings", "ClusterSettings", "Config",
+    "CrashAt", "DaemonSettings", "DriverSettings", "HttpSettings", "KubeletSettings",
+    "NodeSettings", "Origin", "PublishingSettings", "Setting", "SettingMeta", "SharingSettings",
     "SimulatorSettings", "TelemetrySettings", "add_options", "boolean", "build_settings",
     "crash_at", "dest", "dns_subdomain", "env_name", "flag_name", "fraction", "host_port",
     "integer", "load_config", "load_settings", "memory_quantity", "non_negative_int",

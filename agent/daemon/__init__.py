@@ -3,6 +3,8 @@
 - :mod:`~agent.daemon.compose`: ``build_agent``, the only place that constructs the object
   graph, in one pass, from a Config and what the CLI decided about the node (:class:`NodeAccess`:
   a real node or the simulator's; this package never imports the simulator);
+- :mod:`~agent.daemon.budgets_compose`: ``build_budgets``, the budget controller's own root
+  (``tessera budgets``; imported by that command only);
 - :mod:`~agent.daemon.agent`: :class:`Agent`, ``start``/``stop``/``run``;
 - :mod:`~agent.daemon.devices`: the node's devices, their publishing and health;
 - :mod:`~agent.daemon.sampling`: telemetry (sampler, its state, its API server);

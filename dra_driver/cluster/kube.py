@@ -102,8 +102,13 @@ class KubeClient:
         self._closed = False
 
     @classmethod
-    def from_config(cls, kubeconfig: Path | None) -> KubeClient:
-        """From a kubeconfig file, else the in-cluster service account. Touches no global state."""
+    def from_config(
+        cls,
+        kubeconfig: Path | None,
+        hint: str = "pass --kubeconfig FILE, or --no-kube to run standalone",
+    ) -> KubeClient:
+        """From a kubeconfig file, else the in-cluster service account; ``hint`` ends the error
+        when neither can be loaded (what the command's user can do). Touches no global state."""
         cfg = kclient.Configuration()
         try:
             if kubeconfig is not None:
@@ -112,10 +117,7 @@ class KubeClient:
                 kconfig.load_incluster_config(client_configuration=cfg)
         except (kconfig.ConfigException, OSError) as exc:
             where = f"--kubeconfig {kubeconfig}" if kubeconfig else "in-cluster configuration"
-            raise ConfigError(
-                f"cannot load {where}: {exc}; pass --kubeconfig FILE, or --no-kube to run"
-                " standalone"
-            ) from exc
+            raise ConfigError(f"cannot load {where}: {exc}; {hint}") from exc
         except (yaml.YAMLError, TypeError, AttributeError, ValueError) as exc:
             # the client's loader trips over files that are not kubeconfigs (e.g. plain text)
             raise ConfigError(

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "deploy" / "daemonset"
 COMPONENT = BASE / "components" / "monitoring"
 POD_MONITOR = COMPONENT / "pod-monitor"
+BUDGETS_MONITOR = COMPONENT / "budgets"
 RULES = COMPONENT / "prometheusrule.yaml"
 DASHBOARD = COMPONENT / "tessera-dashboard.json"
 UNIT_TESTS = Path(__file__).with_name("prometheusrule_test.yaml")
@@ -218,6 +219,26 @@ def test_the_pod_monitor_scrapes_the_agent_pods(with_pod_monitor):
     _job_and_node(ep, pm["spec"]["jobLabel"], pod["metadata"]["labels"])
 
 
+def test_the_budgets_pod_monitor_scrapes_the_controller_as_its_alerts_expect(tmp_path, crd_schemas):
+    objs = render(tmp_path, COMPONENT, BUDGETS_MONITOR)
+    [pm] = [o for o in objs if o["kind"] == "PodMonitor"]  # the agents' ServiceMonitor stays
+    assert one(objs, "ServiceMonitor")["metadata"]["name"] == "tessera"
+    jsonschema.validate(pm, crd_schemas["PodMonitor"])
+    deployment = yaml.safe_load_all((BASE / "budgets" / "controller.yaml").read_text())
+    pod = next(d for d in deployment if d["kind"] == "Deployment")["spec"]["template"]
+    assert pm["metadata"]["namespace"] == "tessera-system"
+    assert _matches(pm["spec"]["selector"], pod["metadata"]["labels"])
+    # job="tessera-budgets": the pod's label named by jobLabel
+    assert pod["metadata"]["labels"][pm["spec"]["jobLabel"]] == "tessera-budgets"
+    [ep] = pm["spec"]["podMetricsEndpoints"]
+    assert ep["port"] in {p["name"] for c in pod["spec"]["containers"] for p in c["ports"]}
+    group = next(g for g in rule_spec()["groups"] if g["name"] == "tessera-budgets")
+    assert {r["alert"] for r in group["rules"]} == {
+        "TesseraBudgetNearlyExhausted", "TesseraBudgetExhausted", "TesseraBudgetControllerDown",
+        "TesseraUsageNotFolded",
+    }  # fmt: skip
+
+
 def _strict(schema: Any) -> Any:
     """The CRD's schema with unknown fields refused, as `kubectl apply` with strict field
     validation does (the API server would otherwise drop a misspelt field silently)."""
@@ -330,6 +351,26 @@ def test_the_unit_tests_notice_a_broken_alert(tmp_path):
     out = run_unit_tests(tmp_path, spec)
     assert out.returncode != 0
     assert "alertname: TesseraGpuFatalXid, time: 6m" in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    ("alert", "wrong", "when"),
+    [
+        ("TesseraBudgetNearlyExhausted", ("0.9", "0.95"), "7m"),
+        ("TesseraBudgetControllerDown", ("> 300", "> 900"), "7m"),
+        ("TesseraUsageNotFolded", ("3600", "7200"), "11m"),
+    ],
+)
+def test_the_unit_tests_notice_a_wrong_budget_threshold(tmp_path, alert, wrong, when):
+    spec = rule_spec()
+    for group in spec["groups"]:
+        for rule in group["rules"]:
+            if rule.get("alert") == alert:
+                assert wrong[0] in rule["expr"]
+                rule["expr"] = rule["expr"].replace(*wrong)
+    out = run_unit_tests(tmp_path, spec)
+    assert out.returncode != 0
+    assert f"alertname: {alert}, time: {when}" in out.stdout + out.stderr
 
 
 def test_every_alert_has_a_unit_test_that_fires_and_one_that_does_not():
@@ -445,8 +486,8 @@ def sample_names(name: str, kind: str) -> set[str]:
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
-    """Sample names in a real agent's /metrics (`tessera run --simulate dgx-h100`): every
-    family is there, with or without samples (the TYPE lines)."""
+    """Sample names in a real agent's /metrics (`tessera run --simulate dgx-h100`) and the budget
+    controller's: every family is there, with or without samples (the TYPE lines)."""
     from tests.integration.daemon import Daemon
 
     d = Daemon(tmp_path_factory.mktemp("agent"), "dgx-h100").start()
@@ -455,6 +496,11 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
             text = r.read().decode()
     finally:
         d.stop()
+    # and the budget controller's (tessera budgets), as its endpoint serves them: every family
+    # is declared in its registry, with or without samples
+    from dra_driver.budgets.budget_metrics import BudgetMetrics
+
+    text += BudgetMetrics().exposition()[0].decode()
     out = set()
     for fam in text_string_to_metric_families(text):
         name = fam.name + ("_total" if fam.type == "counter" else "")

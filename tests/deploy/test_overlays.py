@@ -35,9 +35,10 @@ needs_kubectl = pytest.mark.skipif(
 MONITORING_GROUP = "monitoring.coreos.com"
 """ServiceMonitor, PodMonitor, PrometheusRule: not built-in kinds, so kubernetes-validate has no
 schema for them; tests/deploy/test_monitoring.py validates them against the operator's CRDs."""
-OWNED_ELSEWHERE = {"monitoring", "monitoring/pod-monitor"}
-"""components/monitoring (and its PodMonitor variant): rendered and validated here like every
-component, their own behaviour tested in tests/deploy/test_monitoring.py."""
+OWNED_ELSEWHERE = {"monitoring", "monitoring/pod-monitor", "monitoring/budgets"}
+"""components/monitoring (and its PodMonitor variant, and the budget controller's PodMonitor):
+rendered and validated here like every component, their own behaviour tested in
+tests/deploy/test_monitoring.py."""
 
 COMPONENTS = sorted(p.parent.name for p in COMPONENTS_DIR.glob("*/kustomization.yaml"))
 COMBINATIONS: list[tuple[str, ...]] = [
@@ -50,6 +51,7 @@ COMBINATIONS: list[tuple[str, ...]] = [
     ("dynamic-mig", "time-slicing", "device-taints", "rolling-update", "nfd-node-selector"),
     # a component inside another one refines it and is rendered with it
     ("monitoring", "monitoring/pod-monitor"),
+    ("monitoring", "monitoring/budgets"),
 ]
 POD_UID = "4f1b2c3d-5e6f-4a7b-8c9d-0e1f2a3b4c5d"
 DOWNWARD = {"spec.nodeName": "gpu-node-1", "metadata.uid": POD_UID}

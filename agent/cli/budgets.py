@@ -1,0 +1,55 @@
+"""``tessera budgets``: the budget controller (docs/budgets.md "The controller"). Two replicas run
+in the tessera-system Deployment; the one holding the Lease folds the nodes' usage reports into
+summaries, writes each GpuBudget's status, raises Events and evicts for Terminate budgets. Logs
+are JSON lines; SIGTERM releases the Lease (the other replica takes over at once) and stops.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+from agent.cli.framework import EXIT_ERROR, Command, Invocation, Uses
+from agent.config import BudgetsSettings
+
+
+def cmd_budgets(inv: Invocation) -> int:
+    from agent.daemon.budgets_compose import build_budgets
+    from agent.logs import configure_logging
+
+    settings = inv.get(BudgetsSettings)
+    log = configure_logging(settings.log_format, settings.log_level)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log.info("signal received, shutting down", extra={"fields": {"signal": signum}})
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        return build_budgets(settings, log).run(stop)
+    except Exception as exc:  # logs are JSON from here on: the reason is a log record too
+        reason = inv.describe(exc)  # worded like every command's failures; None: a bug
+        if reason is None:
+            log.critical(
+                "budget controller failed with an internal error",
+                exc_info=exc,
+                extra={"fields": {"error": f"{type(exc).__name__}: {exc}"}},
+            )
+            return 1
+        log.error("budget controller cannot run", extra={"fields": {"error": reason}})
+        return EXIT_ERROR
+
+
+COMMAND = Command(
+    "budgets",
+    "run the budget controller (GPU-hour, energy and cost budgets; a Deployment)",
+    cmd_budgets,
+    (Uses(BudgetsSettings),),
+    description="The budget controller: elects a leader on a Lease; the leader folds the"
+    " nodes' GpuUsageReports into GpuUsageSummaries, writes every GpuBudget's status, raises"
+    " Events at thresholds and exhaustion, and evicts the pods of an exhausted Terminate budget"
+    " (docs/budgets.md). Serves /metrics, /healthz and /readyz on --metrics-address.",
+)
