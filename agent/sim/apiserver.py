@@ -39,10 +39,11 @@ Modules: :mod:`~agent.sim.apiserver_types` (resource table, routes, discovery),
 :mod:`~agent.sim.apiserver_store` (objects, events), :mod:`~agent.sim.apiserver_strategy` (how a
 write turns the old object into the new one), :mod:`~agent.sim.apiserver_checks` (validation of
 each write, then admission), :mod:`~agent.sim.apiserver_lists` (list pages, continue tokens),
-:mod:`~agent.sim.apiserver_http` (HTTP and watch streaming), :mod:`~agent.sim.apiserver_faults`
-(faults, request log), :mod:`~agent.sim.apiserver_select` (selectors),
-:mod:`~agent.sim.apiserver_patch` (PATCH bodies), the CRD, eviction, OpenAPI and Table modules
-named above.
+:mod:`~agent.sim.apiserver_http` (HTTP: requests, routing, responses),
+:mod:`~agent.sim.apiserver_watch` (what a watch streams, and when it ends),
+:mod:`~agent.sim.apiserver_faults` (faults, request log), :mod:`~agent.sim.apiserver_select`
+(selectors), :mod:`~agent.sim.apiserver_patch` (PATCH bodies), the CRD, eviction, OpenAPI and
+Table modules named above.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Every request is logged, checked against the armed faults, then routed: discovery documents,
 or a resource route (list/watch/create/delete-collection on a collection; get/update/patch/delete
-on an object; get/update/patch on ``/status``). Watches stream chunked JSON lines until
-``timeoutSeconds``, a 410 from the history, the client going away, or the server stopping.
+on an object; get/update/patch on ``/status``). A watch is a chunked response of JSON lines: this
+module frames it and counts the open watches (stop() waits for them);
+:mod:`~agent.sim.apiserver_watch` decides what goes in it and when it ends.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from agent.sim.apiserver_faults import (
     RequestLog,
     RequestRecord,
 )
-from agent.sim.apiserver_history import ADDED, DELETED, MODIFIED, WatchEvent
 from agent.sim.apiserver_openapi import OpenApi
 from agent.sim.apiserver_select import (
     FieldTerm,
@@ -47,11 +47,11 @@ from agent.sim.apiserver_select import (
 )
 from agent.sim.apiserver_store import Obj, Store
 from agent.sim.apiserver_table import table, wants_table
+from agent.sim.apiserver_watch import Cut, Watch
 
 log = logging.getLogger(__name__)
 
 _TRUE = TRUE
-_POLL = 0.25  # how often an idle watch checks whether its client went away
 
 
 @dataclass
@@ -65,7 +65,7 @@ class Context:
     bookmark_interval: float
     watch_timeout: float
     monotonic: Callable[[], float] = time.monotonic
-    """Times watches; the real waits between checks are at most ``_POLL``."""
+    """Times watches; the real waits between checks are at most ``apiserver_watch.POLL``."""
     access: AccessRules = field(default_factory=AccessRules)
     """Who may do what (everything, unless denied)."""
     evictions: EvictionLog = field(default_factory=EvictionLog)
@@ -75,10 +75,6 @@ class Context:
     stopping: threading.Event = field(default_factory=threading.Event)
     watch_count: int = 0
     watch_done: threading.Condition = field(default_factory=threading.Condition)
-
-
-class _Cut(Exception):
-    """The test cut the open watches (``FaultInjector.cut_watches``)."""
 
 
 class HttpServer(ThreadingHTTPServer):
@@ -163,19 +159,6 @@ def selection_for(
     if name is not None:
         fields.append(FieldTerm("metadata.name", True, name))
     return Selection(namespace, tuple(fields), tuple(labels))
-
-
-def event_for(event: WatchEvent, selection: Selection) -> tuple[str, Obj] | None:
-    """What a watcher with ``selection`` sees of ``event`` (an object leaving it is DELETED)."""
-    now = selection.matches(event.obj)
-    before = event.old is not None and selection.matches(event.old)
-    if event.type == ADDED:
-        return (ADDED, event.obj) if now else None
-    if event.type == DELETED:
-        return (DELETED, event.obj) if now or before else None
-    if now:
-        return (MODIFIED if before else ADDED, event.obj)
-    return (DELETED, event.obj) if before else None
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -402,7 +385,7 @@ class Handler(BaseHTTPRequestHandler):
             raise err.path_not_found()
         self._send(200, data, "application/json")
 
-    # ------------------------------------------------------------------------------- watch
+    # ------------------------------------------------------------------------------- watch framing
 
     def _chunk(self, data: bytes) -> None:
         self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
@@ -422,18 +405,18 @@ class Handler(BaseHTTPRequestHandler):
     def _watch(self, rt: types.ResourceType, selection: Selection, params: dict[str, str]) -> None:
         ctx = self.server.ctx
         timeout = _int_param(params, "timeoutSeconds")
-        deadline = ctx.monotonic() + (ctx.watch_timeout if timeout is None else timeout)
-        bookmarks = params.get("allowWatchBookmarks") in _TRUE
-        error: ApiError | None = None
-        try:
-            cursor, initial = ctx.store.watch_start(
-                rt, selection, params.get("resourceVersion", "")
-            )
-        except ApiError as exc:
-            if exc.code != 410:
-                raise
-            cursor, initial, error = 0, [], exc
-        cuts = ctx.faults.cuts  # before the watch is seen as open: a cut after that reaches it
+        watch = Watch.open(
+            ctx.store,
+            ctx.faults,
+            rt,
+            selection,
+            params.get("resourceVersion", ""),
+            deadline=ctx.monotonic() + (ctx.watch_timeout if timeout is None else timeout),
+            monotonic=ctx.monotonic,
+            bookmark_interval=ctx.bookmark_interval,
+            bookmarks=params.get("allowWatchBookmarks") in _TRUE,
+            initial_events_end=params.get("sendInitialEvents") in _TRUE,
+        )
         self._record(200)
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -443,9 +426,10 @@ class Handler(BaseHTTPRequestHandler):
         with ctx.watch_done:
             ctx.watch_count += 1
         try:
-            self._stream(rt, selection, cursor, initial, error, deadline, bookmarks, params, cuts)
+            if watch.stream(self._event, self._peer_closed):
+                self.close_connection = True
             self.wfile.write(b"0\r\n\r\n")
-        except _Cut:  # hang up without the last chunk: the client sees the stream broken
+        except Cut:  # hang up without the last chunk: the client sees the stream broken
             self.close_connection = True
             with contextlib.suppress(OSError):
                 self.wfile.flush()
@@ -458,63 +442,3 @@ class Handler(BaseHTTPRequestHandler):
             with ctx.watch_done:
                 ctx.watch_count -= 1
                 ctx.watch_done.notify_all()
-
-    def _stream(
-        self,
-        rt: types.ResourceType,
-        selection: Selection,
-        cursor: int,
-        initial: list[WatchEvent],
-        error: ApiError | None,
-        deadline: float,
-        bookmarks: bool,
-        params: dict[str, str],
-        cuts: int,
-    ) -> None:
-        """``cuts``: the faults' cut count when the watch opened (a cut since ends it)."""
-        ctx = self.server.ctx
-
-        def bookmark(rv: int, annotations: dict[str, str] | None = None) -> None:
-            meta: Obj = {"resourceVersion": str(rv)}
-            if annotations:
-                meta["annotations"] = annotations
-            self._event(
-                "BOOKMARK", {"kind": rt.kind, "apiVersion": rt.api_version, "metadata": meta}
-            )
-
-        if error is not None:
-            self._event("ERROR", error.status())
-            return
-        for event in initial:
-            self._event(ADDED, event.obj)
-        if bookmarks and params.get("sendInitialEvents") in _TRUE:
-            bookmark(cursor, {"k8s.io/initial-events-end": "true"})
-        next_bookmark = ctx.monotonic() + ctx.bookmark_interval
-        while not ctx.store.closed:
-            if ctx.faults.cuts != cuts:
-                raise _Cut
-            now = ctx.monotonic()
-            if now >= deadline:
-                return
-            wait = min(deadline - now, _POLL, max(0.0, next_bookmark - now) if bookmarks else _POLL)
-            try:
-                events, current = ctx.store.wait_events(rt, cursor, wait)
-            except ApiError as exc:
-                if ctx.faults.cuts != cuts:
-                    raise _Cut from None
-                self._event("ERROR", exc.status())
-                return
-            if ctx.faults.cuts != cuts:  # nothing that happened after the cut reaches the client
-                raise _Cut
-            for event in events:
-                seen = event_for(event, selection)
-                if seen is not None:
-                    self._event(*seen)
-                cursor = event.rv
-            if bookmarks and ctx.monotonic() >= next_bookmark:
-                cursor = max(cursor, current)
-                bookmark(cursor)
-                next_bookmark = ctx.monotonic() + ctx.bookmark_interval
-            if not events and self._peer_closed():
-                self.close_connection = True
-                return
