@@ -274,7 +274,7 @@ def test_newer_version_is_refused_and_left_alone(store: CheckpointStore, path: P
     assert f"version {CHECKPOINT_VERSION + 1}" in message
     assert f"up to {CHECKPOINT_VERSION}" in message
     assert "upgrade Tessera or move the file aside" in message
-    assert (info.value.version, info.value.supported) == (CHECKPOINT_VERSION + 1, 2)
+    assert (info.value.version, info.value.supported) == (CHECKPOINT_VERSION + 1, CHECKPOINT_VERSION)
     assert path.read_bytes() == before
     assert [p.name for p in path.parent.iterdir()] == ["checkpoint.json"]
 
