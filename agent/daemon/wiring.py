@@ -39,7 +39,7 @@ from dra_driver.kubeletplugin.server import PluginServer
 from dra_driver.sharing.dynamic_mig import DynamicMig
 from dra_driver.sharing.mps import MpsControl
 from dra_driver.sharing.node_tools import Tools, find_tool, tool_env
-from dra_driver.sharing.power import GpuPower
+from dra_driver.sharing.power_cap import GpuPower
 from dra_driver.sharing.timeslice import GpuSettings
 
 if TYPE_CHECKING:  # imported where kube mode starts (build_agent)

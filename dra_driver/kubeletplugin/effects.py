@@ -65,7 +65,7 @@ from dra_driver.kubeletplugin.plan import (
 )
 from dra_driver.sharing.dynamic_mig import DynamicMig
 from dra_driver.sharing.mps import MpsControl, MpsDaemon, MpsSettings
-from dra_driver.sharing.power import GpuPower
+from dra_driver.sharing.power_cap import GpuPower
 from dra_driver.sharing.timeslice import GpuSettings
 
 T = TypeVar("T")
