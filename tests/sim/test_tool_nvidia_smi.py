@@ -137,7 +137,7 @@ def test_mig_mode_in_queries(a100: SimNode, h100: SimNode):
     )
 
 
-def test_power_fields_show_a_limit_nvml_set(h100: SimNode):
+def test_power_fields_show_a_limit_nvml_set(h100: SimNode) -> None:
     h100.fake.nvmlDeviceSetPowerManagementLimit(h100.fake.nvmlDeviceGetHandleByIndex(2), 350_000)
     fields = "power.limit,power.default_limit,power.min_limit,power.max_limit,power.draw"
     result = smi(h100, "-i", "2", f"--query-gpu={fields}", "--format=csv")
