@@ -39,7 +39,14 @@ from dataclasses import dataclass
 
 from agent.discovery.inventory import Gpu, NodeInventory
 from agent.nvml.mig import mode_switch_needs_reset
-from agent.nvml.types import GpuDevice, MigInstance, MigProfile, Placement, SystemInfo
+from agent.nvml.types import (
+    GpuDevice,
+    MigInstance,
+    MigProfile,
+    Placement,
+    PowerLimits,
+    SystemInfo,
+)
 
 STANDARD_DOMAIN = "resource.kubernetes.io"
 MIG_MODES = ("static", "dynamic")
@@ -149,6 +156,9 @@ class AdvertisedDevice:
     """(capacity name, how a claim consumes it) for consumable capacity."""
     taints: tuple[DeviceTaint, ...] = ()
     """Set by ``dra_driver.advertise.taints.with_health`` for devices of an unhealthy GPU."""
+    power_limits: PowerLimits | None = None
+    """A whole GPU's power-limit range and default in milliwatts, exactly as NVML reports them
+    (the attributes round them to watts); None for MIG devices and GPUs without one."""
 
     def api(self) -> dict[str, object]:
         """The v1 Device object as the API server stores it."""
@@ -257,6 +267,21 @@ def _parent_attributes(gpu: Gpu, system: SystemInfo) -> dict[str, dict[str, obje
     return attrs
 
 
+def power_attributes(limits: PowerLimits | None) -> dict[str, dict[str, object]]:
+    """A whole GPU's power-limit attributes, in whole watts (a claim's CEL selector compares
+    them: docs/claims-cookbook.md, "Prefer efficient GPUs"): ``powerLimitMinWatts`` rounded up
+    and ``powerLimitMaxWatts`` rounded down (every whole number of watts between them can be
+    set), ``powerLimitDefaultWatts`` (what the GPU boots with, its rated board power) rounded
+    down. None of them where NVML cannot set a limit on the GPU."""
+    if limits is None:
+        return {}
+    return {
+        "powerLimitMinWatts": _i(-(-limits.min_mw // 1000)),
+        "powerLimitMaxWatts": _i(limits.max_mw // 1000),
+        "powerLimitDefaultWatts": _i(limits.default_mw // 1000),
+    }
+
+
 def _sorted_attrs(attrs: dict[str, dict[str, object]]) -> tuple[Attribute, ...]:
     return tuple(sorted(attrs.items()))
 
@@ -271,6 +296,7 @@ def _whole_gpu(
     d = gpu.device
     attrs = _parent_attributes(gpu, system)
     attrs |= {"type": _s("gpu"), "uuid": _s(d.uuid), "nvlinkLinks": _i(gpu.nvlink_links)}
+    attrs |= power_attributes(d.power_limits)
     consumes = ((counters.name, counters.counters),) if counters is not None else ()
     policies: tuple[tuple[str, RequestPolicy], ...] = ()
     if policy.sharing == "memory-shares":
@@ -293,6 +319,7 @@ def _whole_gpu(
         consumes_counters=consumes,
         allow_multiple_allocations=policy.sharing != "none",
         request_policies=policies,
+        power_limits=d.power_limits,
     )
 
 

@@ -61,6 +61,8 @@ TIMESLICE_STEPS = frozenset({"after-compute-policy"})
 """Reached only while a GPU's time-slice is set."""
 MPS_STEPS = frozenset({"after-mps-start"})
 """Reached only when a claim's MPS daemon is started (MPS and memory shares)."""
+POWER_STEPS = frozenset({"after-power-recorded", "after-power-limit"})
+"""Reached only when a claim caps a GPU's power (``powerLimit``)."""
 
 BATCH_OCCURRENCE = 2
 """A batch crashes the second time its point is reached."""
@@ -119,6 +121,16 @@ def _mps(**fields: Any) -> dict[str, Any]:
     return sharing_config("GpuConfig", "MPS", **fields)
 
 
+def _power(limit: str) -> dict[str, Any]:
+    config = sharing_config("GpuConfig", "Exclusive")
+    config["opaque"]["parameters"] = {
+        "apiVersion": config["opaque"]["parameters"]["apiVersion"],
+        "kind": "GpuConfig",
+        "powerLimit": limit,
+    }
+    return config
+
+
 MODES = (
     Mode(
         "whole-gpu",
@@ -126,7 +138,7 @@ MODES = (
         (),
         single=(Claim("w0", ("gpu-0",)),),
         batch=(Claim("w1", ("gpu-1",)), Claim("w2", ("gpu-2", "gpu-3")), Claim("w4", ("gpu-4",))),
-        unreachable=MIG_STEPS | TIMESLICE_STEPS | MPS_STEPS,
+        unreachable=POWER_STEPS | MIG_STEPS | TIMESLICE_STEPS | MPS_STEPS,
     ),
     Mode(
         "static-mig",
@@ -138,7 +150,7 @@ MODES = (
             Claim("s2", ("gpu-0-mig-2g10gb-14-0",)),
             Claim("s3", ("gpu-1-mig-3g20gb-9-4", "gpu-2-mig-3g20gb-9-4")),
         ),
-        unreachable=MIG_STEPS | TIMESLICE_STEPS | MPS_STEPS,
+        unreachable=POWER_STEPS | MIG_STEPS | TIMESLICE_STEPS | MPS_STEPS,
     ),
     Mode(
         "dynamic-mig",
@@ -151,7 +163,7 @@ MODES = (
             Claim("d3", ("gpu-1-mig-3g40gb-9-4",)),
             Claim("d4", ("gpu-2",)),  # a whole GPU in dynamic mode: freed of MIG, nothing made
         ),
-        unreachable=TIMESLICE_STEPS | MPS_STEPS,
+        unreachable=POWER_STEPS | TIMESLICE_STEPS | MPS_STEPS,
     ),
     Mode(
         "time-slicing",
@@ -163,7 +175,7 @@ MODES = (
             Claim("t2", ("gpu-2",), _slice("Long")),  # two claims take turns on one GPU
             Claim("t3", ("gpu-3",), _slice("Medium")),
         ),
-        unreachable=MIG_STEPS | MPS_STEPS,
+        unreachable=POWER_STEPS | MIG_STEPS | MPS_STEPS,
     ),
     Mode(
         "mps",
@@ -175,7 +187,7 @@ MODES = (
             Claim("m2", ("gpu-6",), _mps(pinnedMemoryLimit="4Gi")),
             Claim("m3", ("gpu-7",), _mps()),
         ),
-        unreachable=MIG_STEPS | TIMESLICE_STEPS,
+        unreachable=POWER_STEPS | MIG_STEPS | TIMESLICE_STEPS,
     ),
     Mode(
         "memory-share",
@@ -183,7 +195,19 @@ MODES = (
         ("--sharing", "memory-shares", "--memory-share-min", "10Gi"),
         single=(Claim("q0", ("gpu-6",), memory="20Gi"),),
         batch=tuple(Claim(f"q{i}", ("gpu-7",), memory="20Gi") for i in (1, 2, 3)),
-        unreachable=MIG_STEPS | TIMESLICE_STEPS,  # each share has its own MPS daemon
+        unreachable=POWER_STEPS | MIG_STEPS | TIMESLICE_STEPS,  # each share has its own MPS daemon
+    ),
+    Mode(
+        "power-limit",
+        "dgx-h100",
+        (),
+        single=(Claim("p0", ("gpu-0",), _power("350W")),),
+        batch=(
+            Claim("p1", ("gpu-1",), _power("300W")),
+            Claim("p2", ("gpu-2", "gpu-3"), _power("0.5kW")),  # two GPUs, one cap
+            Claim("p4", ("gpu-4",)),  # no cap: its GPU keeps its own limit
+        ),
+        unreachable=MIG_STEPS | TIMESLICE_STEPS | MPS_STEPS,
     ),
 )
 BY_NAME = {m.name: m for m in MODES}

@@ -78,7 +78,9 @@ def node_violations(d: Daemon, baseline: MigLayout) -> list[str]:
     - the running MPS daemons are exactly the recorded ones, each serving its claim's devices,
       and only claims with a daemon have a daemon directory;
     - each GPU's time-slice is its time-slicing claims' interval (else the default), its compute
-      mode EXCLUSIVE_PROCESS exactly while a claim shares the whole GPU through MPS.
+      mode EXCLUSIVE_PROCESS exactly while a claim shares the whole GPU through MPS;
+    - each GPU's power limit is its claim's cap while a claim caps it, else the default (the
+      limit the simulated GPUs start with), and a capped claim recorded that limit to set back.
     """
     try:
         cp = load_checkpoint(d)
@@ -96,6 +98,37 @@ def node_violations(d: Daemon, baseline: MigLayout) -> list[str]:
     out += _mig_violations(d, claims, baseline)
     out += _mps_violations(d, claims)
     out += _gpu_setting_violations(d, claims)
+    out += _power_violations(d, claims)
+    return out
+
+
+def _power_violations(d: Daemon, claims: Mapping[str, ClaimEntry]) -> list[str]:
+    caps = {
+        dev.gpu_uuid: (uid, dev)
+        for uid, e in claims.items()
+        for dev in e.devices
+        if dev.power_limit_mw is not None
+    }
+    fake = FakeNvml(node_model(d.model), d.state / "sim")
+    fake.nvmlInit()
+    out = []
+    try:
+        for gpu in node_model(d.model).gpus:
+            h = fake.nvmlDeviceGetHandleByIndex(gpu.index)
+            now = fake.nvmlDeviceGetPowerManagementLimit(h)
+            default = fake.nvmlDeviceGetPowerManagementDefaultLimit(h)
+            uid, dev = caps.get(gpu.uuid, (None, None))
+            want = default if dev is None else dev.power_limit_mw
+            if now != want:
+                whose = f"claim {uid}'s cap" if uid else "the default: no claim caps it"
+                out.append(f"GPU {gpu.index}: power limit {now} mW, expected {want} ({whose})")
+            if dev is not None and dev.power_restore_mw != default:
+                out.append(
+                    f"claim {uid}: GPU {gpu.index} records {dev.power_restore_mw} mW to set back,"
+                    f" not the {default} mW it had"
+                )
+    finally:
+        fake.nvmlShutdown()
     return out
 
 

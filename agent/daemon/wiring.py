@@ -19,6 +19,7 @@ from agent.hotplug import DevicesChanged
 from agent.logs import fields_
 from agent.node import NodeSource
 from agent.nvml.mig import MigControl
+from agent.nvml.power import PowerControl
 from agent.telemetry.gpu_health import GpuHealth
 from agent.telemetry.metrics import AgentStatus
 from dra_driver.advertise.publisher import Publisher
@@ -38,6 +39,7 @@ from dra_driver.kubeletplugin.server import PluginServer
 from dra_driver.sharing.dynamic_mig import DynamicMig
 from dra_driver.sharing.mps import MpsControl
 from dra_driver.sharing.node_tools import Tools, find_tool, tool_env
+from dra_driver.sharing.power_cap import GpuPower
 from dra_driver.sharing.timeslice import GpuSettings
 
 if TYPE_CHECKING:  # imported where kube mode starts (build_agent)
@@ -253,6 +255,7 @@ def sharing_effects(
         devices=devices.get,
         log=log,
         crash_hook=crash,
+        power=GpuPower(PowerControl(source.nvml), log.getChild("power")),
     )
 
 

@@ -409,6 +409,23 @@ class NvmlApi(Protocol):
         """Milliwatts."""
         ...
 
+    # -- power limits (a whole GPU's; docs/gpu-facts.md, "Power limits") ------------------------
+    def nvmlDeviceGetPowerManagementLimitConstraints(self, handle: DeviceHandle) -> list[int]:
+        """``[minimum, maximum]`` power limit in milliwatts."""
+        ...
+
+    def nvmlDeviceGetPowerManagementDefaultLimit(self, handle: DeviceHandle) -> int:
+        """Milliwatts: the limit the GPU boots with."""
+        ...
+
+    def nvmlDeviceGetPowerManagementLimit(self, handle: DeviceHandle) -> int:
+        """Milliwatts: the limit set now."""
+        ...
+
+    def nvmlDeviceSetPowerManagementLimit(self, handle: DeviceHandle, limit: int) -> None:
+        """Milliwatts; root only; kept until the driver unloads (reboot, driver reload)."""
+        ...
+
     def nvmlDeviceGetTemperature(self, handle: DeviceHandle, sensor: int) -> int:
         """Degrees C."""
         ...

@@ -37,6 +37,7 @@ from agent.nvml.types import (
     MigProfile,
     NvLink,
     Placement,
+    PowerLimits,
     SystemInfo,
 )
 
@@ -258,7 +259,17 @@ class Nvml:
             mig_profiles=profiles,
             mig_instances=instances,
             nvlinks=self._nvlinks(api, h),
+            power_limits=self._power_limits(api, h),
         )
+
+    def _power_limits(self, api: NvmlApi, h: DeviceHandle) -> PowerLimits | None:
+        """The GPU's power-limit range and default; None where NVML cannot set one."""
+        constraints = self._optional(lambda: api.nvmlDeviceGetPowerManagementLimitConstraints(h))
+        default = self._optional(lambda: api.nvmlDeviceGetPowerManagementDefaultLimit(h))
+        if constraints is None or default is None:
+            return None
+        low, high = (int(v) for v in constraints)
+        return PowerLimits(min_mw=low, max_mw=high, default_mw=int(default))
 
     def memory(self, handle: DeviceHandle, dev: str) -> MemoryInfo:
         """Memory of a GPU or MIG device handle (of GPU ``dev``); ``reserved`` only where NVML

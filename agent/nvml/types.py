@@ -85,6 +85,16 @@ class NvLink:
 
 
 @dataclass(frozen=True)
+class PowerLimits:
+    """A GPU's power-limit range and default, in milliwatts, as NVML reports them
+    (``nvmlDeviceGetPowerManagementLimitConstraints``, ``...DefaultLimit``)."""
+
+    min_mw: int
+    max_mw: int
+    default_mw: int
+
+
+@dataclass(frozen=True)
 class GpuDevice:
     """Everything discovery needs to know about one GPU, read through NVML."""
 
@@ -107,6 +117,8 @@ class GpuDevice:
     mig_profiles: tuple[MigProfile, ...] = ()
     mig_instances: tuple[MigInstance, ...] = ()
     nvlinks: tuple[NvLink, ...] = field(default=())
+    power_limits: PowerLimits | None = None
+    """None when the GPU cannot have its power limit set (NVML answers NOT_SUPPORTED)."""
 
     @property
     def mig_capable(self) -> bool:

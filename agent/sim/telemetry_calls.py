@@ -11,6 +11,7 @@ or per-process utilization (NOT_SUPPORTED), as on real drivers.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, cast
 
 import pynvml
@@ -79,19 +80,43 @@ class TelemetryCalls(TelemetryBase):
         return util
 
     def nvmlDeviceGetPowerUsage(self, handle: api.DeviceHandle) -> int:
-        """Milliwatts."""
+        """Milliwatts, never above the limit in force."""
         slot, g = self._whole("nvmlDeviceGetPowerUsage", handle)
-        return tm.power_mw(slot.spec, tm.utilization(g))
+        return tm.power_mw(slot.spec, tm.utilization(g), g)
 
     def nvmlDeviceGetEnforcedPowerLimit(self, handle: api.DeviceHandle) -> int:
-        """Milliwatts (the board limit)."""
-        slot, _ = self._whole("nvmlDeviceGetEnforcedPowerLimit", handle)
-        return tm.power_limit_mw(slot.spec)
+        """Milliwatts: the limit in force (the one set, else the board limit)."""
+        slot, g = self._whole("nvmlDeviceGetEnforcedPowerLimit", handle)
+        return tm.enforced_limit_mw(slot.spec, g)
 
     def nvmlDeviceGetPowerManagementLimit(self, handle: api.DeviceHandle) -> int:
-        """Milliwatts (the board limit)."""
-        slot, _ = self._whole("nvmlDeviceGetPowerManagementLimit", handle)
+        """Milliwatts: the limit set since the driver loaded, else the default."""
+        slot, g = self._whole("nvmlDeviceGetPowerManagementLimit", handle)
+        return tm.enforced_limit_mw(slot.spec, g)
+
+    def nvmlDeviceGetPowerManagementDefaultLimit(self, handle: api.DeviceHandle) -> int:
+        """Milliwatts: the limit the GPU boots with (the board limit)."""
+        slot, _ = self._whole("nvmlDeviceGetPowerManagementDefaultLimit", handle)
         return tm.power_limit_mw(slot.spec)
+
+    def nvmlDeviceGetPowerManagementLimitConstraints(self, handle: api.DeviceHandle) -> list[int]:
+        """``[minimum, maximum]`` milliwatts (pynvml returns a list)."""
+        slot, _ = self._whole("nvmlDeviceGetPowerManagementLimitConstraints", handle)
+        return list(tm.power_constraints_mw(slot.spec))
+
+    def nvmlDeviceSetPowerManagementLimit(self, handle: api.DeviceHandle, limit: int) -> None:
+        """Set the GPU's power limit in milliwatts until the driver reloads; INVALID_ARGUMENT
+        outside the constraints, NOT_SUPPORTED on a MIG device handle (a power limit is the
+        physical GPU's). The counters are accumulated to now at the old limit first."""
+        slot, _ = self._whole("nvmlDeviceSetPowerManagementLimit", handle)
+        low, high = tm.power_constraints_mw(slot.spec)
+        if not low <= int(limit) <= high:
+            raise nvml_error(
+                _INVALID_ARGUMENT, f"power limit {limit} mW is outside {low}..{high} mW"
+            )
+        default = tm.power_limit_mw(slot.spec)
+        value = None if int(limit) == default else int(limit)
+        self._change_gpu(slot.index, lambda g: replace(g, power_limit_mw=value))
 
     def nvmlDeviceGetTotalEnergyConsumption(self, handle: api.DeviceHandle) -> int:
         """Millijoules since the driver was loaded."""
@@ -110,7 +135,7 @@ class TelemetryCalls(TelemetryBase):
         """MHz: NVML_CLOCK_GRAPHICS / NVML_CLOCK_SM (the same clock) or NVML_CLOCK_MEM."""
         slot, g = self._parent("nvmlDeviceGetClockInfo", handle)
         if type in (pynvml.NVML_CLOCK_GRAPHICS, pynvml.NVML_CLOCK_SM):
-            return tm.sm_clock_mhz(slot.spec, tm.utilization(g))
+            return tm.sm_clock_mhz(slot.spec, tm.utilization(g), g)
         if type == pynvml.NVML_CLOCK_MEM:
             return tm.profile(slot.spec).memory_mhz
         raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT, f"clock type {type}")
@@ -125,13 +150,13 @@ class TelemetryCalls(TelemetryBase):
 
     def nvmlDeviceGetCurrentClocksEventReasons(self, handle: api.DeviceHandle) -> int:
         """Bitmask of nvmlClocksEventReason* (GpuIdle when idle, SwPowerCap near full load)."""
-        _, g = self._parent("nvmlDeviceGetCurrentClocksEventReasons", handle)
-        return tm.clocks_event_reasons(tm.utilization(g))
+        slot, g = self._parent("nvmlDeviceGetCurrentClocksEventReasons", handle)
+        return tm.clocks_event_reasons(tm.utilization(g), slot.spec, g)
 
     def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: api.DeviceHandle) -> int:
         """The deprecated name of :meth:`nvmlDeviceGetCurrentClocksEventReasons`."""
-        _, g = self._parent("nvmlDeviceGetCurrentClocksThrottleReasons", handle)
-        return tm.clocks_event_reasons(tm.utilization(g))
+        slot, g = self._parent("nvmlDeviceGetCurrentClocksThrottleReasons", handle)
+        return tm.clocks_event_reasons(tm.utilization(g), slot.spec, g)
 
     # -- PCIe ----------------------------------------------------------------------------------
     def nvmlDeviceGetPcieThroughput(self, device: api.DeviceHandle, counter: int) -> int:
@@ -199,8 +224,8 @@ class TelemetryCalls(TelemetryBase):
                 _ULL,
                 tm.floor_int(tm.energy_mj(spec, g, now)),
             ),
-            f.NVML_FI_DEV_POWER_INSTANT: (_UI, tm.power_mw(spec, u)),
-            f.NVML_FI_DEV_POWER_AVERAGE: (_UI, tm.power_mw(spec, u)),
+            f.NVML_FI_DEV_POWER_INSTANT: (_UI, tm.power_mw(spec, u, g)),
+            f.NVML_FI_DEV_POWER_AVERAGE: (_UI, tm.power_mw(spec, u, g)),
             f.NVML_FI_DEV_MEMORY_TEMP: (
                 (_UI, tm.memory_temperature_c(u)) if tm.profile(spec).hbm else None
             ),

@@ -3,8 +3,15 @@
 The load of a GPU is its scripted utilization plus the SM utilization of its processes, capped
 at 1 (``u``). From it, in NVML's units:
 
-* power (mW) = limit x (idle + u x (1 - idle)), idle = 12 % of the board limit;
-* energy (mJ since driver load) = the integral of that power over the injected clock;
+* power (mW) = limit x (idle + u x (1 - idle)), idle = 12 % of the board (default) limit;
+* under a power cap (``nvmlDeviceSetPowerManagementLimit``; kept in ``SimGpu.power_limit_mw``
+  until a driver reload, as NVML keeps it): the draw is ``min(that power, cap)``, never more.
+  The GPU stays busy (utilization is the fraction of time a kernel runs, which a cap does not
+  change) but runs slower: the SM clock is scaled by the dynamic power it may still draw,
+  ``(cap - idle) / (power - idle)``, with the SW power cap clocks-event reason. The cap is
+  within ``power_constraints_mw`` (each product's minimum, in ``PROFILES``, up to its board
+  limit), so it is always above the idle power;
+* energy (mJ since driver load) = the integral of the (capped) power over the injected clock;
 * GPU utilization = 100 u %, memory-copy utilization = 60 u %;
 * temperature 30 + 45 u degrees C, HBM memory 4 degrees warmer (GDDR products have no memory
   sensor: NOT_SUPPORTED);
@@ -53,16 +60,19 @@ class TelemetryProfile:
     """PCIe RX throughput at full load (TX is half of it), KB/s."""
     nvlink_full_kibps: int
     """Per active link and direction at full load, KiB/s."""
+    power_min_w: int = 100
+    """The lowest power limit NVML accepts (``nvmlDeviceGetPowerManagementLimitConstraints``'s
+    minimum); the maximum is the board limit."""
 
 
 _GIB_KIB = 1024 * 1024
 PROFILES: dict[str, TelemetryProfile] = {
-    "H100-SXM5-80GB": TelemetryProfile(345, 1980, 2619, True, 24_000_000, 12 * _GIB_KIB),
-    "H200-SXM5-141GB": TelemetryProfile(345, 1980, 3201, True, 24_000_000, 12 * _GIB_KIB),
-    "A100-SXM4-40GB": TelemetryProfile(210, 1410, 1215, True, 12_000_000, 10 * _GIB_KIB),
-    "A100-PCIE-80GB": TelemetryProfile(210, 1410, 1512, True, 12_000_000, 10 * _GIB_KIB),
-    "L40S": TelemetryProfile(210, 2520, 9001, False, 12_000_000, 0),
-    "L4": TelemetryProfile(210, 2040, 6251, False, 6_000_000, 0),
+    "H100-SXM5-80GB": TelemetryProfile(345, 1980, 2619, True, 24_000_000, 12 * _GIB_KIB, 200),
+    "H200-SXM5-141GB": TelemetryProfile(345, 1980, 3201, True, 24_000_000, 12 * _GIB_KIB, 200),
+    "A100-SXM4-40GB": TelemetryProfile(210, 1410, 1215, True, 12_000_000, 10 * _GIB_KIB, 100),
+    "A100-PCIE-80GB": TelemetryProfile(210, 1410, 1512, True, 12_000_000, 10 * _GIB_KIB, 150),
+    "L40S": TelemetryProfile(210, 2520, 9001, False, 12_000_000, 0, 100),
+    "L4": TelemetryProfile(210, 2040, 6251, False, 6_000_000, 0, 40),
 }
 _DEFAULT = TelemetryProfile(210, 1500, 1500, False, 12_000_000, 10 * _GIB_KIB)
 
@@ -95,12 +105,35 @@ def memory_used(g: SimGpu, gi_id: int | None = None) -> int:
 
 
 def power_limit_mw(spec: GpuSpec) -> int:
+    """The board's (default) power limit: what the GPU boots with."""
     return spec.power_limit_w * 1000
 
 
-def power_mw(spec: GpuSpec, u: float) -> int:
+def power_constraints_mw(spec: GpuSpec) -> tuple[int, int]:
+    """(minimum, maximum) power limit NVML accepts for the product."""
+    return profile(spec).power_min_w * 1000, power_limit_mw(spec)
+
+
+def enforced_limit_mw(spec: GpuSpec, g: SimGpu) -> int:
+    """The limit in force: the one set since the driver loaded, else the default."""
+    return g.power_limit_mw if g.power_limit_mw is not None else power_limit_mw(spec)
+
+
+def _uncapped_mw(spec: GpuSpec, u: float) -> float:
     limit = power_limit_mw(spec)
-    return round(limit * (IDLE_POWER_FRACTION + clamp01(u) * (1 - IDLE_POWER_FRACTION)))
+    return limit * (IDLE_POWER_FRACTION + clamp01(u) * (1 - IDLE_POWER_FRACTION))
+
+
+def capped(spec: GpuSpec, g: SimGpu, u: float) -> bool:
+    """Whether the power limit holds the GPU back at load ``u``."""
+    return _uncapped_mw(spec, u) > enforced_limit_mw(spec, g)
+
+
+def power_mw(spec: GpuSpec, u: float, g: SimGpu | None = None) -> int:
+    """The draw at load ``u``: never above the limit in force on ``g`` (the default one when
+    ``g`` is None)."""
+    cap = enforced_limit_mw(spec, g) if g is not None else power_limit_mw(spec)
+    return round(min(_uncapped_mw(spec, u), cap))
 
 
 def temperature_c(u: float) -> int:
@@ -111,19 +144,24 @@ def memory_temperature_c(u: float) -> int:
     return temperature_c(u) + 4
 
 
-def sm_clock_mhz(spec: GpuSpec, u: float) -> int:
+def sm_clock_mhz(spec: GpuSpec, u: float, g: SimGpu | None = None) -> int:
+    """The SM clock at load ``u``; under a cap that holds the GPU back (``capped``), scaled by
+    the share of the dynamic power it may still draw."""
     p = profile(spec)
     if u <= 0:
         return p.sm_idle_mhz
-    if u >= POWER_CAP_UTILIZATION:
-        return round(p.sm_boost_mhz * POWER_CAPPED_CLOCK)
-    return p.sm_boost_mhz
+    clock = p.sm_boost_mhz * (POWER_CAPPED_CLOCK if u >= POWER_CAP_UTILIZATION else 1.0)
+    if g is not None and capped(spec, g, u):
+        idle = power_limit_mw(spec) * IDLE_POWER_FRACTION
+        share = (enforced_limit_mw(spec, g) - idle) / (_uncapped_mw(spec, u) - idle)
+        clock = max(p.sm_idle_mhz, clock * clamp01(share))
+    return round(clock)
 
 
-def clocks_event_reasons(u: float) -> int:
+def clocks_event_reasons(u: float, spec: GpuSpec | None = None, g: SimGpu | None = None) -> int:
     if u <= 0:
         return CLOCKS_EVENT_GPU_IDLE
-    if u >= POWER_CAP_UTILIZATION:
+    if u >= POWER_CAP_UTILIZATION or (spec is not None and g is not None and capped(spec, g, u)):
         return CLOCKS_EVENT_SW_POWER_CAP
     return 0
 
@@ -145,7 +183,8 @@ def _elapsed(g: SimGpu, now: float) -> float:
 
 
 def energy_mj(spec: GpuSpec, g: SimGpu, now: float) -> float:
-    return g.energy_mj + power_mw(spec, utilization(g)) * _elapsed(g, now)
+    """The energy counter at ``now``: the (capped) power integrated since ``g.since``."""
+    return g.energy_mj + power_mw(spec, utilization(g), g) * _elapsed(g, now)
 
 
 def nvlink_kib(spec: GpuSpec, g: SimGpu, now: float) -> tuple[float, float]:
@@ -190,7 +229,8 @@ def advance(
 
 
 def reload_driver(g: SimGpu, now: float) -> SimGpu:
-    """A driver reload: processes end, load back to idle, volatile counters restart at 0.
+    """A driver reload: processes end, load back to idle, volatile counters restart at 0, a
+    power limit set since the last load is gone (the default applies again).
 
     Lost GPUs stay lost; aggregate ECC counts and remapped rows (kept in the InfoROM) stay.
     """
@@ -204,6 +244,7 @@ def reload_driver(g: SimGpu, now: float) -> SimGpu:
         nvlink_tx_kib=0.0,
         nvlink_rx_kib=0.0,
         busy=(),
+        power_limit_mw=None,
         pcie_replays=0,
         ecc_corrected_volatile=0,
         ecc_uncorrected_volatile=0,

@@ -85,6 +85,9 @@ class SimGpu:
     remapped_correctable: int = 0
     remapped_uncorrectable: int = 0
     remap_pending: bool = False
+    power_limit_mw: int | None = None
+    """The power limit set with ``nvmlDeviceSetPowerManagementLimit`` since the driver loaded
+    (None: the default); kept until a driver reload, as NVML keeps it."""
 
     def busy_value(self, key: str) -> float:
         return next((v for k, v in self.busy if k == key), 0.0)
@@ -182,6 +185,7 @@ def telemetry_to_json(state: TelemetryState) -> dict[str, Any]:
                 "uuid": g.uuid,
                 **{key: getattr(g, attr) for key, attr in _GPU_FIELDS.items()},
                 "busy": dict(g.busy),
+                "powerLimitMw": g.power_limit_mw,
                 "processes": [
                     {
                         "pid": p.pid,
@@ -242,6 +246,7 @@ def _gpu_from_json(g: dict[str, Any]) -> SimGpu:
         index=int(g["index"]),
         uuid=str(g["uuid"]),
         busy=tuple(sorted((str(k), float(v)) for k, v in dict(g["busy"]).items())),
+        power_limit_mw=_opt_int(g.get("powerLimitMw")),  # absent in files of earlier builds
         processes=tuple(
             SimProcess(
                 pid=int(p["pid"]),

@@ -27,6 +27,13 @@ the pre-release shape (no apiVersion, kind or checksum)::
 
 It had no update time; converted claims get ``updatedAt`` 0.
 
+Version 2 adds optional fields for sharing and dynamic MIG (``placement``, ``sharing``,
+``interval``, ``shareID``, ``memoryBytes`` per device; ``mps``, ``pods`` per claim). Version 3
+adds a device's power limit (``powerLimitMilliwatts``: what the claim asked;
+``powerRestoreMilliwatts``: the GPU's limit before, to set back). A file is version 3 only while a
+claim caps a GPU, so that a build that does not know power limits refuses it (``CheckpointTooNew``)
+rather than reading it and never restoring the GPU's limit.
+
 Crash safety: ``save`` replaces the file atomically (temp file, fsync, rename, fsync the
 directory). ``load`` never loses a file it cannot read: a corrupt file is moved aside to
 ``<name>.corrupt-<UTC timestamp>`` (never overwriting an earlier one) and an empty checkpoint is
@@ -85,10 +92,10 @@ __all__ = [  # the records are defined in checkpoint_records.py and used from he
     "to_json",
 ]
 
-CHECKPOINT_VERSION = 2
+CHECKPOINT_VERSION = 3
 """The newest format this build reads and writes. A checkpoint is written at the lowest version
 that holds its content: version 1 while no claim uses sharing or dynamic MIG (so an older build
-still reads it), version 2 once one does."""
+still reads it), version 2 once one does, version 3 while one caps a GPU's power."""
 API_VERSION = "tessera.dev/v1"
 KIND = "Checkpoint"
 PREPARE_STARTED = "PrepareStarted"
@@ -156,6 +163,8 @@ def _device_json(d: PreparedDevice) -> dict[str, Any]:
         "interval": d.interval,
         "shareID": d.share_id,
         "memoryBytes": d.memory_bytes,
+        "powerLimitMilliwatts": d.power_limit_mw,
+        "powerRestoreMilliwatts": d.power_restore_mw,
     }
     out.update({k: v for k, v in v2.items() if v is not None})
     return out
@@ -194,12 +203,19 @@ def _claim_json(c: ClaimEntry) -> dict[str, Any]:
     return out
 
 
+def _version(cp: Checkpoint) -> int:
+    """The lowest version that holds ``cp`` (see ``CHECKPOINT_VERSION``)."""
+    if any(c.needs_v3 for c in cp.claims.values()):
+        return 3
+    return 2 if any(c.needs_v2 for c in cp.claims.values()) else 1
+
+
 def to_json(cp: Checkpoint) -> dict[str, Any]:
     """The file object of ``cp`` at the lowest version that holds it, checksum included. Pure."""
     obj: dict[str, Any] = {
         "apiVersion": API_VERSION,
         "kind": KIND,
-        "version": 2 if any(c.needs_v2 for c in cp.claims.values()) else 1,
+        "version": _version(cp),
         "bootID": cp.boot_id,
         "claims": {uid: _claim_json(cp.claims[uid]) for uid in sorted(cp.claims)},
     }
@@ -236,6 +252,12 @@ def _device(obj: Mapping[str, Any], where: str) -> PreparedDevice:
         interval=fields.opt_text(g("interval"), f"{where}.interval"),
         share_id=fields.opt_text(g("shareID"), f"{where}.shareID"),
         memory_bytes=fields.opt_integer(g("memoryBytes"), f"{where}.memoryBytes"),
+        power_limit_mw=fields.opt_integer(
+            g("powerLimitMilliwatts"), f"{where}.powerLimitMilliwatts"
+        ),
+        power_restore_mw=fields.opt_integer(
+            g("powerRestoreMilliwatts"), f"{where}.powerRestoreMilliwatts"
+        ),
     )
 
 

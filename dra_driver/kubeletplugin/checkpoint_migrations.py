@@ -63,5 +63,14 @@ def _v1_to_v2(obj: dict[str, Any]) -> dict[str, Any]:
     return {**obj, "version": 2}
 
 
-MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {0: _v0_to_v1, 1: _v1_to_v2}
+def _v2_to_v3(obj: dict[str, Any]) -> dict[str, Any]:
+    """Version 3 only adds optional fields (a device's power limit). Pure."""
+    return {**obj, "version": 3}
+
+
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    0: _v0_to_v1,
+    1: _v1_to_v2,
+    2: _v2_to_v3,
+}
 """Format version N -> a version N+1 object (no checksum needed: it is checked on the input)."""

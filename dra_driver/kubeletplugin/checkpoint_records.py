@@ -38,6 +38,12 @@ class PreparedDevice:
     """The allocation's share ID (a device several claims hold), echoed to the kubelet."""
     memory_bytes: int | None = None
     """MemoryShare: the memory the claim consumed (its MPS pinned-memory limit)."""
+    # -- version 3: a power limit set at prepare -------------------------------------------------
+    power_limit_mw: int | None = None
+    """A whole GPU's power limit the claim asked for (``powerLimit``), in milliwatts."""
+    power_restore_mw: int | None = None
+    """The GPU's power limit found before prepare changed it, recorded durably BEFORE the
+    change: what unprepare, a rollback and the start's reconcile set back. None: not changed."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "request_names", tuple(self.request_names))
@@ -45,10 +51,23 @@ class PreparedDevice:
 
     @property
     def needs_v2(self) -> bool:
-        return any(
-            v is not None
-            for v in (self.placement, self.sharing, self.interval, self.share_id, self.memory_bytes)
+        return (
+            any(
+                v is not None
+                for v in (
+                    self.placement,
+                    self.sharing,
+                    self.interval,
+                    self.share_id,
+                    self.memory_bytes,
+                )
+            )
+            or self.needs_v3
         )
+
+    @property
+    def needs_v3(self) -> bool:
+        return self.power_limit_mw is not None or self.power_restore_mw is not None
 
 
 @dataclass(frozen=True)
@@ -105,6 +124,10 @@ class ClaimEntry:
     @property
     def needs_v2(self) -> bool:
         return self.mps is not None or bool(self.pods) or any(d.needs_v2 for d in self.devices)
+
+    @property
+    def needs_v3(self) -> bool:
+        return any(d.needs_v3 for d in self.devices)
 
 
 def _empty_claims() -> Mapping[str, ClaimEntry]:

@@ -12,6 +12,8 @@ CRASH_POINTS = (
     "after-ci-create",
     "after-compute-policy",
     "after-mps-start",
+    "after-power-recorded",
+    "after-power-limit",
     "after-cdi",
     "after-completed",
     "after-unprepare-undo",

@@ -12,17 +12,27 @@ Order at prepare (each after the claim is recorded as ``PrepareStarted`` with it
 4. a claim that shares through MPS gets its control daemon (``MpsControl.start``), after its
    whole GPUs' compute mode: EXCLUSIVE_PROCESS when the claim holds them alone, DEFAULT for
    memory shares (several claims' MPS servers on one GPU); the record gets the daemon (crash
-   point ``after-mps-start``).
+   point ``after-mps-start``);
+5. a whole GPU the claim caps (``powerLimit``, held alone): its power limit now is read and
+   recorded durably as the one to set back (a ``PrepareStarted`` commit; crash point
+   ``after-power-recorded``), THEN the cap is set (crash point ``after-power-limit``). A crash
+   between the two leaves a started record whose undo sets the limit found (a no-op); a crash
+   after the cap, before the claim completes, is rolled back the same way at the next start.
 
 Undo (unprepare, rollback): the MPS daemon is stopped (its record, else found by its directory),
 compute mode back to DEFAULT on a whole GPU no other MPS claim holds, the interval back to
-Default on a GPU no other claim time-slices, dynamic MIG devices destroyed by placement.
+Default on a GPU no other claim time-slices, a capped GPU's power limit set back to the one
+recorded before the cap, dynamic MIG devices destroyed by placement. A power limit that cannot
+be set back fails the undo: the claim keeps its record (and its GPU) and the kubelet's retry,
+the next prepare of the claim or the next start tries again; it is never forgotten.
 
 Start: dynamic MIG instances no claim owns are destroyed (dynamic mode only: a static node is
 never touched), MPS directories no claim owns are stopped and removed; completed claims get their
 dynamic MIG devices made again where they are gone (an unprepare that crashed after undoing and
 before releasing the record: the kubelet's retry undoes them again), their time-slice intervals
-set again, and their MPS daemons adopted (same PID and start time) or, when gone, started again.
+set again, their power caps set again (a GPU reset or driver reload while the agent was down
+resets the limit), and their MPS daemons adopted (same PID and start time) or, when gone,
+started again.
 """
 
 from __future__ import annotations
@@ -55,6 +65,7 @@ from dra_driver.kubeletplugin.plan import (
 )
 from dra_driver.sharing.dynamic_mig import DynamicMig
 from dra_driver.sharing.mps import MpsControl, MpsDaemon, MpsSettings
+from dra_driver.sharing.power_cap import GpuPower
 from dra_driver.sharing.timeslice import GpuSettings
 
 T = TypeVar("T")
@@ -90,14 +101,17 @@ class Effects:
         devices: Callable[[], DeviceModel],
         log: logging.Logger,
         crash_hook: CrashHook = lambda point: None,
+        power: GpuPower | None = None,
     ) -> None:
         """``mig`` is None in static MIG mode (nothing is created or destroyed); ``settings``
         and ``mps`` are None where sharing is not available (their claims are refused);
         ``devices`` is what the node advertises now (where each GPU is, by UUID, and the
-        placements of dynamic MIG)."""
+        placements of dynamic MIG); ``power`` sets GPUs' power limits (None: claims with
+        ``powerLimit`` are refused)."""
         self.mig = mig
         self.settings = settings
         self.mps = mps
+        self.power = power
         self.devices = devices
         self.log = log
         self.crash = crash_hook
@@ -114,6 +128,8 @@ class Effects:
         for p in plan.devices:
             if p.dynamic or p.uses_mps or (p.sharing == TIME_SLICING and p.interval is not None):
                 return True
+            if p.power_limit_mw is not None:
+                return True
             if p.device.kind == "gpu" and self.mig is not None and p.device.consumes_counters:
                 return True
         return False
@@ -123,7 +139,8 @@ class Effects:
         """Whether ``undo`` of a recorded claim may change anything on the node (the claims of
         one GPU that do are undone one after the other)."""
         return entry.mps is not None or any(
-            d.placement is not None or d.sharing is not None for d in entry.devices
+            d.placement is not None or d.sharing is not None or d.power_restore_mw is not None
+            for d in entry.devices
         )
 
     def apply(
@@ -163,7 +180,38 @@ class Effects:
             record = self._start_mps(claim, plan, devices)
             save(devices, record)
             self.crash("after-mps-start")
+        devices = self._cap_power(plan, devices, record, save)
         return Applied(devices, record)
+
+    def _cap_power(
+        self,
+        plan: ClaimPlan,
+        devices: tuple[PreparedDevice, ...],
+        record: MpsRecord | None,
+        save: Save,
+    ) -> tuple[PreparedDevice, ...]:
+        """Step 5: record each capped GPU's limit now (durably), then set the caps."""
+        capped = [(p, p.power_limit_mw) for p in plan.devices if p.power_limit_mw is not None]
+        if not capped:
+            return devices
+        power = self._need(self.power, capped[0][0], "setting a GPU's power limit (NVML)")
+        recorded = {d.device for d in devices if d.power_restore_mw is not None}
+        found = {
+            p.device.name: power.current(p.device.name, p.device.gpu_index)
+            for p, _ in capped
+            if p.device.name not in recorded
+        }
+        devices = tuple(
+            replace(d, power_restore_mw=found[d.device]) if d.device in found else d
+            for d in devices
+        )
+        if found:
+            save(devices, record)  # the limit to set back is durable before the GPU changes
+        self.crash("after-power-recorded")
+        for p, limit in capped:
+            power.set(p.device.name, p.device.gpu_index, limit, "cap")
+        self.crash("after-power-limit")
+        return devices
 
     def _need(self, tool: T | None, p: PlannedDevice, what: str) -> T:
         if tool is None:
@@ -239,11 +287,31 @@ class Effects:
                 sharers = [o for o in others if o.device == d.device and o.sharing == TIME_SLICING]
                 if not sharers and self.settings is not None:
                     self.settings.timeslice(d.gpu_uuid, "Default")
+            if d.power_restore_mw is not None:
+                self._restore_power(d, d.power_restore_mw)
             if d.placement is not None and self.mig is not None:
                 index = self.gpus().get(d.gpu_uuid)
                 if index is not None:
                     profile, start, _ = d.placement
                     self.mig.release(d.device, index, profile, start)
+
+    def _restore_power(self, d: PreparedDevice, milliwatts: int) -> None:
+        """Set a capped GPU's power limit back to ``milliwatts``, the one recorded before the
+        cap; raises SharingError when it cannot (the claim keeps its record, and its GPU)."""
+        if self.power is None:
+            raise SharingError(
+                f"{d.device}: its power limit was capped, and setting it back needs NVML, which"
+                " this agent does not have",
+                "power_limit_error",
+            )
+        index = self.gpus().get(d.gpu_uuid)
+        if index is None:  # the GPU is gone: its limit went with it (a new one boots default)
+            self.log.warning(
+                "a capped GPU is gone; nothing to set back",
+                extra=fields_(device=d.device, gpu_uuid=d.gpu_uuid),
+            )
+            return
+        self.power.set(d.device, index, milliwatts, "restore")
 
     # -- what survives (rebuilding a lost checkpoint: dra_driver/kubeletplugin/rebuild.py)
     # ------------------
@@ -305,7 +373,7 @@ class Effects:
             return entry
         devices = tuple(self._restore_mig(d) for d in entry.devices)
         moved = devices != entry.devices
-        entry = replace(entry, devices=devices)
+        entry = replace(entry, devices=tuple(self._recap(d) for d in devices))
         for d in entry.devices:
             if d.sharing == TIME_SLICING and d.interval is not None and self.settings is not None:
                 self.settings.compute_mode(d.gpu_uuid, "DEFAULT")
@@ -352,6 +420,27 @@ class Effects:
                 pinned=tuple(sorted(pinned.items())),
             ),
         )
+
+    def _recap(self, d: PreparedDevice) -> PreparedDevice:
+        """A completed claim's power cap, set again if the GPU lost it (a GPU reset or driver
+        reload while the agent was down). A record with no limit to set back (rebuilt after a
+        lost checkpoint) gets NVML's default limit, the one the GPU boots with: the limit it
+        had before the cap is not known any more (the cap may be what it has now)."""
+        limit = d.power_limit_mw
+        if limit is None or self.power is None:
+            return d
+        index = self.gpus().get(d.gpu_uuid)
+        if index is None:
+            return d
+        if d.power_restore_mw is None:
+            d = replace(d, power_restore_mw=self.power.default(d.device, index))
+        if self.power.current(d.device, index) != limit:
+            self.power.set(d.device, index, limit, "cap again")
+            self.log.warning(
+                "set the power cap of a prepared claim again (the GPU had lost it)",
+                extra=fields_(device=d.device, gpu=index),
+            )
+        return d
 
     def _restore_mig(self, d: PreparedDevice) -> PreparedDevice:
         """A completed claim's dynamic MIG device, made again if it is gone."""

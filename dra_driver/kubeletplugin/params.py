@@ -10,6 +10,8 @@ not fit their kind of device are each a ParamsError naming the field path
 Kinds of ``gpu.tessera.dev/v1alpha1``::
 
     GpuConfig            whole GPUs (devices of type gpu)
+      powerLimit:        e.g. "300W" or "0.3kW"; only with strategy Exclusive; unset: the
+                         GPU's own limit (see "Power limits" below)
       sharing:
         strategy:        Exclusive (default) | TimeSlicing | MPS
         timeSlicing:     only with TimeSlicing
@@ -44,6 +46,16 @@ shape and kind only; whether the device is in the claim is prepare's business.
 Time-slicing on MIG is refused: the timeslice is a setting of the whole GPU, which the driver
 cannot make for one MIG device; share a MIG device with MPS or keep it Exclusive.
 
+Power limits: ``powerLimit`` caps the power of each whole GPU the config applies to, while the
+claim holds it (set at prepare with ``nvmlDeviceSetPowerManagementLimit``, the GPU's earlier
+limit restored at unprepare). A string: a decimal number and a unit, ``W`` or ``kW`` (``"300W"``,
+``"287.5W"``, ``"0.3kW"``), a whole number of milliwatts, more than 0 and at most 10kW; a bare
+number is refused (watts or milliwatts? say which). Whether the GPU can take it (its NVML range,
+``powerLimitMinWatts``..``powerLimitMaxWatts``) is checked at prepare, where the device is known.
+Only for a GPU held alone: with TimeSlicing or MPS the cap would throttle the other sharers, and
+a MIG device has no power limit of its own (NVML's limit is the physical GPU's), so
+``powerLimit`` on a ``MigDeviceConfig`` is refused.
+
 Versions: ``VERSIONS`` maps each ``apiVersion`` this driver reads to its decoder, and every
 decoder produces the same internal values (``DeviceConfig``). A later ``v1`` is one more entry
 (and its decoder); ``v1alpha1`` configs keep working because they are read into the same values.
@@ -55,6 +67,7 @@ import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 from types import MappingProxyType
 from typing import Any, ClassVar, TypeAlias
 
@@ -82,6 +95,14 @@ THREAD_PERCENTAGE_RANGE = (1, 100)
 MIN_PINNED_MEMORY_BYTES = 1024 * 1024
 MAX_PINNED_MEMORY_BYTES = 2**63 - 1
 MAX_PARAMETERS_BYTES = 10 * 1024
+MAX_POWER_LIMIT_MW = 10_000_000
+"""10 kW: far above any GPU's limit, well inside NVML's unsigned int of milliwatts."""
+POWER_UNITS = MappingProxyType({"W": 1000, "kW": 1_000_000})
+"""The units ``powerLimit`` accepts, in milliwatts."""
+NO_POWER_LIMIT_ON_MIG = (
+    "a MIG device has no power limit of its own (NVML's power limit is the physical GPU's, shared"
+    " by all its MIG devices); cap a whole GPU with a GpuConfig instead"
+)
 NO_TIME_SLICING_ON_MIG = (
     "MIG devices cannot be time-sliced by the driver (the timeslice is a whole-GPU setting it"
     " cannot make for one MIG device); use MPS or Exclusive"
@@ -134,6 +155,8 @@ class DeviceConfig:
 
     kind: str
     sharing: Sharing = Exclusive()
+    power_limit_mw: int | None = None
+    """``powerLimit`` in milliwatts (None: the GPU keeps its own limit)."""
 
     @property
     def sharing_strategy(self) -> str:
@@ -208,6 +231,53 @@ def _memory_bytes(value: Any, path: str) -> int:
         problem = "is less than 1Mi" if size < MIN_PINNED_MEMORY_BYTES else "is too large"
         raise ParamsError(f"{path}: {fields.shown(value)} {problem}; {allowed}")
     return size
+
+
+_POWER = re.compile(r"(?P<number>(?:0|[1-9][0-9]*)(?:\.[0-9]+)?)(?P<unit>[A-Za-z]*)", re.ASCII)
+
+
+def power_milliwatts(value: Any, path: str) -> int:
+    """``powerLimit`` (``"300W"``, ``"0.3kW"``) in milliwatts; ParamsError otherwise."""
+    allowed = (
+        'allowed: a string of a number and a unit, W or kW, such as "300W", "287.5W" or'
+        f' "0.3kW": a whole number of milliwatts from 1mW to {MAX_POWER_LIMIT_MW // 1000}W'
+    )
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        raise ParamsError(
+            f"{path}: {fields.shown(value)} has no unit (watts or milliwatts?); write"
+            f' "{value}W" for watts; {allowed}'
+        )
+    if not isinstance(value, str):
+        raise ParamsError(f"{path}: {fields.is_a(value)}; {allowed}")
+    m = _POWER.fullmatch(value.strip())
+    if m is None:
+        raise ParamsError(f"{path}: {fields.shown(value)} is not a power; {allowed}")
+    unit = m["unit"]
+    if not unit:
+        raise ParamsError(
+            f"{path}: {fields.shown(value)} has no unit (watts or milliwatts?); write"
+            f' "{value.strip()}W" for watts; {allowed}'
+        )
+    if unit not in POWER_UNITS:
+        close = [u for u in POWER_UNITS if u.lower() == unit.lower()]
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ParamsError(
+            f"{path}: unit {fields.shown(unit)} of {fields.shown(value)} is not allowed{hint};"
+            f" {allowed}"
+        )
+    milliwatts = Decimal(m["number"]) * POWER_UNITS[unit]
+    if milliwatts != milliwatts.to_integral_value():
+        raise ParamsError(f"{path}: {fields.shown(value)} is finer than 1mW; {allowed}")
+    if not 0 < milliwatts <= MAX_POWER_LIMIT_MW:
+        problem = "is not more than 0" if milliwatts <= 0 else "is too large"
+        raise ParamsError(f"{path}: {fields.shown(value)} {problem}; {allowed}")
+    return int(milliwatts)
+
+
+def watts(milliwatts: int) -> str:
+    """``300W``, ``287.5W``: milliwatts as people write them."""
+    text = f"{Decimal(milliwatts) / 1000:f}"
+    return (text.rstrip("0").rstrip(".") if "." in text else text) + "W"
 
 
 _MINOR = r"(?:0|[1-9][0-9]{0,5})"
@@ -313,7 +383,11 @@ def _sharing_v1alpha1(value: Any, path: str, kind: str) -> Sharing:
 
 def decode_v1alpha1(obj: dict[str, Any], path: str) -> DeviceConfig:
     """``gpu.tessera.dev/v1alpha1``: ``GpuConfig`` and ``MigDeviceConfig``."""
-    _object(obj, path, ("apiVersion", "kind", "sharing"))
+    if obj.get("kind") == MIG_DEVICE_CONFIG and "powerLimit" in obj:  # say why, not "unknown"
+        raise ParamsError(
+            f"{path}.powerLimit: not allowed on a {MIG_DEVICE_CONFIG}: {NO_POWER_LIMIT_ON_MIG}"
+        )
+    _object(obj, path, ("apiVersion", "kind", "sharing", "powerLimit"))
     kind = obj.get("kind")
     if kind not in KINDS or not isinstance(kind, str):
         shown = (
@@ -322,9 +396,19 @@ def decode_v1alpha1(obj: dict[str, Any], path: str) -> DeviceConfig:
             else f"{fields.shown(kind)} is not a kind of {API_VERSION}"
         )
         raise ParamsError(f"{path}.kind: {shown}; allowed: {', '.join(KINDS)}")
-    if "sharing" not in obj:
-        return DeviceConfig(kind)
-    return DeviceConfig(kind, _sharing_v1alpha1(obj["sharing"], f"{path}.sharing", kind))
+    sharing: Sharing = Exclusive()
+    if "sharing" in obj:
+        sharing = _sharing_v1alpha1(obj["sharing"], f"{path}.sharing", kind)
+    if "powerLimit" not in obj:
+        return DeviceConfig(kind, sharing)
+    power = power_milliwatts(obj["powerLimit"], f"{path}.powerLimit")
+    if not isinstance(sharing, Exclusive):
+        raise ParamsError(
+            f"{path}.powerLimit: only allowed with strategy {EXCLUSIVE}, and the strategy is"
+            f" {sharing.strategy}: a power limit caps the whole GPU, which would throttle the"
+            " claims and processes sharing it"
+        )
+    return DeviceConfig(kind, sharing, power)
 
 
 VERSIONS: Mapping[str, Decoder] = MappingProxyType({API_VERSION: decode_v1alpha1})

@@ -18,6 +18,12 @@ How a device is shared (``PlannedDevice.sharing``):
   absent) as its MPS daemon's pinned-memory limit, and a thread percentage proportional to its
   share unless its MPS config says otherwise; the shares of one GPU never add up to more than
   its memory.
+
+A power limit (``powerLimit``, ``PlannedDevice.power_limit_mw``) is for a whole GPU the claim holds
+alone: refused (ParamsError naming the device, the value and the allowed range) on a shared GPU
+(``--sharing memory-shares``; TimeSlicing and MPS configs are refused by ``params``), on a GPU
+whose power limit NVML cannot set (no ``AdvertisedDevice.power_limits``: NOT_SUPPORTED) and
+outside the GPU's range (``nvmlDeviceGetPowerManagementLimitConstraints``).
 """
 
 from __future__ import annotations
@@ -62,6 +68,8 @@ class PlannedDevice:
     """MPS and MemoryShare: the daemon's default active thread percentage (None: MPS's own)."""
     pinned_memory_bytes: int | None = None
     """MPS and MemoryShare: the pinned-memory limit of this device (None: none)."""
+    power_limit_mw: int | None = None
+    """A whole GPU held alone: the power limit to set while the claim holds it (None: none)."""
 
     @property
     def dynamic(self) -> bool:
@@ -156,6 +164,41 @@ def _sharing(
     return base
 
 
+def _power_limit(p: PlannedDevice, policy: SharingPolicy) -> int | None:
+    """The power limit ``p``'s config asks for, checked against the device (see the module
+    docstring); raises ParamsError."""
+    asked = p.config.power_limit_mw if p.config is not None else None
+    if asked is None:
+        return None
+    device, value = p.device, params.watts(asked)
+    if device.kind != "gpu":  # params refuses it on a MigDeviceConfig; kept as a guard
+        raise ParamsError(f"{device.name}: powerLimit {value}: {params.NO_POWER_LIMIT_ON_MIG}")
+    if p.sharing is not None:
+        how = (
+            "whole GPUs are shared by memory under --sharing memory-shares"
+            if p.sharing == MEMORY_SHARE
+            else f"it is shared ({p.sharing})"
+        )
+        raise ParamsError(
+            f"{device.name}: powerLimit {value} needs the GPU held by this claim alone, and {how};"
+            " a power limit caps the whole GPU, so it would throttle the other claims on it"
+        )
+    limits = device.power_limits
+    if limits is None:
+        raise ParamsError(
+            f"{device.name}: powerLimit {value}: this GPU's power limit cannot be set (NVML"
+            " answers NOT_SUPPORTED for its power-limit range); leave powerLimit unset or select"
+            " GPUs that advertise powerLimitMaxWatts"
+        )
+    if not limits.min_mw <= asked <= limits.max_mw:
+        raise ParamsError(
+            f"{device.name}: powerLimit {value} is outside the GPU's range; allowed:"
+            f" {params.watts(limits.min_mw)} to {params.watts(limits.max_mw)} (its default:"
+            f" {params.watts(limits.default_mw)})"
+        )
+    return asked
+
+
 def _check_limit_keys(planned: Sequence[PlannedDevice]) -> None:
     """Per-device memory limits must name devices of the claim (by name or UUID)."""
     names = {p.device.name for p in planned} | {p.device.uuid for p in planned if p.device.uuid}
@@ -229,7 +272,8 @@ def plan_claim(
             )
         config = _effective_config(tuple(reqs), configs, dev.kind)
         p = _sharing(allocation.claim, dev, config, policy, consumed.get(name), share_ids.get(name))
-        planned.append(dataclasses.replace(p, request_names=tuple(reqs)))
+        power = _power_limit(p, policy)
+        planned.append(dataclasses.replace(p, request_names=tuple(reqs), power_limit_mw=power))
     _check_limit_keys(planned)
     percentages = [p.thread_percentage for p in planned if p.thread_percentage is not None]
     return ClaimPlan(

@@ -87,6 +87,7 @@ class Records:
             interval=p.interval,
             share_id=p.share_id,
             memory_bytes=p.memory_bytes,
+            power_limit_mw=p.power_limit_mw,
         )
 
     def write_spec(self, entry: ClaimEntry) -> None:

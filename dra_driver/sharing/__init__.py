@@ -5,5 +5,6 @@ and undoes it, idempotently, so a prepare that crashed half way can be rolled ba
   a deadline and validated arguments only;
 - ``mig``: dynamic MIG, a GPU instance created at exactly the allocated placement;
 - ``timeslice``: compute mode and time-slice interval of a whole GPU;
-- ``mps``: MPS control daemons (per claim, or per GPU for memory shares).
+- ``mps``: MPS control daemons (per claim, or per GPU for memory shares);
+- ``power_cap``: a whole GPU's power limit, for a claim that holds it alone (``powerLimit``).
 """

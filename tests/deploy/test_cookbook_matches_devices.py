@@ -329,6 +329,15 @@ FITS: dict[str, list[Fit]] = {
         # to take (the constraint check above sees the pair is on one NUMA node)
         Fit(Node("dgx-h100", busy=("gpu-0", "gpu-1", "gpu-2", "gpu-4", "gpu-5"))),
     ],
+    "power-capped-gpu.yaml": [
+        Fit(Node("l40s-pcie"), requests=("gpu/efficient",)),  # 350 W, takes 100..350 W
+        Fit(Node("mixed"), requests=("gpu/efficient",)),  # an A100 PCIe (300 W), not an L4
+        Fit(Node("dgx-h100"), requests=("gpu/any",)),  # 700 W
+        Fit(Node("hgx-h200"), requests=("gpu/any",)),
+        Fit(Node("dgx-h100", "dynamic"), requests=("gpu/any",)),
+        Fit(Node("dgx-h100", sharing="time-slicing"), requests=("gpu/any",)),  # held alone
+        Fit(Node("dgx-h100", sharing="memory-shares"), expect=REFUSED),  # a share: no cap
+    ],
     "prefer-hopper.yaml": [
         Fit(Node("dgx-h100"), requests=("gpu/hopper",)),
         Fit(Node("hgx-h200"), requests=("gpu/hopper",)),
@@ -415,6 +424,15 @@ MISFITS: dict[str, list[Misfit]] = {
             Node("l40s-pcie", busy=("gpu-1", "gpu-3")),
             "constraint",
             "matchAttribute resource.kubernetes.io/numaNode: 1, but gpu-0 has 0",
+        ),
+    ],
+    "power-capped-gpu.yaml": [
+        Misfit(Node("dgx-a100"), *NO_WHOLE_GPU),
+        # the mixed server's A100s are taken: its L4s (40..72 W) cannot take a 250 W cap
+        Misfit(
+            Node("mixed", busy=("gpu-0", "gpu-1")),
+            "request-selector",
+            'device.attributes["gpu.tessera.dev"].powerLimitMaxWatts=72',
         ),
     ],
     "prefer-hopper.yaml": [

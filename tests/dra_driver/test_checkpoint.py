@@ -274,7 +274,10 @@ def test_newer_version_is_refused_and_left_alone(store: CheckpointStore, path: P
     assert f"version {CHECKPOINT_VERSION + 1}" in message
     assert f"up to {CHECKPOINT_VERSION}" in message
     assert "upgrade Tessera or move the file aside" in message
-    assert (info.value.version, info.value.supported) == (CHECKPOINT_VERSION + 1, 2)
+    assert (info.value.version, info.value.supported) == (
+        CHECKPOINT_VERSION + 1,
+        CHECKPOINT_VERSION,
+    )
     assert path.read_bytes() == before
     assert [p.name for p in path.parent.iterdir()] == ["checkpoint.json"]
 
@@ -467,3 +470,33 @@ def test_sharing_records_are_written_as_version_2_and_read_back(store: Checkpoin
     assert result.checkpoint.claims["uid-a"] == entry and result.migrated_from is None
     # an older build (version 1 only) refuses it rather than misread it
     assert "version 2" in str(CheckpointTooNew(str(path), 2, 1))
+
+
+def test_a_power_cap_is_written_as_version_3_and_read_back(
+    store: CheckpointStore, path: Path
+) -> None:
+    """A capped GPU's record (the cap and the limit to set back) needs version 3, so that a build
+    that does not know power limits refuses the file instead of never setting the limit back;
+    once no claim caps a GPU the file is the lowest version again."""
+    capped = dataclasses.replace(
+        gpu_device("gpu-2", 2), power_limit_mw=350_000, power_restore_mw=700_000
+    )
+    entry = dataclasses.replace(claim_a(), devices=(capped,))
+    store.save(Checkpoint(BOOT, {entry.uid: entry}))
+    obj = json.loads(path.read_text())
+    assert obj["version"] == 3
+    (device,) = obj["claims"][entry.uid]["devices"]
+    assert (device["powerLimitMilliwatts"], device["powerRestoreMilliwatts"]) == (350_000, 700_000)
+    assert store.load().checkpoint.claims[entry.uid] == entry
+    store.save(Checkpoint(BOOT, {}))
+    assert json.loads(path.read_text())["version"] == 1
+
+
+def test_a_version_2_file_is_read_by_this_build(store: CheckpointStore, path: Path) -> None:
+    entry = dataclasses.replace(claim_a(), pods=("pod-1",))
+    store.save(Checkpoint(BOOT, {entry.uid: entry}))
+    obj = json.loads(path.read_text())
+    assert obj["version"] == 2
+    result = store.load()
+    assert result.checkpoint.claims[entry.uid] == entry
+    assert result.migrated_from is None  # versions 1..3 are current formats

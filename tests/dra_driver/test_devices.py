@@ -189,6 +189,10 @@ def test_static_dgx_h100_whole_gpus(inventory: Inventory) -> None:
         "resource.kubernetes.io/numaNode": 0,
         "nvlinkClique": "clique-0-1-2-3-4-5-6-7",
         "nvlinkLinks": 18,
+        # the GPU's power-limit range and default from NVML, in watts (H100 SXM: 200..700 W)
+        "powerLimitMinWatts": 200,
+        "powerLimitMaxWatts": 700,
+        "powerLimitDefaultWatts": 700,
     }
     assert dict(gpu0.attributes)["cudaComputeCapability"] == {"version": "9.0.0"}
     assert dict(gpu0.attributes)["index"] == {"int": 0}

@@ -330,7 +330,7 @@ def test_the_reference_lists_every_field():
     rows = re.findall(r"^\| `([a-zA-Z.]+)` \|", _reference(), re.MULTILINE)
     fields = [r for r in rows if r[0].islower()]
     assert fields == [
-        "apiVersion", "kind", "sharing", "sharing.strategy", "sharing.timeSlicing",
+        "apiVersion", "kind", "powerLimit", "sharing", "sharing.strategy", "sharing.timeSlicing",
         "sharing.timeSlicing.interval", "sharing.mps", "sharing.mps.activeThreadPercentage",
         "sharing.mps.pinnedMemoryLimit", "sharing.mps.perDevicePinnedMemoryLimit",
     ]  # fmt: skip

@@ -1,6 +1,7 @@
 """The fast slice of the crash matrix (tests/crashmatrix.py; the whole matrix runs in `make
 reliability`): a crash inside a batch of whole GPUs and one inside a batch of dynamic MIG
-devices (a GPU instance made, its compute instance not), each restarted, retried and checked."""
+devices (a GPU instance made, its compute instance not), and in a batch of power-capped GPUs on
+either side of the cap, each restarted, retried and checked."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ from tests.crashmatrix import BY_NAME, MODES, POINTS, SHAPES, cells, run_cell
 
 
 @pytest.mark.parametrize(
-    ("mode", "point"), [("whole-gpu", "after-cdi"), ("dynamic-mig", "after-gi-create")]
+    ("mode", "point"),
+    [
+        ("whole-gpu", "after-cdi"),
+        ("dynamic-mig", "after-gi-create"),
+        ("power-limit", "after-power-recorded"),  # the limit to set back durable, not yet capped
+        ("power-limit", "after-power-limit"),  # capped, the claim not yet completed
+    ],
 )
 def test_a_crash_inside_a_batch_leaves_a_node_the_retries_make_whole(
     short_tmp: Path, mode: str, point: str

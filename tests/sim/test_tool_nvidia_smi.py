@@ -137,6 +137,19 @@ def test_mig_mode_in_queries(a100: SimNode, h100: SimNode):
     )
 
 
+def test_power_fields_show_a_limit_nvml_set(h100: SimNode) -> None:
+    h100.fake.nvmlDeviceSetPowerManagementLimit(h100.fake.nvmlDeviceGetHandleByIndex(2), 350_000)
+    fields = "power.limit,power.default_limit,power.min_limit,power.max_limit,power.draw"
+    result = smi(h100, "-i", "2", f"--query-gpu={fields}", "--format=csv")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (
+        "power.limit [W], power.default_limit [W], power.min_limit [W], power.max_limit [W],"
+        " power.draw [W]\n350.00 W, 700.00 W, 200.00 W, 700.00 W, 84.00 W\n"
+    )  # idle: 12 % of the 700 W board power
+    bare = smi(h100, "-i", "2,3", "--query-gpu=power.limit", "--format=csv,noheader,nounits")
+    assert bare.stdout == "350.00\n700.00\n"
+
+
 # -- errors ----------------------------------------------------------------------------------
 
 

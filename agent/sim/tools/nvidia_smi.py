@@ -62,7 +62,10 @@ NVIDIA System Management Interface (simulated by Tessera) -- the GPU-sharing sub
                                          3|EXCLUSIVE_PROCESS.
     nvidia-smi [-i ID] --query-gpu=FIELDS --format=csv[,noheader][,nounits]
                                          FIELDS: index, uuid, name, serial, pci.bus_id,
-                                         compute_mode, mig.mode.current.
+                                         compute_mode, mig.mode.current, power.draw,
+                                         power.limit, enforced.power.limit,
+                                         power.default_limit, power.min_limit,
+                                         power.max_limit.
     nvidia-smi compute-policy -h         Time-slice settings.
 
     [-i | --id]: GPU index, UUID, PCI bus id or serial; comma separated for several.
@@ -89,7 +92,42 @@ QUERY_FIELDS: dict[str, Callable[[FakeNvml, Target], str]] = {
         fake.nvmlDeviceGetComputeMode(fake.nvmlDeviceGetHandleByIndex(t.index))
     ),
     "mig.mode.current": lambda fake, t: _mig_mode(fake, t),
+    "power.draw": lambda fake, t: _watts(fake, t, "nvmlDeviceGetPowerUsage"),
+    "power.limit": lambda fake, t: _watts(fake, t, "nvmlDeviceGetPowerManagementLimit"),
+    "enforced.power.limit": lambda fake, t: _watts(fake, t, "nvmlDeviceGetEnforcedPowerLimit"),
+    "power.default_limit": lambda fake, t: _watts(
+        fake, t, "nvmlDeviceGetPowerManagementDefaultLimit"
+    ),
+    "power.min_limit": lambda fake, t: _limit_watts(fake, t, 0),
+    "power.max_limit": lambda fake, t: _limit_watts(fake, t, 1),
 }
+UNITS = {
+    name: "W"
+    for name in (
+        "power.draw",
+        "power.limit",
+        "enforced.power.limit",
+        "power.default_limit",
+        "power.min_limit",
+        "power.max_limit",
+    )
+}
+"""Fields with a unit: nvidia-smi's CSV says ``power.draw [W]`` and ``250.00 W`` unless
+``nounits``."""
+
+
+def _w(milliwatts: int) -> str:
+    return f"{milliwatts / 1000:.2f}"
+
+
+def _watts(fake: FakeNvml, t: Target, call: str) -> str:
+    """Watts, as nvidia-smi prints them, from an NVML call that answers milliwatts."""
+    return _w(int(getattr(fake, call)(fake.nvmlDeviceGetHandleByIndex(t.index))))
+
+
+def _limit_watts(fake: FakeNvml, t: Target, which: int) -> str:
+    h = fake.nvmlDeviceGetHandleByIndex(t.index)
+    return _w(fake.nvmlDeviceGetPowerManagementLimitConstraints(h)[which])
 
 
 def _mig_mode(fake: FakeNvml, t: Target) -> str:
@@ -201,6 +239,15 @@ def set_compute_mode(fake: FakeNvml, opts: Options, out: TextIO) -> int:
     return 0
 
 
+def _value(fake: FakeNvml, target: Target, name: str, formats: set[str]) -> str:
+    value = QUERY_FIELDS[name](fake, target)
+    return value if name not in UNITS or "nounits" in formats else f"{value} {UNITS[name]}"
+
+
+def _header(name: str, formats: set[str]) -> str:
+    return name if name not in UNITS or "nounits" in formats else f"{name} [{UNITS[name]}]"
+
+
 def query_gpu(fake: FakeNvml, opts: Options, out: TextIO) -> int:
     fields = [f.strip() for f in opts.values["query-gpu"].split(",") if f.strip()]
     for name in fields:
@@ -218,11 +265,11 @@ def query_gpu(fake: FakeNvml, opts: Options, out: TextIO) -> int:
     for target in _targets(fake, opts.values.get("id")):
         _whole_gpu(target, "query the fields")
         try:
-            rows.append(", ".join(QUERY_FIELDS[name](fake, target) for name in fields))
+            rows.append(", ".join(_value(fake, target, name, formats) for name in fields))
         except pynvml.NVMLError as exc:
             raise _nvml_failure(exc, "query the fields", target) from exc
     if "noheader" not in formats:
-        out.write(", ".join(fields) + "\n")
+        out.write(", ".join(_header(name, formats) for name in fields) + "\n")
     out.writelines(row + "\n" for row in rows)
     return 0
 
