@@ -1,0 +1,193 @@
+"""The fold (pure): which ``GpuUsageSummary`` objects to create or replace so that every closed
+bucket of every node's ``GpuUsageReport`` is in exactly one summary, which reports to
+acknowledge, and which to delete (docs/budgets.md, "The fold").
+
+- A bucket's usage goes to the summary of (its namespace, its UTC day). It is added only if the
+  bucket starts at or after that summary's ``foldedThrough`` for the node and at or after the
+  report's ``acknowledgedThrough``; the same write moves ``foldedThrough`` to the bucket's end.
+  So a plan cut short after any of its writes (a leader killed, a 409, an outage) and planned
+  again from what the cluster then holds adds nothing twice and loses nothing.
+- A report is acknowledged through the end of its last closed bucket once that plan's summaries
+  are written (the plumbing writes summaries first and stops at the first failure).
+- A report whose Node is gone is folded as if its open bucket were closed, then deleted.
+
+Summaries that are replaced keep the ``resourceVersion`` they were read with, so a concurrent
+writer (a second leader) makes the replace fail with a conflict instead of losing its fold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from agent.usage.records import (
+    API_VERSION,
+    COUNTERS,
+    DAY_LABEL,
+    NAMESPACE_LABEL,
+    Clock,
+    Report,
+    Summary,
+    bucket_end,
+    day_of,
+    summary_name,
+)
+
+Obj = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Fold:
+    summaries: list[Obj]
+    acks: list[Obj]
+    deletions: list[str]
+    oldest_unfolded: float | None
+    """The start of the oldest closed bucket not yet acknowledged (epoch), before this fold."""
+
+
+class _Draft:
+    """One summary being changed: its buckets, claims and nodes indexed, copied on first
+    change (the objects as read are never modified)."""
+
+    def __init__(self, namespace: str, day: str, base: Summary | None) -> None:
+        self.namespace, self.day, self.base = namespace, day, base
+        spec: Mapping[str, Any] = {} if base is None else base.obj.get("spec") or {}
+        self.buckets: dict[str, Obj] = {b["start"]: b for b in spec.get("buckets") or ()}
+        self.touched: dict[str, dict[tuple[str, str, str, str], Obj]] = {}
+        self.claims: dict[tuple[str, str], Obj] = {
+            (c["claimUID"], c.get("deviceClass", "")): dict(c) for c in spec.get("claims") or ()
+        }
+        self.nodes: dict[str, Obj] = {n["name"]: dict(n) for n in spec.get("nodes") or ()}
+
+    def add(self, node: str, start: str, entry: Mapping[str, Any]) -> None:
+        index = self.touched.get(start)
+        if index is None:
+            index = {}
+            for u in (self.buckets.get(start) or {}).get("usage") or ():
+                u = dict(u)
+                index[_usage_key(u, u["node"])] = u
+            self.touched[start] = index
+            self.buckets[start] = {"start": start, "usage": None}  # filled by obj()
+        key = _usage_key(entry, node)
+        u = index.get(key)
+        if u is None:
+            u = {"node": node, "deviceClass": key[1], "product": key[2]}
+            if key[3]:
+                u["migProfile"] = key[3]
+            u.update(dict.fromkeys(COUNTERS, 0.0))
+            index[key] = u
+        for c in COUNTERS:
+            u[c] = u[c] + float(entry.get(c) or 0.0)
+        ckey = (entry.get("claimUID", ""), entry.get("deviceClass") or "")
+        claim = self.claims.get(ckey)
+        if claim is None:
+            claim = {"claimUID": ckey[0], "claim": entry.get("claim", ""), "deviceClass": ckey[1]}
+            claim.update(dict.fromkeys(COUNTERS[:3], 0.0))
+            self.claims[ckey] = claim
+        for c in COUNTERS[:3]:
+            claim[c] = claim[c] + float(entry.get(c) or 0.0)
+
+    def folded(self, node: str, labels: Mapping[str, str], through: str) -> None:
+        self.nodes[node] = {"name": node, "labels": dict(labels), "foldedThrough": through}
+
+    def obj(self) -> Obj:
+        name = summary_name(self.namespace, self.day)
+        meta: Obj = {} if self.base is None else dict(self.base.obj.get("metadata") or {})
+        meta["name"] = name
+        meta["labels"] = {
+            **(meta.get("labels") or {}),
+            NAMESPACE_LABEL: self.namespace,
+            DAY_LABEL: self.day,
+        }
+        buckets = []
+        for start in sorted(self.buckets):
+            index = self.touched.get(start)
+            if index is None:
+                buckets.append(self.buckets[start])
+            else:
+                buckets.append({"start": start, "usage": [index[k] for k in sorted(index)]})
+        return {
+            "apiVersion": API_VERSION,
+            "kind": "GpuUsageSummary",
+            "metadata": meta,
+            "spec": {
+                "namespace": self.namespace,
+                "day": self.day,
+                "buckets": buckets,
+                "claims": [self.claims[k] for k in sorted(self.claims)],
+                "nodes": [self.nodes[k] for k in sorted(self.nodes)],
+            },
+        }
+
+
+def _usage_key(entry: Mapping[str, Any], node: str) -> tuple[str, str, str, str]:
+    return (
+        node,
+        entry.get("deviceClass") or "",
+        entry.get("product") or "",
+        entry.get("migProfile") or "",
+    )
+
+
+def fold(
+    reports: Iterable[Report],
+    summaries: Mapping[str, Summary],
+    nodes: frozenset[str],
+    clock: Clock,
+) -> Fold:
+    """What to write so that every closed bucket is folded once (see the module's text)."""
+    drafts: dict[str, _Draft] = {}
+    acks: list[Obj] = []
+    deletions: list[str] = []
+    oldest: float | None = None
+    for report in reports:
+        gone = report.node not in nodes
+        through = report.acknowledged
+        for bucket in report.buckets:
+            if not (bucket.closed or gone):
+                break  # the open bucket is last; nothing after it is closed
+            end = bucket_end(bucket.start)
+            through = max(through, end)
+            if bucket.start < report.acknowledged:
+                continue  # acknowledged: folded before, the agent has yet to drop it
+            oldest = bucket.start if oldest is None else min(oldest, bucket.start)
+            _fold_bucket(report, bucket.start, bucket.usage, summaries, drafts, clock)
+        if gone:
+            deletions.append(report.name)
+        elif through > report.acknowledged:
+            acks.append(_ack(report.obj, clock.text(through)))
+    return Fold([d.obj() for _, d in sorted(drafts.items())], acks, deletions, oldest)
+
+
+def _fold_bucket(
+    report: Report,
+    start: float,
+    usage: Iterable[Mapping[str, Any]],
+    summaries: Mapping[str, Summary],
+    drafts: dict[str, _Draft],
+    clock: Clock,
+) -> None:
+    day = day_of(start)
+    start_text = clock.text(start)
+    end_text = clock.text(bucket_end(start))
+    moved: set[str] = set()
+    for entry in usage:
+        namespace = entry["namespace"]
+        name = summary_name(namespace, day)
+        base = summaries.get(name)
+        if base is not None and start < base.folded.get(report.node, 0.0):
+            continue  # already in this summary (a plan cut short before the ack)
+        draft = drafts.get(name)
+        if draft is None:
+            draft = drafts[name] = _Draft(namespace, day, base)
+        draft.add(report.node, start_text, entry)
+        moved.add(name)
+    for name in moved:
+        drafts[name].folded(report.node, report.labels, end_text)
+
+
+def _ack(obj: Mapping[str, Any], through: str) -> Obj:
+    status = dict(obj.get("status") or {})
+    status["acknowledgedThrough"] = through
+    return {**obj, "status": status}
