@@ -46,37 +46,72 @@ class Usage:
     """The earliest bucket with usage in the period (epoch), for the None period's rate."""
 
 
+Sums = dict[DeviceKey, list[float]]
+"""Per device key: [allocated GPU-seconds, energy joules, first bucket with usage (epoch)]."""
+Memo = dict[tuple[str, float | None, float | None, frozenset[str] | None], Sums]
+
+
+def namespace_sums(
+    usage: ClusterUsage,
+    ns: str,
+    period: Period,
+    device_classes: frozenset[str] | None,
+    memo: Memo,
+) -> Sums:
+    """One namespace's sums over a period; ``memo`` (one per plan) keeps them, as budgets
+    with the same period and classes share namespaces (a team's budget and its org's)."""
+    token = (ns, period.start_epoch, period.end_epoch, device_classes)
+    found = memo.get(token)
+    if found is not None:
+        return found
+    sums: Sums = {}
+    for start, keys in (usage.namespaces.get(ns) or {}).items():
+        if not period.contains(start):
+            continue
+        for key, counters in keys.items():
+            if device_classes is not None and key[0] not in device_classes:
+                continue
+            s = sums.get(key)
+            if s is None:
+                sums[key] = [counters[0], counters[2], start]
+            else:
+                s[0] += counters[0]
+                s[1] += counters[2]
+                s[2] = min(s[2], start)
+    memo[token] = sums
+    return sums
+
+
 def in_scope(
     usage: ClusterUsage,
     namespaces: Iterable[str],
     period: Period,
     device_classes: frozenset[str] | None,
     prices: PriceTable | None,
+    memo: Memo | None = None,
 ) -> Usage:
     """The sums of ``namespaces``' usage over ``period``, only of ``device_classes`` if given."""
+    memo = {} if memo is None else memo
     sums: dict[DeviceKey, list[float]] = {}
-    first: float | None = None
     for ns in namespaces:
-        for start, keys in (usage.namespaces.get(ns) or {}).items():
-            if not period.contains(start):
-                continue
-            for key, counters in keys.items():
-                if device_classes is not None and key[0] not in device_classes:
-                    continue
-                first = start if first is None else min(first, start)
-                s = sums.get(key)
-                if s is None:
-                    sums[key] = [counters[0], counters[2]]
-                else:
-                    s[0] += counters[0]
-                    s[1] += counters[2]
+        for key, (allocated, joules, start) in namespace_sums(
+            usage, ns, period, device_classes, memo
+        ).items():
+            s = sums.get(key)
+            if s is None:
+                sums[key] = [allocated, joules, start]
+            else:
+                s[0] += allocated
+                s[1] += joules
+                s[2] = min(s[2], start)
+    first = min((s[2] for s in sums.values()), default=None)
     by_class: dict[str, Amounts] = {}
     unpriced: set[str] = set()
     total = Amounts(cost=None if prices is None else Decimal(0))
     priced_classes: dict[str, bool] = {}
     for key in sorted(sums):
-        allocated, joules = sums[key]
-        device_class, product, mig, node = key
+        allocated, joules, _ = sums[key]
+        device_class, product, mig, labels = key
         hours = Decimal(repr(allocated)) / SECONDS_PER_HOUR
         kwh = Decimal(repr(joules)) / JOULES_PER_KWH
         amounts = by_class.setdefault(device_class, Amounts())
@@ -86,6 +121,7 @@ def in_scope(
         total.energy_kwh += kwh
         if prices is None:
             continue
+        node_labels = usage.label_sets[labels]
         priced = cost(
             prices,
             allocated,
@@ -93,12 +129,12 @@ def in_scope(
             product=product,
             mig_profile=mig or None,
             device_class=device_class or None,
-            node_labels=usage.node_labels.get(node) or {},
+            node_labels=node_labels,
         )
         if priced.gpu is None:
             unpriced.add(f"{product}{' ' + mig if mig else ''} ({device_class or 'no class'})")
         if priced.energy is None:
-            unpriced.add(f"energy on node {node}")
+            unpriced.add(f"energy on nodes labelled {dict(node_labels)}")
         ok = priced.total is not None and priced_classes.get(device_class, True)
         priced_classes[device_class] = ok
         if priced.total is not None:

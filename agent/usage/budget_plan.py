@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from agent.usage.budget_amounts import Memo
 from agent.usage.budget_status import evaluate
 from agent.usage.cluster_usage import ClusterUsage, collect
-from agent.usage.evictions import pods_to_evict
+from agent.usage.evictions import by_namespace, pods_to_evict
 from agent.usage.fold import fold
 from agent.usage.plan_types import BudgetEvent, BudgetGauge, PodEviction
 from agent.usage.prices import PriceTable
@@ -80,30 +81,32 @@ def plan(view: ClusterView, now: datetime) -> Plan:
     statuses: list[dict[str, Any]] = []
     evictions: list[PodEviction] = []
     gauges: list[BudgetGauge] = []
+    memo: Memo = {}
+    terminating: list[tuple[str, list[str], frozenset[str] | None]] = []
     for budget in sorted(view.budgets, key=lambda b: str(b["metadata"]["name"])):
-        outcome = evaluate(budget, usage, namespaces, view.prices, now)
+        outcome = evaluate(budget, usage, namespaces, view.prices, now, memo)
         events.extend(outcome.events)
         statuses.append(outcome.budget)
         gauges.extend(outcome.gauges)
         if outcome.terminate:
-            name = outcome.budget["metadata"]["name"]
             classes = (budget.get("spec") or {}).get("deviceClasses")
-            for ns, pod in pods_to_evict(
-                outcome.namespaces,
-                None if classes is None else frozenset(classes),
-                view.pods,
-                view.claims,
-            ):
-                evictions.append(PodEviction(ns, pod, name))
-                events.append(
-                    BudgetEvent(
-                        ns,
-                        name,
-                        "Warning",
-                        "GpuBudgetTerminating",
-                        f"GpuBudget {name} is exhausted: evicting pod {ns}/{pod}",
-                    )
+            only = None if classes is None else frozenset(classes)
+            terminating.append((outcome.budget["metadata"]["name"], outcome.namespaces, only))
+    wanted = {ns for _, scope, _ in terminating for ns in scope}
+    pods = by_namespace(view.pods, wanted) if wanted else {}
+    claims = by_namespace(view.claims, wanted) if wanted else {}
+    for name, scope, only in terminating:
+        for ns, pod in pods_to_evict(scope, only, pods, claims):
+            evictions.append(PodEviction(ns, pod, name))
+            events.append(
+                BudgetEvent(
+                    ns,
+                    name,
+                    "Warning",
+                    "GpuBudgetTerminating",
+                    f"GpuBudget {name} is exhausted: evicting pod {ns}/{pod}",
                 )
+            )
     oldest = folded.oldest_unfolded
     return Plan(
         folded.summaries,

@@ -28,7 +28,15 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from agent.usage.budget_amounts import UNITS, Amounts, Usage, in_scope, scope_namespaces, shown
+from agent.usage.budget_amounts import (
+    UNITS,
+    Amounts,
+    Memo,
+    Usage,
+    in_scope,
+    scope_namespaces,
+    shown,
+)
 from agent.usage.cluster_usage import ClusterUsage
 from agent.usage.periods import Period, PeriodError, current_period, parse_duration
 from agent.usage.plan_types import BudgetEvent, BudgetGauge
@@ -72,8 +80,9 @@ def evaluate(
     namespaces: Mapping[str, Mapping[str, str]],
     prices: PriceTable | None,
     now: datetime,
+    memo: Memo | None = None,
 ) -> Outcome:
-    """The outcome of one budget (see the module's text)."""
+    """The outcome of one budget (see the module's text); ``memo``: one per plan, shared."""
     name = budget["metadata"]["name"]
     spec = budget.get("spec") or {}
     old = budget.get("status") or {}
@@ -90,7 +99,8 @@ def evaluate(
         )
         return Outcome(_with(budget, status), [], [], scope, False)
     classes = spec.get("deviceClasses")
-    found = in_scope(usage, scope, period, None if classes is None else frozenset(classes), prices)
+    only = None if classes is None else frozenset(classes)
+    found = in_scope(usage, scope, period, only, prices, memo)
     limits, problems = _limits(spec.get("limits") or {}, found, prices)
     return _outcome(budget, old, scope, period, grace, found, limits, problems, prices, now)
 

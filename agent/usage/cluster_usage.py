@@ -13,34 +13,61 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.usage.records import COUNTERS, Clock, Report, Summary, day_of, summary_name
+from agent.usage.records import Clock, Report, Summary, day_of
 
-DeviceKey = tuple[str, str, str, str]
-"""(deviceClass, product, migProfile, node); "" for a field not known."""
+DeviceKey = tuple[str, str, str, int]
+"""(deviceClass, product, migProfile, the index of the node's labels in ``label_sets``); ""
+for a field not known. Usage is kept by the node's labels, not by node: the energy price
+depends on nothing else, and nodes share a few label sets, so a namespace has a few keys."""
 
 
 @dataclass
 class ClusterUsage:
     """Per namespace, per bucket start (epoch seconds), per device key, the four counters in
-    ``COUNTERS``' order; and each node's labels (the energy prices select by them)."""
+    ``COUNTERS``' order."""
 
     namespaces: dict[str, dict[float, dict[DeviceKey, list[float]]]] = field(default_factory=dict)
-    node_labels: dict[str, Mapping[str, str]] = field(default_factory=dict)
+    label_sets: list[Mapping[str, str]] = field(default_factory=list)
 
-    def add(self, namespace: str, start: float, key: DeviceKey, entry: Mapping[str, Any]) -> None:
-        buckets = self.namespaces.get(namespace)
-        if buckets is None:
-            buckets = self.namespaces[namespace] = {}
-        keys = buckets.get(start)
-        if keys is None:
-            keys = buckets[start] = {}
-        sums = keys.get(key)
-        if sums is None:
-            sums = keys[key] = [0.0, 0.0, 0.0, 0.0]
-        for i, c in enumerate(COUNTERS):
-            v = entry.get(c)
-            if v:
-                sums[i] += v
+
+def _labels_index(
+    reports: Iterable[Report], summaries: Mapping[str, Summary], out: ClusterUsage
+) -> dict[str, int]:
+    """Each node's labels (its report's, else those a summary recorded) as an index into
+    ``out.label_sets``, equal label sets sharing one index."""
+    labels: dict[str, Mapping[str, str]] = {}
+    for summary in summaries.values():
+        for node, found in summary.labels.items():
+            labels.setdefault(node, found)
+    for report in reports:
+        labels[report.node] = report.labels  # the newest labels win
+    ids: dict[tuple[tuple[str, str], ...], int] = {(): 0}  # 0: no labels known
+    out.label_sets.append({})
+    out_ids: dict[str, int] = {}
+    for node, found in labels.items():
+        frozen = tuple(sorted(found.items()))
+        i = ids.get(frozen)
+        if i is None:
+            i = ids[frozen] = len(out.label_sets)
+            out.label_sets.append(dict(found))
+        out_ids[node] = i
+    return out_ids
+
+
+def _add(keys: dict[DeviceKey, list[float]], key: DeviceKey, u: Mapping[str, Any]) -> None:
+    sums = keys.get(key)
+    if sums is None:
+        keys[key] = [
+            u.get("allocatedGpuSeconds") or 0.0,
+            u.get("busyGpuSeconds") or 0.0,
+            u.get("energyJoules") or 0.0,
+            u.get("unobservedSeconds") or 0.0,
+        ]
+    else:
+        sums[0] += u.get("allocatedGpuSeconds") or 0.0
+        sums[1] += u.get("busyGpuSeconds") or 0.0
+        sums[2] += u.get("energyJoules") or 0.0
+        sums[3] += u.get("unobservedSeconds") or 0.0
 
 
 def collect(
@@ -48,38 +75,46 @@ def collect(
     summaries: Mapping[str, Summary],
     clock: Clock,
 ) -> ClusterUsage:
-    """The index of every namespace's usage."""
+    """The index of every namespace's usage (this loop is the reconcile's hot path: it visits
+    every usage entry of every summary and report; bench/budgets.py measures it)."""
+    reports = list(reports)
     out = ClusterUsage()
+    label_of = _labels_index(reports, summaries, out)
     for summary in summaries.values():
-        for node, labels in summary.labels.items():
-            out.node_labels.setdefault(node, labels)
-        ns = summary.namespace
+        buckets = out.namespaces.setdefault(summary.namespace, {})
         for bucket in (summary.obj.get("spec") or {}).get("buckets") or ():
-            start = clock.epoch(bucket["start"])
+            keys = buckets.setdefault(clock.epoch(bucket["start"]), {})
             for u in bucket.get("usage") or ():
                 key = (
                     u.get("deviceClass") or "",
                     u.get("product") or "",
                     u.get("migProfile") or "",
-                    u["node"],
+                    label_of.get(u["node"], 0),
                 )
-                out.add(ns, start, key, u)
+                _add(keys, key, u)
     for report in reports:
-        out.node_labels[report.node] = report.labels  # the newest labels win
+        node, labels = report.node, label_of[report.node]
         for bucket in report.buckets:
-            if bucket.start < report.acknowledged:
+            start = bucket.start
+            if start < report.acknowledged:
                 continue
-            day = day_of(bucket.start)
+            day = day_of(start)
             for u in bucket.usage:
                 ns = u["namespace"]
-                into = summaries.get(summary_name(ns, day))
-                if into is not None and bucket.start < into.folded.get(report.node, 0.0):
+                into = summaries.get(f"{ns}.{day}")  # records.summary_name, inlined: hot
+                if into is not None and start < into.folded.get(node, 0.0):
                     continue
+                by_start = out.namespaces.get(ns)
+                if by_start is None:
+                    by_start = out.namespaces[ns] = {}
+                by_key = by_start.get(start)
+                if by_key is None:
+                    by_key = by_start[start] = {}
                 key = (
                     u.get("deviceClass") or "",
                     u.get("product") or "",
                     u.get("migProfile") or "",
-                    report.node,
+                    labels,
                 )
-                out.add(ns, bucket.start, key, u)
+                _add(by_key, key, u)
     return out

@@ -8,7 +8,7 @@ Upstream: the ResourceClaim and Pod API references (resource.k8s.io/v1, core/v1)
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 DRIVER = "gpu.tessera.dev"
@@ -34,20 +34,32 @@ def _classes(claim: Mapping[str, Any]) -> set[str]:
     return out
 
 
+def by_namespace(
+    objs: Iterable[Mapping[str, Any]], wanted: Collection[str]
+) -> dict[str, list[Mapping[str, Any]]]:
+    """The objects of the ``wanted`` namespaces, grouped by namespace: each budget then looks
+    only at its namespaces'."""
+    out: dict[str, list[Mapping[str, Any]]] = {}
+    for obj in objs:
+        ns = (obj.get("metadata") or {}).get("namespace", "")
+        if ns in wanted:
+            out.setdefault(ns, []).append(obj)
+    return out
+
+
 def pods_to_evict(
     namespaces: Collection[str],
     device_classes: frozenset[str] | None,
-    pods: Iterable[Mapping[str, Any]],
-    claims: Iterable[Mapping[str, Any]],
+    pods: Mapping[str, Sequence[Mapping[str, Any]]],
+    claims: Mapping[str, Sequence[Mapping[str, Any]]],
 ) -> list[tuple[str, str]]:
-    """(namespace, pod) of every pod to evict, sorted."""
-    wanted = set(namespaces)
+    """(namespace, pod) of every pod to evict, sorted; ``pods`` and ``claims`` by namespace."""
     held: set[tuple[str, str]] = set()
     holders: set[tuple[str, str]] = set()
-    for claim in claims:
+    for claim in (c for ns in namespaces for c in claims.get(ns, ())):
         meta = claim.get("metadata") or {}
         ns = meta.get("namespace", "")
-        if ns not in wanted or not _allocated_by_driver(claim):
+        if not _allocated_by_driver(claim):
             continue
         if device_classes is not None and not (_classes(claim) & device_classes):
             continue
@@ -56,10 +68,10 @@ def pods_to_evict(
             if ref.get("resource", "pods") == "pods" and not ref.get("apiGroup"):
                 holders.add((ns, ref.get("name", "")))
     out = []
-    for pod in pods:
+    for pod in (p for ns in namespaces for p in pods.get(ns, ())):
         meta = pod.get("metadata") or {}
         ns, name = meta.get("namespace", ""), meta.get("name", "")
-        if ns not in wanted or meta.get("deletionTimestamp"):
+        if meta.get("deletionTimestamp"):
             continue
         if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
             continue

@@ -23,7 +23,6 @@ from typing import Any
 
 from agent.usage.records import (
     API_VERSION,
-    COUNTERS,
     DAY_LABEL,
     NAMESPACE_LABEL,
     Clock,
@@ -55,12 +54,15 @@ class _Draft:
         spec: Mapping[str, Any] = {} if base is None else base.obj.get("spec") or {}
         self.buckets: dict[str, Obj] = {b["start"]: b for b in spec.get("buckets") or ()}
         self.touched: dict[str, dict[tuple[str, str, str, str], Obj]] = {}
-        self.claims: dict[tuple[str, str], Obj] = {
-            (c["claimUID"], c.get("deviceClass", "")): dict(c) for c in spec.get("claims") or ()
+        self.claims: dict[tuple[str, str], Mapping[str, Any]] = {
+            (c["claimUID"], c.get("deviceClass", "")): c for c in spec.get("claims") or ()
         }
-        self.nodes: dict[str, Obj] = {n["name"]: dict(n) for n in spec.get("nodes") or ()}
+        self.mine: dict[tuple[str, str], Obj] = {}
+        """The claims copied or new (the others are the summary's as read, shared)."""
+        self.nodes: dict[str, Mapping[str, Any]] = {n["name"]: n for n in spec.get("nodes") or ()}
 
     def add(self, node: str, start: str, entry: Mapping[str, Any]) -> None:
+        """Add one report entry of ``node``'s bucket ``start`` (the hot path of the fold)."""
         index = self.touched.get(start)
         if index is None:
             index = {}
@@ -69,27 +71,47 @@ class _Draft:
                 index[_usage_key(u, u["node"])] = u
             self.touched[start] = index
             self.buckets[start] = {"start": start, "usage": None}  # filled by obj()
+        allocated = float(entry.get("allocatedGpuSeconds") or 0.0)
+        busy = float(entry.get("busyGpuSeconds") or 0.0)
+        energy = float(entry.get("energyJoules") or 0.0)
+        device_class = entry.get("deviceClass") or ""
         key = _usage_key(entry, node)
         u = index.get(key)
         if u is None:
-            u = {"node": node, "deviceClass": key[1], "product": key[2]}
+            u = index[key] = {"node": node, "deviceClass": device_class, "product": key[2]}
             if key[3]:
                 u["migProfile"] = key[3]
-            u.update(dict.fromkeys(COUNTERS, 0.0))
-            index[key] = u
-        for c in COUNTERS:
-            u[c] = u[c] + float(entry.get(c) or 0.0)
-        ckey = (entry.get("claimUID", ""), entry.get("deviceClass") or "")
-        claim = self.claims.get(ckey)
+            u["allocatedGpuSeconds"] = allocated
+            u["busyGpuSeconds"] = busy
+            u["energyJoules"] = energy
+            u["unobservedSeconds"] = float(entry.get("unobservedSeconds") or 0.0)
+        else:
+            u["allocatedGpuSeconds"] += allocated
+            u["busyGpuSeconds"] += busy
+            u["energyJoules"] += energy
+            u["unobservedSeconds"] += float(entry.get("unobservedSeconds") or 0.0)
+        ckey = (entry.get("claimUID", ""), device_class)
+        claim = self.mine.get(ckey)
         if claim is None:
-            claim = {"claimUID": ckey[0], "claim": entry.get("claim", ""), "deviceClass": ckey[1]}
-            claim.update(dict.fromkeys(COUNTERS[:3], 0.0))
-            self.claims[ckey] = claim
-        for c in COUNTERS[:3]:
-            claim[c] = claim[c] + float(entry.get(c) or 0.0)
+            was = self.claims.get(ckey)
+            claim = {
+                "claimUID": ckey[0],
+                "claim": entry.get("claim", ""),
+                "deviceClass": device_class,
+                "allocatedGpuSeconds": 0.0,
+                "busyGpuSeconds": 0.0,
+                "energyJoules": 0.0,
+            }
+            if was is not None:
+                claim.update(was)
+            self.mine[ckey] = self.claims[ckey] = claim
+        claim["allocatedGpuSeconds"] += allocated
+        claim["busyGpuSeconds"] += busy
+        claim["energyJoules"] += energy
 
     def folded(self, node: str, labels: Mapping[str, str], through: str) -> None:
-        self.nodes[node] = {"name": node, "labels": dict(labels), "foldedThrough": through}
+        # the labels are the report's, shared: nothing here changes them
+        self.nodes[node] = {"name": node, "labels": labels, "foldedThrough": through}
 
     def obj(self) -> Obj:
         name = summary_name(self.namespace, self.day)
