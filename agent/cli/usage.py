@@ -17,11 +17,13 @@ from typing import Any
 import yaml
 
 from agent.cli.framework import EXIT_ERROR, Command, Invocation, Uses
+from agent.cli.usage_cluster import ClusterRow, cluster_rows, describe, time_range
 from agent.config import Config, setting
 from agent.decode import load_yaml_documents
-from agent.errors import DecodeError
+from agent.errors import ConfigError, DecodeError
 from agent.usage.counters import Counters, HoldingKey, decode
 from agent.usage.prices import PriceTable, cost, price_table
+from dra_driver.errors import KubeError
 
 DEFAULT_STATE_DIR = Path("/var/lib/tessera")
 MAX_PRICES_BYTES = 1024 * 1024
@@ -50,6 +52,38 @@ class UsageOptions:
         flags=("-o", "--output"),
         choices=("table", "json", "yaml"),
     )
+    cluster: bool = setting(
+        False,
+        "Read the cluster's record (GpuUsageSummaries and the GpuUsageReports not yet folded)"
+        " instead of this node's ledger: one row per namespace and DeviceClass.",
+    )
+    kubeconfig: Path | None = setting(
+        None,
+        "With --cluster: the API server to read (default: the in-cluster service account).",
+        metavar="FILE",
+    )
+    since: str = setting(
+        "",
+        "With --cluster: from this day (yyyy-mm-dd, midnight in --time-zone) or RFC 3339 time;"
+        " rounded down to 15 minutes (default: all that is recorded).",
+        metavar="WHEN",
+    )
+    until: str = setting(
+        "",
+        "With --cluster: up to this day or time, exclusive (default: now).",
+        metavar="WHEN",
+    )
+    period: str = setting(
+        "range",
+        "With --cluster: month (the calendar month holding now, in --time-zone) or range"
+        " (--since/--until).",
+        choices=("range", "month"),
+    )
+    time_zone: str = setting(
+        "UTC",
+        "With --cluster: the IANA time zone of --period month and of days in --since/--until.",
+        metavar="ZONE",
+    )
 
 
 @dataclass(frozen=True)
@@ -69,6 +103,8 @@ class Row:
 
 def cmd_usage(inv: Invocation) -> int:
     config, opts = inv.get(Config), inv.get(UsageOptions)
+    if opts.cluster:
+        return _cluster(inv, opts)
     path = (config.node.state_dir or DEFAULT_STATE_DIR) / "usage.json"
     try:
         _, through, _, counters = decode(path.read_bytes())
@@ -100,6 +136,72 @@ def cmd_usage(inv: Invocation) -> int:
     else:
         inv.out.write(yaml.safe_dump(data, sort_keys=False))
     return 0
+
+
+def _cluster(inv: Invocation, opts: UsageOptions) -> int:
+    now = datetime.datetime.now(datetime.UTC)
+    try:
+        table = None if opts.prices is None else _prices(opts.prices)
+        start, end = time_range(opts.since, opts.until, opts.period, opts.time_zone, now)
+        from dra_driver.cluster.kube import KubeClient  # the client loads only in cluster mode
+
+        kube = KubeClient.from_config(opts.kubeconfig)
+        try:
+            rows = cluster_rows(
+                lambda method, path, query: kube.request(method, path, query), start, end, table
+            )
+        finally:
+            kube.close()
+    except (OSError, DecodeError, ValueError, ConfigError, KubeError) as exc:
+        inv.err.write(f"tessera: error: {exc}\n")
+        return EXIT_ERROR
+    inv.out.write(render_cluster(rows, table, start, end, opts.output))
+    return 0
+
+
+def render_cluster(
+    rows: list[ClusterRow],
+    table: PriceTable | None,
+    start: datetime.datetime | None,
+    end: datetime.datetime | None,
+    output: str,
+) -> str:
+    """The cluster's rows as a table, JSON or YAML (amounts as decimal strings: exact)."""
+    currency = None if table is None else table.currency
+    if output == "table":
+        head = ["NAMESPACE", "DEVICECLASS", "GPU-H", "KWH"]
+        if currency is not None:
+            head.append(f"COST ({currency})")
+        lines = [head]
+        for r in rows:
+            line = [r.namespace, r.device_class or "-", f"{r.gpu_hours:.3f}", f"{r.energy_kwh:.3f}"]
+            if currency is not None:
+                line.append("-" if r.cost is None else f"{r.cost:.2f}")
+            lines.append(line)
+        widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+        text = "\n".join(
+            "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+            for row in lines
+        )
+        return f"{text}\n{describe(start, end)}\n"
+    data = {
+        "since": None if start is None else start.isoformat(),
+        "until": None if end is None else end.isoformat(),
+        "currency": currency,
+        "rows": [
+            {
+                "namespace": r.namespace,
+                "deviceClass": r.device_class,
+                "gpuHours": str(r.gpu_hours.quantize(Decimal("0.000001"))),
+                "energyKWh": str(r.energy_kwh.quantize(Decimal("0.000001"))),
+                "cost": None if r.cost is None else str(r.cost),
+            }
+            for r in rows
+        ],
+    }
+    if output == "json":
+        return json.dumps(data, indent=2) + "\n"
+    return str(yaml.safe_dump(data, sort_keys=False))
 
 
 def _prices(path: Path) -> PriceTable:
@@ -231,5 +333,7 @@ COMMAND = Command(
     description="The usage this node's agent has counted (the usage ledger in --state-dir,"
     " docs/budgets.md): allocated and busy GPU-hours, unobserved hours and energy for each"
     " claim device, or summed per namespace (--by namespace); with --prices, each row's cost."
-    " Reads the file only: works while the agent runs, and after it stopped.",
+    " Reads the file only: works while the agent runs, and after it stopped. With --cluster,"
+    " the cluster's usage per namespace and DeviceClass over --since/--until or --period"
+    " month, from its GpuUsageSummaries and GpuUsageReports (the budget controller's sums).",
 )
