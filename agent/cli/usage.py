@@ -55,21 +55,22 @@ class UsageOptions:
     cluster: bool = setting(
         False,
         "Read the cluster's record (GpuUsageSummaries and the GpuUsageReports not yet folded)"
-        " instead of this node's ledger: one row per namespace and DeviceClass.",
+        " instead of this node's ledger: one row per namespace and DeviceClass (--by and"
+        " --node-labels do not apply: each node's labels come from the record).",
     )
     kubeconfig: Path | None = setting(
         None,
         "With --cluster: the API server to read (default: the in-cluster service account).",
         metavar="FILE",
     )
-    since: str = setting(
-        "",
+    since: str | None = setting(
+        None,
         "With --cluster: from this day (yyyy-mm-dd, midnight in --time-zone) or RFC 3339 time;"
         " rounded down to 15 minutes (default: all that is recorded).",
         metavar="WHEN",
     )
-    until: str = setting(
-        "",
+    until: str | None = setting(
+        None,
         "With --cluster: up to this day or time, exclusive (default: now).",
         metavar="WHEN",
     )
@@ -142,7 +143,9 @@ def _cluster(inv: Invocation, opts: UsageOptions) -> int:
     now = datetime.datetime.now(datetime.UTC)
     try:
         table = None if opts.prices is None else _prices(opts.prices)
-        start, end = time_range(opts.since, opts.until, opts.period, opts.time_zone, now)
+        start, end = time_range(
+            opts.since or "", opts.until or "", opts.period, opts.time_zone, now
+        )
         from dra_driver.cluster.kube import KubeClient  # the client loads only in cluster mode
 
         kube = KubeClient.from_config(opts.kubeconfig)

@@ -71,25 +71,29 @@ class _Draft:
                 index[_usage_key(u, u["node"])] = u
             self.touched[start] = index
             self.buckets[start] = {"start": start, "usage": None}  # filled by obj()
-        allocated = float(entry.get("allocatedGpuSeconds") or 0.0)
-        busy = float(entry.get("busyGpuSeconds") or 0.0)
-        energy = float(entry.get("energyJoules") or 0.0)
+        # JSON numbers (int or float): adding them to floats keeps floats
+        allocated = entry.get("allocatedGpuSeconds") or 0.0
+        busy = entry.get("busyGpuSeconds") or 0.0
+        energy = entry.get("energyJoules") or 0.0
+        unobserved = entry.get("unobservedSeconds") or 0.0
         device_class = entry.get("deviceClass") or ""
-        key = _usage_key(entry, node)
+        product = entry.get("product") or ""
+        mig = entry.get("migProfile") or ""
+        key = (node, device_class, product, mig)
         u = index.get(key)
         if u is None:
-            u = index[key] = {"node": node, "deviceClass": device_class, "product": key[2]}
-            if key[3]:
-                u["migProfile"] = key[3]
-            u["allocatedGpuSeconds"] = allocated
-            u["busyGpuSeconds"] = busy
-            u["energyJoules"] = energy
-            u["unobservedSeconds"] = float(entry.get("unobservedSeconds") or 0.0)
+            u = index[key] = {"node": node, "deviceClass": device_class, "product": product}
+            if mig:
+                u["migProfile"] = mig
+            u["allocatedGpuSeconds"] = 0.0 + allocated
+            u["busyGpuSeconds"] = 0.0 + busy
+            u["energyJoules"] = 0.0 + energy
+            u["unobservedSeconds"] = 0.0 + unobserved
         else:
             u["allocatedGpuSeconds"] += allocated
             u["busyGpuSeconds"] += busy
             u["energyJoules"] += energy
-            u["unobservedSeconds"] += float(entry.get("unobservedSeconds") or 0.0)
+            u["unobservedSeconds"] += unobserved
         ckey = (entry.get("claimUID", ""), device_class)
         claim = self.mine.get(ckey)
         if claim is None:
