@@ -261,3 +261,28 @@ def test_the_dashboard_gets_each_namespaces_gpu_hours_this_utc_month():
         bucket("2026-12-01T00:00:00Z", entry("a", allocated=hours(2))),
     )
     assert plan(view([r]), DEC4).namespace_gpu_hours == {"a": 2.0}
+
+
+def test_the_worked_example_of_docs_budgets_md_team_a_on_4_december():
+    # two whole H100s around the clock since 00:00 on 1 December in Berlin, about 600 W each
+    start = datetime(2026, 11, 30, 23, 0, tzinfo=UTC).timestamp()
+    buckets = [
+        bucket(
+            datetime.fromtimestamp(start + i * 900, UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            entry("team-a", "gpu-0", allocated=900.0, energy=540_000.0),
+            entry("team-a", "gpu-1", allocated=900.0, energy=540_000.0),
+        )
+        for i in range(85 * 4)
+    ]
+    b = budget(
+        "team-a-monthly",
+        scope={"namespace": "team-a"},
+        period=MONTH,
+        limits={"gpuHours": "1200"},
+        action="DenyNew",
+    )
+    s = status_of(plan(view([report("n1", *buckets)], budgets=[b]), DEC4), "team-a-monthly")
+    assert s["used"] == {"gpuHours": "170.000", "energyKWh": "102.000"}
+    assert s["remaining"] == {"gpuHours": "1030.000"}
+    assert s["projectedExhaustion"] == "2026-12-25T23:00:00Z"
+    assert s["thresholdsReached"] == []
