@@ -18,12 +18,12 @@ from typing import Any
 
 from agent.usage.budget_amounts import Memo
 from agent.usage.budget_status import evaluate
+from agent.usage.cluster_objects import Clock, read_report, read_summary
 from agent.usage.cluster_usage import ClusterUsage, collect
 from agent.usage.evictions import by_namespace, pods_to_evict
 from agent.usage.fold import fold
 from agent.usage.plan_types import BudgetEvent, BudgetGauge, PodEviction
 from agent.usage.prices import PriceTable
-from agent.usage.records import Clock, read_report, read_summary
 
 __all__ = ["BudgetEvent", "BudgetGauge", "ClusterView", "Plan", "PodEviction", "plan"]
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.usage.records import Clock, Report, Summary, day_of
+from agent.usage.cluster_objects import Clock, Report, Summary, day_of
 
 DeviceKey = tuple[str, str, str, int]
 """(deviceClass, product, migProfile, the index of the node's labels in ``label_sets``); ""
@@ -101,7 +101,7 @@ def collect(
             day = day_of(start)
             for u in bucket.usage:
                 ns = u["namespace"]
-                into = summaries.get(f"{ns}.{day}")  # records.summary_name, inlined: hot
+                into = summaries.get(f"{ns}.{day}")  # cluster_objects.summary_name, inlined: hot
                 if into is not None and start < into.folded.get(node, 0.0):
                     continue
                 by_start = out.namespaces.get(ns)

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from agent.usage.records import (
+from agent.usage.cluster_objects import (
     API_VERSION,
     DAY_LABEL,
     NAMESPACE_LABEL,
