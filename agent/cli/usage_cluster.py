@@ -15,10 +15,10 @@ from typing import Any
 
 from agent.errors import ConfigError
 from agent.usage.budget_amounts import in_scope
+from agent.usage.cluster_objects import Clock, read_report, read_summary
 from agent.usage.cluster_usage import collect
 from agent.usage.periods import Period, PeriodError, floor_bucket, zone
 from agent.usage.prices import PriceTable
-from agent.usage.records import Clock, read_report, read_summary
 
 GROUP = "/apis/tessera.dev/v1alpha1"
 PAGE = 500

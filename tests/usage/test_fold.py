@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent.usage.budget_plan import ClusterView, plan
+from agent.usage.cluster_objects import Clock, read_report, read_summary
 from agent.usage.cluster_usage import collect
-from agent.usage.records import Clock, read_report, read_summary
 from tests.usage.clusterobjs import bucket, check_summary, entry, report
 
 NOW = datetime(2026, 12, 5, 1, 0, tzinfo=UTC)
