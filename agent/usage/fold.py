@@ -82,13 +82,17 @@ class _Draft:
         key = (node, device_class, product, mig)
         u = index.get(key)
         if u is None:
-            u = index[key] = {"node": node, "deviceClass": device_class, "product": product}
+            u = index[key] = {
+                "node": node,
+                "deviceClass": device_class,
+                "product": product,
+                "allocatedGpuSeconds": 0.0 + allocated,
+                "busyGpuSeconds": 0.0 + busy,
+                "energyJoules": 0.0 + energy,
+                "unobservedSeconds": 0.0 + unobserved,
+            }
             if mig:
                 u["migProfile"] = mig
-            u["allocatedGpuSeconds"] = 0.0 + allocated
-            u["busyGpuSeconds"] = 0.0 + busy
-            u["energyJoules"] = 0.0 + energy
-            u["unobservedSeconds"] = 0.0 + unobserved
         else:
             u["allocatedGpuSeconds"] += allocated
             u["busyGpuSeconds"] += busy
@@ -96,22 +100,25 @@ class _Draft:
             u["unobservedSeconds"] += unobserved
         ckey = (entry.get("claimUID", ""), device_class)
         claim = self.mine.get(ckey)
-        if claim is None:
-            was = self.claims.get(ckey)
-            claim = {
-                "claimUID": ckey[0],
-                "claim": entry.get("claim", ""),
-                "deviceClass": device_class,
-                "allocatedGpuSeconds": 0.0,
-                "busyGpuSeconds": 0.0,
-                "energyJoules": 0.0,
-            }
-            if was is not None:
-                claim.update(was)
-            self.mine[ckey] = self.claims[ckey] = claim
-        claim["allocatedGpuSeconds"] += allocated
-        claim["busyGpuSeconds"] += busy
-        claim["energyJoules"] += energy
+        if claim is not None:
+            claim["allocatedGpuSeconds"] += allocated
+            claim["busyGpuSeconds"] += busy
+            claim["energyJoules"] += energy
+            return
+        was = self.claims.get(ckey)
+        claim = {
+            "claimUID": ckey[0],
+            "claim": entry.get("claim", ""),
+            "deviceClass": device_class,
+            "allocatedGpuSeconds": 0.0 + allocated,
+            "busyGpuSeconds": 0.0 + busy,
+            "energyJoules": 0.0 + energy,
+        }
+        if was is not None:  # the summary's own, as read: add to a copy
+            claim["claim"] = was.get("claim", claim["claim"])
+            for c in ("allocatedGpuSeconds", "busyGpuSeconds", "energyJoules"):
+                claim[c] += was.get(c) or 0.0
+        self.mine[ckey] = self.claims[ckey] = claim
 
     def folded(self, node: str, labels: Mapping[str, str], through: str) -> None:
         # the labels are the report's, shared: nothing here changes them
@@ -198,16 +205,19 @@ def _fold_bucket(
     start_text = clock.text(start)
     end_text = clock.text(bucket_end(start))
     moved: set[str] = set()
+    node = report.node
     for entry in usage:
         namespace = entry["namespace"]
-        name = summary_name(namespace, day)
-        base = summaries.get(name)
-        if base is not None and start < base.folded.get(report.node, 0.0):
-            continue  # already in this summary (a plan cut short before the ack)
+        name = f"{namespace}.{day}"  # summary_name, inlined: the fold's hot loop
         draft = drafts.get(name)
         if draft is None:
+            base = summaries.get(name)
+            if base is not None and start < base.folded.get(node, 0.0):
+                continue  # already in this summary (a plan cut short before the ack)
             draft = drafts[name] = _Draft(namespace, day, base)
-        draft.add(report.node, start_text, entry)
+        elif draft.base is not None and start < draft.base.folded.get(node, 0.0):
+            continue
+        draft.add(node, start_text, entry)
         moved.add(name)
     for name in moved:
         drafts[name].folded(report.node, report.labels, end_text)
