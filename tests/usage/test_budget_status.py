@@ -286,3 +286,27 @@ def test_the_worked_example_of_docs_budgets_md_team_a_on_4_december():
     assert s["remaining"] == {"gpuHours": "1030.000"}
     assert s["projectedExhaustion"] == "2026-12-25T23:00:00Z"
     assert s["thresholdsReached"] == []
+
+
+def test_a_rolling_budget_warns_again_once_usage_has_left_its_window_and_come_back():
+    b = budget(
+        "r",
+        scope={"namespace": "a"},
+        period={"type": "Rolling", "window": "1h"},
+        limits={"gpuHours": "1"},
+    )
+
+    def at(now: datetime, current: dict[str, Any], *starts: str) -> Plan:
+        r = report("n1", *(bucket(s, entry("a", allocated=900.0 * 3.5)) for s in starts))
+        return plan(view([r], budgets=[current]), now)
+
+    p = at(DEC4, b, "2026-12-04T11:30:00Z")  # 0.875 of the limit
+    assert [e.reason for e in p.events] == ["GpuBudgetThreshold"]
+    b = {**b, "status": status_of(p, "r")}
+    assert b["status"]["thresholdsReached"] == [80]
+    later = datetime(2026, 12, 4, 14, 0, tzinfo=UTC)  # the bucket has left the window
+    p = at(later, b, "2026-12-04T11:30:00Z")
+    assert p.events == [] and status_of(p, "r")["thresholdsReached"] == []
+    b = {**b, "status": status_of(p, "r")}
+    p = at(later, b, "2026-12-04T11:30:00Z", "2026-12-04T13:30:00Z")
+    assert [e.reason for e in p.events] == ["GpuBudgetThreshold"]
