@@ -17,7 +17,8 @@
   calendar month) when it falls after the month's end.
 - **Reconciled** is False, with the reason, when the period cannot be read, or a cost limit
   cannot be evaluated (no price table, another currency than the table's, usage without a
-  price): a cost is never guessed. The other limits are still evaluated.
+  price): a cost is never guessed. The other limits are still evaluated; with none left, the
+  last ``Exhausted`` verdict stands (``Unknown`` if there was none) and nothing is evicted.
 """
 
 from __future__ import annotations
@@ -208,9 +209,21 @@ def _outcome(
     ]
     status["thresholdsReached"] = sorted(reached)
     since: str | None = None
-    if exhausted:
+    exhausted_cond = _cond("Exhausted", "False", "WithinLimits", message)
+    if not limits:
+        # nothing could be evaluated (a cost limit without prices): the last verdict stands,
+        # and nothing is announced or evicted on it
+        since = None
+        if was_since:
+            status["exhaustedSince"] = was_since
+        if _condition(old, "Exhausted") is None:
+            exhausted_cond = _cond("Exhausted", "Unknown", "NotEvaluated", "no limit evaluated")
+        else:
+            exhausted_cond = {}
+    elif exhausted:
         since = was_since or _iso(now.astimezone(UTC))
         status["exhaustedSince"] = since
+        exhausted_cond = _cond("Exhausted", "True", "LimitReached", message)
         if not was_since:
             action = spec.get("action", "Warn")
             extra = (
@@ -231,16 +244,11 @@ def _outcome(
         projected = _projection(limits, period, found, now)
         if projected is not None:
             status["projectedExhaustion"] = _iso(projected)
-    conds = [
-        _cond("Reconciled", "False", problems[0][0], problems[0][1])
-        if problems
-        else _cond("Reconciled", "True", "Reconciled", "usage and status are up to date"),
-        _cond("Exhausted", "True", "LimitReached", message)
-        if exhausted
-        else _cond("Exhausted", "False", "WithinLimits", message or "no limit could be evaluated")
-        if limits
-        else _cond("Exhausted", "Unknown", "NotEvaluated", "no limit could be evaluated"),
-    ]
+    if problems:
+        reconciled = _cond("Reconciled", "False", problems[0][0], problems[0][1])
+    else:
+        reconciled = _cond("Reconciled", "True", "Reconciled", "usage and status are up to date")
+    conds = [reconciled, exhausted_cond] if exhausted_cond else [reconciled]
     status["conditions"] = _conditions(old, now, budget, conds)
     gauges = [
         BudgetGauge(name, lim.name, float(lim.used), float(lim.limit), bool(exhausted))

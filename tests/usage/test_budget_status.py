@@ -310,3 +310,21 @@ def test_a_rolling_budget_warns_again_once_usage_has_left_its_window_and_come_ba
     b = {**b, "status": status_of(p, "r")}
     p = at(later, b, "2026-12-04T11:30:00Z", "2026-12-04T13:30:00Z")
     assert [e.reason for e in p.events] == ["GpuBudgetThreshold"]
+
+
+def test_a_cost_budget_whose_prices_go_missing_keeps_its_last_verdict_and_announces_nothing():
+    b = budget("c", scope={"namespace": "a"}, limits={"cost": {"amount": "1", "currency": "EUR"}})
+    r = report("n1", bucket("2026-12-04T11:45:00Z", entry("a", allocated=hours(1))))
+    p = plan(view([r], budgets=[b], prices=PRICES), DEC4)
+    assert [e.reason for e in p.events] == [
+        "GpuBudgetThreshold",
+        "GpuBudgetThreshold",
+        "GpuBudgetExhausted",
+    ]
+    b = {**b, "status": status_of(p, "c")}
+    p = plan(view([r], budgets=[b]), DEC4)  # the price table is gone
+    s = status_of(p, "c")
+    assert p.events == []
+    assert condition(s, "Exhausted")["status"] == "True"
+    assert condition(s, "Reconciled")["reason"] == "NoPriceTable"
+    assert s["exhaustedSince"] == b["status"]["exhaustedSince"]
