@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import json
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -17,7 +18,14 @@ from typing import Any
 import yaml
 
 from agent.cli.framework import EXIT_ERROR, Command, Invocation, Uses
-from agent.cli.usage_cluster import ClusterRow, cluster_rows, describe, time_range
+from agent.cli.usage_cluster import (
+    ClaimRow,
+    ClusterRow,
+    claim_rows,
+    cluster_rows,
+    describe,
+    time_range,
+)
 from agent.config import Config, setting
 from agent.decode import load_yaml_documents
 from agent.errors import ConfigError, DecodeError
@@ -31,9 +39,11 @@ MAX_PRICES_BYTES = 1024 * 1024
 
 @dataclass(frozen=True, kw_only=True)
 class UsageOptions:
-    by: str = setting(
-        "claim",
-        "One row per claim device, or per namespace (the sums of its claims).",
+    by: str | None = setting(
+        None,
+        "One row per claim device (the default), or per namespace (the sums of its claims)."
+        " With --cluster: per namespace and DeviceClass (the default), or per claim (over whole"
+        " UTC days; no cost per claim: the record keeps none).",
         choices=("claim", "namespace"),
     )
     prices: Path | None = setting(
@@ -55,8 +65,8 @@ class UsageOptions:
     cluster: bool = setting(
         False,
         "Read the cluster's record (GpuUsageSummaries and the GpuUsageReports not yet folded)"
-        " instead of this node's ledger: one row per namespace and DeviceClass (--by and"
-        " --node-labels do not apply: each node's labels come from the record).",
+        " instead of this node's ledger (--node-labels does not apply: each node's labels come"
+        " from the record).",
     )
     kubeconfig: Path | None = setting(
         None,
@@ -122,7 +132,7 @@ def cmd_usage(inv: Invocation) -> int:
         return EXIT_ERROR
     rows = [_row(key, c, table, labels) for key, c in sorted(counters.items())]
     if opts.by == "namespace":
-        rows = _by_namespace(rows)
+        rows = _by_namespace(rows)  # else (claim, the default) one row per claim device
     currency = None if table is None else table.currency
     if opts.output == "table":
         inv.out.write(_table(rows, currency, through))
@@ -150,16 +160,63 @@ def _cluster(inv: Invocation, opts: UsageOptions) -> int:
 
         kube = KubeClient.from_config(opts.kubeconfig)
         try:
-            rows = cluster_rows(
-                lambda method, path, query: kube.request(method, path, query), start, end, table
-            )
+
+            def request(method: str, path: str, query: Mapping[str, str]) -> dict[str, Any]:
+                return kube.request(method, path, query)
+
+            if opts.by == "claim":
+                text = render_claims(claim_rows(request, start, end), start, end, opts.output)
+            else:
+                rows = cluster_rows(request, start, end, table)
+                text = render_cluster(rows, table, start, end, opts.output)
         finally:
             kube.close()
     except (OSError, DecodeError, ValueError, ConfigError, KubeError) as exc:
         inv.err.write(f"tessera: error: {exc}\n")
         return EXIT_ERROR
-    inv.out.write(render_cluster(rows, table, start, end, opts.output))
+    inv.out.write(text)
     return 0
+
+
+def render_claims(
+    rows: list[ClaimRow],
+    start: datetime.datetime | None,
+    end: datetime.datetime | None,
+    output: str,
+) -> str:
+    """The cluster's per-claim rows as a table, JSON or YAML."""
+    if output == "table":
+        lines = [["NAMESPACE", "CLAIM", "DEVICECLASS", "GPU-H", "KWH"]]
+        for r in rows:
+            lines.append([r.namespace, r.claim or r.claim_uid, r.device_class or "-",
+                          f"{r.gpu_hours:.3f}", f"{r.energy_kwh:.3f}"])  # fmt: skip
+        return f"{_columns(lines)}\n{describe(start, end)}\n"
+    data = {
+        "since": None if start is None else start.isoformat(),
+        "until": None if end is None else end.isoformat(),
+        "rows": [
+            {
+                "namespace": r.namespace,
+                "claim": r.claim,
+                "claimUID": r.claim_uid,
+                "deviceClass": r.device_class,
+                "gpuHours": str(r.gpu_hours.quantize(Decimal("0.000001"))),
+                "energyKWh": str(r.energy_kwh.quantize(Decimal("0.000001"))),
+            }
+            for r in rows
+        ],
+    }
+    if output == "json":
+        return json.dumps(data, indent=2) + "\n"
+    return str(yaml.safe_dump(data, sort_keys=False))
+
+
+def _columns(lines: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in lines) for i in range(len(lines[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in lines
+    )
 
 
 def render_cluster(
@@ -181,11 +238,7 @@ def render_cluster(
             if currency is not None:
                 line.append("-" if r.cost is None else f"{r.cost:.2f}")
             lines.append(line)
-        widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
-        text = "\n".join(
-            "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-            for row in lines
-        )
+        text = _columns(lines)
         return f"{text}\n{describe(start, end)}\n"
     data = {
         "since": None if start is None else start.isoformat(),

@@ -15,10 +15,10 @@ from typing import Any
 
 from agent.errors import ConfigError
 from agent.usage.budget_amounts import in_scope
-from agent.usage.cluster_objects import Clock, read_report, read_summary
-from agent.usage.cluster_usage import collect
+from agent.usage.cluster_objects import Clock, Report, Summary, read_report, read_summary
+from agent.usage.cluster_usage import collect, live_entries
 from agent.usage.periods import Period, PeriodError, floor_bucket, zone
-from agent.usage.prices import PriceTable
+from agent.usage.prices import JOULES_PER_KWH, SECONDS_PER_HOUR, PriceTable
 
 GROUP = "/apis/tessera.dev/v1alpha1"
 PAGE = 500
@@ -87,13 +87,19 @@ def _moment(text: str, flag: str, tz: Any) -> datetime | None:
     return datetime.fromtimestamp(floor_bucket(at.timestamp()), UTC)
 
 
-def cluster_rows(
-    request: Request,
-    start: datetime | None,
-    end: datetime | None,
-    prices: PriceTable | None,
-) -> list[ClusterRow]:
-    """One row per (namespace, DeviceClass) with usage in [start, end)."""
+@dataclass(frozen=True)
+class ClaimRow:
+    namespace: str
+    claim: str
+    claim_uid: str
+    device_class: str
+    gpu_hours: Decimal
+    energy_kwh: Decimal
+
+
+def _read(
+    request: Request, start: datetime | None, end: datetime | None
+) -> tuple[Clock, list[Report], dict[str, Summary]]:
     if start is not None and end is not None and end <= start:
         raise ConfigError(
             f"the range ends ({end.isoformat()}) before it starts ({start.isoformat()})"
@@ -103,6 +109,17 @@ def cluster_rows(
     summaries = {
         s.name: s for s in (read_summary(o, clock) for o in list_all(request, "gpuusagesummaries"))
     }
+    return clock, reports, summaries
+
+
+def cluster_rows(
+    request: Request,
+    start: datetime | None,
+    end: datetime | None,
+    prices: PriceTable | None,
+) -> list[ClusterRow]:
+    """One row per (namespace, DeviceClass) with usage in [start, end)."""
+    clock, reports, summaries = _read(request, start, end)
     usage = collect(reports, summaries, clock)
     period = Period("Range", start, end)
     rows = []
@@ -120,3 +137,46 @@ def describe(start: datetime | None, end: datetime | None) -> str:
         return none if d is None else d.isoformat()
 
     return f"from {at(start, 'the beginning')} to {at(end, 'now')}"
+
+
+def claim_rows(request: Request, start: datetime | None, end: datetime | None) -> list[ClaimRow]:
+    """One row per (namespace, claim, DeviceClass) with usage in [start, end): the summaries'
+    per-claim day totals plus the report entries not yet folded. Summaries keep a claim's
+    totals per UTC day, so the range must be whole UTC days; they hold no product or node, so
+    a claim has no cost here (the namespace rows have)."""
+    for flag, at in (("--since", start), ("--until", end)):
+        if at is not None and at.timestamp() % 86400:
+            raise ConfigError(
+                f"{flag} {at.isoformat()}: claims can be shown over whole UTC days only"
+                " (summaries keep each claim's totals per UTC day); give days with --time-zone"
+                " UTC, or --by namespace for any range"
+            )
+    _, reports, summaries = _read(request, start, end)
+    period = Period("Range", start, end)
+    sums: dict[tuple[str, str, str], list[Any]] = {}
+
+    def add(ns: str, c: Mapping[str, Any]) -> None:
+        key = (ns, c.get("claimUID", ""), c.get("deviceClass") or "")
+        row = sums.setdefault(key, [c.get("claim", ""), 0.0, 0.0])
+        row[1] += c.get("allocatedGpuSeconds") or 0.0
+        row[2] += c.get("energyJoules") or 0.0
+
+    for summary in summaries.values():
+        day = datetime.strptime(summary.day, "%Y-%m-%d").replace(tzinfo=UTC).timestamp()
+        if period.contains(day):  # the whole day, as the range is whole days
+            for c in (summary.obj.get("spec") or {}).get("claims") or ():
+                add(summary.namespace, c)
+    for _, bucket_start, entry in live_entries(reports, summaries):
+        if period.contains(bucket_start):
+            add(entry["namespace"], entry)
+    return [
+        ClaimRow(
+            ns,
+            name,
+            uid,
+            device_class,
+            Decimal(repr(seconds)) / SECONDS_PER_HOUR,
+            Decimal(repr(joules)) / JOULES_PER_KWH,
+        )
+        for (ns, uid, device_class), (name, seconds, joules) in sorted(sums.items())
+    ]

@@ -9,7 +9,7 @@ The budget planner and ``tessera usage --cluster`` both sum this index, so they 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,29 +92,39 @@ def collect(
                     label_of.get(u["node"], 0),
                 )
                 _add(keys, key, u)
+    for report, start, u in live_entries(reports, summaries):
+        ns = u["namespace"]
+        by_start = out.namespaces.get(ns)
+        if by_start is None:
+            by_start = out.namespaces[ns] = {}
+        by_key = by_start.get(start)
+        if by_key is None:
+            by_key = by_start[start] = {}
+        key = (
+            u.get("deviceClass") or "",
+            u.get("product") or "",
+            u.get("migProfile") or "",
+            label_of[report.node],
+        )
+        _add(by_key, key, u)
+    return out
+
+
+def live_entries(
+    reports: Iterable[Report], summaries: Mapping[str, Summary]
+) -> Iterator[tuple[Report, float, Mapping[str, Any]]]:
+    """(report, bucket start, entry) of every report entry not yet folded: its bucket starts at
+    or after the report's ``acknowledgedThrough`` and its summary's ``foldedThrough`` for the
+    node. The one rule of what counts live, for the planner and ``tessera usage --cluster``."""
     for report in reports:
-        node, labels = report.node, label_of[report.node]
+        node = report.node
         for bucket in report.buckets:
             start = bucket.start
             if start < report.acknowledged:
                 continue
             day = day_of(start)
             for u in bucket.usage:
-                ns = u["namespace"]
-                into = summaries.get(f"{ns}.{day}")  # cluster_objects.summary_name, inlined: hot
+                into = summaries.get(f"{u['namespace']}.{day}")  # summary_name, inlined: hot
                 if into is not None and start < into.folded.get(node, 0.0):
                     continue
-                by_start = out.namespaces.get(ns)
-                if by_start is None:
-                    by_start = out.namespaces[ns] = {}
-                by_key = by_start.get(start)
-                if by_key is None:
-                    by_key = by_start[start] = {}
-                key = (
-                    u.get("deviceClass") or "",
-                    u.get("product") or "",
-                    u.get("migProfile") or "",
-                    labels,
-                )
-                _add(by_key, key, u)
-    return out
+                yield report, start, u

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from agent.cli import main
-from agent.cli.usage_cluster import cluster_rows, time_range
+from agent.cli.usage_cluster import claim_rows, cluster_rows, time_range
 from agent.errors import ConfigError
 from agent.usage.budget_plan import ClusterView, plan
 from agent.usage.prices import price_table
@@ -192,3 +192,35 @@ def test_the_table_and_the_settings_by_environment(api: Path):
 def test_an_unreachable_cluster_is_a_clear_error(tmp_path: Path):
     code, _, err = run("--cluster", "--kubeconfig", str(tmp_path / "missing"))
     assert code != 0 and "tessera: error:" in err and "missing" in err
+
+
+def test_per_claim_rows_add_the_summaries_day_totals_to_the_live_entries():
+    lists = Lists(cluster())
+    rows = {(r.namespace, r.claim, r.device_class): r for r in claim_rows(lists, None, None)}
+    train_a = rows[("team-a", "train", "gpu.tessera.dev")]
+    assert (train_a.claim_uid, train_a.gpu_hours, train_a.energy_kwh) == (
+        "uid-team-a-train",
+        Decimal("1.5"),  # 1 h from the summary's claims, 0.5 h live
+        Decimal(1),
+    )
+    assert rows[("team-b", "train", "mig.tessera.dev")].gpu_hours == 2
+    start, end = time_range("2026-12-01", "", "range", "UTC", NOW)
+    assert ("team-b", "train", "mig.tessera.dev") not in {
+        (r.namespace, r.claim, r.device_class) for r in claim_rows(lists, start, end)
+    }
+
+
+def test_per_claim_rows_need_whole_utc_days():
+    start, end = time_range("2026-12-01", "", "range", "Europe/Berlin", NOW)
+    with pytest.raises(ConfigError, match="whole UTC days only"):
+        claim_rows(Lists(cluster()), start, end)
+
+
+def test_the_command_shows_claims(api: Path):
+    code, out, err = run("--cluster", "--kubeconfig", str(api), "--by", "claim")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].split() == ["NAMESPACE", "CLAIM", "DEVICECLASS", "GPU-H", "KWH"]
+    assert ["team-a", "train", "gpu.tessera.dev", "1.500", "1.000"] in [
+        line.split() for line in lines
+    ]
