@@ -1,0 +1,311 @@
+"""The budget controller's reconcile: one ``plan()`` (agent/usage/budget_plan.py) over a
+simulated cluster of 10,000 nodes' GpuUsageReports and 100,000 claims (issue 22: at most 2 s
+and 1 GiB RSS).
+
+The view, as the controller would read it from the API server (decoded JSON):
+- 10,000 reports, each with one closed and one open 15-minute bucket, each bucket with one
+  entry for each of the node's 10 claims (100,000 claims; 200,000 usage entries);
+- 1,000 namespaces (100 claims each, on 100 nodes), 10 ``org`` labels;
+- 1,000 GpuUsageSummaries: each namespace's day so far, holding the bucket before (100 entries);
+- 200 GpuBudgets: 100 of one namespace each (CalendarMonth, Europe/Berlin, GPU-hours; half of
+  them exhausted, Terminate), 100 by label selector (Rolling 720h, kWh and cost);
+- 100,000 ResourceClaims (allocated by gpu.tessera.dev) and 100,000 Pods holding them;
+- a price table.
+
+The plan folds 10,000 closed buckets into 1,000 summaries, acknowledges 10,000 reports, and
+writes 200 statuses, with Events and evictions. It runs in a child process, so that the peak
+RSS (``ru_maxrss``) is this view's and plan's alone: the figure includes the view itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from bench.common import report
+from bench.table import Figure, at_most, measured
+
+NAME = "budgets"
+NODES, CLAIMS_PER_NODE, NAMESPACES, BUDGETS = 10_000, 10, 1_000, 200
+GOAL_S, GOAL_RSS_MIB = 2.0, 1024.0
+RUNS, QUICK_RUNS = 3, 1
+NOW = datetime(2026, 12, 4, 12, 7, tzinfo=UTC)
+CLOSED, OPEN, BEFORE = "2026-12-04T11:45:00Z", "2026-12-04T12:00:00Z", "2026-12-04T11:30:00Z"
+PRODUCT = "NVIDIA H100 80GB HBM3"
+
+
+def _entry(ns: str, claim: str) -> dict[str, Any]:
+    return {
+        "namespace": ns,
+        "claim": claim,
+        "claimUID": f"uid-{claim}",
+        "deviceClass": "gpu.tessera.dev",
+        "product": PRODUCT,
+        "allocatedGpuSeconds": 900.0,
+        "busyGpuSeconds": 450.0,
+        "energyJoules": 630000.0,
+        "unobservedSeconds": 0.0,
+    }
+
+
+def view_objects() -> dict[str, Any]:
+    """The simulated cluster (see the module's text), as plain decoded objects."""
+    reports, claims, pods = [], [], []
+    summaries: dict[str, dict[str, Any]] = {}
+    for n in range(NODES):
+        node = f"gpu-{n:05d}"
+        entries = []
+        for c in range(CLAIMS_PER_NODE):
+            ns = f"team-{(n * CLAIMS_PER_NODE + c) % NAMESPACES:04d}"
+            claim = f"claim-{n:05d}-{c}"
+            entries.append((ns, claim))
+            claims.append(
+                {
+                    "apiVersion": "resource.k8s.io/v1",
+                    "kind": "ResourceClaim",
+                    "metadata": {"name": claim, "namespace": ns, "uid": f"uid-{claim}"},
+                    "spec": {
+                        "devices": {
+                            "requests": [
+                                {"name": "gpu", "exactly": {"deviceClassName": "gpu.tessera.dev"}}
+                            ]
+                        }
+                    },
+                    "status": {
+                        "allocation": {
+                            "devices": {
+                                "results": [
+                                    {
+                                        "request": "gpu",
+                                        "driver": "gpu.tessera.dev",
+                                        "pool": node,
+                                        "device": f"gpu-{c}",
+                                    }
+                                ]
+                            }
+                        },
+                        "reservedFor": [
+                            {"resource": "pods", "name": f"pod-{claim}", "uid": f"p-{claim}"}
+                        ],
+                    },
+                }
+            )
+            pods.append(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {"name": f"pod-{claim}", "namespace": ns},
+                    "spec": {"resourceClaims": [{"name": "gpu", "resourceClaimName": claim}]},
+                    "status": {"phase": "Running"},
+                }
+            )
+            s = summaries.setdefault(ns, _summary(ns))
+            s["spec"]["buckets"][0]["usage"].append(
+                {
+                    "node": node,
+                    "deviceClass": "gpu.tessera.dev",
+                    "product": PRODUCT,
+                    "allocatedGpuSeconds": 900.0,
+                    "busyGpuSeconds": 450.0,
+                    "energyJoules": 630000.0,
+                    "unobservedSeconds": 0.0,
+                }
+            )
+            s["spec"]["nodes"].append(
+                {
+                    "name": node,
+                    "labels": {"pool": "reserved"},
+                    "foldedThrough": OPEN.replace("12:00", "11:45"),
+                }
+            )
+        reports.append(
+            {
+                "apiVersion": "tessera.dev/v1alpha1",
+                "kind": "GpuUsageReport",
+                "metadata": {"name": node, "resourceVersion": str(n + 1)},
+                "spec": {
+                    "nodeName": node,
+                    "nodeLabels": {"pool": "reserved"},
+                    "through": "2026-12-04T12:06:00Z",
+                    "buckets": [
+                        {
+                            "start": CLOSED,
+                            "closed": True,
+                            "usage": [_entry(ns, c) for ns, c in entries],
+                        },
+                        {
+                            "start": OPEN,
+                            "closed": False,
+                            "usage": [_entry(ns, c) for ns, c in entries],
+                        },
+                    ],
+                },
+                "status": {"acknowledgedThrough": CLOSED},
+            }
+        )
+    namespaces = [
+        {"metadata": {"name": f"team-{i:04d}", "labels": {"org": f"org-{i % 10}"}}}
+        for i in range(NAMESPACES)
+    ]
+    budgets = []
+    for b in range(BUDGETS // 2):
+        budgets.append(
+            {
+                "metadata": {"name": f"ns-{b}", "generation": 1},
+                "spec": {
+                    "scope": {"namespace": f"team-{b:04d}"},
+                    "thresholds": [80, 90],
+                    "period": {"type": "CalendarMonth", "timeZone": "Europe/Berlin"},
+                    "limits": {"gpuHours": "20" if b % 2 else "100000"},
+                    "action": "Terminate",
+                    "gracePeriod": "0s",
+                },
+            }
+        )
+        budgets.append(
+            {
+                "metadata": {"name": f"org-{b}", "generation": 1},
+                "spec": {
+                    "scope": {"namespaceSelector": {"matchLabels": {"org": f"org-{b % 10}"}}},
+                    "thresholds": [50, 80, 95],
+                    "period": {"type": "Rolling", "window": "720h"},
+                    "limits": {
+                        "energyKWh": "100000",
+                        "cost": {"amount": "50000", "currency": "EUR"},
+                    },
+                    "action": "Warn",
+                },
+            }
+        )
+    return {
+        "reports": reports,
+        "summaries": list(summaries.values()),
+        "budgets": budgets,
+        "namespaces": namespaces,
+        "nodes": [f"gpu-{n:05d}" for n in range(NODES)],
+        "pods": pods,
+        "claims": claims,
+    }
+
+
+def _summary(ns: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "tessera.dev/v1alpha1",
+        "kind": "GpuUsageSummary",
+        "metadata": {"name": f"{ns}.2026-12-04", "resourceVersion": "1"},
+        "spec": {
+            "namespace": ns,
+            "day": "2026-12-04",
+            "buckets": [{"start": BEFORE, "usage": []}],
+            "claims": [],
+            "nodes": [],
+        },
+    }
+
+
+def child(runs: int) -> None:
+    """In the child process: build the view, run ``plan`` ``runs`` times, print the figures."""
+    import gc
+    import resource
+
+    from agent.usage.budget_plan import ClusterView, plan
+    from agent.usage.prices import price_table
+
+    objs = view_objects()
+    prices = price_table(
+        {"currency": "EUR", "gpuHour": [{"price": "2.50"}], "energy": [{"pricePerKWh": "0.20"}]}
+    )
+    view = ClusterView(
+        objs["reports"],
+        objs["summaries"],
+        objs["budgets"],
+        objs["namespaces"],
+        frozenset(objs["nodes"]),
+        objs["pods"],
+        objs["claims"],
+        prices,
+    )
+    view_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    gc.collect()  # what decoding the view left to collect is not the plan's
+    samples, cpu = [], []
+    for _ in range(runs):
+        t0, c0 = time.perf_counter(), time.process_time()
+        p = plan(view, NOW)
+        samples.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(
+        json.dumps(
+            {
+                "samples_s": samples,
+                "cpu_s": cpu,
+                "load": os.getloadavg(),
+                "view_rss_mib": view_rss,
+                "peak_rss_mib": peak,
+                "summaries": len(p.summaries),
+                "acks": len(p.acks),
+                "statuses": len(p.statuses),
+                "events": len(p.events),
+                "evictions": len(p.evictions),
+                "usage_entries": sum(
+                    len(b["usage"]) for r in objs["reports"] for b in r["spec"]["buckets"]
+                ),
+            }
+        )
+    )
+
+
+def run(quick: bool) -> list[Figure]:
+    runs = QUICK_RUNS if quick else RUNS
+    code = f"from bench.budgets import child; child({runs})"
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    ).stdout
+    data = json.loads(out.strip().splitlines()[-1])
+    if (data["summaries"], data["acks"], data["statuses"]) != (NAMESPACES, NODES, BUDGETS):
+        raise AssertionError(f"unexpected plan: {data}")
+    samples = data["samples_s"]
+    what = f"{NODES:,} nodes' reports, {NODES * CLAIMS_PER_NODE:,} claims, {BUDGETS} budgets"
+    figures = [
+        measured(NAME, f"plan(): {what}", "s", samples, goal=at_most(GOAL_S, "s")),
+        measured(
+            NAME,
+            "plan()'s CPU time (its wall time on an idle core)",
+            "s",
+            data["cpu_s"],
+            goal=at_most(GOAL_S, "s"),
+            note="the wall time waits for a core when others load the machine",
+        ),
+        measured(
+            NAME,
+            "peak RSS (the view and plan)",
+            "MiB",
+            [data["peak_rss_mib"]],
+            goal=at_most(GOAL_RSS_MIB, "MiB"),
+        ),
+    ]
+    rows = [
+        ("view", f"{what}, {data['usage_entries']:,} usage entries, {NAMESPACES:,} namespaces"),
+        (
+            "plan()",
+            f"{min(samples):.2f} s (worst of {runs}: {max(samples):.2f} s);"
+            f" CPU {min(data['cpu_s']):.2f} s; load average {data['load'][0]:.2f}",
+        ),
+        (
+            "RSS",
+            f"{data['view_rss_mib']:.0f} MiB after building the view,"
+            f" {data['peak_rss_mib']:.0f} MiB peak",
+        ),
+        (
+            "plan holds",
+            f"{data['summaries']} summaries, {data['acks']} acks, {data['statuses']} statuses,"
+            f" {data['events']} events, {data['evictions']:,} evictions",
+        ),
+    ]
+    report(NAME, "budget controller: one plan() over 10,000 nodes", rows, data, figures)
+    return figures
