@@ -266,6 +266,7 @@ class UsageMeter:
                     busy,
                     h.product,
                     h.mig_profile,
+                    d.device_class,
                 )
             )
         return out

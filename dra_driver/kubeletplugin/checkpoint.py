@@ -156,6 +156,7 @@ def _device_json(d: PreparedDevice) -> dict[str, Any]:
         "interval": d.interval,
         "shareID": d.share_id,
         "memoryBytes": d.memory_bytes,
+        "deviceClass": d.device_class or None,
     }
     out.update({k: v for k, v in v2.items() if v is not None})
     return out
@@ -236,6 +237,7 @@ def _device(obj: Mapping[str, Any], where: str) -> PreparedDevice:
         interval=fields.opt_text(g("interval"), f"{where}.interval"),
         share_id=fields.opt_text(g("shareID"), f"{where}.shareID"),
         memory_bytes=fields.opt_integer(g("memoryBytes"), f"{where}.memoryBytes"),
+        device_class=fields.opt_text(g("deviceClass"), f"{where}.deviceClass") or "",
     )
 
 

@@ -38,6 +38,10 @@ class PreparedDevice:
     """The allocation's share ID (a device several claims hold), echoed to the kubelet."""
     memory_bytes: int | None = None
     """MemoryShare: the memory the claim consumed (its MPS pinned-memory limit)."""
+    device_class: str = ""
+    """The DeviceClass its request named (labels its usage); "" when not known, as in every
+    checkpoint written before it was recorded. Written only when known; readers of any version
+    ignore fields they do not know, so it needs no version of its own."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "request_names", tuple(self.request_names))

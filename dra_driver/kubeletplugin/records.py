@@ -87,6 +87,7 @@ class Records:
             interval=p.interval,
             share_id=p.share_id,
             memory_bytes=p.memory_bytes,
+            device_class=p.device_class,
         )
 
     def write_spec(self, entry: ClaimEntry) -> None:

@@ -467,3 +467,16 @@ def test_sharing_records_are_written_as_version_2_and_read_back(store: Checkpoin
     assert result.checkpoint.claims["uid-a"] == entry and result.migrated_from is None
     # an older build (version 1 only) refuses it rather than misread it
     assert "version 2" in str(CheckpointTooNew(str(path), 2, 1))
+
+
+def test_a_devices_class_is_kept_and_an_older_checkpoint_reads_it_as_unknown(
+    store: CheckpointStore, path: Path
+) -> None:
+    """The DeviceClass that labels a holding's usage survives a restart; a checkpoint written
+    before it was recorded (no ``deviceClass``) reads as "" (unknown)."""
+    labelled = dataclasses.replace(gpu_device(), device_class="gpu.tessera.dev")
+    entry = dataclasses.replace(claim_a(), devices=(labelled, gpu_device("gpu-3", 3)))
+    store.save(Checkpoint(BOOT, {UID_A: entry}))
+    assert path.read_text().count('"deviceClass"') == 1  # written only when known
+    loaded = store.load().checkpoint.claims[UID_A].devices
+    assert [d.device_class for d in loaded] == ["gpu.tessera.dev", ""]
