@@ -215,14 +215,17 @@ class UsageLedger:
         """The buckets in memory (the caller does not change them)."""
         return self._buckets
 
-    def report(self) -> tuple[float, Buckets]:
+    def report(self, *, write: bool = True) -> tuple[float, Buckets]:
         """(``through``, the buckets) as the file holds them: writes the file first (and
-        fsyncs it), so that what a report carries can never be lost by a crash afterwards.
-        Raises OSError when the write fails (nothing should be reported then), ValueError
-        before the first interval."""
+        fsyncs it), so that what a report carries can never be lost by a crash afterwards
+        (``write=False``: the caller knows the file holds them, e.g. after :meth:`sync` at a
+        stop, when the state directory may be another agent's already). Raises OSError when
+        the write fails (nothing should be reported then), ValueError before the first
+        interval."""
         if self._through is None:
             raise ValueError("the usage ledger has counted nothing yet")
-        self._save(sync=True)
+        if write:
+            self._save(sync=True)
         return self._through, self._buckets
 
     def acknowledge(self, through: float) -> int:
