@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import coldstart, explain, prepare, rss, sharing, slices, telemetry
+from bench import coldstart, explain, prepare, rss, sharing, slices, telemetry, usage_report
 from bench.common import RESULTS, detail_lines
 from bench.table import Figure, machine, render, results
 
@@ -33,6 +33,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "telemetry": telemetry.run,
     "slices": slices.run,
     "explain": explain.run,
+    "usage_report": usage_report.run,
 }
 RESULTS_JSON = Path(__file__).resolve().parent / "results.json"
 
