@@ -69,7 +69,7 @@ from typing import Any, NamedTuple
 from agent.errors import DecodeError
 from agent.fsutil import atomic_write, move_aside
 from agent.logs import fields_
-from agent.usage.buckets import Buckets, Share
+from agent.usage.buckets import Buckets, EntryKey, Share, Usage
 from agent.usage.ledger_file import KIND, VERSION, Counters, HoldingKey, decode, decode_state
 
 __all__ = ["Counters", "Gap", "HoldingKey", "Interval", "UsageLedger", "decode"]
@@ -314,7 +314,9 @@ class UsageLedger:
         changed = False
         seen = set()
         records = self._records
-        shares = []
+        shares: list[Share] = []
+        single = self._buckets.single(now - seconds, now)  # every tick but one a quarter hour
+        target: dict[EntryKey, Usage] | None = None
         for iv in intervals:
             key = iv.key
             seen.add(key)
@@ -340,7 +342,19 @@ class UsageLedger:
             r.energy += joules
             r.unobserved += idle
             r.busy += busy_s
-            shares.append(r.share(key[0], allocated, busy_s, joules, idle))
+            if single is None:
+                shares.append(r.share(key[0], allocated, busy_s, joules, idle))
+                continue
+            if target is None:
+                target = self._buckets.entries(single)
+            bkey = (key[0], iv.device_class, iv.product, iv.mig_profile)
+            u = target.get(bkey)
+            if u is None:
+                u = target[bkey] = Usage(iv.namespace, iv.claim)
+            u.allocated += allocated
+            u.busy += busy_s
+            u.energy += joules
+            u.unobserved += idle
         for key in [k for k in records if k not in seen]:
             r = records[key]
             if r.released_at is None:
@@ -348,7 +362,8 @@ class UsageLedger:
             elif now - r.released_at > self.retention:
                 del records[key]
                 changed = True
-        self._buckets.add(now - seconds, now, shares)
+        if single is None:
+            self._buckets.add(now - seconds, now, shares)
         self._through = now
         self._energy.update(_readings(gpu_energy))
         due = self._written is None or now - self._written >= self.write_interval
