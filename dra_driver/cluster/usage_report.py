@@ -19,8 +19,8 @@ folded the report's closed buckets before it) is read from every object the API 
 the ledger then drops the closed buckets that start before it.
 
 **The CRD missing** (a 404 on a create: the resource itself is not served) is logged once, as
-a warning that says what to apply (budgets are optional: a cluster without them has no CRD); the report is tried again every interval and the buckets wait
-in the ledger meanwhile.
+a warning that says what to apply (budgets are optional: a cluster without them has no CRD);
+the report is tried again every interval and the buckets wait in the ledger meanwhile.
 """
 
 from __future__ import annotations
