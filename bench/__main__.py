@@ -20,7 +20,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import budgets, coldstart, explain, prepare, rss, sharing, slices, telemetry
+from bench import (
+    budgets,
+    coldstart,
+    explain,
+    prepare,
+    rss,
+    sharing,
+    slices,
+    telemetry,
+    usage_report,
+)
 from bench.common import RESULTS, detail_lines
 from bench.table import Figure, machine, render, results
 
@@ -34,6 +44,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "slices": slices.run,
     "explain": explain.run,
     "budgets": budgets.run,
+    "usage_report": usage_report.run,
 }
 RESULTS_JSON = Path(__file__).resolve().parent / "results.json"
 

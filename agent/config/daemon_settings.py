@@ -97,6 +97,15 @@ class ClusterSettings:
         groups=("daemon",),
         metavar="SECONDS",
     )
+    usage_report_interval: float = setting(
+        60.0,
+        "Seconds between writes of the node's GpuUsageReport (kube mode): the usage ledger's"
+        " 15-minute buckets not yet acknowledged by the budget controller, in one write per"
+        " node whatever the number of claims (docs/budgets.md).",
+        groups=("daemon",),
+        metavar="SECONDS",
+        parse=seconds,
+    )
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,10 @@ from dra_driver.kubeletplugin.server import PluginServer
 
 if TYPE_CHECKING:  # imported where kube mode starts (build_agent)
     from dra_driver.cluster.kube import KubeClient
+    from dra_driver.cluster.usage_report import UsageReporter
 
+FINAL_REPORT_S = 5.0
+"""The longest the last usage report at a clean stop may take (within the shutdown timeout)."""
 STOP_RESERVE_S = 2.0
 """Of the shutdown timeout, what is kept for stopping the servers and loops after the claims
 (at most half of it)."""
@@ -58,6 +61,8 @@ class Agent:
     """Where udev's PCI events come from (None: no rediscovery loop at all)."""
     rediscovery: Rediscovery | None = None
     """The loop that re-reads the node on those events and periodically."""
+    usage_report: UsageReporter | None = None
+    """Writes the node's GpuUsageReport (kube mode)."""
     stop_event: threading.Event = field(default_factory=threading.Event)
     supervisor: Supervisor | None = None
     unfinished: list[str] = field(default_factory=list)
@@ -100,6 +105,9 @@ class Agent:
         if self.rediscovery is not None:
             loop = self.rediscovery
             self.supervisor.spawn("rediscovery", lambda: loop.run(stop_event))
+        if self.usage_report is not None:
+            reporter = self.usage_report
+            self.supervisor.spawn("usage-report", lambda: reporter.run(stop_event))
         self.http.start()
         host, port = self.http.address
         self.log.info(
@@ -151,6 +159,8 @@ class Agent:
         self.node_events.close()  # the loop flushed what it could; logs what is left
         if self.state.lock.held:  # an agent that never got its state directory has nothing to save
             self.telemetry.save()
+            if self.usage_report is not None:  # before a handover: the successor reports next
+                self.usage_report.final(deadline.remaining(FINAL_REPORT_S))
         if self.settings.rolling_update:
             self.state.release(self.unfinished)  # hand over now
         self.telemetry.close()

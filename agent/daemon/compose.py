@@ -228,7 +228,26 @@ def _build(
         application_xids=application_xids(telemetry.application_xids),
         usage=usage,
     )
-    status = agent_status(source.hostname, kube, plugin, publisher, preparer, node_events)
+    usage_report = None
+    if kube is not None:
+        from dra_driver.cluster.usage_report import UsageReporter
+
+        usage_report = UsageReporter(
+            kube,
+            source.hostname,
+            usage,
+            log.getChild("usage-report"),
+            interval=config.cluster.usage_report_interval,
+        )
+    status = agent_status(
+        source.hostname,
+        kube,
+        plugin,
+        publisher,
+        preparer,
+        node_events,
+        None if usage_report is None else usage_report.stats,
+    )
     registry.register(
         SnapshotCollector(lambda: sampler.latest, lambda: (usage.counters(), usage.through))
     )
@@ -318,6 +337,7 @@ def _build(
         kube=kube,
         owner=owner,
         node_events=node_events,
+        usage_report=usage_report,
         telemetry=Sampling(
             sampler=sampler,
             reader=reader,

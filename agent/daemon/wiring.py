@@ -44,6 +44,7 @@ from dra_driver.sharing.timeslice import GpuSettings
 
 if TYPE_CHECKING:  # imported where kube mode starts (build_agent)
     from dra_driver.cluster.kube import KubeClient
+    from dra_driver.cluster.usage_report import ReportStats
 
 
 def node_uid(kube: KubeClient, name: str, log: logging.Logger) -> str | None:
@@ -195,6 +196,7 @@ def agent_status(
     publisher: Publisher,
     preparer: Preparer,
     node_events: NodeEventRecorder | None = None,
+    usage_report: ReportStats | None = None,
 ) -> Callable[[], AgentStatus]:
     """The agent's own state for /metrics (in-memory reads only)."""
 
@@ -208,6 +210,8 @@ def agent_status(
             claims_stuck=len(preparer.stuck()),
             claims_unrecovered=len(preparer.unrecovered()),
             node_events=() if node_events is None else node_events.stats.outcomes(),
+            usage_report_last_success=None if usage_report is None else usage_report.last_success,
+            usage_report_errors=None if usage_report is None else usage_report.errors,
         )
 
     return status

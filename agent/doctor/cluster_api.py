@@ -59,6 +59,14 @@ AGENT_ACCESS: tuple[Access, ...] = (
     ),
     # agent/daemon/wiring.py node_uid: without it the slices get no owner reference (logged)
     Access("", "nodes", "get", "the slices' owner reference (the Node's uid)", required=False),
+    # dra_driver/cluster/usage_report.py UsageReporter: the node's GpuUsageReport; without it
+    # usage stays in the node's ledger (budgets see none of this node's)
+    *(
+        Access(
+            "tessera.dev", "gpuusagereports", verb, "reporting usage for budgets", required=False
+        )
+        for verb in ("get", "create", "update")
+    ),
     # dra_driver/cluster/node_events.py KubeEventSink: Events about the Node live in "default";
     # without them GPU health changes are only logged (and counted as failed)
     *(

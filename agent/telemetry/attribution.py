@@ -37,6 +37,10 @@ class HeldDevice(Held, Protocol):
 
     @property
     def gpu_minor(self) -> int: ...
+    @property
+    def device_class(self) -> str:
+        """The DeviceClass its claim's request named ("" when not known): labels its usage."""
+        ...
 
 
 class ClaimHolder(Protocol):

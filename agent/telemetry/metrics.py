@@ -396,6 +396,10 @@ class AgentStatus:
     """Node events by outcome (recorded, filtered, dropped, failed)."""
     claims_unrecovered: int = 0
     """Claims held from a lost or corrupt checkpoint that could not be rebuilt."""
+    usage_report_last_success: float | None = None
+    """Unix time of the last GpuUsageReport the API server accepted (None: none yet)."""
+    usage_report_errors: int | None = None
+    """Failed GpuUsageReport writes (None in standalone mode: no reports)."""
 
 
 AGENT_SPECS: tuple[Spec, ...] = (
@@ -436,6 +440,19 @@ AGENT_SPECS: tuple[Spec, ...] = (
         NODE,
     ),
     Spec(
+        "tessera_usage_report_last_success_timestamp_seconds",
+        "gauge",
+        "Unix time of the last GpuUsageReport the API server accepted (absent until one was, and"
+        " in standalone mode).",
+        NODE,
+    ),
+    Spec(
+        "tessera_usage_report_errors",
+        "counter",
+        "GpuUsageReport writes that failed (absent in standalone mode).",
+        NODE,
+    ),
+    Spec(
         "tessera_node_events",
         "counter",
         "Events about the Node (GPU health changes) by outcome: recorded (written, or logged in"
@@ -464,6 +481,15 @@ class AgentCollector(Collector):
         _add(fams, "tessera_resourceslice_errors", node, st.slice_errors)
         _add(fams, "tessera_claims_stuck", node, st.claims_stuck)
         _add(fams, "tessera_claims_unrecovered", node, st.claims_unrecovered)
+        if st.usage_report_last_success is not None:
+            _add(
+                fams,
+                "tessera_usage_report_last_success_timestamp_seconds",
+                node,
+                st.usage_report_last_success,
+            )
+        if st.usage_report_errors is not None:
+            _add(fams, "tessera_usage_report_errors", node, st.usage_report_errors)
         for outcome, count in st.node_events:
             _add(fams, "tessera_node_events", (*node, outcome), count)
         yield from fams.values()

@@ -29,12 +29,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from agent.logs import Throttle, fields_
 from agent.nvml.samples import GpuSample, MigSample
 from agent.telemetry.attribution import ClaimHolder, HeldDevice
 from agent.telemetry.gpuinfo import GpuInfo
 from agent.telemetry.snapshot import ClaimUsage
+from agent.usage.buckets import report_buckets
 from agent.usage.counters import Counters, Gap, HoldingKey, Interval, UsageLedger
 from agent.usage.weights import Holding, weights
 
@@ -85,6 +87,8 @@ class UsageMeter:
         self._plan: tuple[tuple[object, ...], tuple[_Held, ...]] = ((), ())
         """(the holders and GPUs it was found for, the holdings with their weights)."""
         self._unweighed: set[HoldingKey] = set()
+        self._closed: str | None = None
+        """None while counting; at a stop ``saved``, or ``unsaved`` (nothing to report)."""
 
     def counters(self) -> dict[HoldingKey, Counters]:
         """Every holding's counters now (any thread)."""
@@ -97,6 +101,25 @@ class UsageMeter:
         with self._lock:
             return None if self._ledger is None else self._ledger.through
 
+    def report(self, max_bytes: int) -> tuple[float, list[dict[str, Any]]] | None:
+        """What the node's ``GpuUsageReport`` carries (any thread): the ledger's ``through`` and
+        its buckets in the report's form, the oldest first, up to about ``max_bytes``; None
+        before the ledger's first tick. The ledger is written (and fsynced) first, so a report
+        never carries what a crash could still take back; after :meth:`close` it is not (it
+        was, and the state directory may be the next agent's). Raises OSError when the write
+        fails."""
+        with self._lock:
+            if self._ledger is None or self._ledger.through is None or self._closed == "unsaved":
+                return None
+            through, buckets = self._ledger.report(write=self._closed is None)
+            return through, report_buckets(buckets, max_bytes)
+
+    def acknowledge(self, through: float) -> int:
+        """Drop the closed buckets starting before ``through`` (the cluster folded them; any
+        thread); how many."""
+        with self._lock:
+            return 0 if self._ledger is None else self._ledger.acknowledge(through)
+
     def close(self) -> None:
         """At a clean stop (the sampler has stopped): write and fsync what was counted since
         the ledger's last write, so a clean restart or a rolling update loses no busy time.
@@ -104,8 +127,10 @@ class UsageMeter:
         with self._lock:
             if self._ledger is None:
                 return
+            self._closed = "unsaved"  # never written again: the directory may be another's
             try:
                 self._ledger.sync()
+                self._closed = "saved"  # what a last report carries is on disk
             except OSError as exc:
                 self._log.warning(
                     "cannot write the usage ledger at stop; the next start counts from its"
@@ -266,6 +291,7 @@ class UsageMeter:
                     busy,
                     h.product,
                     h.mig_profile,
+                    d.device_class,
                 )
             )
         return out

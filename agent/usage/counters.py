@@ -42,6 +42,14 @@ energy since the reload is counted when plausible).
 seen gone (so that whoever exports them, the cluster record or a scrape, sees the last value);
 a claim that comes back continues its counters.
 
+**Buckets.** Every interval's counters are also split across 15-minute UTC buckets
+(:mod:`agent.usage.buckets`), per claim, device class, product and MIG profile, and kept in the
+same file (so the same write that counts a second counts it in its bucket, and a crash loses or
+keeps both together); the gap credited after a restart is split the same way. A bucket is
+closed once ``through`` passed its end; :meth:`UsageLedger.acknowledge` drops the closed ones
+the cluster's controller has folded (:meth:`UsageLedger.report` is what a report carries: the
+file as just written). Version 1 files (before buckets) are read as having none.
+
 Times: ``account`` takes the interval's length (from the sampler's monotonic clock) and the
 wall-clock time it ends at; ``through`` is wall-clock so that it means the same after a restart.
 A step of the wall clock while the agent is down moves the gap by that step; a gap that would be
@@ -58,18 +66,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from agent.decode import fields, load_json
 from agent.errors import DecodeError
 from agent.fsutil import atomic_write, move_aside
 from agent.logs import fields_
+from agent.usage.buckets import Buckets, EntryKey, Share, Usage
+from agent.usage.ledger_file import KIND, VERSION, Counters, HoldingKey, decode, decode_state
+
+__all__ = ["Counters", "Gap", "HoldingKey", "Interval", "UsageLedger", "decode"]
 from agent.usage.joules import MAX_WATTS, Reading, energy_delta
-
-KIND = "TesseraUsageLedger"
-VERSION = 1
-MAX_BYTES = 64 * 1024 * 1024
-
-HoldingKey = tuple[str, str, str]
-"""(claim UID, pool, device)."""
 
 
 class Interval(NamedTuple):
@@ -90,28 +94,8 @@ class Interval(NamedTuple):
     """The GPU's product name (what a price table matches)."""
     mig_profile: str | None = None
     """A MIG device's profile (``1g.10gb``, what a price table matches); None for a GPU."""
-
-
-@dataclass(frozen=True)
-class Counters:
-    """One holding's counters, as stored."""
-
-    namespace: str
-    claim: str
-    gpu_uuid: str
-    weight: float
-    """Its weight in the latest interval: what the gap after a restart is counted with."""
-    rule: str
-    allocated_gpu_seconds: float = 0.0
-    busy_gpu_seconds: float = 0.0
-    energy_joules: float = 0.0
-    unobserved_seconds: float = 0.0
-    released_at: float | None = None
-    """Wall-clock second it was first seen gone; None while held."""
-    product: str = ""
-    """The GPU's product name (what a price table matches)."""
-    mig_profile: str | None = None
-    """A MIG device's profile (``1g.10gb``); None for a whole GPU."""
+    device_class: str = ""
+    """The DeviceClass its claim's request named ("" when not known)."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +116,7 @@ class _Record:
         "allocated",
         "busy",
         "claim",
+        "device_class",
         "energy",
         "gpu_uuid",
         "mig_profile",
@@ -149,7 +134,16 @@ class _Record:
         self.allocated, self.busy = c.allocated_gpu_seconds, c.busy_gpu_seconds
         self.energy, self.unobserved = c.energy_joules, c.unobserved_seconds
         self.released_at = c.released_at
-        self.product, self.mig_profile = c.product, c.mig_profile
+        self.product, self.mig_profile, self.device_class = (
+            c.product,
+            c.mig_profile,
+            c.device_class,
+        )
+
+    def share(self, uid: str, allocated: float, busy: float, energy: float, idle: float) -> Share:
+        """One interval's counters as its bucket entry counts them."""
+        key = (uid, self.device_class, self.product, self.mig_profile)
+        return Share(key, self.namespace, self.claim, allocated, busy, energy, idle)
 
     def frozen(self) -> Counters:
         return Counters(
@@ -165,6 +159,7 @@ class _Record:
             self.released_at,
             self.product,
             self.mig_profile,
+            self.device_class,
         )
 
 
@@ -194,6 +189,7 @@ class UsageLedger:
         self._energy: dict[str, float] = {}
         """GPU UUID -> the driver's energy counter at ``through``."""
         self._records: dict[HoldingKey, _Record] = {}
+        self._buckets = Buckets()
         self._gap_pending = False
         self._written: float | None = None
         """``through`` of the last write; None: none yet, or the last one failed."""
@@ -214,6 +210,29 @@ class UsageLedger:
         ``write_interval``)."""
         return {k: r.frozen() for k, r in self._records.items()}
 
+    @property
+    def buckets(self) -> Buckets:
+        """The buckets in memory (the caller does not change them)."""
+        return self._buckets
+
+    def report(self, *, write: bool = True) -> tuple[float, Buckets]:
+        """(``through``, the buckets) as the file holds them: writes the file first (and
+        fsyncs it), so that what a report carries can never be lost by a crash afterwards
+        (``write=False``: the caller knows the file holds them, e.g. after :meth:`sync` at a
+        stop, when the state directory may be another agent's already). Raises OSError when
+        the write fails (nothing should be reported then), ValueError before the first
+        interval."""
+        if self._through is None:
+            raise ValueError("the usage ledger has counted nothing yet")
+        if write:
+            self._save(sync=True)
+        return self._through, self._buckets
+
+    def acknowledge(self, through: float) -> int:
+        """Drop the closed buckets that start before ``through`` (the cluster folded them);
+        how many. The next write stores it; a crash before then only reports them again."""
+        return self._buckets.acknowledge(through)
+
     # -- counting ----------------------------------------------------------------------------
 
     def credit_gap(
@@ -233,6 +252,7 @@ class UsageLedger:
                 if r.released_at is None:
                     r.released_at = now
             self._through, self._energy = now, {}
+            self._buckets.add(now, now, ())
             self._save(sync=True)
             return Gap(0.0, 0, 0.0, "rebooted")
         seconds = now - self._through
@@ -241,6 +261,7 @@ class UsageLedger:
         kept = [k for k in held if k in self._records and self._records[k].released_at is None]
         energy = self._gap_energy(seconds, gpu_energy)
         total = 0.0
+        shares = []
         for key in kept:
             r = self._records[key]
             used, weights = energy.get(r.gpu_uuid, (0.0, 0.0))
@@ -249,6 +270,8 @@ class UsageLedger:
             r.allocated += r.weight * seconds
             r.unobserved += seconds
             r.energy += joules
+            shares.append(r.share(key[0], r.weight * seconds, 0.0, joules, seconds))
+        self._buckets.add(self._through, now, shares)
         self._through = now
         self._energy.update(_readings(gpu_energy))
         self._save(sync=True)
@@ -291,6 +314,9 @@ class UsageLedger:
         changed = False
         seen = set()
         records = self._records
+        shares: list[Share] = []
+        single = self._buckets.single(now - seconds, now)  # every tick but one a quarter hour
+        target: dict[EntryKey, Usage] | None = None
         for iv in intervals:
             key = iv.key
             seen.add(key)
@@ -301,17 +327,34 @@ class UsageLedger:
                     r = records[key] = _Record(_ZERO)
                 r.released_at = None
             r.namespace, r.claim, r.gpu_uuid, r.rule = iv.namespace, iv.claim, iv.gpu_uuid, iv.rule
-            r.product, r.mig_profile = iv.product, iv.mig_profile
+            r.product, r.mig_profile, r.device_class = iv.product, iv.mig_profile, iv.device_class
             if r.weight != iv.weight:
                 r.weight, changed = iv.weight, True
-            r.allocated += iv.weight * seconds
-            if iv.energy_joules > 0:
-                r.energy += iv.energy_joules
+            allocated = iv.weight * seconds
+            joules = iv.energy_joules if iv.energy_joules > 0 else 0.0
             busy = iv.busy_gpus
+            busy_s = idle = 0.0
             if busy is None:
-                r.unobserved += seconds
+                idle = seconds
             elif busy > 0:
-                r.busy += (busy if busy < 1.0 else 1.0) * seconds
+                busy_s = (busy if busy < 1.0 else 1.0) * seconds
+            r.allocated += allocated
+            r.energy += joules
+            r.unobserved += idle
+            r.busy += busy_s
+            if single is None:
+                shares.append(r.share(key[0], allocated, busy_s, joules, idle))
+                continue
+            if target is None:
+                target = self._buckets.entries(single)
+            bkey = (key[0], iv.device_class, iv.product, iv.mig_profile)
+            u = target.get(bkey)
+            if u is None:
+                u = target[bkey] = Usage(iv.namespace, iv.claim)
+            u.allocated += allocated
+            u.busy += busy_s
+            u.energy += joules
+            u.unobserved += idle
         for key in [k for k in records if k not in seen]:
             r = records[key]
             if r.released_at is None:
@@ -319,6 +362,8 @@ class UsageLedger:
             elif now - r.released_at > self.retention:
                 del records[key]
                 changed = True
+        if single is None:
+            self._buckets.add(now - seconds, now, shares)
         self._through = now
         self._energy.update(_readings(gpu_energy))
         due = self._written is None or now - self._written >= self.write_interval
@@ -346,6 +391,7 @@ class UsageLedger:
                     "gpuUUID": r.gpu_uuid,
                     "product": r.product,
                     "migProfile": r.mig_profile,
+                    "deviceClass": r.device_class,
                     "weight": r.weight,
                     "rule": r.rule,
                     "allocatedGpuSeconds": r.allocated,
@@ -356,6 +402,7 @@ class UsageLedger:
                 }
                 for key, r in sorted(self._records.items())
             ],
+            "buckets": self._buckets.state(),
         }
 
     def _save(self, *, sync: bool = False) -> None:
@@ -381,7 +428,7 @@ class UsageLedger:
         except FileNotFoundError:
             return
         try:
-            boot, through, energy, counters = decode(raw)
+            boot, through, energy, counters, buckets = decode_state(raw)
         except (DecodeError, ValueError) as exc:
             moved = move_aside(self.path, self._through or 0.0)
             self._log.error(
@@ -392,6 +439,7 @@ class UsageLedger:
         self._stored_boot, self._through, self._energy = boot, through, energy
         self._written_through = through
         self._records = {k: _Record(c) for k, c in counters.items()}
+        self._buckets = buckets
         self._gap_pending = True
 
 
@@ -404,59 +452,3 @@ def _readings(gpu_energy: Mapping[str, float | None]) -> dict[str, float]:
 
 def _finite(x: float | None) -> bool:
     return x is not None and math.isfinite(x) and x >= 0
-
-
-def _weight(value: object, path: str) -> float:
-    w = fields.number(value, path, low=0)
-    if w > 1:
-        raise fields.FieldError(path, f"must be <= 1 (a share of one GPU), got {w:g}")
-    return w
-
-
-def decode(
-    raw: bytes,
-) -> tuple[str, float | None, dict[str, float], dict[HoldingKey, Counters]]:
-    """(boot id, through, GPU energy readings, counters) of a ledger file; pure. Raises
-    ValueError (a FieldError naming the field) or DecodeError."""
-    obj = fields.obj(load_json(raw, "usage ledger", MAX_BYTES), "usage ledger")
-    if obj.get("kind") != KIND:
-        raise ValueError(f"not a {KIND} object")
-    if obj.get("version") != VERSION:
-        raise ValueError(f"unsupported version {obj.get('version')!r}")
-    boot = fields.text(obj.get("bootID"), "bootID")
-    raw_through = obj.get("through")
-    through = None if raw_through is None else fields.number(raw_through, "through", low=0)
-    energy = {
-        uuid: fields.number(v, f"gpuEnergyJoules[{uuid!r}]", low=0)
-        for uuid, v in fields.obj(obj.get("gpuEnergyJoules"), "gpuEnergyJoules").items()
-    }
-    counters: dict[HoldingKey, Counters] = {}
-    for i, h in enumerate(fields.objects(obj.get("holdings"), "holdings", required=True)):
-        p = f"holdings[{i}]"
-        key = (
-            fields.text(h.get("uid"), f"{p}.uid"),
-            fields.text(h.get("pool"), f"{p}.pool"),
-            fields.text(h.get("device"), f"{p}.device"),
-        )
-        released = h.get("releasedAt")
-        counters[key] = Counters(
-            namespace=fields.text(h.get("namespace"), f"{p}.namespace"),
-            claim=fields.text(h.get("claim"), f"{p}.claim"),
-            gpu_uuid=fields.text(h.get("gpuUUID"), f"{p}.gpuUUID"),
-            product=fields.opt_text(h.get("product"), f"{p}.product") or "",
-            mig_profile=fields.opt_text(h.get("migProfile"), f"{p}.migProfile"),
-            weight=_weight(h.get("weight"), f"{p}.weight"),
-            rule=fields.text(h.get("rule"), f"{p}.rule"),
-            allocated_gpu_seconds=fields.number(
-                h.get("allocatedGpuSeconds"), f"{p}.allocatedGpuSeconds", low=0
-            ),
-            busy_gpu_seconds=fields.number(h.get("busyGpuSeconds"), f"{p}.busyGpuSeconds", low=0),
-            energy_joules=fields.number(h.get("energyJoules"), f"{p}.energyJoules", low=0),
-            unobserved_seconds=fields.number(
-                h.get("unobservedSeconds"), f"{p}.unobservedSeconds", low=0
-            ),
-            released_at=None
-            if released is None
-            else fields.number(released, f"{p}.releasedAt", low=0),
-        )
-    return boot, through, energy, counters

@@ -165,6 +165,7 @@ def _device_json(d: PreparedDevice) -> dict[str, Any]:
         "memoryBytes": d.memory_bytes,
         "powerLimitMilliwatts": d.power_limit_mw,
         "powerRestoreMilliwatts": d.power_restore_mw,
+        "deviceClass": d.device_class or None,
     }
     out.update({k: v for k, v in v2.items() if v is not None})
     return out
@@ -258,6 +259,7 @@ def _device(obj: Mapping[str, Any], where: str) -> PreparedDevice:
         power_restore_mw=fields.opt_integer(
             g("powerRestoreMilliwatts"), f"{where}.powerRestoreMilliwatts"
         ),
+        device_class=fields.opt_text(g("deviceClass"), f"{where}.deviceClass") or "",
     )
 
 

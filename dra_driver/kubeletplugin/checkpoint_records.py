@@ -44,6 +44,10 @@ class PreparedDevice:
     power_restore_mw: int | None = None
     """The GPU's power limit found before prepare changed it, recorded durably BEFORE the
     change: what unprepare, a rollback and the start's reconcile set back. None: not changed."""
+    device_class: str = ""
+    """The DeviceClass its request named (labels its usage); "" when not known, as in every
+    checkpoint written before it was recorded. Written only when known; readers of any version
+    ignore fields they do not know, so it needs no version of its own."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "request_names", tuple(self.request_names))

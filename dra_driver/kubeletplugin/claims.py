@@ -98,6 +98,9 @@ class AllocatedDevice:
     consumed_memory: int | None = None
     """Bytes of the device's ``memory`` capacity this allocation consumed (consumable capacity:
     a memory share), from ``consumedCapacity``."""
+    device_class: str = ""
+    """The DeviceClass its request (or subrequest) names in ``spec.devices.requests``; "" when
+    the claim does not say (what the usage record is keyed by, with the product)."""
 
 
 @dataclass(frozen=True)
@@ -210,6 +213,7 @@ def _allocation(obj: Any, key: ClaimKey, driver: str, node: str) -> Allocation:
         )
     dp = "status.allocation.devices"
     devices = _opt_obj(allocation.get("devices"), dp) or {}
+    classes = device_classes(claim)
     results = []
     for i, r in enumerate(fields.objects(devices.get("results"), f"{dp}.results")):
         rp = f"{dp}.results[{i}]"
@@ -234,6 +238,7 @@ def _allocation(obj: Any, key: ClaimKey, driver: str, node: str) -> Allocation:
                 ),
                 share_id=fields.opt_text(r.get("shareID"), f"{rp}.shareID"),
                 consumed_memory=_consumed_memory(r, rp),
+                device_class=classes.get(fields.text(r.get("request"), f"{rp}.request"), ""),
             )
         )
     configs = []
@@ -261,6 +266,30 @@ def _allocation(obj: Any, key: ClaimKey, driver: str, node: str) -> Allocation:
         else ()
     )
     return Allocation(claim=key, devices=tuple(results), configs=tuple(configs), pods=pods)
+
+
+def device_classes(claim: Mapping[str, Any]) -> dict[str, str]:
+    """Request name (``req``, or ``req/sub`` for a ``firstAvailable`` subrequest) -> the
+    DeviceClass it names, from ``spec.devices.requests`` (resource.k8s.io/v1: ``exactly.
+    deviceClassName``, or each ``firstAvailable[].deviceClassName``). Lenient: a request that
+    does not say is left out (the API server validated the spec; this only labels usage)."""
+    out: dict[str, str] = {}
+    spec = claim.get("spec")
+    devices = spec.get("devices") if isinstance(spec, Mapping) else None
+    requests = devices.get("requests") if isinstance(devices, Mapping) else None
+    for r in requests if isinstance(requests, list) else ():
+        name = r.get("name") if isinstance(r, Mapping) else None
+        if not isinstance(name, str):
+            continue
+        exactly = r.get("exactly")
+        if isinstance(exactly, Mapping) and isinstance(exactly.get("deviceClassName"), str):
+            out[name] = exactly["deviceClassName"]
+        for sub in r.get("firstAvailable") or ():
+            if isinstance(sub, Mapping) and isinstance(sub.get("name"), str):
+                cls = sub.get("deviceClassName")
+                if isinstance(cls, str):
+                    out[f"{name}/{sub['name']}"] = cls
+    return out
 
 
 def _consumed_memory(result: Mapping[str, Any], path: str) -> int | None:

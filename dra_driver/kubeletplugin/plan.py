@@ -70,6 +70,8 @@ class PlannedDevice:
     """MPS and MemoryShare: the pinned-memory limit of this device (None: none)."""
     power_limit_mw: int | None = None
     """A whole GPU held alone: the power limit to set while the claim holds it (None: none)."""
+    device_class: str = ""
+    """The DeviceClass of its (first) request ("" when not known): labels its usage."""
 
     @property
     def dynamic(self) -> bool:
@@ -248,8 +250,11 @@ def plan_claim(
     requests: dict[str, dict[str, None]] = {}  # device -> its request names, in order
     consumed: dict[str, int] = {}
     share_ids: dict[str, str] = {}
+    classes: dict[str, str] = {}
     for d in allocation.devices:
         requests.setdefault(d.device, {})[d.request] = None
+        if d.device_class:
+            classes.setdefault(d.device, d.device_class)
         if d.consumed_memory is not None:
             consumed[d.device] = consumed.get(d.device, 0) + d.consumed_memory
         if d.share_id is not None:
@@ -273,7 +278,14 @@ def plan_claim(
         config = _effective_config(tuple(reqs), configs, dev.kind)
         p = _sharing(allocation.claim, dev, config, policy, consumed.get(name), share_ids.get(name))
         power = _power_limit(p, policy)
-        planned.append(dataclasses.replace(p, request_names=tuple(reqs), power_limit_mw=power))
+        planned.append(
+            dataclasses.replace(
+                p,
+                request_names=tuple(reqs),
+                power_limit_mw=power,
+                device_class=classes.get(name, ""),
+            )
+        )
     _check_limit_keys(planned)
     percentages = [p.thread_percentage for p in planned if p.thread_percentage is not None]
     return ClaimPlan(

@@ -88,6 +88,7 @@ class Records:
             share_id=p.share_id,
             memory_bytes=p.memory_bytes,
             power_limit_mw=p.power_limit_mw,
+            device_class=p.device_class,
         )
 
     def write_spec(self, entry: ClaimEntry) -> None:

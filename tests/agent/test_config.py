@@ -269,7 +269,7 @@ def test_every_setting_is_in_one_group_and_config_of_places_it_there():
 
     groups = dict(sections_of(Config))
     names = [s.name for s in settings_of(Config)]
-    assert len(names) == len(set(names)) == 58  # one flag, one variable, one group each
+    assert len(names) == len(set(names)) == 59  # one flag, one variable, one group each
     assert {s.section for s in settings_of(Config)} == set(groups)
     for s in settings_of(Config):
         assert s.name in {f.name for f in settings_of(groups[s.section])}
@@ -280,3 +280,13 @@ def test_every_setting_is_in_one_group_and_config_of_places_it_there():
                             {"TESSERA_TELEMETRY_INTERVAL": "5"})  # fmt: skip
     with pytest.raises(TypeError, match="no setting bogus"):
         Config.of(bogus=1)
+
+
+def test_the_usage_report_interval_is_a_positive_number_of_seconds():
+    assert Config().cluster.usage_report_interval == 60.0
+    env = {"TESSERA_USAGE_REPORT_INTERVAL": "15"}
+    assert load_config({}, env).cluster.usage_report_interval == 15.0
+    with pytest.raises(
+        ConfigError, match="TESSERA_USAGE_REPORT_INTERVAL='0' is not a number of seconds > 0"
+    ):
+        load_config({}, {"TESSERA_USAGE_REPORT_INTERVAL": "0"})

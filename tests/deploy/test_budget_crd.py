@@ -190,16 +190,31 @@ def summary(change: dict[str, Any], path: tuple[Any, ...] = ()) -> dict[str, Any
 @pytest.mark.parametrize(
     ("obj", "words"),
     [
-        (summary({"namespace": "Team_A"}), "spec.namespace: Invalid value: \"Team_A\": spec.namespace in body should match"),
-        (summary({"day": "4.12.2026"}), "spec.day: Invalid value: \"4.12.2026\": spec.day in body should match"),
+        (
+            summary({"namespace": "Team_A"}),
+            'spec.namespace: Invalid value: "Team_A": spec.namespace in body should match',
+        ),
+        (
+            summary({"day": "4.12.2026"}),
+            'spec.day: Invalid value: "4.12.2026": spec.day in body should match',
+        ),
         (summary({"nodes": None}), "spec.nodes: Required value"),
         (
             summary({"allocatedGpuSeconds": -1}, ("buckets", 0, "usage", 0)),
             "allocatedGpuSeconds in body should be greater than or equal to 0",
         ),
-        (summary({"energyJoules": "9"}, ("buckets", 0, "usage", 0)), "energyJoules in body must be of type number"),
-        (summary({"foldedThrough": None}, ("nodes", 0)), "spec.nodes[0].foldedThrough: Required value"),
-        (summary({"buckets": [SUMMARY["spec"]["buckets"][0]] * 97}), "spec.buckets: Too many: 97: must have at most 96 items"),
+        (
+            summary({"energyJoules": "9"}, ("buckets", 0, "usage", 0)),
+            "energyJoules in body must be of type number",
+        ),
+        (
+            summary({"foldedThrough": None}, ("nodes", 0)),
+            "spec.nodes[0].foldedThrough: Required value",
+        ),
+        (
+            summary({"buckets": [SUMMARY["spec"]["buckets"][0]] * 97}),
+            "spec.buckets: Too many: 97: must have at most 96 items",
+        ),
         (summary({"cost": "1"}, ("claims", 0)), 'unknown field "spec.claims[0].cost"'),
     ],
 )
@@ -252,8 +267,14 @@ def test_a_budgets_full_status_is_accepted():
 @pytest.mark.parametrize(
     ("obj", "words"),
     [
-        (with_status(thresholdsReached=[100]), "thresholdsReached[0] in body should be less than or equal to 99"),
-        (with_status(thresholdsReached=["80"]), "thresholdsReached[0] in body must be of type integer"),
+        (
+            with_status(thresholdsReached=[100]),
+            "thresholdsReached[0] in body should be less than or equal to 99",
+        ),
+        (
+            with_status(thresholdsReached=["80"]),
+            "thresholdsReached[0] in body must be of type integer",
+        ),
         (with_status(exhaustedSince=5), "status.exhaustedSince in body must be of type string"),
     ],
 )

@@ -80,7 +80,7 @@ def test_the_bundle_lists_the_crds_the_policy_and_the_controller() -> None:
     assert present <= set(kust["resources"])
     assert set(kust["resources"]) == {
         "gpubudget-crd.yaml", "gpuusagereport-crd.yaml", "gpuusagesummary-crd.yaml",
-        "deny-new-policy.yaml", *OURS,
+        "deny-new-policy.yaml", "usage-report-policy.yaml", *OURS,
     }  # fmt: skip
 
 

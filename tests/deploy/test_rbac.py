@@ -40,12 +40,13 @@ from agent.doctor.cluster_api import AGENT_ACCESS
 from agent.sim.apiserver import ApiServer
 from agent.sim.apiserver_access import verb_of
 from agent.sim.apiserver_faults import RequestRecord
-from agent.sim.apiserver_types import RESOURCES, resolve
+from agent.sim.apiserver_types import resolve
 from agent.sim.nvml import FakeNvml
 from dra_driver.testkubelet.calls import ClaimRef
 from dra_driver.testkubelet.client import KubeletClient
 from tests.integration.daemon import Daemon, claim_manifest
 from tests.simnode import node_model
+from tests.usage_reports import SERVED
 
 ROOT = Path(__file__).resolve().parents[2]
 RBAC = ROOT / "deploy" / "daemonset" / "rbac.yaml"
@@ -83,7 +84,7 @@ def rbac_call(record: RequestRecord) -> Call | None:
     """The RBAC attributes of a resource request; None for discovery and the self reviews."""
     if (record.method, record.path) in DEFAULT_GRANTED:
         return None
-    route = resolve(RESOURCES, record.path)
+    route = resolve(SERVED, record.path)
     assert route is not None, f"not a resource request: {record}"
     watch = record.method == "GET" and (route.watch_path or record.params.get("watch") == "true")
     named = route.name is not None and not route.watch_path
@@ -192,7 +193,7 @@ def drive_the_agent(server: ApiServer, state: Path) -> dict[str, list[RequestRec
     """Every mode of the agent in kube mode against ``server``; the requests of each."""
     kubeconfig = str(server.kubeconfig(state.parent / "kubeconfig"))
     d = Daemon(state, MODEL, "--kubeconfig", kubeconfig, "--cleanup-on-exit",
-               "--telemetry-interval", "0.2")  # fmt: skip
+               "--telemetry-interval", "0.2", "--usage-report-interval", "0.5")  # fmt: skip
     node = d.node
     server.put_object("nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}})
     claim = claim_manifest("train", "uid-train", [("gpu", "gpu-1")], node, "team-a")
@@ -263,7 +264,7 @@ def doctor(state: Path, kubeconfig: str) -> None:
 
 
 def test_rbac_grants_exactly_the_calls_the_agent_makes(short_tmp):
-    with ApiServer() as server:
+    with ApiServer(resources=SERVED) as server:
         modes = drive_the_agent(server, short_tmp / "state")
     per_mode = {mode: calls(records) for mode, records in modes.items()}
     shown = {mode: sorted(str(c) for c in found) for mode, found in per_mode.items()}
@@ -280,6 +281,14 @@ def test_rbac_grants_exactly_the_calls_the_agent_makes(short_tmp):
         f"update {slices}",  # the edited slice put back
         f"watch {slices}",
     }
+    reports = "gpuusagereports.tessera.dev"
+    report = {  # the usage report, every 0.5 s all along
+        f"get {reports}",  # when its resourceVersion is not known (at a start)
+        f"create {reports}",  # the first
+        f"update {reports}",  # every later one
+        "get nodes",  # the Node's labels
+    }
+    background = publisher | report
     expected = {
         "publisher": publisher,
         "claims": {"get resourceclaims.resource.k8s.io in team-a"},
@@ -289,8 +298,9 @@ def test_rbac_grants_exactly_the_calls_the_agent_makes(short_tmp):
     for mode, wanted in expected.items():
         found = set(shown[mode])
         assert wanted <= found, (mode, shown)
-        assert found - wanted <= publisher, (mode, shown)
-    assert shown["publisher"] == sorted(publisher), shown
+        assert found - wanted <= background, (mode, shown)
+    assert set(shown["publisher"]) - report == publisher - report, shown
+    assert report <= set().union(*map(set, shown.values())), shown
     assert per_mode["doctor"] == set(), shown  # discovery and self reviews only
     assert {(r.method, r.path) for r in modes["doctor"]} == set(DEFAULT_GRANTED)
     for mode, records in modes.items():

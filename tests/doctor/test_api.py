@@ -36,8 +36,9 @@ def by_subject(verdicts: list[Verdict]) -> dict[str, Verdict]:
 
 def test_everything_the_agent_needs_is_granted(server, tmp_path):
     verdicts = api_checks(connect(server, tmp_path))
-    assert [v.status for v in verdicts] == ["ok"] * 5
+    assert [v.status for v in verdicts] == ["ok"] * 6
     got = by_subject(verdicts)
+    assert got["gpuusagereports.tessera.dev"].detail.startswith("get, create, update allowed")
     assert "Kubernetes v1.35.0" in got["api-server"].detail
     slices = got["resourceslices.resource.k8s.io"].detail
     assert slices.startswith("list, watch, create, update, delete allowed to system:serviceaccount")

@@ -500,3 +500,16 @@ def test_a_version_2_file_is_read_by_this_build(store: CheckpointStore, path: Pa
     result = store.load()
     assert result.checkpoint.claims[entry.uid] == entry
     assert result.migrated_from is None  # versions 1..3 are current formats
+
+
+def test_a_devices_class_is_kept_and_an_older_checkpoint_reads_it_as_unknown(
+    store: CheckpointStore, path: Path
+) -> None:
+    """The DeviceClass that labels a holding's usage survives a restart; a checkpoint written
+    before it was recorded (no ``deviceClass``) reads as "" (unknown)."""
+    labelled = dataclasses.replace(gpu_device(), device_class="gpu.tessera.dev")
+    entry = dataclasses.replace(claim_a(), devices=(labelled, gpu_device("gpu-3", 3)))
+    store.save(Checkpoint(BOOT, {UID_A: entry}))
+    assert path.read_text().count('"deviceClass"') == 1  # written only when known
+    loaded = store.load().checkpoint.claims[UID_A].devices
+    assert [d.device_class for d in loaded] == ["gpu.tessera.dev", ""]

@@ -225,3 +225,31 @@ def test_unknown_fields_in_a_claim_are_ignored_as_before():
     a = parse_allocation(obj, KEY, DRIVER, NODE)
     assert [(d.request, d.device) for d in a.devices] == [("gpu", "gpu-0")]
     assert [c.parameters for c in a.configs] == [{"x": 1}]
+
+
+def test_each_result_carries_the_device_class_its_request_or_subrequest_names():
+    """What labels a holding's usage: ``exactly.deviceClassName``, or for ``firstAvailable`` the
+    chosen subrequest's (a result names ``req/sub``); "" when the spec does not say."""
+    from dra_driver.kubeletplugin.claims import device_classes
+    from tests.k8sschema import VERSIONS, validate
+
+    obj = claim([result("gpu-0", "gpu"), result("gpu-1", "any/small"), result("gpu-2", "odd")])
+    obj["spec"]["devices"]["requests"] = [
+        {"name": "gpu", "exactly": {"deviceClassName": "gpu.tessera.dev"}},
+        {
+            "name": "any",
+            "firstAvailable": [
+                {"name": "big", "deviceClassName": "h100.tessera.dev"},
+                {"name": "small", "deviceClassName": "mig.tessera.dev"},
+            ],
+        },
+    ]
+    for version in VERSIONS:
+        validate(obj, version)
+    a = parse_allocation(obj, KEY, DRIVER, NODE)
+    assert [(d.request, d.device_class) for d in a.devices] == [
+        ("gpu", "gpu.tessera.dev"),
+        ("any/small", "mig.tessera.dev"),
+        ("odd", ""),
+    ]
+    assert device_classes({"spec": {"devices": {"requests": "not a list"}}}) == {}

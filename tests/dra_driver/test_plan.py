@@ -99,6 +99,19 @@ def test_a_device_without_config_is_exclusive_and_the_pods_are_kept(h100):
     assert plan.pods == ("pod-1",) and not plan.uses_mps
 
 
+def test_a_planned_device_carries_the_device_class_of_its_first_request(h100):
+    devices = (
+        AllocatedDevice("a", "gpu.tessera.dev", POOL, "gpu-0", device_class="gpu.tessera.dev"),
+        AllocatedDevice("b", "gpu.tessera.dev", POOL, "gpu-0", device_class="other"),
+        AllocatedDevice("c", "gpu.tessera.dev", POOL, "gpu-1"),
+    )
+    plan = plan_claim(Allocation(CLAIM, devices, ()), h100)
+    assert [(p.device.name, p.device_class) for p in plan.devices] == [
+        ("gpu-0", "gpu.tessera.dev"),
+        ("gpu-1", ""),
+    ]
+
+
 def test_time_slicing_and_mps_come_from_the_config(h100):
     ts = plan_claim(allocation("gpu-0", config=gpu_config("TimeSlicing", interval="Long")), h100)
     assert (ts.devices[0].sharing, ts.devices[0].interval) == (TIME_SLICING, "Long")

@@ -16,6 +16,7 @@ class Held:
     gpu_instance_id: int | None = None
     sharing: str | None = None
     memory_bytes: int | None = None
+    device_class: str = ""
 
 
 @dataclass(frozen=True)

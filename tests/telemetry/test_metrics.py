@@ -32,6 +32,7 @@ UNITLESS = {
     "tessera_sampler_ticks", "tessera_kubelet_registered", "tessera_resourceslice_pool_generation",
     "tessera_resourceslice_writes", "tessera_resourceslice_errors", "tessera_prepare_errors",
     "tessera_claims_stuck", "tessera_claims_unrecovered", "tessera_node_events",
+    "tessera_usage_report_errors",
 }  # fmt: skip
 UNIT_WORDS = ("bytes", "watts", "joules", "celsius", "hertz", "seconds", "ratio")
 
@@ -48,6 +49,16 @@ def registry(snapshot_fn, status=None) -> CollectorRegistry:
 
 def exposition(reg) -> str:
     return generate_latest(reg).decode()
+
+
+def test_the_usage_reports_are_exported_in_kube_mode_only():
+    status = AgentStatus("node-a", True, 3, 7, 1, usage_report_last_success=1.5e9,
+                         usage_report_errors=2)  # fmt: skip
+    text = exposition(registry(lambda: make_snapshot(tick=3), lambda: status))
+    assert 'tessera_usage_report_last_success_timestamp_seconds{node="node-a"} 1.5e+09' in text
+    assert 'tessera_usage_report_errors_total{node="node-a"} 2.0' in text
+    standalone = exposition(registry(lambda: make_snapshot(tick=3)))
+    assert "tessera_usage_report_errors_total{" not in standalone
 
 
 def test_exposition_follows_the_conventions():

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from agent.usage.buckets import BUCKET_SECONDS, bucket_start
 from agent.usage.counters import Interval, UsageLedger
 
 BOOT, OTHER_BOOT = "boot-1", "boot-2"
@@ -140,44 +141,74 @@ def test_a_corrupt_file_is_moved_aside_and_counting_starts_again(tmp_path: Path,
 # -- the arithmetic, under crashes at any tick ------------------------------------------------
 
 
+def _overlap(a: float, b: float, start: int) -> float:
+    return max(0.0, min(b, start + BUCKET_SECONDS) - max(a, start))
+
+
 @given(
     ticks=st.lists(
         st.tuples(
             st.floats(min_value=0.05, max_value=5.0),  # seconds since the previous tick
             st.floats(min_value=0.0, max_value=700.0),  # the GPU's power in that interval
             st.floats(min_value=0.0, max_value=1.0),  # its utilization
-            st.booleans(),  # the agent is killed after this tick...
-            st.floats(min_value=0.0, max_value=30.0),  # ...and restarts this much later
+            # after this tick the agent is killed, or the controller acknowledges every bucket
+            # before now, or a report writes the file, or nothing happens
+            st.sampled_from(["crash", "ack", "report", "none", "none"]),
+            st.floats(min_value=0.0, max_value=2_000.0),  # a killed agent restarts this later
         ),
         min_size=1,
         max_size=40,
     ),
     weight=st.sampled_from([1.0, 0.5, (1 / 7 + 1 / 8) / 2, 0.25]),
+    first=st.floats(min_value=0.0, max_value=BUCKET_SECONDS),  # where in a bucket it starts
 )
-def test_allocated_time_and_energy_are_exact_across_any_crashes(ticks, weight):
+def test_allocated_time_and_energy_are_exact_across_any_crashes(ticks, weight, first):
     """A claim held throughout: whatever ticks the agent is killed after and however long it is
     down, its allocated GPU-seconds are weight x the time held and its energy weight x the GPU's,
     exactly once. Busy GPU-seconds are exact for what was written before each crash; the rest of
-    the time (what was counted only in memory, and the downtime) is counted as unobserved."""
+    the time (what was counted only in memory, and the downtime) is counted as unobserved.
+
+    The 15-minute buckets hold the same counts split by time: each bucket's allocated
+    GPU-seconds are weight x the seconds held within it (so a split at a boundary that is wrong,
+    or a second counted twice, fails), a closed bucket never changes, only acknowledged closed
+    buckets are dropped, and the buckets kept plus those dropped sum to the counters."""
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "usage.json"
-        now, energy = 1_000.0, 5_000.0
+        t0 = 1_800_000_000.0 - BUCKET_SECONDS + first
+        now, energy = t0, 5_000.0
         ledger = UsageLedger(path, BOOT)
         ledger.account(now, 0.0, [iv(weight)], {GPU: energy})
         start_energy = energy
         busy = unobserved = 0.0  # what the counters hold in memory
         written = (now, busy, unobserved)  # what the file holds: through, busy, unobserved
-        for seconds, watts, util, crash, downtime in ticks:
+        dropped: dict[int, tuple[float, float, float, float]] = {}
+        closed_seen: dict[int, tuple[float, float, float, float]] = {}
+        acked = 0.0
+        for seconds, watts, util, action, downtime in ticks:
             now += seconds
             energy += watts * seconds
+            busy += util * weight * seconds
             if ledger.account(
                 now, seconds, [iv(weight, watts * seconds * weight, util * weight)], {GPU: energy}
             ):
-                busy += util * weight * seconds
                 written = (now, busy, unobserved)
-            else:
-                busy += util * weight * seconds
-            if crash:
+            for start, entries in ledger.buckets.items():  # a closed bucket never changes
+                if ledger.buckets.closed(start):
+                    (u,) = entries.values()
+                    got = (u.allocated, u.busy, u.energy, u.unobserved)
+                    assert closed_seen.setdefault(start, got) == pytest.approx(got, rel=1e-12)
+            if action == "report":
+                assert ledger.report()[0] == now
+                written = (now, busy, unobserved)
+            elif action == "ack":
+                before = {s: next(iter(e.values())) for s, e in ledger.buckets.items() if e}
+                ledger.acknowledge(now)
+                acked = max(acked, now)
+                for start, u in before.items():
+                    if start not in dict(ledger.buckets.items()):
+                        assert start < now and start + BUCKET_SECONDS <= now  # closed, acked
+                        dropped[start] = (u.allocated, u.busy, u.energy, u.unobserved)
+            elif action == "crash":
                 now += downtime
                 energy += 300.0 * downtime  # the GPU kept working while no agent watched
                 through, busy, unobserved = written  # what was only in memory is gone
@@ -185,12 +216,31 @@ def test_allocated_time_and_energy_are_exact_across_any_crashes(ticks, weight):
                 ledger = UsageLedger(path, BOOT)  # the next agent
                 ledger.credit_gap(now, [KEY], {GPU: energy})
                 written = (now, busy, unobserved)
+                closed_seen = {}  # the file's closed buckets may be older than memory's were
         c = ledger.counters()[KEY]
-        held = now - 1_000.0
-        assert c.allocated_gpu_seconds == pytest.approx(weight * held, rel=1e-9, abs=1e-9)
+        held = now - t0
+        # wall-clock seconds near 1.8e9 are exact to 2.4e-7 s: a sum of 80 is exact to 1e-4
+        assert c.allocated_gpu_seconds == pytest.approx(weight * held, rel=1e-9, abs=1e-4)
         assert c.energy_joules == pytest.approx(
             weight * (energy - start_energy), rel=1e-9, abs=1e-6
         )
         assert c.busy_gpu_seconds == pytest.approx(busy, rel=1e-9, abs=1e-9)
         assert c.unobserved_seconds == pytest.approx(unobserved, rel=1e-9, abs=1e-9)
         assert c.busy_gpu_seconds <= c.allocated_gpu_seconds + 1e-9
+
+        kept = {s: next(iter(e.values())) for s, e in ledger.buckets.items()}
+        totals = [0.0, 0.0, 0.0, 0.0]
+        for start in range(bucket_start(t0), bucket_start(now) + 1, BUCKET_SECONDS):
+            if start in kept:
+                u = kept[start]
+                got = (u.allocated, u.busy, u.energy, u.unobserved)
+            else:  # only a closed bucket the controller acknowledged is ever dropped
+                assert start + BUCKET_SECONDS <= now and start < acked, start
+                got = dropped[start]
+            # the integral: every second held is in the bucket it was held in, once
+            assert got[0] == pytest.approx(weight * _overlap(t0, now, start), rel=1e-9, abs=1e-4)
+            totals = [a + b for a, b in zip(totals, got, strict=True)]
+        assert set(kept) <= set(range(bucket_start(t0), bucket_start(now) + 1, BUCKET_SECONDS))
+        expected = (c.allocated_gpu_seconds, c.busy_gpu_seconds, c.energy_joules)
+        assert tuple(totals[:3]) == pytest.approx(expected, rel=1e-9, abs=1e-6)
+        assert totals[3] == pytest.approx(c.unobserved_seconds, rel=1e-9, abs=1e-9)
