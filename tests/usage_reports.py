@@ -13,8 +13,8 @@ from typing import Any
 
 import yaml
 
-from agent.sim.apiserver_types import RESOURCES, ResourceType
 from agent.sim.apiserver_crd import violations
+from agent.sim.apiserver_types import RESOURCES, ResourceType
 
 GPU_USAGE_REPORTS = ResourceType(
     "gpuusagereports",

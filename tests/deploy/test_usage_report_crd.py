@@ -80,8 +80,14 @@ def edited(path: str, value: Any) -> dict[str, Any]:
     ("obj", "words"),
     [
         (edited("spec.nodeName", "gpu-node-2"), "a GpuUsageReport is named after its node"),
-        (edited("spec.buckets.0.start", "2026-12-04T12:07:00Z"), "spec.buckets[0].start in body should match"),
-        (edited("spec.buckets.0.usage.0.energyJoules", -1.0), "energyJoules in body should be greater than or equal to 0"),
+        (
+            edited("spec.buckets.0.start", "2026-12-04T12:07:00Z"),
+            "spec.buckets[0].start in body should match",
+        ),
+        (
+            edited("spec.buckets.0.usage.0.energyJoules", -1.0),
+            "energyJoules in body should be greater than or equal to 0",
+        ),
         (edited("spec.buckets.0.closed", None), "spec.buckets[0].closed: Required value"),
         (edited("spec.buckets.0.usage.0.cost", 3), 'unknown field "spec.buckets[0].usage[0].cost"'),
         (edited("spec.through", None), "spec.through: Required value"),
