@@ -1,21 +1,18 @@
 """`tessera usage --cluster`: a cluster's usage per namespace and DeviceClass over a range, read
 from its GpuUsageSummaries and the GpuUsageReports not yet folded (each bucket once), with exact
-costs. The API-server emulator does not serve custom resources yet, so the command reads them
-from the smallest stand-in that speaks the API's list protocol over real HTTP: two lists, paged
-with limit/continue."""
+costs. The command reads them over real HTTP from the API-server emulator serving the real CRDs
+(tests/crds.py), which checks every object written; the lists are paged with limit/continue by
+the emulator (one item a page where a test asks, so that paging is exercised)."""
 
 from __future__ import annotations
 
 import io
 import json
-import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from decimal import Decimal
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlparse
 
 import pytest
 import yaml
@@ -23,8 +20,12 @@ import yaml
 from agent.cli import main
 from agent.cli.usage_cluster import claim_rows, cluster_rows, time_range
 from agent.errors import ConfigError
+from agent.sim.apiserver import ApiServer
 from agent.usage.budget_plan import ClusterView, plan
 from agent.usage.prices import price_table
+from dra_driver.cluster.kube import KubeClient
+from tests.apiclient import api_client
+from tests.crds import create, serving
 from tests.usage.clusterobjs import bucket, check_summary, entry, report
 
 PRICES = {"currency": "EUR", "gpuHour": [{"price": "2.50"}], "energy": [{"pricePerKWh": "0.20"}]}
@@ -57,25 +58,38 @@ def cluster() -> dict[str, list[dict[str, Any]]]:
     return {"gpuusagereports": [acked, r2], "gpuusagesummaries": p.summaries}
 
 
-class Lists:
-    """GET /apis/tessera.dev/v1alpha1/<resource>?limit=N&continue=K, as the API server pages."""
+@pytest.fixture
+def server() -> Iterator[ApiServer]:
+    """The emulator serving the CRDs, holding :func:`cluster` (written through its API)."""
+    with serving() as srv:
+        for plural, objects in cluster().items():
+            for obj in objects:
+                create(srv, plural, obj)
+        yield srv
 
-    def __init__(self, objects: dict[str, list[dict[str, Any]]]) -> None:
-        self.objects = objects
+
+class Lists:
+    """The command's request function against ``server``, asking for pages of one item whatever
+    the limit the command sends, so that every list takes the emulator's continue tokens."""
+
+    def __init__(self, server: ApiServer) -> None:
+        self.kube = KubeClient(api_client(server, retries=False))
         self.calls: list[tuple[str, dict[str, str]]] = []
 
-    def __call__(self, method: str, path: str, query: dict[str, str]) -> dict[str, Any]:
-        assert method == "GET"
+    def __call__(self, method: str, path: str, query: Mapping[str, str]) -> dict[str, Any]:
+        assert method == "GET" and "limit" in query
         self.calls.append((path, dict(query)))
-        items = self.objects[path.rsplit("/", 1)[1]]
-        start, limit = int(query.get("continue") or 0), int(query["limit"])
-        rest = str(start + 1) if start + 1 < len(items) else ""
-        # one item a page whatever the limit, so that paging is exercised
-        return {"items": items[start : start + 1], "metadata": {"continue": rest}} if limit else {}
+        return self.kube.request(method, path, {**query, "limit": "1"})
 
 
-def test_each_namespace_and_class_counts_summaries_and_live_buckets_once():
-    lists = Lists(cluster())
+@pytest.fixture
+def lists(server: ApiServer) -> Iterator[Lists]:
+    found = Lists(server)
+    yield found
+    found.kube.close()
+
+
+def test_each_namespace_and_class_counts_summaries_and_live_buckets_once(lists: Lists):
     rows = cluster_rows(lists, None, None, price_table(PRICES))
     got = {(r.namespace, r.device_class): (r.gpu_hours, r.energy_kwh, r.cost) for r in rows}
     assert got[("team-a", "gpu.tessera.dev")] == (  # 1 h folded + 0.5 h live
@@ -85,11 +99,11 @@ def test_each_namespace_and_class_counts_summaries_and_live_buckets_once():
     )
     assert got[("team-b", "gpu.tessera.dev")][0] == Decimal("0.5")
     assert got[("team-b", "mig.tessera.dev")][0] == Decimal(2)
-    assert [p for p, _ in lists.calls].count("/apis/tessera.dev/v1alpha1/gpuusagesummaries") == 2
+    pages = [q for p, q in lists.calls if p == "/apis/tessera.dev/v1alpha1/gpuusagesummaries"]
+    assert len(pages) == 2 and "continue" not in pages[0] and pages[1]["continue"]
 
 
-def test_a_range_cuts_on_buckets():
-    lists = Lists(cluster())
+def test_a_range_cuts_on_buckets(lists: Lists):
     start, end = time_range("2026-12-01", "", "range", "Europe/Berlin", NOW)
     rows = cluster_rows(lists, start, end, None)
     assert {r.namespace for r in rows if r.device_class == "mig.tessera.dev"} == {"team-b"}
@@ -100,7 +114,7 @@ def test_a_range_cuts_on_buckets():
     assert a[0].gpu_hours == 1  # the open 12:15 bucket is past the end
 
 
-def test_a_month_in_a_time_zone_and_clear_errors():
+def test_a_month_in_a_time_zone_and_clear_errors(lists: Lists):
     start, end = time_range("", "", "month", "Europe/Berlin", NOW)
     assert (start.isoformat(), end.isoformat()) == (
         "2026-12-01T00:00:00+01:00",
@@ -114,41 +128,12 @@ def test_a_month_in_a_time_zone_and_clear_errors():
         time_range("2026-12-01", "", "month", "UTC", NOW)
     with pytest.raises(ConfigError, match=r"ends .* before it starts"):
         start, end = time_range("2026-12-02", "2026-12-01", "range", "UTC", NOW)
-        cluster_rows(Lists(cluster()), start, end, None)
+        cluster_rows(lists, start, end, None)
 
 
 @pytest.fixture
-def api(tmp_path: Path) -> Iterator[Path]:
-    objects = cluster()
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            url = urlparse(self.path)
-            query = {k: v[0] for k, v in parse_qs(url.query).items()}
-            body = json.dumps(Lists(objects)("GET", url.path, query)).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{server.server_port}"}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
-    }))  # fmt: skip
-    yield kubeconfig
-    server.shutdown()
-    server.server_close()
-    thread.join()
+def api(server: ApiServer, tmp_path: Path) -> Path:
+    return server.kubeconfig(tmp_path / "kubeconfig")
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
@@ -194,8 +179,7 @@ def test_an_unreachable_cluster_is_a_clear_error(tmp_path: Path):
     assert code != 0 and "tessera: error:" in err and "missing" in err
 
 
-def test_per_claim_rows_add_the_summaries_day_totals_to_the_live_entries():
-    lists = Lists(cluster())
+def test_per_claim_rows_add_the_summaries_day_totals_to_the_live_entries(lists: Lists):
     rows = {(r.namespace, r.claim, r.device_class): r for r in claim_rows(lists, None, None)}
     train_a = rows[("team-a", "train", "gpu.tessera.dev")]
     assert (train_a.claim_uid, train_a.gpu_hours, train_a.energy_kwh) == (
@@ -210,10 +194,10 @@ def test_per_claim_rows_add_the_summaries_day_totals_to_the_live_entries():
     }
 
 
-def test_per_claim_rows_need_whole_utc_days():
+def test_per_claim_rows_need_whole_utc_days(lists: Lists):
     start, end = time_range("2026-12-01", "", "range", "Europe/Berlin", NOW)
     with pytest.raises(ConfigError, match="whole UTC days only"):
-        claim_rows(Lists(cluster()), start, end)
+        claim_rows(lists, start, end)
 
 
 def test_the_command_shows_claims(api: Path):

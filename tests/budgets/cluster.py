@@ -1,26 +1,20 @@
 """The budget controller's test cluster: the API-server emulator serving, besides its built-in
-resources, the three tessera.dev resources the controller reads and writes (until the emulator
-serves CRDs from their manifests, they are plain resource types here), and a few objects."""
+resources, the three tessera.dev resources the controller reads and writes from their real CRDs
+(tests/crds.py), and a few objects, written through the API so that the CRDs check them."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any
 
-from agent.sim.apiserver import RESOURCES, ApiServer, ResourceType
+from agent.sim.apiserver import ApiServer
 from agent.usage.budget_plan import BudgetEvent, Plan, PodEviction
-
-TESSERA = ("tessera.dev", "v1alpha1")
-TYPES = (
-    *RESOURCES,
-    ResourceType("gpuusagereports", "GpuUsageReport", *TESSERA, status=True),
-    ResourceType("gpuusagesummaries", "GpuUsageSummary", *TESSERA),
-    ResourceType("gpubudgets", "GpuBudget", *TESSERA, status=True, generation=True),
-    ResourceType("configmaps", "ConfigMap", namespaced=True),
-)
+from tests.crds import create, serving
 
 
-def server(**kwargs: Any) -> ApiServer:
-    return ApiServer(resources=TYPES, namespaces=("default", "team-a", "tessera-system"), **kwargs)
+def server(**kwargs: Any) -> AbstractContextManager[ApiServer]:
+    """The started emulator serving the CRDs (use it as a context manager)."""
+    return serving(namespaces=("default", "team-a", "tessera-system"), **kwargs)
 
 
 def report(node: str) -> dict[str, Any]:
@@ -43,12 +37,19 @@ def summary(name: str) -> dict[str, Any]:
     }
 
 
+def summary_usage(node: str, allocated: float) -> dict[str, Any]:
+    """One usage entry of a summary's bucket, every counter the CRD requires."""
+    return {"node": node, "deviceClass": "gpu.tessera.dev", "product": "NVIDIA H100 80GB HBM3",
+            "allocatedGpuSeconds": allocated, "busyGpuSeconds": 0.0, "energyJoules": 0.0,
+            "unobservedSeconds": 0.0}  # fmt: skip
+
+
 def budget(name: str) -> dict[str, Any]:
     return {
         "apiVersion": "tessera.dev/v1alpha1",
         "kind": "GpuBudget",
         "metadata": {"name": name},
-        "spec": {"scope": {"namespace": "team-a"}, "limits": {"gpuHours": 10},
+        "spec": {"scope": {"namespace": "team-a"}, "limits": {"gpuHours": "10"},
                  "action": "Terminate"},
     }  # fmt: skip
 
@@ -67,12 +68,12 @@ def pod(name: str, namespace: str = "team-a") -> dict[str, Any]:
 
 def seeded(server: ApiServer) -> dict[str, Any]:
     """A cluster with a report, a summary and a budget; the objects as stored."""
-    server.put_object("gpuusagereports", report("gpu-node-1"))
-    server.put_object("gpuusagereports", report("gpu-node-gone"))
-    server.put_object("gpuusagesummaries", summary("team-a.2026-12-03"))
-    server.put_object("gpubudgets", budget("team-a-monthly"))
+    create(server, "gpuusagereports", report("gpu-node-1"))
+    create(server, "gpuusagereports", report("gpu-node-gone"))
+    create(server, "gpuusagesummaries", summary("team-a.2026-12-03"))
+    create(server, "gpubudgets", budget("team-a-monthly"))
     for name in ("train-1", "train-2"):
-        server.put_object("pods", pod(name))
+        create(server, "pods", pod(name))
     return {
         "report": server.get_object("gpuusagereports", "gpu-node-1"),
         "summary": server.get_object("gpuusagesummaries", "team-a.2026-12-03"),
@@ -82,7 +83,10 @@ def seeded(server: ApiServer) -> dict[str, Any]:
 
 def a_plan(objs: dict[str, Any]) -> Plan:
     old = objs["summary"]
-    old["spec"]["claims"] = [{"claimUID": "u1", "claim": "train-1"}]
+    old["spec"]["claims"] = [{
+        "claimUID": "u1", "claim": "train-1", "deviceClass": "gpu.tessera.dev",
+        "allocatedGpuSeconds": 900.0, "busyGpuSeconds": 450.0, "energyJoules": 0.0,
+    }]  # fmt: skip
     ack = objs["report"]
     ack["status"] = {"acknowledgedThrough": "2026-12-04T12:00:00Z"}
     status = objs["budget"]

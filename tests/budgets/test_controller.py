@@ -21,6 +21,7 @@ from dra_driver.cluster.kube import KubeClient
 from dra_driver.cluster.lease import LeaseElector, LeaseTiming
 from tests.apiclient import api_client
 from tests.budgets import cluster
+from tests.crds import create
 from tests.fakeclock import FakeClock
 from tests.k8sschema import VERSIONS, validate
 
@@ -205,11 +206,11 @@ def test_the_view_reads_every_list_and_pages_through_them(
 ) -> None:
     server, client = kube
     for i in range(1203):  # more than two pages
-        server.put_object("gpuusagereports", cluster.report(f"node-{i:04d}"))
-    server.put_object("pods", cluster.pod("train-1"))
+        create(server, "gpuusagereports", cluster.report(f"node-{i:04d}"))
+    create(server, "pods", cluster.pod("train-1"))
     plain = cluster.pod("web")
     del plain["spec"]["resourceClaims"]
-    server.put_object("pods", plain)
+    create(server, "pods", plain)
     view = read_view(client, PricesRef("tessera-system", "tessera-prices"))
     assert len(view.reports) == 1203
     assert all(r["kind"] == "GpuUsageReport" for r in view.reports)
@@ -226,9 +227,9 @@ def test_each_namespaces_gpu_hours_this_month_come_from_its_summaries(
                           ("team-a.2026-11-30", 3600.0), ("team-b.2026-12-02", 360.0)):  # fmt: skip
         s = cluster.summary(name)
         s["spec"]["buckets"] = [{"start": f"{s['spec']['day']}T00:00:00Z", "usage": [
-            {"node": "n1", "allocatedGpuSeconds": seconds / 2},
-            {"node": "n2", "allocatedGpuSeconds": seconds / 2}]}]  # fmt: skip
-        server.put_object("gpuusagesummaries", s)
+            cluster.summary_usage("n1", seconds / 2),
+            cluster.summary_usage("n2", seconds / 2)]}]  # fmt: skip
+        create(server, "gpuusagesummaries", s)
     clock = FakeClock(NOW)
     c = controller(client, Planner(gauges_plan()), clock)
     c.tick()

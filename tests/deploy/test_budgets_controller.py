@@ -27,6 +27,7 @@ from dra_driver.cluster.lease import LeaseElector, LeaseTiming
 from tests.apiclient import api_client
 from tests.budgets import cluster
 from tests.budgets.cluster import a_plan, seeded
+from tests.crds import TYPES
 from tests.fakeclock import FakeClock
 from tests.k8sschema import VERSIONS, validate
 
@@ -109,7 +110,7 @@ def rbac_call(record: RequestRecord) -> tuple[str, str, str, str, str]:
     parts = record.path.split("/")
     if record.method == "POST" and parts[-1] == "eviction":  # /api/v1/namespaces/N/pods/P/...
         return "create", "", "pods/eviction", parts[4], parts[6]
-    route = resolve(cluster.TYPES, record.path)
+    route = resolve(TYPES, record.path)
     assert route is not None, f"not a resource request: {record}"
     named = route.name is not None
     verb = verb_of(record.method, named, False, route.name is None)

@@ -44,9 +44,9 @@ from agent.sim.apiserver_types import resolve
 from agent.sim.nvml import FakeNvml
 from dra_driver.testkubelet.calls import ClaimRef
 from dra_driver.testkubelet.client import KubeletClient
+from tests.crds import TYPES, serving
 from tests.integration.daemon import Daemon, claim_manifest
 from tests.simnode import node_model
-from tests.usage_reports import SERVED
 
 ROOT = Path(__file__).resolve().parents[2]
 RBAC = ROOT / "deploy" / "daemonset" / "rbac.yaml"
@@ -84,7 +84,7 @@ def rbac_call(record: RequestRecord) -> Call | None:
     """The RBAC attributes of a resource request; None for discovery and the self reviews."""
     if (record.method, record.path) in DEFAULT_GRANTED:
         return None
-    route = resolve(SERVED, record.path)
+    route = resolve(TYPES, record.path)
     assert route is not None, f"not a resource request: {record}"
     watch = record.method == "GET" and (route.watch_path or record.params.get("watch") == "true")
     named = route.name is not None and not route.watch_path
@@ -264,7 +264,7 @@ def doctor(state: Path, kubeconfig: str) -> None:
 
 
 def test_rbac_grants_exactly_the_calls_the_agent_makes(short_tmp):
-    with ApiServer(resources=SERVED) as server:
+    with serving() as server:
         modes = drive_the_agent(server, short_tmp / "state")
     per_mode = {mode: calls(records) for mode, records in modes.items()}
     shown = {mode: sorted(str(c) for c in found) for mode, found in per_mode.items()}

@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from dra_driver.cluster.usage_report import UsageReporter
+from tests.crds import crd_violations
 from tests.k8sschema import VERSIONS
 from tests.k8sschema import validate as validate_k8s
-from tests.usage_reports import crd_violations
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICY_FILE = ROOT / "deploy" / "daemonset" / "budgets" / "usage-report-policy.yaml"
@@ -48,7 +48,7 @@ def report(node: str) -> Obj:
 
     writer = UsageReporter(Kube(), node, None, logging.getLogger("t"), interval=60.0)  # type: ignore[arg-type]
     obj = writer._object(1_796_385_600.0, [], (1.0, 1.0))
-    assert crd_violations(obj) == []
+    assert crd_violations("gpuusagereports", obj) == []
     return obj
 
 

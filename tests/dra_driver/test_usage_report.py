@@ -1,7 +1,7 @@
 """The node's GpuUsageReport writer (dra_driver/cluster/usage_report.py) against a small fake
 API server: one write per report, create on 404, one retry on a 409, the CRD missing logged once,
 acknowledged buckets dropped from the real ledger, the size bound, and every object written
-accepted by the CRD (tests/usage_reports.py)."""
+accepted by the CRD (tests/crds.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from agent.usage.buckets import BUCKET_SECONDS, report_buckets
 from agent.usage.counters import Interval, UsageLedger
 from dra_driver.cluster.usage_report import REPORTS_PATH, UsageReporter
 from dra_driver.errors import KubeConflict, KubeError
-from tests.usage_reports import crd_violations
+from tests.crds import crd_violations
 
 NODE = "gpu-node-1"
 T = 1_796_385_600.0  # 2026-12-04T12:00:00Z
@@ -115,7 +115,7 @@ def test_the_first_report_is_created_and_each_later_one_is_one_put(tmp_path: Pat
     assert r.report_once()
     assert kube.sent == [("GET", f"/api/v1/nodes/{NODE}"), ("GET", PATH), ("POST", REPORTS_PATH)]
     report = kube.objects[PATH]
-    assert crd_violations(report) == []
+    assert crd_violations("gpuusagereports", report) == []
     spec = report["spec"]
     assert spec["nodeName"] == NODE and spec["nodeLabels"] == {"pool": "reserved"}
     assert spec["through"] == "2026-12-04T12:00:20Z"
@@ -147,7 +147,7 @@ def test_an_acknowledgement_drops_the_closed_buckets_before_it_from_the_ledger(t
     r.report_once()  # (that write was made before the read; the next one no longer has it)
     starts = [b["start"] for b in kube.objects[PATH]["spec"]["buckets"]]
     assert starts == ["2026-12-04T12:00:00Z"]
-    assert crd_violations(kube.objects[PATH]) == []
+    assert crd_violations("gpuusagereports", kube.objects[PATH]) == []
     # an acknowledgement past the open bucket never drops it (nor anything not yet closed)
     kube.acknowledge("2026-12-04T13:00:00Z")
     r.report_once()

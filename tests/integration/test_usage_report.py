@@ -2,9 +2,8 @@
 API-server emulator (real HTTP, the real client), a claim prepared over its DRA socket; the report
 the agent writes carries the claim's usage by device class, is accepted by the CRD, and is
 written once more at a clean stop with what the ledger counted last. Without the CRD the agent
-says so once and keeps the usage in its ledger.
-
-The emulator does not serve CRDs yet: tests/usage_reports.py adds the resource to its table."""
+says so once and keeps the usage in its ledger. The CRD is installed through the emulator's API
+(tests/crds.py), so the emulator checks every report the agent writes against it."""
 
 from __future__ import annotations
 
@@ -15,10 +14,10 @@ from typing import Any
 from agent.sim.apiserver import ApiServer
 from dra_driver.testkubelet.calls import ClaimRef
 from dra_driver.testkubelet.client import KubeletClient
+from tests.crds import crd_violations, serving
 from tests.integration.daemon import Daemon, claim_manifest
 from tests.k8sschema import VERSIONS, validate
 from tests.sim.tools_helpers import wait_for
-from tests.usage_reports import SERVED, crd_violations
 
 MODEL = "dgx-h100"
 
@@ -54,7 +53,7 @@ def usage_of(report: dict[str, Any] | None, uid: str) -> list[dict[str, Any]]:
 
 
 def test_the_report_carries_the_claims_usage_and_a_clean_stop_writes_the_last(short_tmp):
-    with ApiServer(resources=SERVED) as server:
+    with serving() as server:
         d, uid = start(server, short_tmp)
         try:
             node = d.node
@@ -66,7 +65,7 @@ def test_the_report_carries_the_claims_usage_and_a_clean_stop_writes_the_last(sh
                 "the claim's usage reported",
             )
             report = server.get_object("gpuusagereports", node)
-            assert report is not None and crd_violations(report) == []
+            assert report is not None and crd_violations("gpuusagereports", report) == []
             spec = report["spec"]
             assert spec["nodeName"] == node and report["metadata"]["name"] == node
             assert spec["nodeLabels"]["tessera.dev/pool"] == "reserved"
@@ -86,7 +85,7 @@ def test_the_report_carries_the_claims_usage_and_a_clean_stop_writes_the_last(sh
             assert d.stop() == 0
             ledger = json.loads((d.state / "usage.json").read_text())
             last = server.get_object("gpuusagereports", node)
-            assert last is not None and crd_violations(last) == []
+            assert last is not None and crd_violations("gpuusagereports", last) == []
             # the last report carries exactly what the ledger holds at the stop
             (kept,) = [h for h in ledger["holdings"] if h["uid"] == uid]
             reported = sum(u["allocatedGpuSeconds"] for u in usage_of(last, uid))

@@ -22,9 +22,8 @@ from kubernetes.client.exceptions import ApiException
 
 from agent.sim.apiserver import ApiServer
 from tests.apiclient import api_client as client_for
+from tests.crds import install
 from tests.fakeclock import FakeClock
-from tests.k8sschema import VERSIONS
-from tests.k8sschema import validate as validate_k8s
 
 ROOT = Path(__file__).resolve().parents[2]
 BUDGETS = ROOT / "deploy" / "daemonset" / "budgets"
@@ -104,18 +103,6 @@ def api(server: ApiServer) -> Iterator[Any]:
     api_client = client_for(server, retries=False)
     yield api_client
     api_client.close()
-
-
-def install(api: Any, crd: dict[str, Any]) -> dict[str, Any]:
-    for version in VERSIONS:
-        validate_k8s(crd, version)
-    client.ApiextensionsV1Api(api).create_custom_resource_definition(crd)
-    got: dict[str, Any] = api.sanitize_for_serialization(
-        client.ApiextensionsV1Api(api).read_custom_resource_definition(crd["metadata"]["name"])
-    )
-    for version in VERSIONS:
-        validate_k8s(got, version)
-    return got
 
 
 def budget(name: str = "team-a-monthly", **spec: Any) -> dict[str, Any]:
