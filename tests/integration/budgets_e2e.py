@@ -179,6 +179,11 @@ class Held:
     unprepared: tuple[float, float] | None = None
     weight: float = 1.0
 
+    @property
+    def released(self) -> tuple[float, float]:
+        assert self.unprepared is not None, f"{self.ref.name} was never released"
+        return self.unprepared
+
 
 def allocate(
     server: ApiServer, d: Daemon, ns: str, name: str, devices: list[str], weight: float = 1.0

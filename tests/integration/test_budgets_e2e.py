@@ -8,6 +8,10 @@ part fails instead of hanging); every object read back is checked against the up
 from __future__ import annotations
 
 import functools
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,6 +24,7 @@ from tests.integration.budgets_e2e import (
     ADMIN,
     MIG_1G,
     MIG_1G_WEIGHT,
+    Held,
     HttpError,
     allocate,
     apply_bundle,
@@ -33,14 +38,20 @@ from tests.integration.budgets_e2e import (
     node,
     pod,
     read,
+    release,
     url_of,
     wait,
 )
 from tests.integration.daemon import Daemon
-from tests.integration.test_budgets_failover import Replica
+from tests.integration.test_budgets_failover import Replica, wait_holder
 
 TEAMS = ("team-a", "team-b")
 BUDGET = "team-a-gpus"
+INTERVAL = 0.2
+"""The agents' --telemetry-interval: the sampling interval of the documented bound."""
+ROUNDING = 0.5e-6 * 3600
+"""`tessera usage -o json` rounds GPU-hours to 6 decimals (half a unit, in GPU-seconds)."""
+TESSERA = os.path.join(os.path.dirname(sys.executable), "tessera")
 
 
 @contextmanager
@@ -55,7 +66,7 @@ def cluster(tmp: Path) -> Iterator[tuple[ApiServer, Path, list[Daemon], list[Rep
             create(server, namespace(team))
         daemons = [
             Daemon(tmp / model, model, "--kubeconfig", str(kubeconfig),
-                   "--telemetry-interval", "0.2", "--usage-report-interval", "0.5")
+                   "--telemetry-interval", str(INTERVAL), "--usage-report-interval", "0.5")
             for model in ("dgx-h100", "dgx-a100")
         ]  # fmt: skip
         replicas: list[Replica] = []
@@ -146,3 +157,111 @@ def test_thresholds_exhaustion_denial_termination_and_a_raised_limit(short_tmp: 
         # so nothing is folded into summaries yet: the budget counted the reports' live buckets)
         assert {r["metadata"]["name"] for r in read(server, "gpuusagereports")} == {
             h100.node, a100.node}  # fmt: skip
+
+
+def reports(server: ApiServer) -> set[str]:
+    return {r["metadata"]["name"] for r in read(server, "gpuusagereports")}
+
+
+def errors_above(d: Daemon, n: float) -> bool:
+    return report_errors(d) > n
+
+
+def report_errors(d: Daemon) -> float:
+    return sum(d.scrape().get("tessera_usage_report_errors_total", {}).values())
+
+
+def reported(server: ApiServer, held: list[Held]) -> bool:
+    """Every claim of ``held`` has usage in its node's report."""
+    uids = {
+        u["claimUID"]
+        for r in read(server, "gpuusagereports")
+        for b in r["spec"]["buckets"]
+        for u in b["usage"]
+        if u["allocatedGpuSeconds"] > 0
+    }
+    return all(h.ref.uid in uids for h in held)
+
+
+def cluster_usage(kubeconfig: Path) -> dict[str, float]:
+    """GPU-seconds per namespace as `tessera usage --cluster -o json` says (summaries plus the
+    reports' buckets not yet folded: the controller's live view)."""
+    out = subprocess.run(
+        [TESSERA, "usage", "--cluster", "--kubeconfig", str(kubeconfig), "-o", "json"],
+        capture_output=True, text=True, check=True, timeout=60,
+    ).stdout  # fmt: skip
+    totals: dict[str, float] = {}
+    for row in json.loads(out)["rows"]:
+        totals[row["namespace"]] = totals.get(row["namespace"], 0.0) + float(row["gpuHours"]) * 3600
+    return totals
+
+
+def test_usage_survives_agent_and_leader_kills_deletions_a_removed_node_and_an_outage(
+    short_tmp: Path,
+) -> None:
+    with cluster(short_tmp) as (server, kubeconfig, (h100, a100), replicas):
+        held = [
+            allocate(server, h100, "team-a", "a-kept", ["gpu-0"]),
+            allocate(server, h100, "team-a", "a-deleted", ["gpu-1"]),
+            allocate(server, h100, "team-b", "b-kept", ["gpu-2"]),
+            allocate(server, a100, "team-b", "b-on-removed-node", [MIG_1G], MIG_1G_WEIGHT),
+        ]
+        a_kept, a_deleted, b_kept, b_removed = held
+        wait("every claim's usage reported", lambda: reported(server, held))
+
+        # kill -9 of an agent mid-period, and its restart: the downtime is counted at the start
+        h100.kill()
+        h100.start()
+
+        # kill -9 of the leader: the other replica takes the Lease over once it expires
+        ids = {r.identity: r for r in replicas}
+        leader, _ = wait_holder(server, set(ids))
+        ids[leader].proc.kill()
+        ids[leader].proc.wait(timeout=30)
+        wait_holder(server, set(ids) - {leader})
+
+        # a claim released by the kubelet, then deleted with its pod
+        release(a_deleted)
+        for kind, name in (("Pod", a_deleted.pod), ("ResourceClaim", a_deleted.ref.name)):
+            ref = {"apiVersion": "v1" if kind == "Pod" else "resource.k8s.io/v1", "kind": kind,
+                   "metadata": {"name": name, "namespace": "team-a"}}  # fmt: skip
+            call("DELETE", url_of(server, ref, name))
+
+        # an API outage long enough that both agents' reports fail
+        before = [report_errors(d) for d in (h100, a100)]
+        server.faults.start_outage("503")
+        try:
+            for d, n in zip((h100, a100), before, strict=True):
+                wait(f"{d.node}'s report refused", functools.partial(errors_above, d, n))
+        finally:
+            server.faults.end_outage()
+
+        # a node removed: drained (its claim released), its agent stopped, its Node deleted;
+        # the controller folds its report as closed, then deletes it
+        release(b_removed)
+        assert a100.stop() == 0
+        call("DELETE", url_of(server, node(a100.node), a100.node))
+        wait("the removed node's report folded and deleted", lambda: reports(server) == {h100.node})
+        summaries = read(server, "gpuusagesummaries")
+        assert any(
+            n["name"] == a100.node for s in summaries if s["spec"]["namespace"] == "team-b"
+            for n in s["spec"]["nodes"]
+        ), summaries  # fmt: skip
+
+        # the end: every claim released, the last agent stopped (its last report written)
+        release(a_kept)
+        release(b_kept)
+        assert h100.stop() == 0
+        used = cluster_usage(kubeconfig)
+
+    # docs/budgets.md, "Where the bound can slip": a device prepared mid-interval is counted from
+    # the start of that interval, one released mid-interval to the end of the one before; each
+    # is off by less than one sampling interval (a kill -9 and restart lose nothing). So each
+    # claim's GPU-seconds are within one --telemetry-interval per transition (2 per claim) of
+    # its weight x the time between its prepare and unprepare calls (bracketed by the instants
+    # the test saw around each call).
+    for ns in TEAMS:
+        mine = [h for h in held if h.ref.namespace == ns]
+        low = sum(h.weight * (h.released[0] - h.prepared[1] - 2 * INTERVAL) for h in mine)
+        high = sum(h.weight * (h.released[1] - h.prepared[0] + 2 * INTERVAL) for h in mine)
+        assert low - ROUNDING <= used[ns] <= high + ROUNDING, (ns, low, used[ns], high)
