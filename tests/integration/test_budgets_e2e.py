@@ -81,6 +81,11 @@ def cluster(tmp: Path) -> Iterator[tuple[ApiServer, Path, list[Daemon], list[Rep
             replicas += [Replica(kubeconfig, f"budgets-{i}", lease_duration=3) for i in range(2)]
             yield server, kubeconfig, daemons, replicas
             assert server.rejected == [], server.rejected
+            # every log line of every process is structured
+            assert all(rec.get("msg") != "NOT JSON" for r in replicas for rec in r.logs)
+            for d in daemons:
+                for line in d.raw:
+                    json.loads(line)
         finally:
             for r in replicas:
                 r.stop()
