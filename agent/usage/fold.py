@@ -72,13 +72,14 @@ class _Draft:
             self.touched[start] = index
             self.buckets[start] = {"start": start, "usage": None}  # filled by obj()
         # JSON numbers (int or float): adding them to floats keeps floats
-        allocated = entry.get("allocatedGpuSeconds") or 0.0
-        busy = entry.get("busyGpuSeconds") or 0.0
-        energy = entry.get("energyJoules") or 0.0
-        unobserved = entry.get("unobservedSeconds") or 0.0
-        device_class = entry.get("deviceClass") or ""
-        product = entry.get("product") or ""
-        mig = entry.get("migProfile") or ""
+        get = entry.get
+        allocated = get("allocatedGpuSeconds") or 0.0
+        busy = get("busyGpuSeconds") or 0.0
+        energy = get("energyJoules") or 0.0
+        unobserved = get("unobservedSeconds") or 0.0
+        device_class = get("deviceClass") or ""
+        product = get("product") or ""
+        mig = get("migProfile") or ""
         key = (node, device_class, product, mig)
         u = index.get(key)
         if u is None:
@@ -206,9 +207,10 @@ def _fold_bucket(
     end_text = clock.text(bucket_end(start))
     moved: set[str] = set()
     node = report.node
+    suffix = f".{day}"
     for entry in usage:
         namespace = entry["namespace"]
-        name = f"{namespace}.{day}"  # summary_name, inlined: the fold's hot loop
+        name = namespace + suffix  # summary_name, inlined: the fold's hot loop
         draft = drafts.get(name)
         if draft is None:
             base = summaries.get(name)
