@@ -90,7 +90,7 @@ def test_the_claims_status_carries_its_final_usage_after_unprepare(short_tmp):
             assert 0 < allocated <= Decimal(held["allocatedGpuSeconds"] / 3600) + Decimal("1e-6")
             energy = Decimal(data["energyKWh"])
             assert 0 < energy <= Decimal(held["energyJoules"] / 3.6e6) + Decimal("1e-6")
-            assert through.timestamp() <= ledger["through"]
+            assert through.timestamp() <= ledger["through"] + 1e-6  # RFC 3339: microseconds
             writes = [r.method for r in server.requests.snapshot() if r.path.endswith("/status")]
             assert writes == ["PUT"]  # one write, at unprepare
             assert server.rejected == []
