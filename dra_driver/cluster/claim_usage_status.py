@@ -81,6 +81,10 @@ class UnpreparedClaim:
         return f"{self.namespace}/{self.name} ({self.uid})"
 
 
+class _OutOfTime(Exception):
+    """The shutdown bound passed before a request could start."""
+
+
 class ClaimTotals(Protocol):
     """The node's usage ledger as the writer needs it (:class:`agent.telemetry.usage_meter.
     UsageMeter` satisfies it)."""
@@ -173,7 +177,7 @@ class ClaimUsageStatusWriter:
         log: logging.Logger,
         *,
         queue_size: int = QUEUE_SIZE,
-        timeout: tuple[float, float] = (5.0, 10.0),
+        timeout: tuple[float, float] = (3.0, 5.0),
         poll: float = POLL_S,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -212,15 +216,15 @@ class ClaimUsageStatusWriter:
 
     def close(self, timeout: float) -> list[str]:
         """Once ``run`` returned: write what is still queued for at most ``timeout`` seconds
-        (each request bounded by it too), then drop the rest, logging which claims; the
-        claims dropped."""
+        (each request's connect and read timeouts together are at most what is left of it),
+        then drop the rest, logging which claims; the claims dropped."""
         end = self._monotonic() + max(timeout, 0.0)
-        while (left := end - self._monotonic()) > 0:
+        while end - self._monotonic() > 0:
             try:
                 claim = self._queue.get_nowait()
             except queue.Empty:
                 return []
-            self.write(claim, (min(self._timeout[0], left), min(self._timeout[1], left)))
+            self.write(claim, end)
         dropped: list[str] = []
         while True:
             try:
@@ -237,10 +241,10 @@ class ClaimUsageStatusWriter:
 
     # -- one claim ---------------------------------------------------------------------------
 
-    def write(self, claim: UnpreparedClaim, timeout: tuple[float, float] | None = None) -> bool:
-        """Write one claim's usage into its status now; True when the API server took it.
-        Never raises: failures are logged and counted."""
-        timeout = timeout or self._timeout
+    def write(self, claim: UnpreparedClaim, end: float | None = None) -> bool:
+        """Write one claim's usage into its status now, its requests done by monotonic ``end``
+        when given; True when the API server took it. Never raises: failures (and running out
+        of time) are logged and counted."""
         try:
             got = self.totals.claim_totals(claim.uid)
             if got is None:
@@ -254,7 +258,9 @@ class ClaimUsageStatusWriter:
                 key: usage_data([c for k, c in counters.items() if k == key[:2]], through)
                 for key in claim.devices
             }
-            return self._put(claim, data, timeout)
+            return self._put(claim, data, end)
+        except _OutOfTime:
+            self._failed(claim, "no time left before shutdown")
         except KubeError as exc:
             if exc.status == 404:
                 self.log.debug(
@@ -273,6 +279,20 @@ class ClaimUsageStatusWriter:
             extra=fields_(claim=str(claim), error=error),
         )
 
+    def _request(
+        self, method: str, path: str, end: float | None, body: Any = None
+    ) -> dict[str, Any]:
+        """One request, its timeouts cut so that it ends by ``end`` (connect and read half of
+        what is left each)."""
+        timeout = self._timeout
+        if end is not None:
+            left = end - self._monotonic()
+            if left <= 0:
+                raise _OutOfTime
+            timeout = (min(timeout[0], left / 2), min(timeout[1], left / 2))
+        got: dict[str, Any] = self.kube.request(method, path, body=body, timeout=timeout)
+        return got
+
     def _path(self, claim: UnpreparedClaim) -> str:
         return f"/apis/resource.k8s.io/v1/namespaces/{claim.namespace}/resourceclaims/{claim.name}"
 
@@ -280,10 +300,10 @@ class ClaimUsageStatusWriter:
         self,
         claim: UnpreparedClaim,
         data: Mapping[DeviceKey, Mapping[str, str]],
-        timeout: tuple[float, float],
+        end: float | None,
     ) -> bool:
         for attempt in (1, 2):
-            current = self.kube.request("GET", self._path(claim), timeout=timeout)
+            current = self._request("GET", self._path(claim), end)
             if (current.get("metadata") or {}).get("uid") != claim.uid:
                 self.log.debug(
                     "claim replaced by another of the same name; its usage status is not written",
@@ -299,7 +319,7 @@ class ClaimUsageStatusWriter:
                 return False
             self.stats.writes += 1
             try:
-                self.kube.request("PUT", self._path(claim) + "/status", body=body, timeout=timeout)
+                self._request("PUT", self._path(claim) + "/status", end, body)
             except KubeConflict:
                 if attempt == 2:
                     raise

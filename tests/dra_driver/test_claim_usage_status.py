@@ -238,3 +238,14 @@ def test_at_shutdown_queued_claims_are_written_within_the_bound_then_dropped_by_
         assert w.close(0.0) == [f"{NS}/other (uid-2)"]  # no time left: dropped, named
     assert caplog.records[-1].fields["claims"] == [f"{NS}/other (uid-2)"]  # type: ignore[attr-defined]
     assert w.stats.errors == 1
+
+
+def test_a_write_that_runs_out_of_shutdown_time_stops_before_its_next_request(server, kube, totals):
+    """Each clock read moves it 0.4 s on: the GET starts with 0.2 s left, the PUT with none."""
+    totals.hold("gpu-0", 60.0, 0.0, 0.0)
+    put_claim(server, [result("gpu-0")])
+    w = writer(kube, totals, monotonic=FakeClock(100.0, step=0.4))
+    w.submit(unprepared(("gpu-0", None)))
+    assert w.close(1.0) == []
+    assert status_writes(server) == [] and w.stats.errors == 1
+    assert "devices" not in stored(server)["status"]
