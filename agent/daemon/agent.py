@@ -28,11 +28,15 @@ from dra_driver.kubeletplugin.prepare import Preparer
 from dra_driver.kubeletplugin.server import PluginServer
 
 if TYPE_CHECKING:  # imported where kube mode starts (build_agent)
+    from dra_driver.cluster.claim_usage_status import ClaimUsageStatusWriter
     from dra_driver.cluster.kube import KubeClient
     from dra_driver.cluster.usage_report import UsageReporter
 
 FINAL_REPORT_S = 5.0
 """The longest the last usage report at a clean stop may take (within the shutdown timeout)."""
+CLAIM_STATUS_FLUSH_S = 3.0
+"""The longest the claims' usage summaries still queued at a clean stop may take to write
+(within the shutdown timeout); the rest are dropped, logged."""
 STOP_RESERVE_S = 2.0
 """Of the shutdown timeout, what is kept for stopping the servers and loops after the claims
 (at most half of it)."""
@@ -63,6 +67,8 @@ class Agent:
     """The loop that re-reads the node on those events and periodically."""
     usage_report: UsageReporter | None = None
     """Writes the node's GpuUsageReport (kube mode)."""
+    claim_status: ClaimUsageStatusWriter | None = None
+    """Writes unprepared claims' usage into their status (kube mode)."""
     stop_event: threading.Event = field(default_factory=threading.Event)
     supervisor: Supervisor | None = None
     unfinished: list[str] = field(default_factory=list)
@@ -108,6 +114,9 @@ class Agent:
         if self.usage_report is not None:
             reporter = self.usage_report
             self.supervisor.spawn("usage-report", lambda: reporter.run(stop_event))
+        if self.claim_status is not None:
+            writer = self.claim_status
+            self.supervisor.spawn("claim-usage-status", lambda: writer.run(stop_event))
         self.http.start()
         host, port = self.http.address
         self.log.info(
@@ -157,6 +166,8 @@ class Agent:
                 self.log.warning("tasks did not stop in time", extra=fields_(tasks=stuck))
                 self.unfinished += stuck
         self.node_events.close()  # the loop flushed what it could; logs what is left
+        if self.claim_status is not None:  # its loop stopped: what the last unprepares queued
+            self.claim_status.close(deadline.remaining(CLAIM_STATUS_FLUSH_S))
         if self.state.lock.held:  # an agent that never got its state directory has nothing to save
             self.telemetry.save()
             if self.usage_report is not None:  # before a handover: the successor reports next

@@ -28,6 +28,7 @@ from agent.daemon.wiring import (
     NodeOwner,
     agent_status,
     cdi_writer,
+    claim_unprepared,
     crash_hook,
     devices_event,
     health_event,
@@ -160,6 +161,20 @@ def _build(
     devices = CurrentDevices()
     prepare_log = log.getChild("prepare")
     crash = crash_hook(config.simulator.sim_crash_at, log.getChild("sim"))
+    telemetry = config.telemetry
+    usage = UsageMeter(
+        state_dir / "usage.json",
+        source.boot_id,
+        log.getChild("usage"),
+        write_interval=telemetry.usage_write_interval,
+    )
+    claim_status = None
+    if kube is not None:
+        from dra_driver.cluster.claim_usage_status import ClaimUsageStatusWriter
+
+        claim_status = ClaimUsageStatusWriter(
+            kube, driver_name, usage, log.getChild("claim-usage-status")
+        )
     preparer = Preparer(
         driver_name=driver_name,
         pool=source.hostname,
@@ -187,6 +202,7 @@ def _build(
         observe=driver_metrics.observe,
         boot_time=source.boot_time,
         index=claims,
+        on_unprepared=claim_unprepared(claim_status),
     )
     health = HealthBoard(pool=source.hostname, held=lambda: held_devices(preparer))
     daemon = config.daemon
@@ -200,7 +216,6 @@ def _build(
         health_streams=config.kubelet.kubelet_health_streams,
         instance=daemon.pod_uid if daemon.rolling_update else None,
     )
-    telemetry = config.telemetry
     events = EventWatcher(source.nvml)
     reader = TelemetryReader(source.nvml)
     accounting = EnergyAccounting(
@@ -208,12 +223,6 @@ def _build(
         log=log.getChild("energy"),
         process_pod=ProcessPods(source.proc_root, log=log.getChild("owners")),
         load=False,  # Agent.start, once the state directory is ours
-    )
-    usage = UsageMeter(
-        state_dir / "usage.json",
-        source.boot_id,
-        log.getChild("usage"),
-        write_interval=telemetry.usage_write_interval,
     )
     sampler = Sampler(
         node=source.hostname,
@@ -247,6 +256,7 @@ def _build(
         preparer,
         node_events,
         None if usage_report is None else usage_report.stats,
+        None if claim_status is None else claim_status.stats,
     )
     registry.register(
         SnapshotCollector(lambda: sampler.latest, lambda: (usage.counters(), usage.through))
@@ -338,6 +348,7 @@ def _build(
         owner=owner,
         node_events=node_events,
         usage_report=usage_report,
+        claim_status=claim_status,
         telemetry=Sampling(
             sampler=sampler,
             reader=reader,

@@ -23,6 +23,11 @@ from agent.nvml.power import PowerControl
 from agent.telemetry.gpu_health import GpuHealth
 from agent.telemetry.metrics import AgentStatus
 from dra_driver.advertise.publisher import Publisher
+from dra_driver.cluster.claim_usage_status import (
+    ClaimUsageStatusWriter,
+    StatusStats,
+    UnpreparedClaim,
+)
 from dra_driver.cluster.node_events import (
     NodeEventRecorder,
     devices_changed,
@@ -33,6 +38,7 @@ from dra_driver.cluster.node_events import (
 from dra_driver.errors import KubeError
 from dra_driver.kubeletplugin.cdi import CdiWriter
 from dra_driver.kubeletplugin.cdi_spec import MakeNode
+from dra_driver.kubeletplugin.checkpoint import ClaimEntry
 from dra_driver.kubeletplugin.effects import Effects
 from dra_driver.kubeletplugin.prepare import Preparer
 from dra_driver.kubeletplugin.server import PluginServer
@@ -197,6 +203,7 @@ def agent_status(
     preparer: Preparer,
     node_events: NodeEventRecorder | None = None,
     usage_report: ReportStats | None = None,
+    claim_status: StatusStats | None = None,
 ) -> Callable[[], AgentStatus]:
     """The agent's own state for /metrics (in-memory reads only)."""
 
@@ -212,9 +219,26 @@ def agent_status(
             node_events=() if node_events is None else node_events.stats.outcomes(),
             usage_report_last_success=None if usage_report is None else usage_report.last_success,
             usage_report_errors=None if usage_report is None else usage_report.errors,
+            claim_usage_status_errors=None if claim_status is None else claim_status.errors,
         )
 
     return status
+
+
+def claim_unprepared(
+    writer: ClaimUsageStatusWriter | None,
+) -> Callable[[ClaimEntry], None]:
+    """What the preparer calls for each claim it unprepared: queue its usage summary for its
+    ResourceClaim's status (kube mode; standalone: nothing). A claim rebuilt from a CDI spec
+    whose name is not known yet has no claim to write to."""
+
+    def unprepared(entry: ClaimEntry) -> None:
+        if writer is None or not entry.namespace or not entry.name:
+            return
+        devices = tuple((d.pool, d.device, d.share_id) for d in entry.devices)
+        writer.submit(UnpreparedClaim(entry.namespace, entry.name, entry.uid, devices))
+
+    return unprepared
 
 
 def sharing_effects(

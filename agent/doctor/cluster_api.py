@@ -57,6 +57,16 @@ AGENT_ACCESS: tuple[Access, ...] = (
         "finding, by UID, the claims of CDI specs a lost checkpoint no longer lists",
         required=False,
     ),
+    # dra_driver/cluster/claim_usage_status.py: an unprepared claim's usage in its status
+    # (PUT of /status with the resourceVersion); without it the summary is not written (logged,
+    # counted), the GpuUsageReport still carries the usage
+    Access(
+        "resource.k8s.io",
+        "resourceclaims/status",
+        "update",
+        "each unprepared claim's usage summary in its status",
+        required=False,
+    ),
     # agent/daemon/wiring.py node_uid: without it the slices get no owner reference (logged)
     Access("", "nodes", "get", "the slices' owner reference (the Node's uid)", required=False),
     # dra_driver/cluster/usage_report.py UsageReporter: the node's GpuUsageReport; without it
@@ -128,14 +138,18 @@ def who_am_i(kube: KubeClient) -> str | None:
 
 
 def allowed(kube: KubeClient, access: Access) -> tuple[bool, str]:
-    """Whether the server allows ``access`` to these credentials, and its reason."""
+    """Whether the server allows ``access`` to these credentials, and its reason. A
+    subresource (``resourceclaims/status``) is asked as the API server's
+    ``resourceAttributes`` take it: ``resource`` and ``subresource`` apart."""
+    resource, _, subresource = access.resource.partition("/")
     body = {
         "apiVersion": "authorization.k8s.io/v1",
         "kind": "SelfSubjectAccessReview",
         "spec": {
             "resourceAttributes": {
                 "group": access.group,
-                "resource": access.resource,
+                "resource": resource,
+                **({"subresource": subresource} if subresource else {}),
                 "verb": access.verb,
                 **({"namespace": access.namespace} if access.namespace else {}),
             }

@@ -25,8 +25,9 @@ apart follow the real server: status codes and ``Status`` bodies, ``resourceVers
 selectors, watches replayed from a bounded history (410 ``Expired`` once compacted), no-op updates
 that change nothing, status subresources. Every written object is validated (strictly) against the
 Kubernetes JSON schemas of ``validate_versions`` (and a core Event against the server's legacy
-namespace rule); a failure is 422 and lands in :attr:`rejected`. PATCH takes merge, JSON and
-strategic merge patches (see :mod:`~agent.sim.apiserver_patch`); any other type is 415.
+namespace rule, a ResourceClaim's ``status.devices`` against its allocation); a failure is 422
+and lands in :attr:`rejected`. PATCH takes merge, JSON and strategic merge patches (see
+:mod:`~agent.sim.apiserver_patch`); any other type is 415.
 
 After those checks come the ``admissionregistration.k8s.io/v1`` ValidatingAdmissionPolicies
 and bindings written to it, with params of any kind it serves (core ``v1`` ConfigMaps among

@@ -5,6 +5,7 @@ admission (:class:`WriteChecks`, which records every 422 it answers)."""
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -128,6 +129,51 @@ def event_failure(rt: ResourceType, obj: Obj) -> ApiError | None:
     return err.invalid(rt, name, "involvedObject.namespace", "FieldValueInvalid", message)
 
 
+DEVICE_STATUS_DATA_MAX = 10 * 1024
+"""``AllocatedDeviceStatusDataMaxLength``: the most bytes of one ``status.devices[].data``."""
+
+
+def claim_status_failure(rt: ResourceType, obj: Obj) -> ApiError | None:
+    """422 for a ResourceClaim whose ``status.devices`` the real server refuses beyond the
+    schema (Kubernetes pkg/apis/resource/validation/validation.go, ``validateDeviceStatus``):
+    an entry for a device not in ``status.allocation.devices.results`` (driver, pool, device
+    and shareID: "must be an allocated device in the claim"; so no entry without an
+    allocation), the same device twice, or ``data`` over 10 Ki of JSON. None otherwise."""
+    if rt.group != "resource.k8s.io" or rt.kind != "ResourceClaim":
+        return None
+    status = obj.get("status") or {}
+    entries = status.get("devices") or []
+    if not isinstance(status, dict) or not isinstance(entries, list) or not entries:
+        return None
+    results = ((status.get("allocation") or {}).get("devices") or {}).get("results") or []
+
+    def device_id(d: Any) -> str:
+        base = f"{d.get('driver')}/{d.get('pool')}/{d.get('device')}"
+        return base if d.get("shareID") is None else f"{base}/{d['shareID']}"
+
+    allocated = {device_id(r) for r in results if isinstance(r, dict)}
+    seen: set[str] = set()
+    found: list[tuple[str, str, str]] = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            continue
+        at, key = f"status.devices[{i}]", device_id(entry)
+        if key not in allocated:
+            why = f'Invalid value: "{key}": must be an allocated device in the claim'
+            found.append((at, "FieldValueInvalid", why))
+        if key in seen:
+            found.append((at, "FieldValueDuplicate", f'Duplicate value: "{key}"'))
+        seen.add(key)
+        if "data" in entry:
+            size = len(json.dumps(entry["data"], separators=(",", ":")))
+            if size > DEVICE_STATUS_DATA_MAX:
+                why = f"Too long: may not be more than {DEVICE_STATUS_DATA_MAX} bytes"
+                found.append((f"{at}.data", "FieldValueTooLong", why))
+    if not found:
+        return None
+    return err.invalid_fields(rt, str(obj["metadata"].get("name", "")), found)
+
+
 def custom_failure(
     rt: ResourceType, obj: Obj, old: Obj | None, served: Sequence[ResourceType]
 ) -> ApiError | None:
@@ -178,7 +224,11 @@ class WriteChecks:
             failure = schema_failure(self._schemas, rt, obj, self._versions)
         if failure is not None:
             raise self.reject(method, rt, obj, failure[1], failure[0])
-        semantic = event_failure(rt, obj) or custom_failure(rt, obj, old, served)
+        semantic = (
+            event_failure(rt, obj)
+            or claim_status_failure(rt, obj)
+            or custom_failure(rt, obj, old, served)
+        )
         if semantic is not None:
             raise self.reject(method, rt, obj, semantic)
 

@@ -400,6 +400,9 @@ class AgentStatus:
     """Unix time of the last GpuUsageReport the API server accepted (None: none yet)."""
     usage_report_errors: int | None = None
     """Failed GpuUsageReport writes (None in standalone mode: no reports)."""
+    claim_usage_status_errors: int | None = None
+    """Unprepared claims whose usage summary could not be written into their status (None in
+    standalone mode)."""
 
 
 AGENT_SPECS: tuple[Spec, ...] = (
@@ -453,6 +456,14 @@ AGENT_SPECS: tuple[Spec, ...] = (
         NODE,
     ),
     Spec(
+        "tessera_claim_usage_status_errors",
+        "counter",
+        "Unprepared claims whose usage summary could not be written into their ResourceClaim's"
+        " status.devices (refused, no answer, queue full, dropped at shutdown; absent in"
+        " standalone mode).",
+        NODE,
+    ),
+    Spec(
         "tessera_node_events",
         "counter",
         "Events about the Node (GPU health changes) by outcome: recorded (written, or logged in"
@@ -490,6 +501,8 @@ class AgentCollector(Collector):
             )
         if st.usage_report_errors is not None:
             _add(fams, "tessera_usage_report_errors", node, st.usage_report_errors)
+        if st.claim_usage_status_errors is not None:
+            _add(fams, "tessera_claim_usage_status_errors", node, st.claim_usage_status_errors)
         for outcome, count in st.node_events:
             _add(fams, "tessera_node_events", (*node, outcome), count)
         yield from fams.values()

@@ -101,6 +101,18 @@ class UsageMeter:
         with self._lock:
             return None if self._ledger is None else self._ledger.through
 
+    def claim_totals(self, uid: str) -> tuple[float, dict[tuple[str, str], Counters]] | None:
+        """One claim's counters by (pool, device), in memory, and the wall-clock second they
+        count up to (any thread); None before the ledger's first tick. A released claim's stay
+        for the ledger's retention (an hour)."""
+        with self._lock:
+            ledger = self._ledger
+            if ledger is None or ledger.counted_through is None:
+                return None
+            return ledger.counted_through, {
+                (k[1], k[2]): c for k, c in ledger.counters().items() if k[0] == uid
+            }
+
     def report(self, max_bytes: int) -> tuple[float, list[dict[str, Any]]] | None:
         """What the node's ``GpuUsageReport`` carries (any thread): the ledger's ``through`` and
         its buckets in the report's form, the oldest first, up to about ``max_bytes``; None

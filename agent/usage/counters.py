@@ -205,6 +205,12 @@ class UsageLedger:
         """The wall-clock second the file's counters count up to (None before the first)."""
         return self._written_through
 
+    @property
+    def counted_through(self) -> float | None:
+        """The wall-clock second the counters in memory count up to (ahead of :attr:`through`
+        by less than ``write_interval``; None before the first interval)."""
+        return self._through
+
     def counters(self) -> dict[HoldingKey, Counters]:
         """Every holding's counters now (in memory: ahead of the file by less than
         ``write_interval``)."""

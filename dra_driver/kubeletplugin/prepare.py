@@ -59,9 +59,12 @@ class Preparer:
         boot_time: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         index: ClaimIndex | None = None,
+        on_unprepared: Callable[[ClaimEntry], None] = lambda entry: None,
     ) -> None:
         """``index`` finds claims by UID (``claims`` itself when it can; the API server or the
-        claim files), to rebuild a lost checkpoint from the CDI specs that survived."""
+        claim files), to rebuild a lost checkpoint from the CDI specs that survived.
+        ``on_unprepared`` is told of each claim whose release was recorded, on the kubelet
+        call's thread: it must only queue (kube mode: the claim's usage summary)."""
         self.driver_name = driver_name
         self.pool = pool
         self.claims = claims
@@ -97,6 +100,7 @@ class Preparer:
             gpu_locks=self.gpu_locks,
             crash=crash_hook,
             log=log,
+            on_unprepared=on_unprepared,
         )
         self._reconciler = Reconciler(
             driver_name=driver_name,

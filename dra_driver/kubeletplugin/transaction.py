@@ -108,7 +108,12 @@ class Transactions:
         gpu_locks: ClaimLocks,
         crash: CrashHook,
         log: logging.Logger,
+        on_unprepared: Callable[[ClaimEntry], None] = lambda entry: None,
     ) -> None:
+        """``on_unprepared`` is told of each claim whose release was recorded (it must not
+        block: the kubelet's call is still open; an exception from it is logged, never the
+        call's)."""
+        self._on_unprepared = on_unprepared
         self._driver_name = driver_name
         self._pool = pool
         self._claims = claims
@@ -383,6 +388,13 @@ class Transactions:
                 self._crash("after-unprepare-commit")
             for e in released:
                 self._log.info("unprepared claim", extra=fields_(claim=str(claim_key(e))))
+                try:
+                    self._on_unprepared(e)
+                except Exception as exc:  # a summary's bug must never fail the unprepare
+                    self._log.error(
+                        "unprepared-claim hook failed",
+                        extra=fields_(claim=str(claim_key(e)), error=repr(exc)),
+                    )
             rest = [c for c in keys if c.uid not in failed]
             removed = self._cdi.remove_many([c.uid for c in rest])
             for c in rest:

@@ -9,6 +9,8 @@ real code paths run, mode by mode:
 * claims: a NodePrepareResources through the kubelet's gRPC API reads the ResourceClaim; a
   restart after a corrupt checkpoint lists claims across namespaces to find the ones its CDI
   specs name;
+* unprepare: a NodeUnprepareResources of another claim writes its usage into its status
+  (dra_driver/cluster/claim_usage_status.py: a GET, then a PUT of ``/status``);
 * events: GPU health changes become Events on the Node (created, then patched as they repeat);
 * doctor: ``tessera doctor`` in kube mode (discovery, self reviews).
 
@@ -199,6 +201,10 @@ def drive_the_agent(server: ApiServer, state: Path) -> dict[str, list[RequestRec
     claim = claim_manifest("train", "uid-train", [("gpu", "gpu-1")], node, "team-a")
     uid = server.put_object("resourceclaims", claim)["metadata"]["uid"]
     ref = ClaimRef("team-a", "train", uid)
+    other = claim_manifest("infer", "uid-infer", [("gpu", "gpu-2")], node, "team-a")
+    done = ClaimRef(
+        "team-a", "infer", server.put_object("resourceclaims", other)["metadata"]["uid"]
+    )
     phases = Phases()
     try:
         d.start()
@@ -221,9 +227,22 @@ def drive_the_agent(server: ApiServer, state: Path) -> dict[str, list[RequestRec
         phases.end("publisher")
 
         with KubeletClient(d.dra_socket) as k:
-            (result,) = k.prepare([ref])["claims"].values()
-        assert result["error"] == "", result
+            results = k.prepare([ref, done])["claims"]
+        assert [r["error"] for r in results.values()] == ["", ""], results
         phases.end("claims")
+
+        with KubeletClient(d.dra_socket) as k:
+            assert k.unprepare([done])["claims"] == {done.uid: {"error": ""}}
+        until(
+            lambda: bool(
+                (server.get_object("resourceclaims", "infer", "team-a") or {})
+                .get("status", {})
+                .get("devices")
+            ),
+            d,
+            "the unprepared claim's usage in its status",
+        )
+        phases.end("unprepare")
 
         # GPU 0 flaps twice: lost (one read fails as a lost GPU's would), then answers again
         sim = FakeNvml(node_model(MODEL), d.state / "sim")
@@ -292,6 +311,10 @@ def test_rbac_grants_exactly_the_calls_the_agent_makes(short_tmp):
     expected = {
         "publisher": publisher,
         "claims": {"get resourceclaims.resource.k8s.io in team-a"},
+        "unprepare": {
+            "get resourceclaims.resource.k8s.io in team-a",  # read, then merged into
+            "update resourceclaims/status.resource.k8s.io in team-a",
+        },
         "events": {"create events in default", "patch events in default"},
         "restart and exit": {"list resourceclaims.resource.k8s.io", f"delete {slices}"},
     }

@@ -36,7 +36,7 @@ def by_subject(verdicts: list[Verdict]) -> dict[str, Verdict]:
 
 def test_everything_the_agent_needs_is_granted(server, tmp_path):
     verdicts = api_checks(connect(server, tmp_path))
-    assert [v.status for v in verdicts] == ["ok"] * 6
+    assert [v.status for v in verdicts] == ["ok"] * 7
     got = by_subject(verdicts)
     assert got["gpuusagereports.tessera.dev"].detail.startswith("get, create, update allowed")
     assert "Kubernetes v1.35.0" in got["api-server"].detail
@@ -52,6 +52,17 @@ def test_a_denied_verb_fails_naming_it_and_what_the_agent_needs_it_for(server, t
     assert "denied to system:serviceaccount:tessera-system:tessera: delete" in v.detail
     assert "publishing this node's ResourceSlices" in v.detail
     assert "deploy/daemonset/rbac.yaml" in v.fix
+    assert got["resourceclaims.resource.k8s.io"].status == "ok"
+
+
+def test_a_claims_status_is_asked_as_a_subresource_and_a_denial_only_warns(server, tmp_path):
+    """The review carries resource and subresource apart, as the API server takes them: the
+    emulator's access table denies ``resourceclaims/status`` only when the review says so."""
+    server.access.deny("update", "resourceclaims/status", "resource.k8s.io")
+    got = by_subject(api_checks(connect(server, tmp_path)))
+    v = got["resourceclaims/status.resource.k8s.io"]
+    assert v.status == "warn"
+    assert "update" in v.detail and "usage summary" in v.detail
     assert got["resourceclaims.resource.k8s.io"].status == "ok"
 
 

@@ -241,3 +241,30 @@ def test_closing_waits_for_the_running_claims_only_not_for_the_queued_ones(tmp_p
     caller.join(10)
     assert "not found" in results["uid-a"].error  # it ran to its end
     assert "shutting down" in results["uid-b"].error  # it never ran
+
+
+class FailingUndo(RecordingEffects):
+    def undo(self, entry: ClaimEntry, remaining: Checkpoint) -> None:
+        if entry.uid == "b":
+            raise OSError("nvidia-smi failed")
+
+
+def test_the_unprepared_hook_hears_each_released_claim_and_cannot_fail_the_call(tmp_path):
+    """Kube mode queues each unprepared claim's usage summary from this hook: it hears the
+    claims whose release was recorded (not one whose undo failed and stays held), and an
+    exception from it is logged, never the kubelet's answer."""
+    heard: list[str] = []
+
+    def hook(entry: ClaimEntry) -> None:
+        heard.append(entry.uid)
+        raise RuntimeError("a bug in the summary")
+
+    preparer = make_preparer(tmp_path, BlockingClaims(), effects=FailingUndo(), on_unprepared=hook)
+    held = [ClaimEntry(u, "ns", u, PREPARE_COMPLETED, (device(f"gpu-{u}"),), 0.0) for u in "ab"]
+    preparer.store.save(Checkpoint("boot", {e.uid: e for e in held}))
+    preparer.reconcile_on_start()
+    results = preparer.unprepare([ClaimKey("ns", "a", "a"), ClaimKey("ns", "b", "b")])
+    assert results["a"].error == "" and "nvidia-smi failed" in results["b"].error
+    assert heard == ["a"]
+    assert set(preparer.checkpoint.claims) == {"b"}
+    preparer.close(0)

@@ -806,6 +806,35 @@ def test_claim_status_subresource(server: ApiServer, api: client.ApiClient) -> N
         rapi.replace_namespaced_resource_claim("claim-a", NS, body=changed_spec)
     assert exc.value.status == 422
 
+    # status.devices only for allocated devices (driver, pool, device, shareID), each once,
+    # its data at most 10 Ki (validation.go validateDeviceStatus)
+    def device_status(device: str, data: Any = None) -> dict[str, Any]:
+        current = raw(rapi.read_namespaced_resource_claim("claim-a", NS, _preload_content=False))
+        entry: dict[str, Any] = {"driver": DRIVER, "pool": "node-1", "device": device}
+        if data is not None:
+            entry["data"] = data
+        current["status"]["devices"] = [entry]
+        return current
+
+    ok = raw(
+        rapi.replace_namespaced_resource_claim_status(
+            "claim-a", NS, body=device_status("gpu-0", {"kind": "X"}), _preload_content=False
+        )
+    )
+    assert ok["status"]["devices"][0]["data"] == {"kind": "X"}
+    for body, says in (
+        (device_status("gpu-1"), "must be an allocated device in the claim"),
+        (device_status("gpu-0", {"x": "y" * 10240}), "may not be more than 10240 bytes"),
+    ):
+        with pytest.raises(ApiException) as exc:
+            rapi.replace_namespaced_resource_claim_status("claim-a", NS, body=body)
+        assert exc.value.status == 422 and says in status_of(exc.value)["message"]
+    twice = device_status("gpu-0")
+    twice["status"]["devices"] *= 2
+    with pytest.raises(ApiException) as exc:
+        rapi.replace_namespaced_resource_claim_status("claim-a", NS, body=twice)
+    assert "Duplicate value" in status_of(exc.value)["message"]
+
     # the namespace must exist; the path and body namespaces must agree
     with pytest.raises(ApiException) as exc:
         rapi.create_namespaced_resource_claim(
@@ -815,7 +844,8 @@ def test_claim_status_subresource(server: ApiServer, api: client.ApiClient) -> N
     with pytest.raises(ApiException) as exc:
         rapi.create_namespaced_resource_claim("kube-system", body=claim_body("c"))
     assert exc.value.status == 400
-    assert [r.name for r in server.rejected] == ["claim-a"]  # only the spec change
+    # the spec change, then the three device statuses
+    assert [r.name for r in server.rejected] == ["claim-a"] * 4
 
 
 def test_patch_and_delete_collection(server: ApiServer, rapi: client.ResourceV1Api) -> None:

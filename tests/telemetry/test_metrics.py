@@ -33,6 +33,7 @@ UNITLESS = {
     "tessera_resourceslice_writes", "tessera_resourceslice_errors", "tessera_prepare_errors",
     "tessera_claims_stuck", "tessera_claims_unrecovered", "tessera_node_events",
     "tessera_usage_report_errors",
+    "tessera_claim_usage_status_errors",
 }  # fmt: skip
 UNIT_WORDS = ("bytes", "watts", "joules", "celsius", "hertz", "seconds", "ratio")
 
@@ -59,6 +60,13 @@ def test_the_usage_reports_are_exported_in_kube_mode_only():
     assert 'tessera_usage_report_errors_total{node="node-a"} 2.0' in text
     standalone = exposition(registry(lambda: make_snapshot(tick=3)))
     assert "tessera_usage_report_errors_total{" not in standalone
+    assert "tessera_claim_usage_status_errors_total{" not in standalone
+
+
+def test_claim_usage_status_errors_are_exported_in_kube_mode():
+    status = AgentStatus("node-a", True, 3, 7, 1, claim_usage_status_errors=4)
+    text = exposition(registry(lambda: make_snapshot(tick=3), lambda: status))
+    assert 'tessera_claim_usage_status_errors_total{node="node-a"} 4.0' in text
 
 
 def test_exposition_follows_the_conventions():
