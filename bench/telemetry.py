@@ -5,12 +5,19 @@
   to the floor: the same bytes served as a static response by the same HTTP server.
 - Sampler CPU per tick, excluding the simulator's own CPU time (measured inside every NVML call
   and subtracted), as a fraction of one core at the default 1 s interval.
+- The usage accounting's cost: the sampler's CPU per tick with the ledger fed and without, in
+  turns in one process; and the RSS of a process that ticks the sampler with the ledger and of
+  one without, in turns (``bench/sampler_memory.py``, which says why processes), with the bytes
+  the accounting holds (tracemalloc) beside them.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -39,6 +46,8 @@ from dra_driver.kubeletplugin.checkpoint import PREPARE_COMPLETED, ClaimEntry, P
 NAME = "telemetry"
 REPEATS, SERIAL, WORKERS, PER_WORKER, TICKS = 3, 300, 20, 30, 100
 QUICK_REPEATS, QUICK_SERIAL, QUICK_PER_WORKER, QUICK_TICKS = 2, 100, 10, 30
+MEMORY_TICKS, QUICK_MEMORY_TICKS = 120, 60
+"""Ticks of bench/sampler_memory.py: an hour of the ledger's buckets (half one when quick)."""
 STATIC_FLOOR = "the same bytes served as a static response by the same HTTP server, in turn"
 LOG = logging.getLogger("bench.telemetry")
 LOG.addHandler(logging.NullHandler())
@@ -199,6 +208,28 @@ def _usage_cost(tmp: Path, rounds: int, ticks: int) -> tuple[list[float], list[f
     return out["on"], out["off"]
 
 
+def _memory(side: str, ticks: int, traced: bool = False) -> dict[str, float]:
+    """One run of bench/sampler_memory.py (its own process: see there why)."""
+    argv = [sys.executable, "-m", "bench.sampler_memory", side, str(ticks)]
+    done = subprocess.run(
+        [*argv, "--traced"] if traced else argv, check=True, capture_output=True, text=True
+    )
+    out: dict[str, float] = json.loads(done.stdout)
+    return out
+
+
+def _memory_cost(rounds: int, ticks: int) -> dict[str, list[dict[str, float]]]:
+    """RSS with the usage ledger and without, in turns, ``rounds`` times; then one traced run
+    of each (``traced_on``, ``traced_off``)."""
+    out: dict[str, list[dict[str, float]]] = {"on": [], "off": []}
+    for _ in range(rounds):
+        for side in ("on", "off"):
+            out[side].append(_memory(side, ticks))
+    out["traced_on"] = [_memory("on", ticks, traced=True)]
+    out["traced_off"] = [_memory("off", ticks, traced=True)]
+    return out
+
+
 def _run(tmp: Path, quick: bool) -> list[Figure]:
     repeats, serial, per_worker, ticks = (
         (QUICK_REPEATS, QUICK_SERIAL, QUICK_PER_WORKER, QUICK_TICKS)
@@ -265,6 +296,11 @@ def _run(tmp: Path, quick: bool) -> list[Figure]:
         }
 
     on, off = _usage_cost(tmp, 2 * repeats + 1, max(10, ticks // 5))
+    memory_ticks = QUICK_MEMORY_TICKS if quick else MEMORY_TICKS
+    memory = _memory_cost(repeats + 1, memory_ticks)
+    accounting_kib = (
+        memory["traced_on"][0]["traced_bytes"] - memory["traced_off"][0]["traced_bytes"]
+    ) / 1024
 
     figures = [
         measured(NAME, f"/metrics p50, one scraper (dgx-a100 all-1g, {series} series)", "ms",
@@ -285,6 +321,15 @@ def _run(tmp: Path, quick: bool) -> list[Figure]:
                  "ms", [1000 * x for x in on], [1000 * x for x in off],
                  floor_how="the same sampler without the usage ledger, in turns",
                  goal=ratio_at_most(1.10))
+    )  # fmt: skip
+    figures.append(
+        measured(NAME, f"sampler process RSS with usage accounting, 56 claims,"
+                 f" {memory_ticks // 2} min of buckets", "MiB",
+                 [x["rss_after_bytes"] / 2**20 for x in memory["on"]],
+                 [x["rss_after_bytes"] / 2**20 for x in memory["off"]],
+                 floor_how="the same process without the usage ledger, in turns",
+                 goal=ratio_at_most(1.10),
+                 note=f"the accounting holds {accounting_kib:.0f} KiB (tracemalloc)")
     )  # fmt: skip
     rows = [
         ("dgx-a100 all-1g: series / bytes", f"{series} / {len(body)}"),
@@ -317,6 +362,8 @@ def _run(tmp: Path, quick: bool) -> list[Figure]:
             "metrics": runs["live"],
             "floor": runs["static"],
             "sampler_cpu": cpu,
+            "usage_cpu": {"on_s": on, "off_s": off},
+            "usage_memory": memory,
         },
         figures,
     )

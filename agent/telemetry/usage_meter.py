@@ -24,6 +24,7 @@ them every tick would cost more than counting them.
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -45,7 +46,10 @@ WRITE_WARNING_INTERVAL_S = 60.0
 
 @dataclass(frozen=True)
 class _Held:
-    """One holding as every tick needs it (found when the holders change)."""
+    """One holding as every tick needs it (found when the holders change): its key, the
+    :class:`Interval`'s fields that stay the same while it is held, and how its busy time is
+    read (``busy``: ``gpu`` for a device on a whole GPU, ``mig`` for a MIG device held alone or
+    through MPS, None: never measured), so each tick only reads the numbers."""
 
     key: HoldingKey
     namespace: str
@@ -56,6 +60,9 @@ class _Held:
     device: HeldDevice
     product: str
     mig_profile: str | None
+    busy: str | None
+    mig_key: tuple[str, int | None]
+    """(GPU UUID, GPU instance ID): the MIG sample the busy time is read from."""
 
 
 class UsageMeter:
@@ -82,8 +89,8 @@ class UsageMeter:
         self._ledger: UsageLedger | None = None
         self._last: float | None = None
         """The monotonic time of the last tick counted."""
-        self._energy: dict[HoldingKey, float] = {}
-        """Each device's ``energy_joules_total`` at the last tick counted."""
+        self._energy: dict[HoldingKey, ClaimUsage] = {}
+        """Each device's usage (its ``energy_joules_total``) at the last tick counted."""
         self._plan: tuple[tuple[object, ...], tuple[_Held, ...]] = ((), ())
         """(the holders and GPUs it was found for, the holdings with their weights)."""
         self._unweighed: set[HoldingKey] = set()
@@ -174,7 +181,7 @@ class UsageMeter:
     ) -> None:
         wall = self._wall()
         held = self._held(holders, gpus)
-        energy_now = {(c.uid, c.pool, c.device): c.energy_joules_total for c in claims}
+        energy_now = {(c.uid, c.pool, c.device): c for c in claims}
         counters = {u.uuid: u.energy_joules for u in samples if not u.lost}
         if self._ledger is None:
             self._ledger = UsageLedger(
@@ -190,7 +197,7 @@ class UsageMeter:
         else:
             assert self._last is not None
             seconds = max(0.0, now - self._last)
-        intervals = self._intervals(held, samples, claims, energy_now)
+        intervals = self._intervals(held, samples, energy_now)
         self._last = now
         self._energy.update(energy_now)
         try:
@@ -222,7 +229,7 @@ class UsageMeter:
         # the same objects (kept alive by the plan, so an id is never another's) mean the same
         # holdings: the checkpoint's records are immutable
         seen, plan_for = self._plan[0], (*holders, None, *gpus)
-        if len(seen) == len(plan_for) and all(a is b for a, b in zip(seen, plan_for, strict=True)):
+        if len(seen) == len(plan_for) and all(map(operator.is_, seen, plan_for)):
             return self._plan[1]
         capacities = [g.capacity for g in gpus if g.capacity is not None]
         devices = {(h.uid, d.pool, d.device): (h, d) for h in holders for d in h.devices}
@@ -247,6 +254,9 @@ class UsageMeter:
             profile = None
             if device.kind == "mig" and gpu.capacity is not None:
                 profile = gpu.capacity.mig_profile_name(device.device, device.gpu_instance_id)
+            busy = "gpu" if device.kind != "mig" else None
+            if device.kind == "mig" and device.sharing in (None, "MPS"):
+                busy = "mig"
             plan.append(
                 _Held(
                     key,
@@ -258,6 +268,8 @@ class UsageMeter:
                     device,
                     gpu.name,
                     profile,
+                    busy,
+                    (w.gpu_uuid, device.gpu_instance_id),
                 )
             )
         self._plan = (plan_for, tuple(plan))
@@ -267,43 +279,52 @@ class UsageMeter:
         self,
         held: Sequence[_Held],
         samples: Sequence[GpuSample],
-        claims: Sequence[ClaimUsage],
-        energy_now: Mapping[HoldingKey, float],
+        energy_now: Mapping[HoldingKey, ClaimUsage],
     ) -> list[Interval]:
+        # the sampler's hottest loop with accounting on (``python -m bench telemetry``): one
+        # pass per holding, the fields that do not change taken from the plan, the tuple made
+        # without the named tuple's Python-level __new__
         util = {s.uuid: s.utilization_gpu for s in samples if not s.lost}
         migs: dict[tuple[str, int | None], MigSample] = {
             (s.uuid, m.gpu_instance_id): m for s in samples if not s.lost for m in s.mig
         }
-        shares = {(c.uid, c.pool, c.device): c.share for c in claims}
         last = self._energy
+        make = tuple.__new__
         out = []
         for h in held:
             key = h.key
-            total = energy_now.get(key)
-            joules = 0.0 if total is None else total - last.get(key, 0.0)  # negatives: ignored
+            c = energy_now.get(key)
+            joules = 0.0
+            if c is not None:  # negatives: ignored by the ledger
+                before = last.get(key)
+                joules = c.energy_joules_total - (
+                    0.0 if before is None else before.energy_joules_total
+                )
             busy: float | None = None
-            d = h.device
-            if d.kind != "mig":
-                u, share = util.get(h.gpu_uuid), shares.get(key)
-                if u is not None and share is not None:
-                    busy = u * share
-            elif d.sharing in (None, "MPS"):
-                mig = migs.get((h.gpu_uuid, d.gpu_instance_id))
+            if h.busy == "gpu":
+                u = util.get(h.gpu_uuid)
+                if u is not None and c is not None and c.share is not None:
+                    busy = u * c.share
+            elif h.busy == "mig":
+                mig = migs.get(h.mig_key)
                 if mig is not None and mig.utilization is not None:
                     busy = mig.utilization * h.weight
             out.append(
-                Interval(
-                    key,
-                    h.namespace,
-                    h.claim,
-                    h.gpu_uuid,
-                    h.weight,
-                    h.rule,
-                    joules,
-                    busy,
-                    h.product,
-                    h.mig_profile,
-                    d.device_class,
+                make(
+                    Interval,
+                    (
+                        key,
+                        h.namespace,
+                        h.claim,
+                        h.gpu_uuid,
+                        h.weight,
+                        h.rule,
+                        joules,
+                        busy,
+                        h.product,
+                        h.mig_profile,
+                        h.device.device_class,
+                    ),
                 )
             )
         return out

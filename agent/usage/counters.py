@@ -318,27 +318,35 @@ class UsageLedger:
         self._gap_pending = False
         seconds = max(0.0, seconds)
         changed = False
-        seen = set()
+        seen: set[HoldingKey] = set()
         records = self._records
         shares: list[Share] = []
         single = self._buckets.single(now - seconds, now)  # every tick but one a quarter hour
         target: dict[EntryKey, Usage] | None = None
+        see = seen.add
+        # the per-tick loop over every held device (``python -m bench telemetry``): the
+        # interval unpacked once, plain stores (no tuples built to assign several at a time)
         for iv in intervals:
-            key = iv.key
-            seen.add(key)
+            key, namespace, claim, gpu_uuid, weight, rule, joules, busy, product, mig, dc = iv
+            see(key)
             r = records.get(key)
             if r is None or r.released_at is not None:
                 changed = True
                 if r is None:
                     r = records[key] = _Record(_ZERO)
                 r.released_at = None
-            r.namespace, r.claim, r.gpu_uuid, r.rule = iv.namespace, iv.claim, iv.gpu_uuid, iv.rule
-            r.product, r.mig_profile, r.device_class = iv.product, iv.mig_profile, iv.device_class
-            if r.weight != iv.weight:
-                r.weight, changed = iv.weight, True
-            allocated = iv.weight * seconds
-            joules = iv.energy_joules if iv.energy_joules > 0 else 0.0
-            busy = iv.busy_gpus
+            r.namespace = namespace
+            r.claim = claim
+            r.gpu_uuid = gpu_uuid
+            r.rule = rule
+            r.product = product
+            r.mig_profile = mig
+            r.device_class = dc
+            if r.weight != weight:
+                r.weight, changed = weight, True
+            allocated = weight * seconds
+            if not joules > 0:
+                joules = 0.0
             busy_s = idle = 0.0
             if busy is None:
                 idle = seconds
@@ -353,10 +361,10 @@ class UsageLedger:
                 continue
             if target is None:
                 target = self._buckets.entries(single)
-            bkey = (key[0], iv.device_class, iv.product, iv.mig_profile)
+            bkey = (key[0], dc, product, mig)
             u = target.get(bkey)
             if u is None:
-                u = target[bkey] = Usage(iv.namespace, iv.claim)
+                u = target[bkey] = Usage(namespace, claim)
             u.allocated += allocated
             u.busy += busy_s
             u.energy += joules
