@@ -56,7 +56,7 @@ from dra_driver.advertise.slices import SlicePolicy
 from dra_driver.cluster.node_events import KubeEventSink, LogEventSink, NodeEventRecorder
 from dra_driver.kubeletplugin.cdi_spec import MakeNode
 from dra_driver.kubeletplugin.checkpoint import CheckpointStore
-from dra_driver.kubeletplugin.claims import DirClaimSource, KubeClaimSource
+from dra_driver.kubeletplugin.claim_sources import DirClaimSource, KubeClaimSource
 from dra_driver.kubeletplugin.health_stream import HealthBoard
 from dra_driver.kubeletplugin.prepare import Preparer
 from dra_driver.kubeletplugin.server import PluginServer
