@@ -42,10 +42,11 @@ from agent.node import NodeSource
 from agent.nvml.events import EventWatcher
 from agent.nvml.telemetry import TelemetryReader
 from agent.statelock import StateLock
+from agent.telemetry.agent_metrics import AgentCollector, DriverMetrics
 from agent.telemetry.energy import EnergyAccounting
 from agent.telemetry.faults import FaultStore
 from agent.telemetry.gpu_health import GpuHealth, application_xids
-from agent.telemetry.metrics import AgentCollector, DriverMetrics, Exposition, SnapshotCollector
+from agent.telemetry.metrics import Exposition, SnapshotCollector
 from agent.telemetry.owners import ProcessPods
 from agent.telemetry.sampler import Sampler
 from agent.telemetry.stream import TelemetryLimits, TelemetryServer
