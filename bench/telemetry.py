@@ -34,9 +34,10 @@ from agent.http import HttpEndpoint, Readiness
 from agent.node import discover
 from agent.nvml.facade import Nvml
 from agent.nvml.telemetry import TelemetryReader
+from agent.telemetry.agent_metrics import DriverMetrics
 from agent.telemetry.energy import EnergyAccounting
 from agent.telemetry.gpuinfo import gpu_info
-from agent.telemetry.metrics import DriverMetrics, Exposition, SnapshotCollector
+from agent.telemetry.metrics import Exposition, SnapshotCollector
 from agent.telemetry.sampler import Sampler
 from agent.telemetry.usage_meter import UsageMeter
 from bench.common import ms, percentile, report

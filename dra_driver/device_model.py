@@ -31,7 +31,6 @@ so the counters also forbid two ``+me`` placements at once. ``memory`` is the GP
 from __future__ import annotations
 
 import functools
-import hashlib
 import re
 import types
 from collections.abc import Mapping
@@ -47,12 +46,16 @@ from agent.nvml.types import (
     PowerLimits,
     SystemInfo,
 )
+from dra_driver.device_attributes import (
+    int_value,
+    parent_attributes,
+    power_attributes,
+    string_value,
+)
 
-STANDARD_DOMAIN = "resource.kubernetes.io"
 MIG_MODES = ("static", "dynamic")
 SHARING_MODES = ("none", "time-slicing", "memory-shares")
 GIB = 1024**3
-MAX_STRING_LENGTH = 64
 
 # (counter name: a DNS label, capacity name: a C identifier, MigProfile attribute)
 _DIMENSIONS: tuple[tuple[str, str, str], ...] = (
@@ -208,80 +211,6 @@ def counter_set_name(minor: int) -> str:
     return f"gpu-{minor}-counter-set"
 
 
-def semver(version: str) -> str | None:
-    """A dotted numeric version as valid semver: ``550.90.07`` -> ``550.90.7``, ``12.4`` ->
-    ``12.4.0``; parts beyond three become build metadata. None when not numeric."""
-    parts = version.strip().split(".")
-    if not all(re.fullmatch(r"[0-9]+", p) for p in parts):
-        return None
-    nums = [str(int(p)) for p in parts]
-    nums += ["0"] * (3 - len(nums))
-    out = ".".join(nums[:3])
-    if len(nums) > 3:
-        out += "+" + ".".join(nums[3:])
-    return out if len(out) <= MAX_STRING_LENGTH else None
-
-
-def bounded(value: str) -> str:
-    """A string attribute value within the 64-character limit; longer values keep a prefix and a
-    hash of the whole, so equal inputs still give equal outputs (matchAttribute keeps working)."""
-    if len(value) <= MAX_STRING_LENGTH:
-        return value
-    digest = hashlib.sha256(value.encode()).hexdigest()[:8]
-    return f"{value[: MAX_STRING_LENGTH - 9]}-{digest}"
-
-
-def _s(value: str) -> dict[str, object]:
-    return {"string": bounded(value)}
-
-
-def _i(value: int) -> dict[str, object]:
-    return {"int": value}
-
-
-def _parent_attributes(gpu: Gpu, system: SystemInfo) -> dict[str, dict[str, object]]:
-    """Attributes a GPU shares with its MIG devices."""
-    d = gpu.device
-    attrs: dict[str, dict[str, object]] = {
-        "productName": _s(d.name),
-        "brand": _s(d.brand),
-        "architecture": _s(d.architecture),
-        "index": _i(d.index),
-        "minor": _i(d.minor),
-        f"{STANDARD_DOMAIN}/pciBusID": _s(d.pci_bus_id),
-        f"{STANDARD_DOMAIN}/pcieRoot": _s(gpu.pcie.pcie_root),
-    }
-    versions = {
-        "cudaComputeCapability": "{}.{}".format(*d.compute_capability),
-        "driverVersion": system.driver_version,
-        "cudaDriverVersion": system.cuda_driver_version,
-    }
-    for key, raw in versions.items():
-        v = semver(raw)
-        if v is not None:
-            attrs[key] = {"version": v}
-    if gpu.pcie.numa_node is not None:
-        attrs[f"{STANDARD_DOMAIN}/numaNode"] = _i(gpu.pcie.numa_node)
-    if gpu.nvlink_clique is not None:
-        attrs["nvlinkClique"] = _s(gpu.nvlink_clique)
-    return attrs
-
-
-def power_attributes(limits: PowerLimits | None) -> dict[str, dict[str, object]]:
-    """A whole GPU's power-limit attributes, in whole watts (a claim's CEL selector compares
-    them: docs/claims-cookbook.md, "Prefer efficient GPUs"): ``powerLimitMinWatts`` rounded up
-    and ``powerLimitMaxWatts`` rounded down (every whole number of watts between them can be
-    set), ``powerLimitDefaultWatts`` (what the GPU boots with, its rated board power) rounded
-    down. None of them where NVML cannot set a limit on the GPU."""
-    if limits is None:
-        return {}
-    return {
-        "powerLimitMinWatts": _i(-(-limits.min_mw // 1000)),
-        "powerLimitMaxWatts": _i(limits.max_mw // 1000),
-        "powerLimitDefaultWatts": _i(limits.default_mw // 1000),
-    }
-
-
 def _sorted_attrs(attrs: dict[str, dict[str, object]]) -> tuple[Attribute, ...]:
     return tuple(sorted(attrs.items()))
 
@@ -294,8 +223,12 @@ def _whole_gpu(
     gpu: Gpu, system: SystemInfo, policy: DevicePolicy, counters: CounterSet | None = None
 ) -> AdvertisedDevice:
     d = gpu.device
-    attrs = _parent_attributes(gpu, system)
-    attrs |= {"type": _s("gpu"), "uuid": _s(d.uuid), "nvlinkLinks": _i(gpu.nvlink_links)}
+    attrs = parent_attributes(gpu, system)
+    attrs |= {
+        "type": string_value("gpu"),
+        "uuid": string_value(d.uuid),
+        "nvlinkLinks": int_value(gpu.nvlink_links),
+    }
     attrs |= power_attributes(d.power_limits)
     consumes = ((counters.name, counters.counters),) if counters is not None else ()
     policies: tuple[tuple[str, RequestPolicy], ...] = ()
@@ -340,10 +273,14 @@ def _mig_device(
     consumes: tuple[tuple[str, Quantities], ...] = (),
 ) -> AdvertisedDevice:
     d = gpu.device
-    attrs = _parent_attributes(gpu, system)
-    attrs |= {"type": _s("mig"), "profile": _s(profile_name), "parentUUID": _s(d.uuid)}
+    attrs = parent_attributes(gpu, system)
+    attrs |= {
+        "type": string_value("mig"),
+        "profile": string_value(profile_name),
+        "parentUUID": string_value(d.uuid),
+    }
     if instance is not None:
-        attrs["uuid"] = _s(instance.uuid)
+        attrs["uuid"] = string_value(instance.uuid)
     return AdvertisedDevice(
         name=mig_device_name(d.minor, profile_name, profile_id, placement.start),
         kind="mig",

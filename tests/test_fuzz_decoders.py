@@ -45,7 +45,8 @@ from dra_driver.kubeletplugin.checkpoint import (
     decode,
     encode,
 )
-from dra_driver.kubeletplugin.claims import ClaimKey, DirClaimSource, parse_allocation
+from dra_driver.kubeletplugin.claim_sources import DirClaimSource
+from dra_driver.kubeletplugin.claims import ClaimKey, parse_allocation
 from dra_driver.quantity import parse_bytes, parse_quantity
 
 DRIVER, NODE = "gpu.tessera.dev", "node-a"

@@ -43,10 +43,11 @@ from agent.node import NodeSource
 from agent.nvml.events import EventWatcher
 from agent.nvml.telemetry import TelemetryReader
 from agent.statelock import StateLock
+from agent.telemetry.agent_metrics import AgentCollector, DriverMetrics
 from agent.telemetry.energy import EnergyAccounting
 from agent.telemetry.faults import FaultStore
 from agent.telemetry.gpu_health import GpuHealth, application_xids
-from agent.telemetry.metrics import AgentCollector, DriverMetrics, Exposition, SnapshotCollector
+from agent.telemetry.metrics import Exposition, SnapshotCollector
 from agent.telemetry.owners import ProcessPods
 from agent.telemetry.sampler import Sampler
 from agent.telemetry.stream import TelemetryLimits, TelemetryServer
@@ -57,7 +58,7 @@ from dra_driver.advertise.slices import SlicePolicy
 from dra_driver.cluster.node_events import KubeEventSink, LogEventSink, NodeEventRecorder
 from dra_driver.kubeletplugin.cdi_spec import MakeNode
 from dra_driver.kubeletplugin.checkpoint import CheckpointStore
-from dra_driver.kubeletplugin.claims import DirClaimSource, KubeClaimSource
+from dra_driver.kubeletplugin.claim_sources import DirClaimSource, KubeClaimSource
 from dra_driver.kubeletplugin.health_stream import HealthBoard
 from dra_driver.kubeletplugin.prepare import Preparer
 from dra_driver.kubeletplugin.server import PluginServer

@@ -20,8 +20,8 @@ from agent.logs import fields_
 from agent.node import NodeSource
 from agent.nvml.mig import MigControl
 from agent.nvml.power import PowerControl
+from agent.telemetry.agent_metrics import AgentStatus
 from agent.telemetry.gpu_health import GpuHealth
-from agent.telemetry.metrics import AgentStatus
 from dra_driver.advertise.publisher import Publisher
 from dra_driver.cluster.claim_usage_status import (
     ClaimUsageStatusWriter,

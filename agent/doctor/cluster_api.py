@@ -47,8 +47,9 @@ AGENT_ACCESS: tuple[Access, ...] = (
         Access("resource.k8s.io", "resourceslices", verb, "publishing this node's ResourceSlices")
         for verb in ("list", "watch", "create", "update", "delete")
     ),
-    # dra_driver/kubeletplugin/claims.py KubeClaimSource: GET of one claim at NodePrepareResources;
-    # a list across namespaces (by_uid) at a start after a lost or corrupt checkpoint
+    # dra_driver/kubeletplugin/claim_sources.py KubeClaimSource: GET of one claim at
+    # NodePrepareResources; a list across namespaces (by_uid) at a start after a lost or corrupt
+    # checkpoint
     Access("resource.k8s.io", "resourceclaims", "get", "reading claims to prepare them"),
     Access(
         "resource.k8s.io",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 
-from agent.nvml.api import DeviceHandle, EventData, EventSet
+from agent.nvml.api_types import DeviceHandle, EventData, EventSet
 from agent.nvml.errors import NvmlError, NvmlGpuLost
 from agent.nvml.facade import Nvml
 from agent.nvml.samples import XidEvent

@@ -18,7 +18,8 @@ import ctypes
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
-from agent.nvml.api import DeviceHandle, NvmlApi
+from agent.nvml.api import NvmlApi
+from agent.nvml.api_types import DeviceHandle
 from agent.nvml.errors import (
     DriverNotFoundError,
     NvmlError,

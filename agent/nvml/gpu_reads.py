@@ -9,7 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ParamSpec, TypeVar
 
-from agent.nvml.api import DeviceHandle, GpmSample, NvmlApi
+from agent.nvml.api import NvmlApi
+from agent.nvml.api_types import DeviceHandle, GpmSample
 from agent.nvml.errors import NvmlError, NvmlGpuLost, NvmlNotSupported
 
 P = ParamSpec("P")

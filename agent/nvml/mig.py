@@ -25,7 +25,8 @@ import ctypes
 from dataclasses import dataclass
 from typing import cast
 
-from agent.nvml.api import GpuInstanceHandle, NvmlApi
+from agent.nvml.api import NvmlApi
+from agent.nvml.api_types import GpuInstanceHandle
 from agent.nvml.errors import NvmlInvalidArgument, NvmlNotFound, NvmlNotSupported
 from agent.nvml.facade import Nvml
 from agent.nvml.types import MigInstance, MigMode, Placement

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import contextlib
 
-from agent.nvml.api import GpmSample, NvmlApi
+from agent.nvml.api import NvmlApi
+from agent.nvml.api_types import GpmSample
 from agent.nvml.errors import (
     NvmlError,
     NvmlGpuLost,

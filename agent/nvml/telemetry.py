@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from agent.nvml.api import FieldValue, FieldValueUnion
+from agent.nvml.api_types import FieldValue, FieldValueUnion
 from agent.nvml.errors import NvmlError, NvmlGpuLost, NvmlNotFound, NvmlNotSupported
 from agent.nvml.facade import Nvml, text
 from agent.nvml.gpu_reads import SUCCESS, GpuState, Lost, call

@@ -7,7 +7,7 @@ stored in the ctypes arrays and structs that NVML fills (``nvmlDeviceGetGpuInsta
 never dereferenced; it encodes what the handle names (kind, GPU index, GI id, CI id), so a handle
 read back from an array still resolves. Encoding and decoding are pure. :func:`device`,
 :func:`gpu_instance` and :func:`compute_instance` make them, typed as the opaque handle types of
-:mod:`agent.nvml.api`.
+:mod:`agent.nvml.api_types`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import pynvml
 
-from agent.nvml import api
+from agent.nvml import api_types as api
 from agent.sim.mig import nvml_error
 
 _TAG = 0x7E55  # top 16 bits of every simulated handle

@@ -43,7 +43,7 @@ from typing import Any, cast, overload
 
 import pynvml
 
-from agent.nvml import api
+from agent.nvml import api_types as api
 from agent.sim import handles, layouts
 from agent.sim.errors import MigError
 from agent.sim.handles import Ref

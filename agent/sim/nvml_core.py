@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import pynvml
 
 from agent.errors import ConfigError
-from agent.nvml import api
+from agent.nvml import api_types as api
 from agent.sim import handles, layouts, mig
 from agent.sim.errors import ModelError
 from agent.sim.handles import Ref

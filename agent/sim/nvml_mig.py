@@ -16,7 +16,7 @@ from typing import Any, Literal, cast, overload
 
 import pynvml
 
-from agent.nvml import api
+from agent.nvml import api_types as api
 from agent.sim import handles, mig
 from agent.sim.handles import OutArray, Ref
 from agent.sim.mig import nvml_error

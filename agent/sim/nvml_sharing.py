@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pynvml
 
-from agent.nvml import api
+from agent.nvml import api_types as api
 from agent.sim.mig import nvml_error
 from agent.sim.nvml_core import NvmlCore
 from agent.sim.sharing import COMPUTE_MODES, TIMESLICES, MpsDaemon, SharingState

@@ -16,7 +16,7 @@ from typing import Any, cast
 
 import pynvml
 
-from agent.nvml import api
+from agent.nvml import api_types as api
 from agent.sim import telemetry_model as tm
 from agent.sim.mig import nvml_error
 from agent.sim.model import GpuSlot

@@ -19,7 +19,7 @@ from typing import cast
 
 import pynvml
 
-from agent.nvml import api
+from agent.nvml import api_types as api
 from agent.sim import handles
 from agent.sim import telemetry_model as tm
 from agent.sim.handles import Ref

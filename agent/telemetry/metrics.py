@@ -4,22 +4,17 @@
 NVML or Kubernetes, and one scrape reads one snapshot, so concurrent scrapes are consistent.
 Every metric is declared once in ``SPECS`` (name, type, help, labels); ``describe()`` and
 ``collect()`` both come from that table and docs/metrics.md lists it (a test checks).
+``Exposition`` renders the whole registry; the agent's own state and the driver's instruments
+are ``agent_metrics.py``.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -225,7 +220,8 @@ SPECS: tuple[Spec, ...] = (
 BY_NAME = {s.name: s for s in SPECS}
 
 
-def _family(spec: Spec) -> Metric:
+def family(spec: Spec) -> Metric:
+    """The empty metric family ``spec`` declares, for a collector to fill."""
     if spec.kind == "counter":
         return CounterMetricFamily(spec.name, spec.help, labels=spec.labels)
     return GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)
@@ -245,11 +241,11 @@ class SnapshotCollector(Collector):
 
     def describe(self) -> Iterator[Metric]:
         for spec in SPECS:
-            yield _family(spec)
+            yield family(spec)
 
     def collect(self) -> Iterator[Metric]:
         snap = self.latest()  # one snapshot per scrape: consistent under concurrent scrapes
-        families = {s.name: _family(s) for s in SPECS}
+        families = {s.name: family(s) for s in SPECS}
         if snap is not None:
             _fill(families, snap)
             if self.usage is not None:
@@ -265,15 +261,16 @@ def _usage(
 ) -> None:
     for key, u in sorted(counters.items()):
         labels = (node, u.namespace, u.claim, *key, u.rule)
-        _add(families, "tessera_usage_allocated_gpu_seconds", labels, u.allocated_gpu_seconds)
-        _add(families, "tessera_usage_busy_gpu_seconds", labels, u.busy_gpu_seconds)
-        _add(families, "tessera_usage_unobserved_seconds", labels, u.unobserved_seconds)
-    _add(families, "tessera_usage_accounted_through_timestamp_seconds", (node,), through)
+        add_sample(families, "tessera_usage_allocated_gpu_seconds", labels, u.allocated_gpu_seconds)
+        add_sample(families, "tessera_usage_busy_gpu_seconds", labels, u.busy_gpu_seconds)
+        add_sample(families, "tessera_usage_unobserved_seconds", labels, u.unobserved_seconds)
+    add_sample(families, "tessera_usage_accounted_through_timestamp_seconds", (node,), through)
 
 
-def _add(
+def add_sample(
     families: dict[str, Metric], name: str, labels: Iterable[str], value: float | None
 ) -> None:
+    """One sample of family ``name``; none where ``value`` is None (absent, not zero)."""
     if value is None:
         return  # absent, not zero
     fam = families[name]
@@ -286,7 +283,7 @@ def _gpu(families: dict[str, Metric], node: str, g: GpuTelemetry) -> None:
     base = (node, str(s.index), s.uuid, g.pci_bus_id, g.name)
 
     def put(name: str, value: float | None, *extra: str) -> None:
-        _add(families, name, (*base, *extra), value)
+        add_sample(families, name, (*base, *extra), value)
 
     put("tessera_gpu_healthy", 1.0 if g.healthy else 0.0)
     put("tessera_gpu_energy_joules", g.energy_joules_total)
@@ -326,9 +323,9 @@ def _gpu(families: dict[str, Metric], node: str, g: GpuTelemetry) -> None:
     profiles = dict(g.mig_profiles)
     for m in s.mig:
         labels = (*base, profiles.get(m.gpu_instance_id, "unknown"), str(m.gpu_instance_id))
-        _add(families, "tessera_mig_memory_used_bytes", labels, m.memory_used_bytes)
-        _add(families, "tessera_mig_memory_total_bytes", labels, m.memory_total_bytes)
-        _add(families, "tessera_mig_utilization_ratio", labels, m.utilization)
+        add_sample(families, "tessera_mig_memory_used_bytes", labels, m.memory_used_bytes)
+        add_sample(families, "tessera_mig_memory_total_bytes", labels, m.memory_total_bytes)
+        add_sample(families, "tessera_mig_utilization_ratio", labels, m.utilization)
 
 
 def _fill(families: dict[str, Metric], snap: Snapshot) -> None:
@@ -337,175 +334,22 @@ def _fill(families: dict[str, Metric], snap: Snapshot) -> None:
         _gpu(families, node, g)
     for c in snap.claims:
         labels = (node, c.namespace, c.claim, c.uid, c.pool, c.device, c.rule)
-        _add(families, "tessera_claim_energy_joules", labels, c.energy_joules_total)
-        _add(families, "tessera_claim_gpu_seconds", labels, c.gpu_seconds_total)
-        _add(families, "tessera_claim_share_ratio", labels, c.share)
+        add_sample(families, "tessera_claim_energy_joules", labels, c.energy_joules_total)
+        add_sample(families, "tessera_claim_gpu_seconds", labels, c.gpu_seconds_total)
+        add_sample(families, "tessera_claim_share_ratio", labels, c.share)
     for p in snap.prepared:
-        _add(
+        add_sample(
             families,
             "tessera_device_prepared",
             (node, p.pool, p.device, p.namespace, p.claim, p.uid),
             1,
         )
-    _add(families, "tessera_sampler_tick_duration_seconds", (node,), snap.tick_duration_seconds)
-    _add(families, "tessera_sampler_lag_seconds", (node,), snap.lag_seconds)
-    _add(families, "tessera_sampler_last_tick_timestamp_seconds", (node,), snap.wall_time)
-    _add(families, "tessera_sampler_ticks", (node,), snap.tick)
-
-
-class DriverMetrics:
-    """The driver's own instruments (prepare latency and errors, publishing, registration)."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.prepare_duration = Histogram(
-            "tessera_prepare_duration_seconds",
-            "Time to prepare or unprepare one claim, by operation.",
-            ["operation"],
-            registry=registry,
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 45),
-        )
-        self.prepare_errors = Counter(
-            "tessera_prepare_errors",
-            "Claims that failed to prepare or unprepare, by operation and reason.",
-            ["operation", "reason"],
-            registry=registry,
-        )
-
-        self._changes = itertools.count(1)
-        self.version = 0
-        """Moves on every observation (part of the exposition cache key)."""
-
-    def observe(self, operation: str, seconds: float, reason: str | None) -> None:
-        self.prepare_duration.labels(operation).observe(seconds)
-        if reason is not None:
-            self.prepare_errors.labels(operation, reason).inc()
-        self.version = next(self._changes)
-
-
-@dataclass(frozen=True)
-class AgentStatus:
-    node: str
-    kubelet_registered: bool | None
-    """None in standalone mode."""
-    slice_generation: int | None
-    slice_writes: int
-    slice_errors: int
-    claims_stuck: int = 0
-    """Prepares and unprepares running longer than the kubelet's call deadline."""
-    node_events: tuple[tuple[str, int], ...] = ()
-    """Node events by outcome (recorded, filtered, dropped, failed)."""
-    claims_unrecovered: int = 0
-    """Claims held from a lost or corrupt checkpoint that could not be rebuilt."""
-    usage_report_last_success: float | None = None
-    """Unix time of the last GpuUsageReport the API server accepted (None: none yet)."""
-    usage_report_errors: int | None = None
-    """Failed GpuUsageReport writes (None in standalone mode: no reports)."""
-    claim_usage_status_errors: int | None = None
-    """Unprepared claims whose usage summary could not be written into their status (None in
-    standalone mode)."""
-
-
-AGENT_SPECS: tuple[Spec, ...] = (
-    Spec(
-        "tessera_kubelet_registered",
-        "gauge",
-        "1 once the kubelet accepted the plugin (absent in standalone mode).",
-        NODE,
-    ),
-    Spec(
-        "tessera_resourceslice_pool_generation",
-        "gauge",
-        "Generation of the published ResourceSlice pool.",
-        NODE,
-    ),
-    Spec(
-        "tessera_resourceslice_writes",
-        "counter",
-        "ResourceSlice creates, updates and deletes.",
-        NODE,
-    ),
-    Spec(
-        "tessera_resourceslice_errors", "counter", "Failed ResourceSlice publishing rounds.", NODE
-    ),
-    Spec(
-        "tessera_claims_stuck",
-        "gauge",
-        "Prepares and unprepares still running past the kubelet's call deadline (a stuck"
-        " worker: a claim read or side effect that does not return).",
-        NODE,
-    ),
-    Spec(
-        "tessera_claims_unrecovered",
-        "gauge",
-        "Claims whose CDI spec survived a lost or corrupt checkpoint but whose prepared state"
-        " could not be rebuilt: their devices stay held until the kubelet unprepares or"
-        " prepares them (/readyz check unrecovered-claims names them).",
-        NODE,
-    ),
-    Spec(
-        "tessera_usage_report_last_success_timestamp_seconds",
-        "gauge",
-        "Unix time of the last GpuUsageReport the API server accepted (absent until one was, and"
-        " in standalone mode).",
-        NODE,
-    ),
-    Spec(
-        "tessera_usage_report_errors",
-        "counter",
-        "GpuUsageReport writes that failed (absent in standalone mode).",
-        NODE,
-    ),
-    Spec(
-        "tessera_claim_usage_status_errors",
-        "counter",
-        "Unprepared claims whose usage summary could not be written into their ResourceClaim's"
-        " status.devices (refused, no answer, queue full, dropped at shutdown; absent in"
-        " standalone mode).",
-        NODE,
-    ),
-    Spec(
-        "tessera_node_events",
-        "counter",
-        "Events about the Node (GPU health changes) by outcome: recorded (written, or logged in"
-        " standalone mode), filtered (spam filter), dropped (queue full), failed (API server).",
-        (*NODE, "outcome"),
-    ),
-)
-
-
-class AgentCollector(Collector):
-    def __init__(self, status: Callable[[], AgentStatus]) -> None:
-        self.status = status
-
-    def describe(self) -> Iterator[Metric]:
-        for spec in AGENT_SPECS:
-            yield _family(spec)
-
-    def collect(self) -> Iterator[Metric]:
-        st = self.status()
-        fams = {s.name: _family(s) for s in AGENT_SPECS}
-        node = (st.node,)
-        if st.kubelet_registered is not None:
-            _add(fams, "tessera_kubelet_registered", node, 1.0 if st.kubelet_registered else 0.0)
-        _add(fams, "tessera_resourceslice_pool_generation", node, st.slice_generation)
-        _add(fams, "tessera_resourceslice_writes", node, st.slice_writes)
-        _add(fams, "tessera_resourceslice_errors", node, st.slice_errors)
-        _add(fams, "tessera_claims_stuck", node, st.claims_stuck)
-        _add(fams, "tessera_claims_unrecovered", node, st.claims_unrecovered)
-        if st.usage_report_last_success is not None:
-            _add(
-                fams,
-                "tessera_usage_report_last_success_timestamp_seconds",
-                node,
-                st.usage_report_last_success,
-            )
-        if st.usage_report_errors is not None:
-            _add(fams, "tessera_usage_report_errors", node, st.usage_report_errors)
-        if st.claim_usage_status_errors is not None:
-            _add(fams, "tessera_claim_usage_status_errors", node, st.claim_usage_status_errors)
-        for outcome, count in st.node_events:
-            _add(fams, "tessera_node_events", (*node, outcome), count)
-        yield from fams.values()
+    add_sample(
+        families, "tessera_sampler_tick_duration_seconds", (node,), snap.tick_duration_seconds
+    )
+    add_sample(families, "tessera_sampler_lag_seconds", (node,), snap.lag_seconds)
+    add_sample(families, "tessera_sampler_last_tick_timestamp_seconds", (node,), snap.wall_time)
+    add_sample(families, "tessera_sampler_ticks", (node,), snap.tick)
 
 
 class Exposition:

@@ -1,4 +1,4 @@
-"""ResourceClaims as the driver needs them: where to read them and what their allocation says.
+"""ResourceClaims as the driver needs them: who a claim is and what its allocation says.
 
 A claim is untrusted input (the API server, or a file someone wrote in standalone mode), so it is
 decoded at this boundary into typed values: ``parse_allocation`` checks the claim object against
@@ -6,38 +6,21 @@ what the kubelet asked for (UID, allocated, node) and extracts this driver's res
 configs; anything of the wrong shape is a ``ClaimError`` naming the field path (``status.
 allocation.devices.results[0].request: missing``), never another exception. It is pure.
 
-Sources read the claim object: ``KubeClaimSource`` from the API server (names validated before
-they go into a URL; a read has its own deadline, shorter than the kubelet's), ``DirClaimSource``
-from ``<state-dir>/resourceclaims/*.yaml`` (standalone mode: manifests that carry
-``status.allocation``). The directory source reads only regular files of at most
-``MAX_CLAIM_FILE_BYTES`` (a FIFO or device never blocks it), decodes them with limits (no YAML
-aliases, bounded integers and nesting: ``agent.decode``), and a file that cannot be read only
-affects the claims it holds: the others are found, and a claim that is not found names the
-unreadable files.
+Where the claim object is read from (the API server, or claim files in standalone mode) is
+``claim_sources.py``.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import stat
-import threading
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
-from agent.decode import fields, load_yaml_documents
-from agent.errors import DecodeError
-from dra_driver.errors import ClaimError, KubeError, QuantityError
+from agent.decode import fields
+from dra_driver.errors import ClaimError, QuantityError
 from dra_driver.quantity import parse_bytes
 
-if TYPE_CHECKING:  # the kubernetes client costs 0.2 s to import, which only kube mode needs
-    from dra_driver.cluster.kube import KubeClient
-
-MAX_CLAIM_FILE_BYTES = 1024 * 1024
-CLAIM_READ_TIMEOUT = (5.0, 15.0)
-"""(connect, read) seconds for reading one claim: well inside the kubelet's 45 s."""
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 CLAIM_UID = DNS_LABEL
@@ -45,8 +28,6 @@ CLAIM_UID = DNS_LABEL
 lower-case DNS label (a Kubernetes UID, a UUID, is one)."""
 SHOWN_CHARS = 60
 """Of a value put in an error message, at most this many characters are shown."""
-MAX_LISTED_FILES = 10
-"""A claim that is not found names at most this many unreadable claim files."""
 
 
 def shown(value: object, limit: int = SHOWN_CHARS) -> str:
@@ -320,200 +301,3 @@ def configs_for(allocation: Allocation, request: str) -> list[OpaqueConfig]:
         for c in allocation.configs
         if not c.requests or request in c.requests or parent in c.requests
     ]
-
-
-class ClaimSource(Protocol):
-    def get(self, namespace: str, name: str) -> dict[str, Any]:
-        """The claim object; ClaimError when it does not exist or cannot be read, KubeError
-        when the API server cannot be reached. Bounded in time."""
-        ...
-
-
-class ClaimIndex(Protocol):
-    origin: str
-    """Where the claims come from, for the record of a rebuilt entry (``api``, ``claim-files``)."""
-
-    def by_uid(self, uids: Collection[str]) -> dict[str, dict[str, Any]]:
-        """The claim objects whose ``metadata.uid`` is one of ``uids`` (those found), for
-        rebuilding prepared state that names claims only by UID. ClaimError or KubeError when
-        the source cannot be read."""
-        ...
-
-
-def _uid_of(doc: Mapping[str, Any]) -> str | None:
-    meta = doc.get("metadata")
-    uid = meta.get("uid") if isinstance(meta, dict) else None
-    return uid if isinstance(uid, str) else None
-
-
-CLAIMS_PATH = "/apis/resource.k8s.io/v1/resourceclaims"
-LIST_PAGE = 500
-"""Claims per page when listing across namespaces (the API server's chunking: ``limit`` and
-``continue``, so a cluster with many claims is read in bounded pieces)."""
-MAX_LIST_PAGES = 1000
-
-
-class KubeClaimSource:
-    origin = "api"
-
-    def __init__(
-        self,
-        kube: KubeClient,
-        timeout: tuple[float, float] = CLAIM_READ_TIMEOUT,
-        page: int = LIST_PAGE,
-    ) -> None:
-        self._kube = kube
-        self._timeout = timeout
-        self._page = page
-
-    def by_uid(self, uids: Collection[str]) -> dict[str, dict[str, Any]]:
-        """List ResourceClaims across namespaces, page by page, keeping those of ``uids``
-        (RBAC: ``list`` on ``resourceclaims``). Stops early once all are found.
-
-        The UID is matched here: ResourceClaims select only on the fields every object has,
-        ``metadata.name`` and ``metadata.namespace`` (kubernetes.io/docs/concepts/overview/
-        working-with-objects/field-selectors/; the resourceclaim registry's selectable fields
-        are the object meta's), and an unsupported field selector is an error, so none is
-        sent. Pages use ``limit``/``continue`` (API chunking), so the answer stays bounded."""
-        wanted = set(uids)
-        found: dict[str, dict[str, Any]] = {}
-        token = ""
-        for _ in range(MAX_LIST_PAGES):
-            if not wanted - set(found):
-                break
-            query = {"limit": str(self._page)} | ({"continue": token} if token else {})
-            page = self._kube.request("GET", CLAIMS_PATH, query=query, timeout=self._timeout)
-            items = page.get("items")
-            for doc in items if isinstance(items, list) else []:
-                uid = _uid_of(doc) if isinstance(doc, dict) else None
-                if uid is not None and uid in wanted:
-                    found[uid] = doc
-            meta = page.get("metadata")
-            token = str(meta.get("continue") or "") if isinstance(meta, dict) else ""
-            if not token:
-                break
-        return found
-
-    def get(self, namespace: str, name: str) -> dict[str, Any]:
-        check_claim_names(namespace, name)
-        try:
-            return self._kube.request(
-                "GET",
-                f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}",
-                timeout=self._timeout,
-            )
-        except KubeError as exc:
-            if exc.status == 404:
-                raise ClaimError(f"claim {namespace}/{name} not found", "not_found") from exc
-            raise
-
-
-class DirClaimSource:
-    """Standalone mode: ResourceClaim manifests (with status.allocation) in a directory.
-
-    Parsed files are cached by (mtime, size, inode), so a batch of claims parses each file once.
-    Only regular files are read (opened without blocking, checked before reading), at most
-    ``MAX_CLAIM_FILE_BYTES`` each. A file that cannot be read or decoded is remembered with why;
-    it hides only the claims it holds, and a claim not found names such files."""
-
-    origin = "claim-files"
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self._cache: dict[Path, tuple[tuple[int, int, int], list[dict[str, Any]] | str]] = {}
-        self._lock = threading.Lock()
-
-    def _file(self, path: Path) -> list[dict[str, Any]] | str:
-        """The claim documents of one file, or why it cannot be read."""
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as exc:
-            return f"cannot open it: {exc.strerror or exc}"
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                return "not a regular file"
-            if st.st_size > MAX_CLAIM_FILE_BYTES:
-                return f"{st.st_size} bytes, more than the {MAX_CLAIM_FILE_BYTES} allowed"
-            key = (st.st_mtime_ns, st.st_size, st.st_ino)
-            with self._lock:
-                cached = self._cache.get(path)
-            if cached is not None and cached[0] == key:
-                return cached[1]
-            with os.fdopen(os.dup(fd), "rb") as f:
-                data = f.read(MAX_CLAIM_FILE_BYTES + 1)
-        except OSError as exc:
-            return f"cannot read it: {exc.strerror or exc}"
-        finally:
-            os.close(fd)
-        result = self._decode(path, data)
-        with self._lock:
-            self._cache[path] = (key, result)
-        return result
-
-    @staticmethod
-    def _decode(path: Path, data: bytes) -> list[dict[str, Any]] | str:
-        if len(data) > MAX_CLAIM_FILE_BYTES:
-            return f"more than {MAX_CLAIM_FILE_BYTES} bytes"
-        try:
-            docs = load_yaml_documents(data.decode("utf-8"), str(path), MAX_CLAIM_FILE_BYTES)
-        except UnicodeDecodeError as exc:
-            return f"not UTF-8 text ({exc.reason} at byte {exc.start})"
-        except DecodeError as exc:
-            return str(exc).removeprefix(f"{path}: ")
-        return [d for d in docs if isinstance(d, dict)]
-
-    def _documents(self) -> tuple[Sequence[dict[str, Any]], dict[str, str]]:
-        """The documents of every readable file, and the unreadable files with why."""
-        try:
-            paths = sorted(p for p in self.directory.iterdir() if p.suffix in (".yaml", ".yml"))
-        except FileNotFoundError:
-            return [], {}
-        except OSError as exc:
-            raise ClaimError(
-                f"cannot list claim files in {self.directory}: {exc.strerror or exc}",
-                "claim_source",
-            ) from exc
-        docs: list[dict[str, Any]] = []
-        broken: dict[str, str] = {}
-        for path in paths:
-            result = self._file(path)
-            if isinstance(result, str):
-                broken[path.name] = result
-            else:
-                docs += result
-        return docs, broken
-
-    def by_uid(self, uids: Collection[str]) -> dict[str, dict[str, Any]]:
-        """The claim documents whose ``metadata.uid`` is one of ``uids``."""
-        wanted = set(uids)
-        docs, _ = self._documents()
-        found: dict[str, dict[str, Any]] = {}
-        for doc in docs:
-            uid = _uid_of(doc)
-            if doc.get("kind") == "ResourceClaim" and uid is not None and uid in wanted:
-                found[uid] = doc
-        return found
-
-    def get(self, namespace: str, name: str) -> dict[str, Any]:
-        docs, broken = self._documents()
-        for doc in docs:
-            meta = doc.get("metadata")
-            if (
-                doc.get("kind") == "ResourceClaim"
-                and isinstance(meta, dict)
-                and meta.get("name") == name
-                and meta.get("namespace", "default") == namespace
-            ):
-                return doc
-        hint = ""
-        if broken:
-            listed = sorted(broken.items())[:MAX_LISTED_FILES]
-            hint = "; unreadable claim files: " + "; ".join(
-                f"{n if n.isprintable() else shown(n)}: {why}" for n, why in listed
-            )
-            if len(broken) > MAX_LISTED_FILES:
-                hint += f"; and {len(broken) - MAX_LISTED_FILES} more"
-        raise ClaimError(
-            f"claim {namespace}/{name} not found in {self.directory}{hint}", "not_found"
-        )

@@ -26,7 +26,8 @@ from dra_driver.kubeletplugin.checkpoint import (
     CheckpointStore,
     ClaimEntry,
 )
-from dra_driver.kubeletplugin.claims import ClaimIndex, ClaimKey, ClaimSource
+from dra_driver.kubeletplugin.claim_sources import ClaimIndex, ClaimSource
+from dra_driver.kubeletplugin.claims import ClaimKey
 from dra_driver.kubeletplugin.effects import Effects
 from dra_driver.kubeletplugin.ledger import Ledger
 from dra_driver.kubeletplugin.locks import ClaimLocks

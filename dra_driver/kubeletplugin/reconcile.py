@@ -28,7 +28,7 @@ from dra_driver.kubeletplugin.checkpoint import (
     ClaimEntry,
     PreparedDevice,
 )
-from dra_driver.kubeletplugin.claims import ClaimIndex
+from dra_driver.kubeletplugin.claim_sources import ClaimIndex
 from dra_driver.kubeletplugin.effects import Effects
 from dra_driver.kubeletplugin.ledger import Ledger
 from dra_driver.kubeletplugin.plan import PlannedDevice, SharingPolicy, conflicts

@@ -46,7 +46,8 @@ from dra_driver.kubeletplugin.checkpoint import (
     MpsRecord,
     PreparedDevice,
 )
-from dra_driver.kubeletplugin.claims import ClaimKey, ClaimSource, parse_allocation
+from dra_driver.kubeletplugin.claim_sources import ClaimSource
+from dra_driver.kubeletplugin.claims import ClaimKey, parse_allocation
 from dra_driver.kubeletplugin.effects import Effects
 from dra_driver.kubeletplugin.ledger import Ledger
 from dra_driver.kubeletplugin.locks import ClaimLocks

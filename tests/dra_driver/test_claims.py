@@ -2,9 +2,9 @@ import pytest
 import yaml
 
 from dra_driver.errors import ClaimError
+from dra_driver.kubeletplugin.claim_sources import DirClaimSource
 from dra_driver.kubeletplugin.claims import (
     ClaimKey,
-    DirClaimSource,
     check_claim_key,
     configs_for,
     parse_allocation,
@@ -120,7 +120,7 @@ def test_dir_source_sees_edited_files(tmp_path):
     ids=["ns-dots", "name-path", "ns-upper", "name-long", "name-space", "ns-empty", "name-nul"],
 )  # fmt: skip
 def test_claim_names_are_checked_before_they_reach_a_url(namespace, name):
-    from dra_driver.kubeletplugin.claims import KubeClaimSource
+    from dra_driver.kubeletplugin.claim_sources import KubeClaimSource
 
     class NoCalls:
         def request(self, *args, **kwargs):
@@ -133,7 +133,7 @@ def test_claim_names_are_checked_before_they_reach_a_url(namespace, name):
 def test_claims_are_found_by_uid_across_namespaces_in_pages_of_the_api(tmp_path):
     from agent.sim.apiserver import ApiServer
     from dra_driver.cluster.kube import KubeClient
-    from dra_driver.kubeletplugin.claims import KubeClaimSource
+    from dra_driver.kubeletplugin.claim_sources import KubeClaimSource
 
     with ApiServer() as server:
         for i, ns in enumerate(("a", "b", "c", "d", "e")):

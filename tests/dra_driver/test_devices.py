@@ -8,15 +8,14 @@ import itertools
 import pytest
 
 from agent.sim.model import model_names
+from dra_driver.device_attributes import bounded, semver
 from dra_driver.device_model import (
     GIB,
     AdvertisedDevice,
     DeviceModel,
     DevicePolicy,
     advertised_devices,
-    bounded,
     mig_device_name,
-    semver,
 )
 from tests.dra_driver.conftest import Fits, Inventory
 

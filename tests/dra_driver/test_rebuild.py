@@ -27,7 +27,8 @@ from dra_driver.device_model import DeviceModel, advertised_devices
 from dra_driver.errors import KubeError
 from dra_driver.kubeletplugin.cdi import CdiWriter
 from dra_driver.kubeletplugin.checkpoint import CheckpointStore
-from dra_driver.kubeletplugin.claims import ClaimKey, DirClaimSource
+from dra_driver.kubeletplugin.claim_sources import DirClaimSource
+from dra_driver.kubeletplugin.claims import ClaimKey
 from dra_driver.kubeletplugin.prepare import Preparer
 from dra_driver.kubeletplugin.rebuild import REASONS
 from tests.integration.daemon import DRIVER, claim_manifest, write_claims

@@ -37,7 +37,8 @@ from agent.sim.sharing import SharingStore, initial_sharing
 from dra_driver.device_model import DeviceModel, advertised_devices
 from dra_driver.kubeletplugin.cdi import CdiWriter
 from dra_driver.kubeletplugin.checkpoint import PREPARE_COMPLETED, CheckpointStore
-from dra_driver.kubeletplugin.claims import ClaimKey, DirClaimSource
+from dra_driver.kubeletplugin.claim_sources import DirClaimSource
+from dra_driver.kubeletplugin.claims import ClaimKey
 from dra_driver.kubeletplugin.crash_points import CRASH_POINTS
 from dra_driver.kubeletplugin.prepare import Preparer
 from tests.integration.daemon import DRIVER, claim_manifest, write_claims

@@ -19,7 +19,8 @@ import atheris
 
 with atheris.instrument_imports(include=["dra_driver", "agent.decode"]):
     from dra_driver.errors import ClaimError, ParamsError
-    from dra_driver.kubeletplugin.claims import ClaimKey, DirClaimSource, parse_allocation
+    from dra_driver.kubeletplugin.claim_sources import DirClaimSource
+    from dra_driver.kubeletplugin.claims import ClaimKey, parse_allocation
     from dra_driver.kubeletplugin.plan import SharingPolicy, plan_claim
 
 from tests.reliability.claim_strategies import DRIVER, device_model

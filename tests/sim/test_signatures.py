@@ -16,7 +16,7 @@ from typing import Protocol
 import pynvml
 import pytest
 
-from agent.nvml import api
+from agent.nvml import api_types as api
 from agent.nvml.api import NvmlApi, api_attributes, api_functions
 from agent.sim.nvml import FakeNvml
 
@@ -185,7 +185,7 @@ def test_copied_pynvml_classes_are_not_counted_as_calls():
 
 # -- the Protocol's constants and types --------------------------------------------------------
 
-# Each struct shape of agent.nvml.api and the pynvml type it describes (shapes nested in these
+# Each struct shape of agent.nvml.api_types and the pynvml type it describes (shapes nested in these
 # are checked with them).
 STRUCTS: dict[type, type] = {
     api.PciInfo: pynvml.nvmlPciInfo_t,
@@ -283,7 +283,7 @@ def test_struct_shapes_name_pynvml_fields_of_the_same_kind():
         for v in vars(api).values()
         if getattr(v, "_is_protocol", False) and v.__module__ == api.__name__
     } - _NOT_SHAPES
-    assert shapes - seen == set(), "a struct shape of agent.nvml.api is checked against nothing"
+    assert shapes - seen == set(), "a struct shape of agent.nvml.api_types is unchecked"
 
 
 class WrongMemory(Protocol):

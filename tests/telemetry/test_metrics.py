@@ -10,14 +10,8 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.telemetry.metrics import (
-    AGENT_SPECS,
-    SPECS,
-    AgentCollector,
-    AgentStatus,
-    DriverMetrics,
-    SnapshotCollector,
-)
+from agent.telemetry.agent_metrics import AGENT_SPECS, AgentCollector, AgentStatus, DriverMetrics
+from agent.telemetry.metrics import SPECS, SnapshotCollector
 from tests.telemetry.snapshots import make_snapshot
 
 ROOT = Path(__file__).resolve().parents[2]
