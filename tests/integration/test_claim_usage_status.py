@@ -15,10 +15,10 @@ from typing import Any
 from agent.sim.apiserver import ApiServer
 from dra_driver.testkubelet.calls import ClaimRef
 from dra_driver.testkubelet.client import KubeletClient
+from tests.crds import serving
 from tests.integration.daemon import Daemon, claim_manifest
 from tests.k8sschema import VERSIONS, validate
 from tests.sim.tools_helpers import wait_for
-from tests.usage_reports import SERVED
 
 MODEL = "dgx-h100"
 NIC = {"driver": "nic.example.com", "pool": "nics", "device": "nic-0", "data": {"mac": "aa"}}
@@ -33,7 +33,7 @@ def claim_status(server: ApiServer, uid: str) -> list[dict[str, Any]]:
 
 
 def test_the_claims_status_carries_its_final_usage_after_unprepare(short_tmp):
-    with ApiServer(resources=SERVED) as server:
+    with serving() as server:
         kubeconfig = str(server.kubeconfig(short_tmp / "kubeconfig"))
         d = Daemon(short_tmp / "state", MODEL, "--kubeconfig", kubeconfig,
                    "--telemetry-interval", "0.2", "--usage-report-interval", "0.3")  # fmt: skip
