@@ -18,10 +18,11 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import yaml
 
+from agent.cli.foreground import failed, stop_on_signals
 from agent.cli.framework import (
     EXIT_ERROR,
     NO_DRIVER_HINT,
@@ -217,28 +218,12 @@ def cmd_run(inv: Invocation) -> int:
             "raised the open-file limit to the hard limit",
             extra={"fields": {"soft_was": raised[0], "soft": raised[1]}},
         )
-    stop = threading.Event()
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        log.info("signal received, shutting down", extra={"fields": {"signal": signum}})
-        stop.set()
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    stop = stop_on_signals(log)
     try:
         agent = build_agent(config, log, node_access(config), dict(os.environ))
         code = agent.run(stop)
-    except Exception as exc:  # logs are JSON from here on: the reason is a log record too
-        reason = inv.describe(exc)  # worded like every command's failures; None: a bug
-        if reason is None:  # a bug: its traceback goes into one JSON record, not onto stderr
-            log.critical(
-                "agent failed with an internal error",
-                exc_info=exc,
-                extra={"fields": {"error": f"{type(exc).__name__}: {exc}"}},
-            )
-            return 1
-        log.error("agent cannot run", extra={"fields": {"error": reason}})
-        return EXIT_ERROR
+    except Exception as exc:
+        return failed(inv, log, "agent", exc)
     if agent.unfinished:
         # Threads still busy past the shutdown deadline would hold the interpreter's exit
         # (it joins pool workers); their work is left to the next start's reconcile.

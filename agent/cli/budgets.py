@@ -6,11 +6,8 @@ are JSON lines; SIGTERM releases the Lease (the other replica takes over at once
 
 from __future__ import annotations
 
-import signal
-import threading
-from typing import Any
-
-from agent.cli.framework import EXIT_ERROR, Command, Invocation, Uses
+from agent.cli.foreground import failed, stop_on_signals
+from agent.cli.framework import Command, Invocation, Uses
 from agent.config import BudgetsSettings
 
 
@@ -20,27 +17,11 @@ def cmd_budgets(inv: Invocation) -> int:
 
     settings = inv.get(BudgetsSettings)
     log = configure_logging(settings.log_format, settings.log_level)
-    stop = threading.Event()
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        log.info("signal received, shutting down", extra={"fields": {"signal": signum}})
-        stop.set()
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    stop = stop_on_signals(log)
     try:
         return build_budgets(settings, log).run(stop)
-    except Exception as exc:  # logs are JSON from here on: the reason is a log record too
-        reason = inv.describe(exc)  # worded like every command's failures; None: a bug
-        if reason is None:
-            log.critical(
-                "budget controller failed with an internal error",
-                exc_info=exc,
-                extra={"fields": {"error": f"{type(exc).__name__}: {exc}"}},
-            )
-            return 1
-        log.error("budget controller cannot run", extra={"fields": {"error": reason}})
-        return EXIT_ERROR
+    except Exception as exc:
+        return failed(inv, log, "budget controller", exc)
 
 
 COMMAND = Command(
