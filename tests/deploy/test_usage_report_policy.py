@@ -1,7 +1,7 @@
 """The ValidatingAdmissionPolicy that limits each agent to its own node's GpuUsageReport
 (deploy/daemonset/budgets/usage-report-policy.yaml), evaluated as the API server evaluates it:
-its matchConstraints, matchConditions, variables and validations read from the file and run with
-the CEL library against the report the agent's own writer builds."""
+its matchConstraints, matchConditions, variables and validations read from the file and run by
+the API-server emulator's evaluator against the report the agent's own writer builds."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import cel
 import pytest
 import yaml
 
+from agent.sim.apiserver_admission import Programs, validate
+from agent.sim.apiserver_admission_match import Attributes, UserInfo, matches
 from dra_driver.cluster.usage_report import UsageReporter
-from tests.crds import crd_violations
+from tests.crds import TYPES, crd_violations
 from tests.k8sschema import VERSIONS
 from tests.k8sschema import validate as validate_k8s
 
@@ -53,36 +54,22 @@ def report(node: str) -> Obj:
 
 
 def admit(operation: str, obj: Obj, user: str = AGENT, extra: Any = BOUND) -> list[str] | None:
-    """The denials (empty: allowed), or None when the policy does not match the request."""
-    s = spec()
-    info: Obj = {"username": user, "groups": ["system:authenticated"]}
-    if extra is not None:
-        info["extra"] = extra
-    request = {
-        "operation": operation,
-        "name": obj["metadata"]["name"],
-        "resource": {"group": "tessera.dev", "version": "v1alpha1", "resource": "gpuusagereports"},
-        "userInfo": info,
-    }
-    activation: Obj = {"request": request, "object": obj, "oldObject": None}
-    if operation == "UPDATE":
-        activation["oldObject"] = copy.deepcopy(obj)
-    rules = s["matchConstraints"]["resourceRules"]
-    if not any(operation in r["operations"] for r in rules) or not all(
-        cel.compile(c["expression"]).execute(activation) is True for c in s["matchConditions"]
-    ):
+    """The denials (empty: allowed), or None when the policy does not match the request: the
+    API-server emulator's evaluator (agent/sim/apiserver_admission), as test_admission_policy.py
+    runs the ResourceSlice policy."""
+    (policy,) = [d for d in documents() if d["kind"] == "ValidatingAdmissionPolicy"]
+    rt = {t.plural: t for t in TYPES}["gpuusagereports"]
+    who = (
+        UserInfo(user)
+        if extra is None
+        else UserInfo(user, extra={k: tuple(v) for k, v in extra.items()})
+    )
+    old = copy.deepcopy(obj) if operation == "UPDATE" else None
+    attrs = Attributes(operation, rt, "", obj["metadata"]["name"], obj, old, who)
+    if not matches(policy["spec"]["matchConstraints"], attrs, None):
         return None
-    variables: Obj = {}
-    for var in s["variables"]:
-        variables[var["name"]] = cel.compile(var["expression"]).execute(
-            activation | {"variables": variables}
-        )
-    activation["variables"] = variables
-    denials = []
-    for v in s["validations"]:
-        if cel.compile(v["expression"]).execute(activation) is not True:
-            denials.append(str(cel.compile(v["messageExpression"]).execute(activation)))
-    return denials
+    failures = validate(policy, attrs, None, None, Programs())
+    return None if failures is None else [f.message for f in failures]
 
 
 def test_the_manifests_validate_strictly_on_1_34_and_1_35():
