@@ -6,7 +6,6 @@ table comes from its ConfigMap."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from datetime import UTC, datetime
 
 import pytest
@@ -19,7 +18,6 @@ from dra_driver.budgets.controller import BudgetController, ControllerSettings
 from dra_driver.budgets.view import PricesInvalid, PricesRef, read_prices, read_view
 from dra_driver.cluster.kube import KubeClient
 from dra_driver.cluster.lease import LeaseElector, LeaseTiming
-from tests.apiclient import api_client
 from tests.budgets import cluster
 from tests.crds import create
 from tests.fakeclock import FakeClock
@@ -28,16 +26,6 @@ from tests.k8sschema import VERSIONS, validate
 NOW = 1_796_385_600.0  # 2026-12-04T12:00:00Z
 PRICES = "currency: EUR\ngpuHour:\n  - price: '2.50'\n"
 TIMING = LeaseTiming(duration_s=15, renew_period_s=5, retry_period_s=2, renew_deadline_s=10)
-
-
-@pytest.fixture
-def kube() -> Iterator[tuple[ApiServer, KubeClient]]:
-    with cluster.server() as server:
-        client = KubeClient(api_client(server, retries=False))
-        try:
-            yield server, client
-        finally:
-            client.close()
 
 
 class Planner:

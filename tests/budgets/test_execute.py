@@ -5,31 +5,17 @@ tested on its own)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from agent.sim.apiserver import ApiServer
 from agent.usage.budget_plan import PodEviction
 from dra_driver.budgets.execute import Executor
 from dra_driver.cluster.kube import KubeClient
-from tests.apiclient import api_client
-from tests.budgets import cluster
 from tests.budgets.cluster import a_plan, seeded
 from tests.fakeclock import FakeClock
 from tests.k8sschema import VERSIONS, validate
 
 NOW = 1_796_385_600.0  # 2026-12-04T12:00:00Z
-
-
-@pytest.fixture
-def kube() -> Iterator[tuple[ApiServer, KubeClient]]:
-    with cluster.server() as server:
-        client = KubeClient(api_client(server, retries=False))
-        try:
-            yield server, client
-        finally:
-            client.close()
 
 
 def writes(server: ApiServer) -> list[tuple[str, str]]:
