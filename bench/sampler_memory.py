@@ -13,7 +13,7 @@ so it is a separate run).
 The ledger's wall clock is a fake one that advances ``STEP`` seconds per tick, so ``TICKS``
 ticks leave the ledger holding as many 15-minute buckets as ``TICKS`` x ``STEP`` seconds of a
 daemon's life between two acknowledged reports (its memory grows with the buckets, not with the
-ticks: each holds one entry per claim and device), and it is written every tick (every 5 s);
+ticks: each holds one entry per claim and device), and it is written every tick (every 15 s);
 the ticks themselves run back to back (a real second per tick would take an hour).
 """
 

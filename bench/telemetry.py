@@ -5,10 +5,12 @@
   to the floor: the same bytes served as a static response by the same HTTP server.
 - Sampler CPU per tick, excluding the simulator's own CPU time (measured inside every NVML call
   and subtracted), as a fraction of one core at the default 1 s interval.
-- The usage accounting's cost: the sampler's CPU per tick with the ledger fed and without, in
-  turns in one process; and the RSS of a process that ticks the sampler with the ledger and of
-  one without, in turns (``bench/sampler_memory.py``, which says why processes), with the bytes
-  the accounting holds (tracemalloc) beside them.
+- The usage accounting's cost: the sampler's CPU per tick with the ledger fed and without, tick
+  by tick in turns in one process, on fake clocks that advance one default interval (1 s) per
+  tick, so that each side's writes come at a daemon's rate (the ledger every 15 s, the energy
+  state every 15 s) although the ticks run back to back; and the RSS of a process that ticks
+  the sampler with the ledger and of one without, in turns (``bench/sampler_memory.py``, which
+  says why processes), with the bytes the accounting holds (tracemalloc) beside them.
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ from dra_driver.kubeletplugin.checkpoint import PREPARE_COMPLETED, ClaimEntry, P
 NAME = "telemetry"
 REPEATS, SERIAL, WORKERS, PER_WORKER, TICKS = 3, 300, 20, 30, 100
 QUICK_REPEATS, QUICK_SERIAL, QUICK_PER_WORKER, QUICK_TICKS = 2, 100, 10, 30
+USAGE_START = 1_796_000_000.0 - 1_796_000_000.0 % 900 + 900 - 60
+"""The fake wall clock's start for the accounting's cost: a minute before a quarter hour, so the
+ticks cross a bucket boundary as a daemon's do every 900 ticks."""
+USAGE_TICKS = 150
+"""Ticks per round of the accounting's cost: a multiple of the ledger's and the energy
+state's 15 s between writes (and of 5), so every round holds as many writes of each."""
 MEMORY_TICKS, QUICK_MEMORY_TICKS = 120, 60
 """Ticks of bench/sampler_memory.py: an hour of the ledger's buckets (half one when quick)."""
 STATIC_FLOOR = "the same bytes served as a static response by the same HTTP server, in turn"
@@ -151,6 +159,25 @@ def run(quick: bool) -> list[Figure]:
         return _run(Path(tmp), quick)
 
 
+class FakeClock:
+    """A monotonic and a wall clock that move only when told (:meth:`step`): ticks run back to
+    back while every clock-driven write (the energy state's, the ledger's) comes as often per
+    tick as in a daemon ticking once a second."""
+
+    def __init__(self, wall: float) -> None:
+        self.t = 0.0
+        self._offset = wall
+
+    def mono(self) -> float:
+        return self.t
+
+    def wall(self) -> float:
+        return self._offset + self.t
+
+    def step(self, seconds: float = 1.0) -> None:
+        self.t += seconds
+
+
 def _sampler(
     src: Any,
     nvml: Nvml,
@@ -158,22 +185,31 @@ def _sampler(
     state: Path,
     holders: Callable[[], Any],
     usage: UsageMeter | None = None,
+    clock: FakeClock | None = None,
 ) -> Sampler:
+    mono, wall = (time.monotonic, time.time) if clock is None else (clock.mono, clock.wall)
     return Sampler(
         node=inv.hostname,
         read=TelemetryReader(nvml).read,
         gpus=[gpu_info(g.device) for g in inv.gpus],
         holders=holders,
-        accounting=EnergyAccounting(state / "energy.json", log=LOG),
+        accounting=EnergyAccounting(state / "energy.json", wall, log=LOG),
         log=LOG,
         usage=usage,
+        clock=mono,
+        wall=wall,
     )
 
 
-def _tick_cpu(smp: Sampler, timed: TimedNvml, ticks: int) -> list[float]:
-    """The sampler's CPU time of each of ``ticks`` ticks, the simulator's own excluded."""
+def _tick_cpu(
+    smp: Sampler, timed: TimedNvml, ticks: int, clock: FakeClock | None = None
+) -> list[float]:
+    """The sampler's CPU time of each of ``ticks`` ticks, the simulator's own excluded (with
+    ``clock``: one second of it before each tick)."""
     out = []
     for _ in range(ticks):
+        if clock is not None:
+            clock.step()
         before_sim, t0 = timed.cpu, time.thread_time()
         smp.tick()
         out.append(time.thread_time() - t0 - (timed.cpu - before_sim))
@@ -191,19 +227,25 @@ def _usage_cost(tmp: Path, rounds: int, ticks: int) -> tuple[list[float], list[f
     nvml.init()
     inv = discover(type(src)(**{**src.__dict__, "nvml": nvml}))
     held = checkpoint(inv, mig=True)
-    meter = UsageMeter(state / "usage.json", "bench-boot", LOG)
+    clocks = {"on": FakeClock(USAGE_START), "off": FakeClock(USAGE_START)}
+    meter = UsageMeter(state / "usage.json", "bench-boot", LOG, wall=clocks["on"].wall)
     samplers = {
-        "on": _sampler(src, nvml, inv, state, lambda: held, meter),
-        "off": _sampler(src, nvml, inv, state / "off", lambda: held),
+        "on": _sampler(src, nvml, inv, state, lambda: held, meter, clocks["on"]),
+        "off": _sampler(src, nvml, inv, state / "off", lambda: held, None, clocks["off"]),
     }
     out: dict[str, list[float]] = {"on": [], "off": []}
     try:
-        for smp in samplers.values():
-            for _ in range(3):
-                smp.tick()
+        for name, smp in samplers.items():
+            _tick_cpu(smp, timed, 3, clocks[name])
         for _ in range(rounds):
-            for name, smp in samplers.items():
-                out[name].append(statistics.fmean(_tick_cpu(smp, timed, ticks)))
+            # tick by tick in turns (the order swapped every tick), so a pause of the machine
+            # weighs on both sides alike
+            spent: dict[str, float] = {"on": 0.0, "off": 0.0}
+            for i in range(ticks):
+                for name in ("on", "off") if i % 2 else ("off", "on"):
+                    spent[name] += _tick_cpu(samplers[name], timed, 1, clocks[name])[0]
+            for name, total in spent.items():
+                out[name].append(total / ticks)
     finally:
         nvml.shutdown()
     return out["on"], out["off"]
@@ -296,7 +338,7 @@ def _run(tmp: Path, quick: bool) -> list[Figure]:
             "fraction_of_core_at_1s": statistics.fmean(per_tick) / 1.0,
         }
 
-    on, off = _usage_cost(tmp, 2 * repeats + 1, max(10, ticks // 5))
+    on, off = _usage_cost(tmp, 2 * repeats + 1, USAGE_TICKS)
     memory_ticks = QUICK_MEMORY_TICKS if quick else MEMORY_TICKS
     memory = _memory_cost(repeats + 1, memory_ticks)
     accounting_kib = (

@@ -124,10 +124,11 @@ class TelemetrySettings:
         metavar="SECONDS",
     )
     usage_write_interval: float = setting(
-        5.0,
+        15.0,
         "Seconds between writes of the usage ledger (<state-dir>/usage.json) while no claim comes"
         " or goes (a change is written at once). A crash loses at most this much busy time;"
-        " allocated GPU-seconds and energy are exact across it (docs/budgets.md).",
+        " allocated GPU-seconds and energy are exact across it (docs/budgets.md). A write costs"
+        " the sampler about as much CPU as a second of counting (docs/performance.md).",
         groups=("daemon",),
         metavar="SECONDS",
         parse=seconds,

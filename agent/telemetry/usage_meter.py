@@ -1,5 +1,6 @@
 """The sampler's feed of the usage ledger (:mod:`agent.usage.counters`): each tick, every held
-device's weight, busy GPUs and energy since the tick before.
+device's weight, busy GPUs and energy since the tick before, handed to the ledger as one
+interval per write.
 
 - **Weight**: :func:`agent.usage.weights.weights` of the claims holding devices, found again only
   when the holders or the GPUs change (the checkpoint's records are immutable: the same objects
@@ -12,6 +13,16 @@ device's weight, busy GPUs and energy since the tick before.
 - **Energy**: the increase of the device's ``tessera_claim_energy_joules`` counter since the
   tick before (the attribution of :mod:`agent.telemetry.energy`), so the ledger and the metric
   never disagree about a joule while the agent runs.
+
+**One interval per write.** Each tick integrates only what varies from tick to tick: the seconds,
+and each holding's busy GPU-seconds (or unobserved seconds). The ledger gets them, with the
+energy counters' rise since the last interval, as one interval when it is due to write
+(``write_interval``), at once when a holding comes or goes (so the file says who holds what, as
+the ledger's exactly-once rule needs), before a 15-minute bucket boundary (so every second's busy
+time and energy lands in its own bucket), and before any read (counters, a claim's totals, a
+report, a stop), so nothing anyone reads lags the last tick. What a crash loses is unchanged:
+what was counted since the last write. Why: a per-tick pass over every holding, in the meter
+and again in the ledger, was most of the accounting's CPU (``python -m bench telemetry``).
 
 The ledger is opened at the first tick (the agent holds its state directory by then: during a
 rolling update's handover only the agent that holds it writes). That tick counts the time since
@@ -37,8 +48,8 @@ from agent.nvml.samples import GpuSample, MigSample
 from agent.telemetry.attribution import ClaimHolder, HeldDevice
 from agent.telemetry.gpuinfo import GpuInfo
 from agent.telemetry.snapshot import ClaimUsage
-from agent.usage.buckets import report_buckets
-from agent.usage.counters import Counters, Gap, HoldingKey, Interval, UsageLedger
+from agent.usage.buckets import bucket_start, report_buckets
+from agent.usage.counters import Counters, Gap, Held, HoldingKey, UsageLedger
 from agent.usage.weights import Holding, weights
 
 WRITE_WARNING_INTERVAL_S = 60.0
@@ -47,7 +58,7 @@ WRITE_WARNING_INTERVAL_S = 60.0
 @dataclass(frozen=True)
 class _Held:
     """One holding as every tick needs it (found when the holders change): its key, the
-    :class:`Interval`'s fields that stay the same while it is held, and how its busy time is
+    ledger's :class:`Held` (what stays the same while it is held), and how its busy time is
     read (``busy``: ``gpu`` for a device on a whole GPU, ``mig`` for a MIG device held alone or
     through MPS, None: never measured), so each tick only reads the numbers."""
 
@@ -65,6 +76,28 @@ class _Held:
     """(GPU UUID, GPU instance ID): the MIG sample the busy time is read from."""
 
 
+class _Pending:
+    """The ticks since the ledger's last interval, for one set of holdings (``statics``): their
+    seconds and, in the same order, each holding's busy GPU-seconds and unobserved seconds;
+    with the latest tick's wall-clock time, claims' counters and GPUs' energy readings."""
+
+    __slots__ = ("busy", "claims", "gpu_energy", "idle", "seconds", "start", "statics", "wall")
+
+    def __init__(
+        self,
+        statics: tuple[Held, ...],
+        wall: float,
+        claims: Sequence[ClaimUsage],
+        gpu_energy: Mapping[str, float | None],
+    ) -> None:
+        self.statics = statics
+        self.start = self.wall = wall
+        self.seconds = 0.0
+        self.busy = [0.0] * len(statics)
+        self.idle = [0.0] * len(statics)
+        self.claims, self.gpu_energy = claims, gpu_energy
+
+
 class UsageMeter:
     """Feeds one ledger from the sampler's thread (see the module docstring)."""
 
@@ -76,7 +109,7 @@ class UsageMeter:
         *,
         wall: Callable[[], float] = time.time,
         retention: float = 3600.0,
-        write_interval: float = 5.0,
+        write_interval: float = 15.0,
     ) -> None:
         self.path = path
         self._write_interval = write_interval
@@ -89,10 +122,15 @@ class UsageMeter:
         self._ledger: UsageLedger | None = None
         self._last: float | None = None
         """The monotonic time of the last tick counted."""
-        self._energy: dict[HoldingKey, ClaimUsage] = {}
-        """Each device's usage (its ``energy_joules_total``) at the last tick counted."""
-        self._plan: tuple[tuple[object, ...], tuple[_Held, ...]] = ((), ())
-        """(the holders and GPUs it was found for, the holdings with their weights)."""
+        self._energy: dict[HoldingKey, float] = {}
+        """Each device's ``energy_joules_total`` at the end of the ledger's last interval."""
+        self._pending: _Pending | None = None
+        """What the ticks since the ledger's last interval counted."""
+        self._flushed = 0.0
+        """The wall-clock time of the last interval handed to the ledger by a tick."""
+        self._plan: tuple[tuple[object, ...], tuple[_Held, ...], tuple[Held, ...]] = ((), (), ())
+        """(the holders and GPUs it was found for, the holdings with their weights, what the
+        ledger keeps of them: the same tuple every tick while nobody comes or goes)."""
         self._unweighed: set[HoldingKey] = set()
         self._closed: str | None = None
         """None while counting; at a stop ``saved``, or ``unsaved`` (nothing to report)."""
@@ -100,7 +138,10 @@ class UsageMeter:
     def counters(self) -> dict[HoldingKey, Counters]:
         """Every holding's counters now (any thread)."""
         with self._lock:
-            return {} if self._ledger is None else self._ledger.counters()
+            if self._ledger is None:
+                return {}
+            self._flush(write=False)
+            return self._ledger.counters()
 
     @property
     def through(self) -> float | None:
@@ -114,7 +155,10 @@ class UsageMeter:
         for the ledger's retention (an hour)."""
         with self._lock:
             ledger = self._ledger
-            if ledger is None or ledger.counted_through is None:
+            if ledger is None:
+                return None
+            self._flush(write=False)
+            if ledger.counted_through is None:
                 return None
             return ledger.counted_through, {
                 (k[1], k[2]): c for k, c in ledger.counters().items() if k[0] == uid
@@ -130,6 +174,8 @@ class UsageMeter:
         with self._lock:
             if self._ledger is None or self._ledger.through is None or self._closed == "unsaved":
                 return None
+            if self._closed is None:
+                self._flush(write=False)  # the report's own write (fsynced) stores it
             through, buckets = self._ledger.report(write=self._closed is None)
             return through, report_buckets(buckets, max_bytes)
 
@@ -146,6 +192,7 @@ class UsageMeter:
         with self._lock:
             if self._ledger is None:
                 return
+            self._flush(write=False)  # the sync below writes it
             self._closed = "unsaved"  # never written again: the directory may be another's
             try:
                 self._ledger.sync()
@@ -180,10 +227,10 @@ class UsageMeter:
         claims: Sequence[ClaimUsage],
     ) -> None:
         wall = self._wall()
-        held = self._held(holders, gpus)
-        energy_now = {(c.uid, c.pool, c.device): c for c in claims}
-        counters = {u.uuid: u.energy_joules for u in samples if not u.lost}
-        if self._ledger is None:
+        held, statics = self._held(holders, gpus)
+        gpu_energy = {u.uuid: u.energy_joules for u in samples if not u.lost}
+        p = self._pending
+        if p is None:  # the first tick
             self._ledger = UsageLedger(
                 self.path,
                 self.boot_id,
@@ -191,17 +238,43 @@ class UsageMeter:
                 retention=self._retention,
                 write_interval=self._write_interval,
             )
-            self._continue(self._ledger.credit_gap(wall, [h.key for h in held], counters))
-            seconds = 0.0
-            self._energy = dict(energy_now)  # the baselines: their past is in the ledger
+            self._continue(self._ledger.credit_gap(wall, [h.key for h in statics], gpu_energy))
+            self._energy = _totals(claims)  # the baselines: their past is in the ledger
+            p = self._pending = _Pending(statics, wall, claims, gpu_energy)
+            seconds, come_or_gone = 0.0, True
         else:
             assert self._last is not None
             seconds = max(0.0, now - self._last)
-        intervals = self._intervals(held, samples, energy_now)
+            come_or_gone = p.statics is not statics
+            if come_or_gone or bucket_start(wall) != bucket_start(p.start):
+                # what came before ends here: with the holdings that held it, in its bucket
+                self._flush()
+                p = self._pending = _Pending(statics, p.wall, p.claims, p.gpu_energy)
         self._last = now
-        self._energy.update(energy_now)
+        self._count(p, held, seconds, samples, claims)
+        p.wall, p.claims, p.gpu_energy = wall, claims, gpu_energy
+        if come_or_gone or wall - self._flushed >= self._write_interval:
+            self._flush()
+
+    def _flush(self, *, write: bool = True) -> None:
+        """Hand the ledger what the ticks since its last interval counted, as one interval
+        ending at the last tick (``write=False``: a read; the ledger does not write)."""
+        p, ledger = self._pending, self._ledger
+        if p is None or ledger is None or (p.seconds == 0.0 and not write):
+            return
+        totals = _totals(p.claims)
+        last = self._energy
+        joules = [
+            0.0 if (t := totals.get(h.key)) is None else t - last.get(h.key, 0.0) for h in p.statics
+        ]
+        self._energy = totals
+        self._pending = _Pending(p.statics, p.wall, p.claims, p.gpu_energy)
+        if write:
+            self._flushed = p.wall
         try:
-            self._ledger.account(wall, seconds, intervals, counters)
+            ledger.account_held(
+                p.wall, p.seconds, p.statics, joules, p.busy, p.idle, p.gpu_energy, write=write
+            )
         except OSError as exc:
             self._throttle(
                 logging.WARNING,
@@ -224,13 +297,16 @@ class UsageMeter:
                 ),
             )
 
-    def _held(self, holders: Sequence[ClaimHolder], gpus: Sequence[GpuInfo]) -> tuple[_Held, ...]:
-        """The holdings with their weights, found again only when the holders or GPUs change."""
+    def _held(
+        self, holders: Sequence[ClaimHolder], gpus: Sequence[GpuInfo]
+    ) -> tuple[tuple[_Held, ...], tuple[Held, ...]]:
+        """The holdings with their weights, and what the ledger keeps of them (the same tuple
+        while they stay the same), found again only when the holders or GPUs change."""
         # the same objects (kept alive by the plan, so an id is never another's) mean the same
         # holdings: the checkpoint's records are immutable
         seen, plan_for = self._plan[0], (*holders, None, *gpus)
         if len(seen) == len(plan_for) and all(map(operator.is_, seen, plan_for)):
-            return self._plan[1]
+            return self._plan[1], self._plan[2]
         capacities = [g.capacity for g in gpus if g.capacity is not None]
         devices = {(h.uid, d.pool, d.device): (h, d) for h in holders for d in h.devices}
         found, unknown = weights(
@@ -272,59 +348,54 @@ class UsageMeter:
                     (w.gpu_uuid, device.gpu_instance_id),
                 )
             )
-        self._plan = (plan_for, tuple(plan))
-        return self._plan[1]
+        statics = tuple(
+            Held(h.key, h.namespace, h.claim, h.gpu_uuid, h.weight, h.rule, h.product,
+                 h.mig_profile, h.device.device_class)
+            for h in plan
+        )  # fmt: skip
+        self._plan = (plan_for, tuple(plan), statics)
+        return self._plan[1], self._plan[2]
 
-    def _intervals(
+    def _count(
         self,
+        p: _Pending,
         held: Sequence[_Held],
+        seconds: float,
         samples: Sequence[GpuSample],
-        energy_now: Mapping[HoldingKey, ClaimUsage],
-    ) -> list[Interval]:
-        # the sampler's hottest loop with accounting on (``python -m bench telemetry``): one
-        # pass per holding, the fields that do not change taken from the plan, the tuple made
-        # without the named tuple's Python-level __new__
+        claims: Sequence[ClaimUsage],
+    ) -> None:
+        """Add one tick to ``p``: its seconds, and each holding's busy GPU-seconds (or, not
+        measured, unobserved seconds): the sampler's hottest loop with accounting on
+        (``python -m bench telemetry``)."""
+        p.seconds += seconds
+        if seconds <= 0.0:
+            return
         util = {s.uuid: s.utilization_gpu for s in samples if not s.lost}
         migs: dict[tuple[str, int | None], MigSample] = {
             (s.uuid, m.gpu_instance_id): m for s in samples if not s.lost for m in s.mig
         }
-        last = self._energy
-        make = tuple.__new__
-        out = []
-        for h in held:
-            key = h.key
-            c = energy_now.get(key)
-            joules = 0.0
-            if c is not None:  # negatives: ignored by the ledger
-                before = last.get(key)
-                joules = c.energy_joules_total - (
-                    0.0 if before is None else before.energy_joules_total
-                )
-            busy: float | None = None
+        shares: dict[HoldingKey, float | None] | None = None
+        busy, idle = p.busy, p.idle
+        for i, h in enumerate(held):
+            b: float | None = None
             if h.busy == "gpu":
                 u = util.get(h.gpu_uuid)
-                if u is not None and c is not None and c.share is not None:
-                    busy = u * c.share
+                if u is not None:
+                    if shares is None:
+                        shares = {(c.uid, c.pool, c.device): c.share for c in claims}
+                    share = shares.get(h.key)
+                    if share is not None:
+                        b = u * share
             elif h.busy == "mig":
                 mig = migs.get(h.mig_key)
                 if mig is not None and mig.utilization is not None:
-                    busy = mig.utilization * h.weight
-            out.append(
-                make(
-                    Interval,
-                    (
-                        key,
-                        h.namespace,
-                        h.claim,
-                        h.gpu_uuid,
-                        h.weight,
-                        h.rule,
-                        joules,
-                        busy,
-                        h.product,
-                        h.mig_profile,
-                        h.device.device_class,
-                    ),
-                )
-            )
-        return out
+                    b = mig.utilization * h.weight
+            if b is None:
+                idle[i] += seconds
+            elif b > 0.0:
+                busy[i] += (b if b < 1.0 else 1.0) * seconds
+
+
+def _totals(claims: Sequence[ClaimUsage]) -> dict[HoldingKey, float]:
+    """Each claim device's energy counter (``tessera_claim_energy_joules``)."""
+    return {(c.uid, c.pool, c.device): c.energy_joules_total for c in claims}

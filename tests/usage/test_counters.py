@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agent.usage.buckets import BUCKET_SECONDS, bucket_start
-from agent.usage.counters import Interval, UsageLedger
+from agent.usage.counters import Held, Interval, UsageLedger
 
 BOOT, OTHER_BOOT = "boot-1", "boot-2"
 KEY = ("uid-1", "node-a", "gpu-0")
@@ -26,7 +26,7 @@ def iv(weight: float = 1.0, joules: float = 0.0, busy: float | None = None, key=
 def test_an_interval_adds_allocated_busy_and_energy_and_is_on_disk_when_account_returns(
     tmp_path: Path,
 ):
-    ledger = UsageLedger(tmp_path / "usage.json", BOOT)
+    ledger = UsageLedger(tmp_path / "usage.json", BOOT, write_interval=5.0)
     ledger.account(1000.0, 0.0, [iv(0.5)], {GPU: 100.0})
     ledger.account(1010.0, 10.0, [iv(0.5, joules=1500.0, busy=0.25)], {GPU: 3100.0})
     c = ledger.counters()[KEY]
@@ -100,7 +100,7 @@ def test_a_released_claim_keeps_its_counters_for_the_retention_then_goes(tmp_pat
 
 def test_a_failed_write_keeps_counting_in_memory_and_the_next_write_catches_up(tmp_path: Path):
     path = tmp_path / "state" / "usage.json"
-    ledger = UsageLedger(path, BOOT)
+    ledger = UsageLedger(path, BOOT, write_interval=5.0)
     ledger.account(1000.0, 5.0, [iv(1.0)], {})
     (tmp_path / "state").rename(tmp_path / "elsewhere")
     (tmp_path / "state").write_text("a file where the directory was")  # root cannot write either
@@ -161,8 +161,11 @@ def _overlap(a: float, b: float, start: int) -> float:
     ),
     weight=st.sampled_from([1.0, 0.5, (1 / 7 + 1 / 8) / 2, 0.25]),
     first=st.floats(min_value=0.0, max_value=BUCKET_SECONDS),  # where in a bucket it starts
+    # the sampler's path: the same Held tuple every tick (its records found once); or a new
+    # list of intervals every tick
+    same_held=st.booleans(),
 )
-def test_allocated_time_and_energy_are_exact_across_any_crashes(ticks, weight, first):
+def test_allocated_time_and_energy_are_exact_across_any_crashes(ticks, weight, first, same_held):
     """A claim held throughout: whatever ticks the agent is killed after and however long it is
     down, its allocated GPU-seconds are weight x the time held and its energy weight x the GPU's,
     exactly once. Busy GPU-seconds are exact for what was written before each crash; the rest of
@@ -184,13 +187,21 @@ def test_allocated_time_and_energy_are_exact_across_any_crashes(ticks, weight, f
         dropped: dict[int, tuple[float, float, float, float]] = {}
         closed_seen: dict[int, tuple[float, float, float, float]] = {}
         acked = 0.0
+        held = (Held(KEY, "team-a", "train", GPU, weight, "whole-gpu"),)
         for seconds, watts, util, action, downtime in ticks:
             now += seconds
             energy += watts * seconds
             busy += util * weight * seconds
-            if ledger.account(
-                now, seconds, [iv(weight, watts * seconds * weight, util * weight)], {GPU: energy}
-            ):
+            joules = watts * seconds * weight
+            if same_held:
+                wrote = ledger.account_held(
+                    now, seconds, held, [joules], [util * weight * seconds], [0.0], {GPU: energy}
+                )
+            else:
+                wrote = ledger.account(
+                    now, seconds, [iv(weight, joules, util * weight)], {GPU: energy}
+                )
+            if wrote:
                 written = (now, busy, unobserved)
             for start, entries in ledger.buckets.items():  # a closed bucket never changes
                 if ledger.buckets.closed(start):
@@ -244,3 +255,66 @@ def test_allocated_time_and_energy_are_exact_across_any_crashes(ticks, weight, f
         expected = (c.allocated_gpu_seconds, c.busy_gpu_seconds, c.energy_joules)
         assert tuple(totals[:3]) == pytest.approx(expected, rel=1e-9, abs=1e-6)
         assert totals[3] == pytest.approx(c.unobserved_seconds, rel=1e-9, abs=1e-9)
+
+
+KEYS = [("uid-1", "node-a", "gpu-0"), ("uid-2", "node-a", "gpu-1"), ("uid-3", "node-a", "gpu-0")]
+
+
+def _state(ledger: UsageLedger) -> tuple[object, object]:
+    buckets = {
+        s: {k: (u.namespace, u.claim, u.allocated, u.busy, u.energy, u.unobserved)
+            for k, u in e.items()}
+        for s, e in ledger.buckets.items()
+    }  # fmt: skip
+    return ledger.counters(), buckets
+
+
+@given(
+    ticks=st.lists(
+        st.tuples(
+            st.frozensets(st.sampled_from(range(len(KEYS)))),  # who holds a device now
+            st.floats(min_value=0.5, max_value=400.0),  # seconds since the previous tick
+            st.floats(min_value=-5.0, max_value=50.0),  # each one's joules (negative: a reset)
+            st.one_of(st.none(), st.floats(min_value=0.0, max_value=1.5)),  # busy GPUs
+            st.sampled_from([0.25, 0.5, 1.0]),  # the weight, when the holders change
+        ),
+        min_size=1,
+        max_size=30,
+    )
+)
+def test_the_sampler_path_counts_as_the_general_one_while_holders_come_and_go(ticks):
+    """``account_held`` finds the records and bucket entries once per ``Held`` tuple (the
+    sampler hands the same one every tick while nobody comes or goes): whatever comes, goes,
+    changes weight, expires past the retention or crosses a bucket boundary, its counters,
+    buckets and writes are those of ``account`` given new intervals every tick."""
+    with tempfile.TemporaryDirectory() as d:
+        general = UsageLedger(Path(d) / "a.json", BOOT, retention=600.0)
+        sampler = UsageLedger(Path(d) / "b.json", BOOT, retention=600.0)
+        now = 1_800_000_000.0 - 100.0
+        held: tuple[Held, ...] = ()
+        holders: frozenset[int] | None = None
+        for who, seconds, joules, busy, weight in ticks:
+            now += seconds
+            if who != holders:  # a new tuple only when the holders change, as the sampler does
+                holders = who
+                held = tuple(
+                    Held(KEYS[i], "team-a", f"claim-{i}", GPU, weight, "r", "A100", None, "gpu")
+                    for i in sorted(who)
+                )
+            intervals = [
+                Interval(h.key, h.namespace, h.claim, h.gpu_uuid, h.weight, h.rule, joules,
+                         busy, h.product, h.mig_profile, h.device_class)
+                for h in held
+            ]  # fmt: skip
+            energy = {GPU: 1000.0 + now}
+            busy_s = 0.0 if busy is None else min(busy, 1.0) * seconds
+            idle = seconds if busy is None else 0.0
+            n = len(held)
+            wrote = sampler.account_held(
+                now, seconds, held, [joules] * n, [busy_s] * n, [idle] * n, energy
+            )
+            assert general.account(now, seconds, intervals, energy) == wrote
+            assert _state(sampler) == _state(general)
+        assert json.loads((Path(d) / "a.json").read_bytes()) == json.loads(
+            (Path(d) / "b.json").read_bytes()
+        )
