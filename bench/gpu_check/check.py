@@ -31,6 +31,7 @@ import json
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -402,6 +403,14 @@ def main(argv: Sequence[str] | None = None, out: IO[str] | None = None) -> int:
             body = {"result": "error", "exitCode": EXIT_CANNOT_RUN, "error": str(exc)}
             out.write(json.dumps(body, indent=2) + "\n")
         sys.stderr.write(f"gpu-check: cannot run: {exc}\n")
+        return EXIT_CANNOT_RUN
+    except Exception as exc:
+        # a crash is no verdict: Python's own exit code for it (1) would read as "different"
+        traceback.print_exc()
+        sys.stderr.write(
+            f"gpu-check: cannot run: it failed: {type(exc).__name__}: {exc} (a bug in gpu-check:"
+            " report it with the traceback above)\n"
+        )
         return EXIT_CANNOT_RUN
     if args.save is not None:
         save(report, args.save)

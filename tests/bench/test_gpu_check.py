@@ -282,7 +282,8 @@ def test_make_gpu_check_runs_the_module():
         check=True,
         env={**os.environ, "MAKEFLAGS": ""},
     )
-    assert ".venv/bin/python -m bench.gpu_check --simulate mixed -o json" in done.stdout
+    assert "bench/gpu_check/make_gpu_check.sh --simulate mixed -o json" in done.stdout
+    assert "result" not in done.stdout  # -n runs nothing (tests/bench/test_gpu_bundle.py runs it)
 
 
 def test_unknown_reference_specs_file_cannot_run(tmp_path):
@@ -314,3 +315,16 @@ def test_only_the_simulated_twin_is_ever_changed():
             if module.name != "reference.py" or not on_fake:
                 offenders.append(f"{module.name}:{node.lineno} {ast.unparse(node.func)}")
     assert offenders == []
+
+
+def test_a_crash_is_no_verdict_and_exits_2(monkeypatch):
+    """Python exits 1 on an uncaught exception, which would read as "different"."""
+
+    def crash(**_):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(check, "run_check", crash)
+    code, _, err = gpu_check("--simulate", "mixed")
+    assert code == 2
+    assert "Traceback" in err
+    assert err.splitlines()[-1].startswith("gpu-check: cannot run: it failed: RuntimeError: boom")
