@@ -8,7 +8,7 @@ RUN_DIR := .run
 MODEL ?= dgx-h100
 METRICS ?= 127.0.0.1:9400
 
-.PHONY: run test lint typecheck unit reliability bench gpu-check clean docs proto
+.PHONY: run test lint typecheck unit reliability bench gpu-check gpu-bundle clean docs proto
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -84,9 +84,18 @@ bench: $(STAMP)
 
 # On a GPU node: the real GPUs against the simulator's model of them, reading only (exit 0 same,
 # 1 different, 2 cannot run; docs/troubleshooting.md). Without a GPU: ARGS='--simulate dgx-h100'.
-# More: ARGS='-o json --save .run/gpu-check'.
-gpu-check: $(STAMP)
-	$(PY) -m bench.gpu_check $(ARGS)
+# More: ARGS='-o json --save .run/gpu-check'. With no venv it runs the offline bundle when there
+# is one (make gpu-bundle, copied to the GPU machine); make exits 2 on any failure, so the
+# check's own code is the last line and $(RUN_DIR)/gpu-check.exit (bench/gpu_check/make_gpu_check.sh).
+GPU_BUNDLE ?= build/gpu-bundle
+gpu-check:
+	@VENV='$(VENV)' PY='$(PY)' STAMP='$(STAMP)' GPU_BUNDLE='$(GPU_BUNDLE)' RUN_DIR='$(RUN_DIR)' \
+		bench/gpu_check/make_gpu_check.sh $(ARGS)
+
+# gpu-check for a GPU machine with no package index and about 64 MiB of room: at most 50 MiB,
+# pure Python, with its launcher (bench/gpu_check/bundle.py); copy it to build/gpu-bundle there.
+gpu-bundle: $(STAMP)
+	$(PY) -m bench.gpu_check.bundle --out $(GPU_BUNDLE)
 
 clean:
 	rm -rf $(VENV) $(RUN_DIR) .mypy_cache .pytest_cache .ruff_cache

@@ -3,7 +3,8 @@
 ``tessera discover -o json`` and ``tessera slices -o json`` must work on a real GPU (a failure is
 a problem the check reports); ``tessera doctor`` reports on the node itself (Kubernetes, CDI,
 runtime), which a bare GPU machine may lack, so its exit code is shown and does not count. A
-``tessera`` without a ``doctor`` command skips that step and says so.
+``tessera`` without a ``doctor`` command skips that step and says so, and so does one from the
+offline bundle, which leaves out the modules only ``doctor`` needs (:mod:`bench.gpu_check.bundle`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from bench.gpu_check.bundle_launch import NOT_BUNDLED
 
 OK, FAILED, SKIPPED, TIMEOUT, PROBLEMS = "ok", "failed", "skipped", "timed out", "problems"
 
@@ -126,6 +129,9 @@ def doctor(tessera: Sequence[str], extra: Sequence[str], timeout: float) -> Step
         return step
     if done.returncode == 2 and "invalid choice: 'doctor'" in done.stderr:
         return replace(step, status=SKIPPED, detail="this tessera has no doctor command")
+    if done.returncode != 0 and NOT_BUNDLED in done.stderr:
+        # the offline bundle (make gpu-bundle) leaves out what only doctor imports
+        return replace(step, status=SKIPPED, detail=_last_line(done.stderr))
     if done.returncode == 0:
         return replace(step, detail="every check passed (exit 0)")
     why = _last_line(done.stdout) or _last_line(done.stderr)
