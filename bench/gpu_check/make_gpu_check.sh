@@ -32,7 +32,8 @@ venv)
     rc=$?
     ;;
 bundle)
-    echo "gpu-check: no $VENV here: running gpu-check from the bundle $GPU_BUNDLE" >&2
+    echo "gpu-check: no $VENV here (or not up to date): running gpu-check from the bundle" \
+        "$GPU_BUNDLE" >&2
     "$GPU_BUNDLE/gpu-check" "$@"
     rc=$?
     ;;

@@ -210,7 +210,10 @@ def test_make_keeps_different_and_cannot_run_apart(tmp_path, check_exit, recorde
     code, written, output = make_gpu_check(
         tmp_path, f"VENV={tmp_path / 'none'}", f"GPU_BUNDLE={fake}", "ARGS=--simulate mixed"
     )
-    assert f"no {tmp_path / 'none'} here: running gpu-check from the bundle {fake}" in output
+    assert (
+        f"no {tmp_path / 'none'} here (or not up to date): running gpu-check from the bundle {fake}"
+        in output
+    )
     assert "checked --simulate mixed" in output
     assert written == recorded
     assert output.rstrip().splitlines()[-1 if check_exit == 0 else -2].startswith(says)
@@ -260,3 +263,20 @@ def test_make_gpu_check_offline_runs_the_bundle(bundle, tmp_path):
     assert code == 0 and written == 0, output
     assert "running gpu-check from the bundle" in output
     assert "result: no difference (exit 0" in output
+
+
+def test_a_directory_that_is_not_a_bundle_is_not_replaced(tmp_path):
+    (tmp_path / "keep.txt").write_text("mine\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_check.bundle", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert done.stderr == (
+        f"gpu-bundle: {tmp_path} exists and is not a gpu-check bundle (no bundle.json):"
+        " not replaced\n"
+    )
+    assert (tmp_path / "keep.txt").read_text() == "mine\n"
