@@ -13,8 +13,8 @@ in (``build/gpu-bundle``), so it is always the code being checked.
 What gpu-check imports (its import graph on ``--simulate``, every process: the check and its
 ``tessera discover``/``slices``/``doctor`` steps, ``sys.modules`` at exit): the check, discover
 and slices need only ``pynvml`` (nvidia-ml-py) and ``yaml`` (PyYAML) beyond the standard library.
-``tessera doctor`` also imports the Kubernetes client, grpcio, jsonschema and more (about 130 MB
-with the client's generated models); its result never counts in the check, so the bundle leaves
+``tessera doctor`` also imports the Kubernetes client, grpcio, jsonschema and more (126 MB for
+the client alone, its generated models); its result never counts in the check, so the bundle leaves
 it out and the step says so.
 
 Only pure Python is copied: PyYAML's compiled libyaml binding (``yaml/_yaml.*.so``) is left out
