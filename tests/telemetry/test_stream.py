@@ -351,3 +351,32 @@ def test_tls_options_do_not_apply_to_the_unix_socket(short_tmp, pki):
     with pytest.raises(ConfigError, match="--tls options apply to a HOST:PORT endpoint"):
         run_top(f"unix://{short_tmp}/t.sock", True, 1.0, io.StringIO(), threading.Event(),
                 tls=TlsFiles(None, None, pki.ca, "--tls", "-ca"))  # fmt: skip
+
+
+def test_top_exits_with_a_message_when_its_agent_goes_away(short_tmp):
+    """The agent stops while `tessera top` watches: top does not end as if the user quit
+    (exit 0, no word); it says the agent went away, and the CLI exits non-zero."""
+    snap = make_snapshot(tick=1)
+    server = TelemetryServer(lambda: snap, short_tmp / "telemetry.sock", LOG)
+    server.start()
+    target = f"unix://{short_tmp / 'telemetry.sock'}"
+    outcome: list[BaseException | int] = []
+
+    def top() -> None:
+        try:
+            outcome.append(run_top(target, False, 0.05, io.StringIO(), threading.Event()))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=top)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while server.watchers()["unix"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # until top's Watch stream is open
+        assert server.watchers()["unix"] == 1
+    finally:
+        server.stop()
+        thread.join(30)
+    assert len(outcome) == 1 and isinstance(outcome[0], TopError), outcome
+    assert str(outcome[0]).startswith(f"the Tessera agent at {target} went away")
