@@ -5,6 +5,8 @@ README do it, and the agent prepares what was written."""
 import io
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import yaml
 
 from agent.cli import main
 from agent.sim.model import model_names
+from agent.statelock import StateLock
 from dra_driver.kubeletplugin.claims import ClaimKey, parse_allocation
 from dra_driver.testkubelet.calls import ClaimRef
 from dra_driver.testkubelet.client import KubeletClient
@@ -138,11 +141,6 @@ def test_a_second_make_run_leaves_the_running_agents_files_alone(tmp_path):
     it stops before it writes anything there, says why, and the running agent's claim file
     (allocated for its own model) stays as it was. The first `make run`'s files are its agent's
     input; the second agent would only exit at the lock after they were overwritten."""
-    import subprocess
-    import sys
-
-    from agent.statelock import StateLock
-
     state = tmp_path / "run" / "state"
     claims = state / "resourceclaims"
     claims.mkdir(parents=True)
