@@ -331,7 +331,7 @@ def test_a_second_agent_publishing_for_the_same_node_name_warns(
     assert len(warned) == 2, [r.getMessage() for r in caplog.records]
     for record in warned:
         assert record.levelno == logging.WARNING
-        fields = record.fields  # type: ignore[attr-defined]
+        fields = record.fields
         assert fields["node"] == NODE and fields["driver"] == DRIVER
         assert fields["seen_generation"] > fields["published_generation"]
         assert "--node-name" in record.getMessage()
