@@ -19,6 +19,14 @@ $(STAMP): pyproject.toml
 SAMPLE_UID := 0b9e7a3c-5d0e-4c7a-9b1e-2f6d8c4a1e01
 
 run: $(STAMP)
+	@# an agent already on this state directory holds agent.lock (flock, agent/statelock.py):
+	@# stop before overwriting its claim file; the second agent would only exit at the lock
+	@if [ -e $(RUN_DIR)/state/agent.lock ] && ! flock -n $(RUN_DIR)/state/agent.lock true; then \
+		echo "make run: an agent already runs on $(abspath $(RUN_DIR)/state) (it holds agent.lock);" \
+			"its files are left as they are. Stop it (Ctrl-C in its terminal) first, or use" \
+			"another directory: make run RUN_DIR=.run2 METRICS=127.0.0.1:9401" >&2; \
+		exit 1; \
+	fi
 	@mkdir -p $(RUN_DIR)/state/resourceclaims
 	@# the tour's claim (a whole GPU, else a MIG device), allocated on this model by the allocator
 	@cp deploy/daemonset/examples/sample-gpu.yaml $(RUN_DIR)/state/resourceclaims/sample-gpu.yaml

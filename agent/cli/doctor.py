@@ -47,6 +47,7 @@ def cmd_doctor(inv: Invocation) -> int:
     from agent.cli.node_access import host_root, open_node
     from agent.daemon import DEFAULT_STATE_DIR, agent_paths, cdi_hook
     from agent.doctor import Facts, diagnose
+    from agent.doctor.host import check_state_dir
     from agent.doctor.verdict import exit_code, to_json, to_table
     from dra_driver.cluster.kube import KubeClient
 
@@ -57,10 +58,16 @@ def cmd_doctor(inv: Invocation) -> int:
             Path(tmp) if config.simulator.simulate else DEFAULT_STATE_DIR
         )
         paths = agent_paths(config, state_dir)
-        source = open_node(config, state_dir)
+        # the simulated node is written under the state directory; one that is not usable
+        # (a file in the way, not writable) is the state-dir check's failure to report, as on
+        # a real node: the simulated node then lives in the temporary directory instead
+        node_dir = state_dir
+        if config.simulator.simulate and check_state_dir(state_dir).status == "fail":
+            node_dir = Path(tmp)
+        source = open_node(config, node_dir)
         facts = Facts(
             source=source,
-            host_root=host_root(config, state_dir, opts.host_root),
+            host_root=host_root(config, node_dir, opts.host_root),
             state_dir=state_dir,
             registry_dir=paths.registry_dir,
             plugins_dir=paths.plugins_dir,

@@ -278,6 +278,7 @@ def _build(
             send_timeout=telemetry.telemetry_send_timeout,
         ),
         tls=telemetry.tls(),
+        device_names=devices.names,
     )
     triggers = (
         None if node.triggers is None else node.triggers(state_dir, log.getChild("rediscovery"))

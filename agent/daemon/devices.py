@@ -46,6 +46,14 @@ class CurrentDevices:
         with self._lock:
             return self._model
 
+    def names(self) -> dict[str, str]:
+        """Each advertised device's name to its NVML UUID (a dynamic MIG placement, not yet
+        created: its GPU's): the telemetry API's filters by the names users see in slices."""
+        model = self.current()
+        if model is None:
+            return {}
+        return {d.name: d.uuid or d.parent_uuid for d in model.devices}
+
     def get(self) -> DeviceModel:
         with self._lock:
             if self._model is None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from agent.decode import fields as F
 from agent.decode.bounds import YamlLoader
 from agent.sim.errors import ModelError
 from agent.sim.specs import GpuSpec, gpu_specs
@@ -124,81 +125,125 @@ def _stable_uuid(*parts: str) -> str:
     return str(uuidlib.uuid5(uuidlib.NAMESPACE_URL, "tessera-sim/" + "/".join(parts)))
 
 
+def _scalar(value: object, path: str) -> str:
+    """A string, or a number YAML read from unquoted text (``numaNodes: {0: 0}``), as text."""
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise F.expected("a string", value, path)
+    return str(value)
+
+
+def _endpoint(r: Mapping[str, Any], path: str) -> tuple[str, int, tuple[str, ...]]:
+    """A device's bus, NUMA node and parent path."""
+    where = path
+    bus = _bdf(F.text(r.get("bus"), F.at(path, "bus"), nonempty=True), where)
+    numa = F.integer(r.get("numa"), F.at(path, "numa"), low=0)
+    parent = _parent(F.text(r.get("parent"), F.at(path, "parent"), nonempty=True), where)
+    return bus, numa, parent
+
+
+def _read_model(raw: Mapping[str, Any], specs: Mapping[str, GpuSpec] | None) -> NodeModel:
+    """The model from its document, every field read by ``agent.decode.fields`` (its errors
+    name the field path: ``gpus[0].numa: expected an integer, got a string: "zero"``)."""
+    name = F.text(raw.get("name"), "name", nonempty=True)
+    specs = gpu_specs() if specs is None else specs
+    rows = F.objects(raw.get("gpus"), "gpus")
+    keyed = sorted(
+        (_bdf(F.text(r.get("bus"), f"gpus[{i}].bus", nonempty=True), f"gpus[{i}]"), i, r)
+        for i, r in enumerate(rows)
+    )
+    gpus: list[GpuSlot] = []
+    for index, (_, i, r) in enumerate(keyed):
+        where = f"gpus[{i}]"
+        product = F.text(r.get("product"), F.at(where, "product"), nonempty=True)
+        if product not in specs:
+            raise ModelError(f"{where}: unknown product {product!r}; known: {', '.join(specs)}")
+        bus, numa, parent = _endpoint(r, where)
+        serial = r.get("serial")
+        gpus.append(
+            GpuSlot(
+                bus=bus,
+                numa=numa,
+                parent=parent,
+                spec=specs[product],
+                index=index,
+                uuid="GPU-" + _stable_uuid(name, bus),
+                serial=_scalar(serial, F.at(where, "serial"))
+                if serial is not None
+                else f"{1650000000000 + index * 7919 + int(bus[5:7], 16)}",
+            )
+        )
+    nics = []
+    for i, r in enumerate(F.objects(raw.get("nics"), "nics")):
+        where = f"nics[{i}]"
+        bus, numa, parent = _endpoint(r, where)
+        nics.append(
+            NicSlot(
+                bus=bus,
+                numa=numa,
+                parent=parent,
+                name=F.text(r.get("name"), F.at(where, "name"), nonempty=True),
+                model=F.one_of(r.get("model"), F.at(where, "model"), list(NIC_DEVICE_IDS)),
+                link_layer=F.text(r.get("linkLayer"), F.at(where, "linkLayer"), nonempty=True),
+                netdev=F.text(r.get("netdev"), F.at(where, "netdev"), nonempty=True),
+            )
+        )
+    switches = []
+    for i, r in enumerate(F.objects(raw.get("nvswitches"), "nvswitches")):
+        bus, numa, parent = _endpoint(r, f"nvswitches[{i}]")
+        switches.append(SwitchSlot(bus=bus, numa=numa, parent=parent))
+    nv = F.obj(raw.get("nvlink", {"kind": "none"}), "nvlink")
+    kind = F.one_of(nv.get("kind"), "nvlink.kind", ("nvswitch", "bridge", "none"))
+    bridges = []
+    for i, b in enumerate(F.objects(nv.get("bridges"), "nvlink.bridges")):
+        where = f"nvlink.bridges[{i}]"
+        pair = F.texts(b.get("gpus"), F.at(where, "gpus"), required=True)
+        if len(pair) != 2:
+            raise F.FieldError(F.at(where, "gpus"), f"expected 2 GPU bus ids, got {len(pair)}")
+        bridges.append(
+            NvlinkBridge(
+                gpus=(pair[0], pair[1]),
+                links=F.integer(b.get("links"), F.at(where, "links"), low=1),
+            )
+        )
+    switch_id = nv.get("switchDeviceId")
+    numa_nodes = F.obj(raw.get("numaNodes"), "numaNodes")
+    if not numa_nodes:
+        raise F.FieldError("numaNodes", "missing; expected {node: cpu list}, e.g. {0: '0-23'}")
+    return NodeModel(
+        name=name,
+        description=_scalar(raw.get("description"), "description"),
+        hostname=_scalar(raw.get("hostname", name), "hostname"),
+        driver_version=_scalar(raw.get("driverVersion"), "driverVersion"),
+        cuda_driver_version=F.integer(raw.get("cudaDriverVersion"), "cudaDriverVersion", low=1),
+        default_mig_layout=F.text(raw.get("defaultMigLayout", "none"), "defaultMigLayout"),
+        numa_nodes={
+            F.integer(k, f"numaNodes.{F.field_name(k)}", low=0): _scalar(
+                v, f"numaNodes.{F.field_name(k)}"
+            )
+            for k, v in numa_nodes.items()
+        },
+        nvlink_kind=kind,
+        switch_device_id=None
+        if switch_id is None
+        else F.integer(switch_id, "nvlink.switchDeviceId", low=0),
+        bridges=tuple(bridges),
+        gpus=tuple(gpus),
+        nics=tuple(nics),
+        nvswitches=tuple(switches),
+    )
+
+
 def parse_model(
     raw: dict[str, Any], source: str = "<model>", specs: Mapping[str, GpuSpec] | None = None
 ) -> NodeModel:
     """Validate one model document and build the typed model. GPUs get NVML indices in bus order.
     Products are looked up in ``specs`` (default: the bundled ``gpus.yaml``)."""
     try:
-        name = str(raw["name"])
-        specs = gpu_specs() if specs is None else specs
-        gpu_rows = sorted(raw.get("gpus", []), key=lambda r: str(r["bus"]))
-        gpus: list[GpuSlot] = []
-        for i, r in enumerate(gpu_rows):
-            where = f"{source}: gpus[{i}]"
-            product = str(r["product"])
-            if product not in specs:
-                raise ModelError(f"{where}: unknown product {product!r}; known: {', '.join(specs)}")
-            bus = _bdf(str(r["bus"]), where)
-            gpus.append(
-                GpuSlot(
-                    bus=bus,
-                    numa=int(r["numa"]),
-                    parent=_parent(str(r["parent"]), where),
-                    spec=specs[product],
-                    index=i,
-                    uuid="GPU-" + _stable_uuid(name, bus),
-                    serial=str(r.get("serial", f"{1650000000000 + i * 7919 + int(bus[5:7], 16)}")),
-                )
-            )
-        nics = tuple(
-            NicSlot(
-                bus=_bdf(str(r["bus"]), f"{source}: nics[{i}]"),
-                numa=int(r["numa"]),
-                parent=_parent(str(r["parent"]), f"{source}: nics[{i}]"),
-                name=str(r["name"]),
-                model=str(r["model"]),
-                link_layer=str(r["linkLayer"]),
-                netdev=str(r["netdev"]),
-            )
-            for i, r in enumerate(raw.get("nics", []))
-        )
-        for n in nics:
-            if n.model not in NIC_DEVICE_IDS:
-                raise ModelError(f"{source}: NIC {n.name} has unknown model {n.model!r}")
-        switches = tuple(
-            SwitchSlot(
-                bus=_bdf(str(r["bus"]), f"{source}: nvswitches[{i}]"),
-                numa=int(r["numa"]),
-                parent=_parent(str(r["parent"]), f"{source}: nvswitches[{i}]"),
-            )
-            for i, r in enumerate(raw.get("nvswitches", []))
-        )
-        nv = raw.get("nvlink", {"kind": "none"})
-        kind = str(nv["kind"])
-        if kind not in ("nvswitch", "bridge", "none"):
-            raise ModelError(f"{source}: nvlink.kind {kind!r} must be nvswitch, bridge or none")
-        bridges = tuple(
-            NvlinkBridge(gpus=(str(b["gpus"][0]), str(b["gpus"][1])), links=int(b["links"]))
-            for b in nv.get("bridges", [])
-        )
-        model = NodeModel(
-            name=name,
-            description=str(raw["description"]),
-            hostname=str(raw.get("hostname", name)),
-            driver_version=str(raw["driverVersion"]),
-            cuda_driver_version=int(raw["cudaDriverVersion"]),
-            default_mig_layout=str(raw.get("defaultMigLayout", "none")),
-            numa_nodes={int(k): str(v) for k, v in raw["numaNodes"].items()},
-            nvlink_kind=kind,
-            switch_device_id=int(nv["switchDeviceId"]) if "switchDeviceId" in nv else None,
-            bridges=bridges,
-            gpus=tuple(gpus),
-            nics=nics,
-            nvswitches=switches,
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ModelError(f"{source}: malformed model: {exc!r}") from exc
+        model = _read_model(raw, specs)
+    except F.FieldError as exc:  # the field's place, what is wrong and what is allowed
+        raise ModelError(f"{source}: {exc}") from exc
+    except ModelError as exc:
+        raise ModelError(f"{source}: {exc}") from exc
     buses = [d.bus for d in (*model.gpus, *model.nics, *model.nvswitches)]
     if len(set(buses)) != len(buses):
         raise ModelError(f"{source}: duplicate PCI bus ids in model")

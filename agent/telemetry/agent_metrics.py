@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from agent.nocreated import WithoutCreated
 from agent.telemetry.metrics import NODE, Spec, add_sample, family
 
 
@@ -24,19 +25,23 @@ class DriverMetrics:
     """The driver's own instruments (prepare latency and errors, publishing, registration)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
+        """The instruments are served through ``registry`` without ``_created`` series
+        (``agent.nocreated``)."""
+        instruments = CollectorRegistry(auto_describe=True)
         self.prepare_duration = Histogram(
             "tessera_prepare_duration_seconds",
             "Time to prepare or unprepare one claim, by operation.",
             ["operation"],
-            registry=registry,
+            registry=instruments,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 45),
         )
         self.prepare_errors = Counter(
             "tessera_prepare_errors",
             "Claims that failed to prepare or unprepare, by operation and reason.",
             ["operation", "reason"],
-            registry=registry,
+            registry=instruments,
         )
+        registry.register(WithoutCreated(instruments))
 
         self._changes = itertools.count(1)
         self.version = 0

@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +55,44 @@ class TelemetryLimits:
     max_watchers: int = 32
     streams_per_connection: int = 8
     send_timeout: float = 10.0
+
+
+DeviceNames = Callable[[], Mapping[str, str]]
+"""The DRA device names the node advertises now (``gpu-0``, ``gpu-0-mig-1g10gb-19-0``), each to
+the NVML UUID of its GPU or MIG device (a dynamic MIG placement not yet created: its GPU's)."""
+
+
+def _no_names() -> Mapping[str, str]:
+    return {}
+
+
+def resolve(snap: Snapshot, devices: Sequence[str], names: Mapping[str, str]) -> set[str]:
+    """The filter ``devices`` as indexes and UUIDs: a DRA device name becomes its UUID.
+
+    Raises ``ValueError`` naming the filters that match nothing and what would: an unknown
+    name is a mistake to say, not an empty answer that looks like a node without GPUs."""
+    known = {str(g.sample.index) for g in snap.gpus} | {g.sample.uuid for g in snap.gpus}
+    known |= {m.uuid for g in snap.gpus for m in g.sample.mig}
+    wanted = {names.get(d, d) for d in devices}
+    unknown = [d for d in devices if names.get(d, d) not in known]
+    if unknown:
+        allowed = sorted(known | set(names), key=lambda k: (len(k), k))
+        raise ValueError(
+            f"unknown device filter {', '.join(map(repr, unknown))}; known on this node: GPU"
+            f" indexes, GPU and MIG UUIDs and DRA device names: {', '.join(allowed)}"
+        )
+    return wanted
+
+
+def _wanted(
+    snap: Snapshot, devices: Sequence[str], names: Mapping[str, str], context: Any
+) -> set[str]:
+    """``resolve``, or the call aborted with INVALID_ARGUMENT saying why."""
+    try:
+        return resolve(snap, devices, names)
+    except ValueError as exc:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        raise  # abort raises; this line is for the type checker
 
 
 def _gpu_selected(g: GpuTelemetry, wanted: set[str]) -> tuple[bool, set[str]]:
@@ -204,8 +242,10 @@ class TelemetryService(pb_grpc.TelemetryServicer):
         watchers: Watchers | None = None,
         throttle: Throttle | None = None,
         listener: str = "unix",
+        device_names: DeviceNames = _no_names,
     ) -> None:
         self.latest = latest
+        self.device_names = device_names
         self.stop = stop
         self.wake = wake
         self.watchers = watchers or Watchers(32)
@@ -217,7 +257,7 @@ class TelemetryService(pb_grpc.TelemetryServicer):
         if snap is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "no sample taken yet; retry shortly")
         assert snap is not None
-        return to_proto(snap, request.devices)
+        return to_proto(snap, _wanted(snap, request.devices, self.device_names(), context))
 
     def _wake_all(self) -> None:
         with self.wake:
@@ -246,12 +286,15 @@ class TelemetryService(pb_grpc.TelemetryServicer):
         try:
             last_tick = -1
             next_due = 0.0
+            wanted: set[str] | None = None
             while not self.stop.is_set() and context.is_active():
                 snap = self.latest()
                 if snap is not None and snap.tick != last_tick and snap.monotonic >= next_due:
                     last_tick = snap.tick
                     next_due = snap.monotonic + request.interval_seconds - snap.interval_seconds / 2
-                    message = to_proto(snap, request.devices)
+                    if wanted is None:  # checked once: a GPU that goes later just leaves
+                        wanted = _wanted(snap, request.devices, self.device_names(), context)
+                    message = to_proto(snap, wanted)
                     watcher.sending_since = time.monotonic()
                     yield message  # returns once gRPC has handed it to the transport
                     watcher.sending_since = None
@@ -283,8 +326,10 @@ class TelemetryServer:
         *,
         limits: TelemetryLimits | None = None,
         tls: TlsFiles | None = None,
+        device_names: DeviceNames = _no_names,
     ) -> None:
         self.socket = socket.absolute()
+        self._device_names = device_names
         self.tcp_address = tcp_address
         self.log = log
         self.limits = limits or TelemetryLimits()
@@ -312,7 +357,13 @@ class TelemetryServer:
         )
         watchers = Watchers(self.limits.max_watchers)
         service = TelemetryService(
-            self._latest, self._stop, self.wake, watchers, self.throttle, listener=name
+            self._latest,
+            self._stop,
+            self.wake,
+            watchers,
+            self.throttle,
+            listener=name,
+            device_names=self._device_names,
         )
         pb_grpc.add_TelemetryServicer_to_server(service, server)
         return _Listener(name, server, watchers, executor)

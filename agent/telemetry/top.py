@@ -45,6 +45,14 @@ def no_agent(endpoint: str) -> str:
     )
 
 
+def went_away(endpoint: str) -> str:
+    """What to say when the agent ends a running `tessera top`'s stream."""
+    return (
+        f"the Tessera agent at {endpoint} went away (it stopped, restarted or dropped this"
+        " watcher); run `tessera top` again once the agent is back"
+    )
+
+
 def console(out: IO[str], **options: Any) -> Console:
     """A console for data: rich's markup and emoji codes are off, so names and bus ids print
     as they are (``0000:cd:00.0`` is not an emoji, ``[x]`` is not a style)."""
@@ -169,14 +177,19 @@ class TopClient:
             raise self._error(exc) from exc
 
     def watch(self, interval: float) -> Iterator[Any]:
+        """Samples until the caller stops iterating. The stream ending by itself, or cancelled
+        by the server, means the agent went away (it stops, restarts or dropped this watcher):
+        a ``TopError`` says so, so that `tessera top` exits non-zero instead of as if the user
+        had quit."""
         call = self._stub.Watch(pb.WatchRequest(interval_seconds=interval))
         try:
             yield from call
         except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.CANCELLED:
+            if exc.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
                 raise self._error(exc) from exc
         finally:
             call.cancel()
+        raise TopError(went_away(self.endpoint))
 
 
 def run_top(

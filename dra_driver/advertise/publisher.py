@@ -23,13 +23,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.logs import fields_
+from agent.logs import Throttle, fields_
 from dra_driver.advertise.slice_stores import SliceStore
 from dra_driver.advertise.slices import SlicePolicy, build_slices, spec_equal
 from dra_driver.device_model import DeviceModel
 from dra_driver.errors import KubeConflict, KubeError
 
 CONFLICT_RETRIES = 3
+OTHER_PUBLISHER_LOG_INTERVAL = 300.0
+"""Seconds between two warnings that another publisher writes this node's pool: two agents
+undoing each other's devices would otherwise log on every round."""
 
 Obj = dict[str, Any]
 
@@ -155,6 +158,7 @@ class Publisher:
         self.taints_dropped = False
         """The API server stored our devices without their taints (its DRADeviceTaints feature
         gate is off): tainting cannot work there."""
+        self._throttle = Throttle(log, OTHER_PUBLISHER_LOG_INTERVAL, clock)
         self._on_taints_dropped = on_taints_dropped
         """Called once when ``taints_dropped`` becomes true (the agent then withdraws the devices
         instead: rewriting the taints would only loop, each write dropped again)."""
@@ -199,6 +203,7 @@ class Publisher:
             raise RuntimeError("reconcile before set_devices")
         for attempt in range(CONFLICT_RETRIES + 1):
             existing, self._list_rv = self.store.list()
+            self._check_pool_owner(existing)
             plan = plan_changes(
                 existing, model, self.current_policy(), self.published_generation or 0
             )
@@ -213,6 +218,33 @@ class Publisher:
                     raise
                 self.log.info("slice conflict, re-reading", extra=fields_(attempt=attempt + 1))
         raise AssertionError("unreachable")
+
+    def _check_pool_owner(self, existing: list[Obj]) -> None:
+        """Warn when the pool has a generation this process did not publish.
+
+        Only this agent writes its node's pool, and it moves the generation only forward from
+        the one it last published; a person's edit or a deleted slice leaves it alone (drift,
+        repaired quietly). A newer one means another publisher: most likely a second agent
+        started with the same node name, the two rewriting each other's devices on every round.
+        A restarted agent adopts its slices before it has published anything, so never warns.
+        """
+        if self.published_generation is None:
+            return
+        seen = max((int(o["spec"]["pool"].get("generation", 0)) for o in existing), default=0)
+        if seen <= self.published_generation:
+            return
+        self._throttle(
+            logging.WARNING,
+            "other-publisher",
+            "another publisher writes this node's ResourceSlices: its pool has a generation this"
+            " agent did not publish. Most likely a second agent runs with the same node name"
+            " (--node-name / TESSERA_NODE_NAME, NODE_NAME in the DaemonSet), and the two undo"
+            " each other's devices; stop one, or give each node its own name",
+            node=self.policy.node_name,
+            driver=self.policy.driver_name,
+            seen_generation=seen,
+            published_generation=self.published_generation,
+        )
 
     def _apply(self, plan: Plan) -> None:
         for obj in plan.creates:

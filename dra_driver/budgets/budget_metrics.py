@@ -18,6 +18,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from agent.nocreated import WithoutCreated
 from agent.usage.budget_plan import BudgetGauge
 
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -27,7 +28,8 @@ DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 class BudgetMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
+        """What /metrics serves: the instruments, without ``_created`` series (agent.nocreated)."""
+        r = CollectorRegistry(auto_describe=True)
         labels = ("budget", "limit")
         self.used = Gauge(
             "tessera_budget_used",
@@ -89,6 +91,7 @@ class BudgetMetrics:
             ("budget",),
             registry=r,
         )
+        self.registry.register(WithoutCreated(r))
         self._shown: set[tuple[str, str]] = set()
         self._shown_budgets: set[str] = set()
         self._shown_namespaces: set[str] = set()

@@ -5,6 +5,8 @@ README do it, and the agent prepares what was written."""
 import io
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import yaml
 
 from agent.cli import main
 from agent.sim.model import model_names
+from agent.statelock import StateLock
 from dra_driver.kubeletplugin.claims import ClaimKey, parse_allocation
 from dra_driver.testkubelet.calls import ClaimRef
 from dra_driver.testkubelet.client import KubeletClient
@@ -131,3 +134,31 @@ def test_the_readme_tour_shows_the_claims_usage_after_unpreparing_it():
     assert readme.index("tessera kubelet unprepare") < readme.index(
         "tessera usage --state-dir .run/state"
     )
+
+
+def test_a_second_make_run_leaves_the_running_agents_files_alone(tmp_path):
+    """`make run` while an agent already runs on its state directory (it holds agent.lock):
+    it stops before it writes anything there, says why, and the running agent's claim file
+    (allocated for its own model) stays as it was. The first `make run`'s files are its agent's
+    input; the second agent would only exit at the lock after they were overwritten."""
+    state = tmp_path / "run" / "state"
+    claims = state / "resourceclaims"
+    claims.mkdir(parents=True)
+    running = claims / "sample-gpu.yaml"
+    running.write_bytes(b"# the running agent's claim, allocated on another model\n")
+    stamp = tmp_path / "installed"
+    stamp.touch()  # newer than pyproject.toml: make installs nothing
+    lock = StateLock(state)
+    lock.acquire()
+    try:
+        done = subprocess.run(
+            ["make", "-C", str(ROOT), "run", f"RUN_DIR={tmp_path / 'run'}", f"STAMP={stamp}",
+             f"VENV={Path(sys.executable).parent.parent}", "MODEL=dgx-a100", "METRICS=127.0.0.1:0"],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+    finally:
+        lock.release()
+    assert done.returncode != 0
+    assert f"an agent already runs on {state}" in done.stderr, done.stderr
+    assert running.read_bytes() == b"# the running agent's claim, allocated on another model\n"
+    assert sorted(p.name for p in claims.iterdir()) == ["sample-gpu.yaml"]

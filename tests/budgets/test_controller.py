@@ -224,3 +224,16 @@ def test_each_namespaces_gpu_hours_this_month_come_from_its_summaries(
     m = scrape(c)
     assert m[("tessera_budget_namespace_gpu_hours", (("namespace", "team-a"),))] == 2.0
     assert m[("tessera_budget_namespace_gpu_hours", (("namespace", "team-b"),))] == 0.1
+
+
+def test_the_controllers_metrics_have_no_created_series() -> None:
+    """Like the agent's (tests/telemetry/test_metrics.py): prometheus_client's ``_created``
+    gauges are not served; docs/metrics.md lists what is."""
+    m = BudgetMetrics()
+    m.errors.inc()
+    m.evictions.labels("team-a").inc()
+    m.duration.observe(0.2)
+    body = m.exposition()[0].decode()
+    assert "tessera_budget_evictions_total{" in body
+    assert "tessera_budget_reconcile_duration_seconds_count" in body
+    assert "_created" not in body

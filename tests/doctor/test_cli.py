@@ -252,3 +252,19 @@ def test_next_to_a_running_agent_its_lock_is_as_it_should_be(short_tmp):
     lock = the(report, "state-lock")
     assert lock["status"] == "ok" and f"held by the running agent (PID {pid}" in lock["detail"]
     assert not_ok(report) == [("api-server", "", "skip"), ("rbac", "", "skip")]
+
+
+def test_a_bad_state_dir_gets_the_same_verdict_with_simulate_as_without(tmp_path):
+    """A file where the state directory belongs: the report's failed state-dir check and exit
+    1, with --simulate as on a real node; not a one-line error and exit 2 because the simulated
+    node could not be written under it."""
+    in_the_way = tmp_path / "state"
+    in_the_way.write_text("not a directory\n")
+    common = ("--state-dir", str(in_the_way), "--no-kube")
+    real_code, real, _ = doctor(*common, "--host-root", str(tmp_path))
+    sim_code, sim, err = doctor("--simulate", "dgx-a100", *common)
+    assert (sim_code, real_code) == (1, 1), err
+    assert the(sim, "state-dir") == the(real, "state-dir")
+    assert the(sim, "state-dir")["status"] == "fail"
+    assert "a file is in the way" in the(sim, "state-dir")["detail"]
+    assert {c["check"] for c in sim["checks"]} >= EVERY_CHECK - {"api-server", "rbac"}

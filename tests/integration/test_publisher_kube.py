@@ -305,3 +305,34 @@ def test_the_watch_survives_a_line_that_does_not_parse(server, running):
     s["spec"]["devices"] = s["spec"]["devices"][:1]
     server.put_object("resourceslices", s)
     wait_for(lambda: len(ours(server)[0]["spec"]["devices"]) == 8)
+
+
+def test_a_second_agent_publishing_for_the_same_node_name_warns(
+    server, make_publisher, models, caplog
+):
+    """Two agents started with one node name (a copied --node-name, a cloned machine) write the
+    same pool and undo each other's devices. Each sees a pool generation it did not publish
+    and warns, saying what to do; a person's edit of a slice (drift, repaired) and a restarted
+    agent adopting its slices do not warn."""
+    first = make_publisher(models["h100"])
+    first.reconcile()
+    make_publisher(models["h100"]).reconcile()  # a restart: adopts the same slices, no write
+    (s,) = ours(server)
+    s["spec"]["devices"] = s["spec"]["devices"][:1]
+    server.put_object("resourceslices", s)  # a person's edit
+    with caplog.at_level(logging.WARNING, logger=LOG.name):
+        first.reconcile()
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        second = make_publisher(models["h100-1g"])  # same node name, other devices
+        second.reconcile()
+        first.reconcile()
+        second.reconcile()
+    warned = [r for r in caplog.records if "another publisher" in r.getMessage()]
+    assert len(warned) == 2, [r.getMessage() for r in caplog.records]
+    for record in warned:
+        assert record.levelno == logging.WARNING
+        fields = record.fields
+        assert fields["node"] == NODE and fields["driver"] == DRIVER
+        assert fields["seen_generation"] > fields["published_generation"]
+        assert "--node-name" in record.getMessage()
+    assert server.rejected == []

@@ -128,6 +128,13 @@ def test_stream_clients_get_samples_at_the_asked_interval_and_top_renders(node):
     assert all(g >= 0.6 - INTERVAL / 2 - 0.01 for g in gaps), gaps
     assert all([g.index for g in s.gpus] == [5] for s in samples)
     assert samples[-1].gpus[0].holders[0].claim == "viz"
+    with grpc.insecure_channel(f"unix://{node.state / 'telemetry.sock'}") as channel:
+        api = pb_grpc.TelemetryStub(channel)  # the DRA name from the slice, as a user has it
+        by_name = api.Snapshot(pb.SnapshotRequest(devices=["gpu-5"]), timeout=10)
+        assert [g.index for g in by_name.gpus] == [5]
+        with pytest.raises(grpc.RpcError) as e:
+            api.Snapshot(pb.SnapshotRequest(devices=["gpu-99"]), timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     out, err = io.StringIO(), io.StringIO()
     assert main(["top", "--once", "--state-dir", str(node.state)], {}, out, err) == 0, (
         err.getvalue()

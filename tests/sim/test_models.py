@@ -131,3 +131,45 @@ def test_model_file_path(tmp_path):
     assert load_model(str(p)).name == "tiny"
     with pytest.raises(ModelError, match="cannot read"):
         load_model(str(tmp_path / "missing.yaml"))
+
+
+def _gpu0(**over):
+    return [{**_doc()["gpus"][0], **over}, *_doc()["gpus"][1:]]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"name": None}, "test.yaml: name: missing"),
+        ({"gpus": "4x A100"}, 'test.yaml: gpus: expected a list, got a string: "4x A100"'),
+        ({"gpus": _gpu0(product=None)}, "test.yaml: gpus[0].product: missing"),
+        ({"gpus": _gpu0(bus=None)}, "test.yaml: gpus[0].bus: missing"),
+        (
+            {"gpus": _gpu0(numa="zero")},
+            'test.yaml: gpus[0].numa: expected an integer, got a string: "zero"',
+        ),
+        (
+            {"nics": [{"bus": "0000:3f:00.0", "numa": 0, "parent": "pci0000:3a"}]},
+            "test.yaml: nics[0].name: missing",
+        ),
+        ({"nvlink": ["bridge"]}, 'test.yaml: nvlink: expected an object, got a list: ["bridge"]'),
+        ({"numaNodes": None}, "test.yaml: numaNodes: missing"),
+        ({"driverVersion": None}, "test.yaml: driverVersion: missing"),
+    ],
+    ids=["name", "gpus-list", "product", "bus", "numa", "nic-name", "nvlink", "numa-nodes",
+         "driver-version"],
+)  # fmt: skip
+def test_a_malformed_model_is_reported_by_field(override, message):
+    """The field's place, what is wrong and what is allowed: not ``KeyError('name')``."""
+    with pytest.raises(ModelError) as e:
+        parse_model(_doc(**override), "test.yaml")
+    assert str(e.value).startswith(message), str(e.value)
+    assert "KeyError" not in str(e.value) and "TypeError" not in str(e.value)
+
+
+def test_a_malformed_model_file_is_reported_by_field(tmp_path):
+    p = tmp_path / "tiny.yaml"
+    p.write_text("description: no name\ngpus: []\n")
+    with pytest.raises(ModelError) as e:
+        load_model(str(p))
+    assert str(e.value) == f"{p}: name: missing"

@@ -7,7 +7,7 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.telemetry.agent_metrics import AGENT_SPECS, AgentCollector, AgentStatus, DriverMetrics
@@ -70,12 +70,10 @@ def test_exposition_follows_the_conventions():
     assert "# HELP tessera_gpu_power_watts" in text
     for fam in families:
         name = fam.name
-        if name.endswith("_created"):
-            continue  # prometheus_client's own creation timestamps for its instruments
         assert re.fullmatch(r"tessera_[a-z][a-z0-9_]*", name), name
         assert fam.documentation.strip(), f"{name} has no HELP"
         if fam.type == "counter":
-            assert all(s.name.endswith(("_total", "_created")) for s in fam.samples), name
+            assert all(s.name.endswith("_total") for s in fam.samples), name
         base = name
         if base not in UNITLESS:
             assert base.endswith(UNIT_SUFFIXES) or fam.type == "histogram", f"{name}: no unit"
@@ -266,3 +264,19 @@ def test_node_events_are_counted_by_outcome():
     }
     assert got == {"recorded": 4.0, "filtered": 0.0, "dropped": 1.0, "failed": 2.0}
     assert {s.labels["node"] for s in fams["tessera_node_events"].samples} == {"node-a"}
+
+
+def test_no_created_series_are_served_and_the_process_keeps_its_default():
+    """prometheus_client adds a ``_created`` gauge (the instrument's creation time) beside each
+    counter and histogram; docs/metrics.md does not list them and nothing reads them, so the
+    agent's registry serves none. Turned off per registry, not with prometheus_client's
+    process-wide ``disable_created_metrics()``: a registry of the same process still has them."""
+    text = exposition(registry(lambda: make_snapshot(tick=3)))
+    assert (
+        "tessera_prepare_errors_total{" in text
+        and "tessera_prepare_duration_seconds_count{" in text
+    )
+    assert "_created" not in text
+    other = CollectorRegistry()
+    Counter("plain", "a counter of another registry", registry=other).inc()
+    assert "plain_created" in exposition(other)

@@ -351,3 +351,74 @@ def test_tls_options_do_not_apply_to_the_unix_socket(short_tmp, pki):
     with pytest.raises(ConfigError, match="--tls options apply to a HOST:PORT endpoint"):
         run_top(f"unix://{short_tmp}/t.sock", True, 1.0, io.StringIO(), threading.Event(),
                 tls=TlsFiles(None, None, pki.ca, "--tls", "-ca"))  # fmt: skip
+
+
+def test_top_exits_with_a_message_when_its_agent_goes_away(short_tmp):
+    """The agent stops while `tessera top` watches: top does not end as if the user quit
+    (exit 0, no word); it says the agent went away, and the CLI exits non-zero."""
+    snap = make_snapshot(tick=1)
+    server = TelemetryServer(lambda: snap, short_tmp / "telemetry.sock", LOG)
+    server.start()
+    target = f"unix://{short_tmp / 'telemetry.sock'}"
+    outcome: list[BaseException | int] = []
+
+    def top() -> None:
+        try:
+            outcome.append(run_top(target, False, 0.05, io.StringIO(), threading.Event()))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=top)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while server.watchers()["unix"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # until top's Watch stream is open
+        assert server.watchers()["unix"] == 1
+    finally:
+        server.stop()
+        thread.join(30)
+    assert len(outcome) == 1 and isinstance(outcome[0], TopError), outcome
+    assert str(outcome[0]).startswith(f"the Tessera agent at {target} went away")
+
+
+@pytest.fixture
+def named(short_tmp) -> Iterator[str]:
+    """A server that knows the DRA device names the node advertises (as the daemon's are)."""
+    snap = make_snapshot(tick=1)
+    names = {"gpu-0": "GPU-0", "gpu-1": "GPU-1", "gpu-1-mig-1g10gb-19-1": "MIG-1"}
+    server = TelemetryServer(
+        lambda: snap, short_tmp / "telemetry.sock", LOG, device_names=lambda: names
+    )
+    server.start()
+    try:
+        yield f"unix://{short_tmp / 'telemetry.sock'}"
+    finally:
+        server.stop()
+
+
+def test_the_dra_device_names_users_see_are_filters(named):
+    channel, api = stub(named)
+    with channel:
+        whole = api.Snapshot(pb.SnapshotRequest(devices=["gpu-0"]), timeout=5)
+        assert [g.uuid for g in whole.gpus] == ["GPU-0"]
+        mig = api.Snapshot(pb.SnapshotRequest(devices=["gpu-1-mig-1g10gb-19-1"]), timeout=5)
+        assert [g.index for g in mig.gpus] == [1] and [m.uuid for m in mig.gpus[0].mig] == ["MIG-1"]
+        call = api.Watch(pb.WatchRequest(devices=["gpu-1"]))
+        assert [g.uuid for g in next(call).gpus] == ["GPU-1"]
+        call.cancel()
+
+
+@pytest.mark.parametrize("method", ["Snapshot", "Watch"])
+def test_an_unknown_device_filter_is_invalid_argument(named, method):
+    """Not an empty answer that looks like a node without GPUs: the name and what is known."""
+    channel, api = stub(named)
+    with channel, pytest.raises(grpc.RpcError) as e:
+        if method == "Snapshot":
+            api.Snapshot(pb.SnapshotRequest(devices=["gpu-0", "gpu-9"]), timeout=5)
+        else:
+            next(api.Watch(pb.WatchRequest(devices=["gpu-9"]), timeout=5))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = str(e.value.details())
+    assert "'gpu-9'" in details and "'gpu-0'" not in details.split("known")[0]
+    assert "gpu-1-mig-1g10gb-19-1" in details and "GPU-0" in details and "0" in details
