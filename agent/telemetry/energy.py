@@ -23,9 +23,9 @@ counted, by the GPUs or by the claims. Totals never decrease.
 reboots and index renumbering); only a device with no recorded UUID is placed by its
 ``gpu_minor``. A device whose GPU no longer has its UUID (lost, replaced, or the node's model
 changed) is on no known GPU, whatever GPU has its minor number now: it is ignored (logged once)
-and nothing is attributed to it. Only claims whose prepare completed are holders (the driver's view passes only
-those: a claim still being prepared runs no workload yet). The holders read at the end of an
-interval own the whole interval.
+and nothing is attributed to it. Only claims whose prepare completed are holders (the driver's
+view passes only those: a claim still being prepared runs no workload yet). The holders read at
+the end of an interval own the whole interval.
 
 **Attribution.** Each holder of a GPU gets a share of the GPU's energy delta and of the interval's
 elapsed seconds (its GPU-seconds, which accrue while a claim holds the device, even when the GPU

@@ -421,9 +421,12 @@ def test_energy_is_never_charged_by_minor_to_a_gpu_with_another_uuid(tmp_path):
         lambda t: [
             sample(0, t, 1000 + 300 * t, 300.0),
             GpuSample(
-                index=1, uuid="GPU-replacement", timestamp=t, energy_joules=50 + 200 * t,
+                index=1,
+                uuid="GPU-replacement",
+                timestamp=t,
+                energy_joules=50 + 200 * t,
                 power_watts=200.0,
-            ),  # fmt: skip
+            ),
         ],
     )
     assert window[1] == pytest.approx(6000.0)  # the replacement GPU drew energy
