@@ -423,6 +423,27 @@ def test_the_fatal_xid_alert_knows_the_agents_fatal_xids():
         assert set(map(int, m.group(1).split("|"))) == set(FATAL_XIDS)
 
 
+def test_the_unknown_xid_alert_knows_the_agents_fatal_and_application_xids():
+    from agent.telemetry.gpu_health import APPLICATION_XIDS, FATAL_XIDS
+
+    [xid_alert] = [a for a in alerts() if a["alert"] == "TesseraGpuUnknownXid"]
+    lists = re.findall(r'xid!~"([^"]+)"', xid_alert["expr"])
+    assert len(lists) == 3
+    for found in lists:
+        assert set(map(int, found.split("|"))) == set(FATAL_XIDS | APPLICATION_XIDS)
+
+
+def test_the_unit_tests_notice_an_unknown_xid_alert_that_misses_the_first_one(tmp_path):
+    spec = rule_spec()
+    for group in spec["groups"]:
+        for rule in group["rules"]:
+            if rule.get("alert") == "TesseraGpuUnknownXid":
+                rule["expr"] = rule["expr"].split(" or")[0]
+    out = run_unit_tests(tmp_path, spec)
+    assert out.returncode != 0
+    assert "alertname: TesseraGpuUnknownXid, time: 6m" in out.stdout + out.stderr
+
+
 # --- Every metric used is real and documented ----------------------------------------------
 
 KEYWORDS = {
