@@ -560,8 +560,9 @@ def promql_names(expr: str) -> tuple[set[str], set[str]]:
     """(metric names, label names) used in a PromQL expression. A small tokenizer, not a
     parser: string literals, range and subquery brackets, Grafana variables, durations and
     numbers are dropped; labels are the names in `{...}` matchers and in
-    by/without/on/ignoring/group_* lists; of the identifiers left, one followed by `(` is a function and the operators and modifiers
-    are keywords; every other identifier is a metric name."""
+    by/without/on/ignoring/group_* lists; of the identifiers left, one followed by `(` is a
+    function and the operators and modifiers are keywords; every other identifier is a metric
+    name."""
     s = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
     s = re.sub(r"\[[^\]]*\]", " ", s)
     s = re.sub(r"\$\{?\w+\}?", " ", s)  # Grafana's variables ($__rate_interval after offset)
