@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from agent.config import DaemonSettings
 from agent.daemon.devices import NodeDevices
+from agent.daemon.gone_claims import GoneClaims
 from agent.daemon.handover import StateDir
 from agent.daemon.readiness import AgentChecks, Checks
 from agent.daemon.sampling import Sampling
@@ -59,6 +60,9 @@ class Agent:
     kube: KubeClient | None
     owner: NodeOwner
     node_events: NodeEventRecorder
+    gone: GoneClaims
+    """Prepared claims holding devices the node no longer has: reported after the reconcile
+    (and by each rediscovery that changed the node)."""
     telemetry: Sampling
     log: logging.Logger
     triggers: EventSource | None = None
@@ -94,6 +98,7 @@ class Agent:
         self.owner.read()  # the Node's uid: the slices' owner and the events' subject
         self.node.apply_inventory(inventory)
         self.preparer.reconcile_on_start()
+        self.gone.observe()
         self.plugin.start()
         self.telemetry.start()
         _register(self.http.readiness, self.checks.ready)

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from agent.config import Config
 from agent.daemon.agent import Agent
 from agent.daemon.devices import CurrentDevices, NodeDevices
+from agent.daemon.gone_claims import GoneClaims
 from agent.daemon.handover import StateDir
 from agent.daemon.hub import Relay
 from agent.daemon.paths import DEFAULT_STATE_DIR, agent_paths, take_state_dir
@@ -249,24 +250,6 @@ def _build(
             log.getChild("usage-report"),
             interval=config.cluster.usage_report_interval,
         )
-    status = agent_status(
-        source.hostname,
-        kube,
-        plugin,
-        publisher,
-        preparer,
-        node_events,
-        None if usage_report is None else usage_report.stats,
-        None if claim_status is None else claim_status.stats,
-    )
-    registry.register(
-        SnapshotCollector(lambda: sampler.latest, lambda: (usage.counters(), usage.through))
-    )
-    registry.register(AgentCollector(status))
-    exposition = Exposition(
-        registry,
-        lambda: (sampler.latest.tick if sampler.latest else None, driver_metrics.version, status()),
-    )
     telemetry_server = TelemetryServer(
         lambda: sampler.latest,
         state_dir / "telemetry.sock",
@@ -302,6 +285,29 @@ def _build(
         devices_changed=devices_changed,
         health_published=health_event(node_events),
     )
+    gone = GoneClaims(
+        preparer, lambda: node_devices.inventory, node_events, log.getChild("gone-devices")
+    )
+    devices_changed.subscribe(lambda _: gone.observe())
+    status = agent_status(
+        source.hostname,
+        kube,
+        plugin,
+        publisher,
+        preparer,
+        node_events,
+        None if usage_report is None else usage_report.stats,
+        None if claim_status is None else claim_status.stats,
+        gone.count,
+    )
+    registry.register(
+        SnapshotCollector(lambda: sampler.latest, lambda: (usage.counters(), usage.through))
+    )
+    registry.register(AgentCollector(status))
+    exposition = Exposition(
+        registry,
+        lambda: (sampler.latest.tick if sampler.latest else None, driver_metrics.version, status()),
+    )
     state = StateDir(state_dir, lock, log)
     sockets = SocketChecks(plugin, telemetry_server, standalone=kube is None)
     checks = AgentChecks(
@@ -310,6 +316,7 @@ def _build(
             *node_devices.readiness_checks(),
             *sockets.readiness_checks(),
             *ClaimChecks(preparer).readiness_checks(),
+            *gone.readiness_checks(),
             *publisher.readiness_checks(),
             *sampler.readiness_checks(),
         ],
@@ -349,6 +356,7 @@ def _build(
         kube=kube,
         owner=owner,
         node_events=node_events,
+        gone=gone,
         usage_report=usage_report,
         claim_status=claim_status,
         telemetry=Sampling(

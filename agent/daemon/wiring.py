@@ -204,8 +204,10 @@ def agent_status(
     node_events: NodeEventRecorder | None = None,
     usage_report: ReportStats | None = None,
     claim_status: StatusStats | None = None,
+    devices_gone: Callable[[], int] | None = None,
 ) -> Callable[[], AgentStatus]:
-    """The agent's own state for /metrics (in-memory reads only)."""
+    """The agent's own state for /metrics (in-memory reads only). ``devices_gone``: how many
+    prepared devices the node no longer has (``GoneClaims.count``)."""
 
     def status() -> AgentStatus:
         return AgentStatus(
@@ -220,6 +222,7 @@ def agent_status(
             usage_report_last_success=None if usage_report is None else usage_report.last_success,
             usage_report_errors=None if usage_report is None else usage_report.errors,
             claim_usage_status_errors=None if claim_status is None else claim_status.errors,
+            prepared_devices_gone=0 if devices_gone is None else devices_gone(),
         )
 
     return status

@@ -59,6 +59,11 @@ from agent.sim.telemetry_state import (
 )
 
 XID_GPU_FELL_OFF_THE_BUS = 79
+XID_DOUBLE_BIT_ECC = 48
+"""NVIDIA's XID catalog: 48 is "DBE (Double Bit Error) ECC Error", an uncorrectable error the
+driver counts in the double-bit (uncorrected) ECC totals (NVML_FI_DEV_ECC_DBE_VOL_TOTAL and
+_AGG_TOTAL, nvmlDeviceGetTotalEccErrors with NVML_MEMORY_ERROR_TYPE_UNCORRECTED) and signals as
+nvmlEventTypeDoubleBitEccError besides the XID."""
 POD_UID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 """A pod's UID as the API server makes it (a lower-case UUID)."""
 NOT_MIG = 0xFFFFFFFF
@@ -245,7 +250,9 @@ class TelemetryBase(NvmlCore):
         """Raise XID ``xid`` on GPU ``index`` (in a MIG device when the ids are given): every
         event set registered for XID events on that GPU, in any process, receives it. XID 79
         is what a real one is: the GPU has fallen off the bus, so from then on every call on
-        its handles raises GpuIsLost, as after :meth:`lose_gpu`, until :meth:`recover_gpu`."""
+        its handles raises GpuIsLost, as after :meth:`lose_gpu`, until :meth:`recover_gpu`.
+        XID 48 is a double-bit ECC error: the uncorrected ECC counters move by one and the
+        double-bit ECC event is raised too (``XID_DOUBLE_BIT_ECC``)."""
         self._slot(index)
         if xid <= 0:
             raise ConfigError(f"an XID is a positive number, got {xid}")
@@ -256,6 +263,16 @@ class TelemetryBase(NvmlCore):
         def change(s: TelemetryState) -> tuple[TelemetryState, None]:
             if xid == XID_GPU_FELL_OFF_THE_BUS:
                 s = s.with_gpu(replace(s.gpus[index], lost=True))
+            if xid == XID_DOUBLE_BIT_ECC:
+                g = s.gpus[index]
+                s = s.with_gpu(
+                    replace(
+                        g,
+                        ecc_uncorrected_volatile=g.ecc_uncorrected_volatile + 1,
+                        ecc_uncorrected_aggregate=g.ecc_uncorrected_aggregate + 1,
+                    )
+                )
+                s = s.with_event(index, pynvml.nvmlEventTypeDoubleBitEccError, 0)
             return s.with_event(index, event, xid, gpu_instance_id, compute_instance_id), None
 
         self._telemetry.update(change)

@@ -1,10 +1,10 @@
 """Prometheus metrics of the agent's own state and the driver's instruments.
 
 ``AgentCollector`` serves an ``AgentStatus`` read at each scrape (kubelet registration,
-ResourceSlice publishing, stuck and unrecovered claims, usage reports, Node events), declared
-once in ``AGENT_SPECS`` like the telemetry's ``SPECS`` (docs/metrics.md lists both; a test
-checks). ``DriverMetrics`` holds the prepare latency and error instruments. The GPU, claim and
-sampler metrics of a snapshot are ``metrics.py``.
+ResourceSlice publishing, stuck and unrecovered claims, prepared devices gone, usage reports,
+Node events), declared once in ``AGENT_SPECS`` like the telemetry's ``SPECS`` (docs/metrics.md
+lists both; a test checks). ``DriverMetrics`` holds the prepare latency and error instruments.
+The GPU, claim and sampler metrics of a snapshot are ``metrics.py``.
 """
 
 from __future__ import annotations
@@ -75,6 +75,8 @@ class AgentStatus:
     claim_usage_status_errors: int | None = None
     """Unprepared claims whose usage summary could not be written into their status (None in
     standalone mode)."""
+    prepared_devices_gone: int = 0
+    """Devices of prepared claims that the node no longer has (agent/daemon/gone_claims.py)."""
 
 
 AGENT_SPECS: tuple[Spec, ...] = (
@@ -112,6 +114,15 @@ AGENT_SPECS: tuple[Spec, ...] = (
         "Claims whose CDI spec survived a lost or corrupt checkpoint but whose prepared state"
         " could not be rebuilt: their devices stay held until the kubelet unprepares or"
         " prepares them (/readyz check unrecovered-claims names them).",
+        NODE,
+    ),
+    Spec(
+        "tessera_prepared_devices_gone",
+        "gauge",
+        "Devices of prepared claims that the node no longer has (their GPU lost or replaced,"
+        " another node model, a MIG device an administrator removed): kept until the kubelet"
+        " unprepares their claims, with no usage attributed to them (/readyz check gone-devices"
+        " names them).",
         NODE,
     ),
     Spec(
@@ -166,6 +177,7 @@ class AgentCollector(Collector):
         add_sample(fams, "tessera_resourceslice_errors", node, st.slice_errors)
         add_sample(fams, "tessera_claims_stuck", node, st.claims_stuck)
         add_sample(fams, "tessera_claims_unrecovered", node, st.claims_unrecovered)
+        add_sample(fams, "tessera_prepared_devices_gone", node, st.prepared_devices_gone)
         if st.usage_report_last_success is not None:
             add_sample(
                 fams,

@@ -33,7 +33,7 @@ class HeldDevice(Held, Protocol):
     """One device a claim holds, as telemetry needs to know it (a read-only view: the driver's
     checkpoint records satisfy it; telemetry never imports the driver): what the usage weights
     read (:class:`agent.usage.weights.Held`), and the GPU's minor number, the fallback that
-    places a device whose GPU UUID is not known."""
+    places a device whose GPU UUID was never recorded (``gpu_uuid`` empty) and only then."""
 
     @property
     def gpu_minor(self) -> int: ...
@@ -118,7 +118,10 @@ def holdings(
 ) -> tuple[list[Holding], list[HoldingKey]]:
     """The holders' devices mapped to GPUs, and the keys of devices on no known GPU.
 
-    A device's GPU is found by ``gpu_uuid`` (stable across reboots and index renumbering), else
+    A device's GPU is found by ``gpu_uuid`` (stable across reboots and index renumbering). A
+    device whose recorded UUID no GPU has is on no known GPU, even when a GPU has its minor
+    number: that is another GPU (the old one was lost or replaced, or the node's model changed),
+    and its energy and time are never the claim's. Only a device with no recorded UUID is placed
     by ``gpu_minor``. Pure.
     """
     by_uuid = {g.uuid: g for g in gpus}
@@ -129,7 +132,7 @@ def holdings(
         uid = entry.uid
         pods = tuple(entry.pods)
         for d in entry.devices:
-            gpu = by_uuid.get(d.gpu_uuid) or by_minor.get(d.gpu_minor)
+            gpu = by_uuid.get(d.gpu_uuid) if d.gpu_uuid else by_minor.get(d.gpu_minor)
             if gpu is None:
                 unknown.append((uid, d.pool, d.device))
                 continue

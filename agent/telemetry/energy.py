@@ -20,10 +20,12 @@ reading after the agent starts is only a baseline: energy used while the agent w
 counted, by the GPUs or by the claims. Totals never decrease.
 
 **Which GPU a device is on.** A held device's GPU is found by its ``gpu_uuid`` (stable across
-reboots and index renumbering), else by its ``gpu_minor``; a device on no known GPU is ignored
-(logged once). Only claims whose prepare completed are holders (the driver's view passes only
-those: a claim still being prepared runs no workload yet). The holders read at the end of an
-interval own the whole interval.
+reboots and index renumbering); only a device with no recorded UUID is placed by its
+``gpu_minor``. A device whose GPU no longer has its UUID (lost, replaced, or the node's model
+changed) is on no known GPU, whatever GPU has its minor number now: it is ignored (logged once)
+and nothing is attributed to it. Only claims whose prepare completed are holders (the driver's
+view passes only those: a claim still being prepared runs no workload yet). The holders read at
+the end of an interval own the whole interval.
 
 **Attribution.** Each holder of a GPU gets a share of the GPU's energy delta and of the interval's
 elapsed seconds (its GPU-seconds, which accrue while a claim holds the device, even when the GPU

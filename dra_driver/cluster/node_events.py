@@ -77,6 +77,7 @@ def gpu_health(index: int, uuid: str, healthy: bool, cause: str) -> tuple[str, s
 GPU_REMOVED = "GpuRemoved"
 GPU_ADDED = "GpuAdded"
 DEVICES_CHANGED = "DevicesChanged"
+PREPARED_DEVICE_GONE = "PreparedDeviceGone"
 MAX_NAMED_DEVICES = 8
 """A devices-changed message names at most this many devices of each side, then a count."""
 
@@ -112,6 +113,17 @@ def devices_changed(added: tuple[str, ...], removed: tuple[str, ...]) -> tuple[s
     if removed:
         parts.append(f"{len(removed)} removed ({_named(removed)})")
     return NORMAL, DEVICES_CHANGED, "advertised devices changed: " + "; ".join(parts or ["none"])
+
+
+def prepared_device_gone(described: str) -> tuple[str, str, str]:
+    """``(type, reason, message)``: a prepared claim holds a device the node no longer has
+    (``described``: ``GoneDevice.describe()``, naming the claim, device, GPU UUID and why)."""
+    return (
+        WARNING,
+        PREPARED_DEVICE_GONE,
+        f"prepared claim {described}; it stays prepared until the kubelet unprepares it, and"
+        " no GPU's usage or energy is attributed to it",
+    )
 
 
 class EventSink(Protocol):

@@ -423,6 +423,130 @@ def test_the_fatal_xid_alert_knows_the_agents_fatal_xids():
         assert set(map(int, m.group(1).split("|"))) == set(FATAL_XIDS)
 
 
+def test_the_unknown_xid_alert_knows_the_agents_fatal_and_application_xids():
+    from agent.telemetry.gpu_health import APPLICATION_XIDS, FATAL_XIDS
+
+    [xid_alert] = [a for a in alerts() if a["alert"] == "TesseraGpuUnknownXid"]
+    lists = re.findall(r'xid!~"([^"]+)"', xid_alert["expr"])
+    assert len(lists) == 3
+    for found in lists:
+        assert set(map(int, found.split("|"))) == set(FATAL_XIDS | APPLICATION_XIDS)
+
+
+def test_the_unit_tests_notice_an_unknown_xid_alert_that_misses_the_first_one(tmp_path):
+    spec = rule_spec()
+    for group in spec["groups"]:
+        for rule in group["rules"]:
+            if rule.get("alert") == "TesseraGpuUnknownXid":
+                rule["expr"] = rule["expr"].split(" or")[0]
+    out = run_unit_tests(tmp_path, spec)
+    assert out.returncode != 0
+    assert "alertname: TesseraGpuUnknownXid, time: 6m" in out.stdout + out.stderr
+
+
+# --- Panels that count events see the first one ----------------------------------------------
+#
+# A counter series of an event kind appears with its first event, already at 1 (the agent does
+# not know every XID or prepare-error reason in advance, so it cannot export them at 0).
+# rate() and increase() extrapolate between the samples inside the range, and a series' first
+# sample has nothing before it, so the 0 -> 1 step is never seen (Prometheus' docs, "Avoid
+# missing metrics" in practices/instrumentation.md: a series that appears only when something
+# happens is hard to use, export 0 where its labels are known; Prometheus' feature flag
+# created-timestamp-zero-ingestion, docs/feature_flags.md, injects such a 0 from the _created
+# sample, but it is off by default and does not reach series without one). The panels add the
+# series that are new within the range with their whole value, and use increase() for the others.
+
+EVENT_PANELS = {"XID errors": "tessera_gpu_xid_errors_total", "Prepare errors by reason":
+                "tessera_prepare_errors_total"}  # fmt: skip
+
+
+def panel_query(title: str) -> str:
+    [panel] = [p for p in panels(dashboard()) if p["title"] == title]
+    [target] = panel["targets"]
+    expr: str = target["expr"]
+    return expr.replace("$__rate_interval", "5m").replace("$node", ".*").replace("$gpu", ".*")
+
+
+def run_expr_tests(tmp_path: Path, cases: list[dict[str, Any]]) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "rules.yaml").write_text("groups: []\n")
+    (tmp_path / "panels_test.yaml").write_text(
+        yaml.safe_dump({"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": cases})
+    )
+    return subprocess.run(
+        [promtool(), "test", "rules", "panels_test.yaml"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+
+
+def first_event_cases(expr: str, metric: str) -> list[dict[str, Any]]:
+    """A kind whose first event comes at 10m, a second at 30m; an older kind counting on."""
+    labels = (
+        'job="tessera",node="n1",gpu="1",uuid="GPU-1",model="H100",'
+        'pci_bus_id="0000:43:00.0",operation="prepare"'
+    )
+    new, old = f'{labels},xid="119",reason="new"', f'{labels},xid="13",reason="old"'
+    keep = "node" if "prepare" in metric else "node, gpu, xid"
+    got = re.search(r"sum by \(([^)]*)\)", expr)
+    assert got is not None, expr
+    by = [x.strip() for x in got.group(1).split(",")]
+    assert set(keep.replace(" ", "").split(",")) <= set(by), by
+
+    def sample(series: str, value: float) -> dict[str, Any]:
+        lbls = dict(re.findall(r'(\w+)="([^"]*)"', series))
+        return {"labels": "{" + ", ".join(f'{k}="{lbls[k]}"' for k in by) + "}", "value": value}
+
+    return [
+        {
+            "interval": "1m",
+            "input_series": [
+                {"series": f"{metric}{{{new}}}", "values": "_x9 1x19 2x15"},
+                {"series": f"{metric}{{{old}}}", "values": "0+1x45"},
+            ],
+            "promql_expr_test": [
+                {"expr": expr, "eval_time": "8m", "exp_samples": [sample(old, 5.0)]},
+                # the first event of a kind: seen while it is within the range
+                {
+                    "expr": expr,
+                    "eval_time": "12m",
+                    "exp_samples": [sample(new, 1.0), sample(old, 5.0)],
+                },
+                {
+                    "expr": expr,
+                    "eval_time": "20m",
+                    "exp_samples": [sample(new, 0.0), sample(old, 5.0)],
+                },
+                {
+                    "expr": expr,
+                    "eval_time": "31m",
+                    "exp_samples": [sample(new, 1.0), sample(old, 5.0)],
+                },
+            ],
+        }
+    ]
+
+
+@pytest.mark.parametrize("title", sorted(EVENT_PANELS))
+def test_an_event_panel_sees_the_first_event_of_a_kind(tmp_path, title):
+    expr = panel_query(title)
+    out = run_expr_tests(tmp_path, first_event_cases(expr, EVENT_PANELS[title]))
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("title", sorted(EVENT_PANELS))
+def test_increase_alone_misses_the_first_event(tmp_path, title):
+    """What the panels did before: the test above notices it."""
+    metric = EVENT_PANELS[title]
+    by = re.search(r"sum by \(([^)]*)\)", panel_query(title))
+    assert by is not None
+    plain = f"sum by ({by.group(1)}) (increase({metric}[5m]))"
+    out = run_expr_tests(tmp_path, first_event_cases(plain, metric))
+    assert out.returncode != 0
+    assert "time: 12m," in out.stdout + out.stderr
+
+
 # --- Every metric used is real and documented ----------------------------------------------
 
 KEYWORDS = {
@@ -434,12 +558,14 @@ GROUPING = r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)"
 
 def promql_names(expr: str) -> tuple[set[str], set[str]]:
     """(metric names, label names) used in a PromQL expression. A small tokenizer, not a
-    parser: string literals, range and subquery brackets, durations and numbers are dropped;
-    labels are the names in `{...}` matchers and in by/without/on/ignoring/group_* lists; of
-    the identifiers left, one followed by `(` is a function and the operators and modifiers
-    are keywords; every other identifier is a metric name."""
+    parser: string literals, range and subquery brackets, Grafana variables, durations and
+    numbers are dropped; labels are the names in `{...}` matchers and in
+    by/without/on/ignoring/group_* lists; of the identifiers left, one followed by `(` is a
+    function and the operators and modifiers are keywords; every other identifier is a metric
+    name."""
     s = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
     s = re.sub(r"\[[^\]]*\]", " ", s)
+    s = re.sub(r"\$\{?\w+\}?", " ", s)  # Grafana's variables ($__rate_interval after offset)
     labels: set[str] = set()
     for m in re.finditer(r"\{([^}]*)\}", s):
         labels |= set(re.findall(r"([A-Za-z_]\w*)\s*(?:=~|!~|!=|=)", m.group(1)))

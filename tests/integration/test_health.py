@@ -216,8 +216,12 @@ def test_a_fatal_xid_survives_a_restart_of_the_agent_until_a_recovery_is_observe
         d.wait_log("published ResourceSlices")
         names = set(devices(standalone_slices(d)))
         gpu1 = of_gpu(names, 1)
+        ecc = "tessera_gpu_ecc_errors_total"
+        assert metric(d, ecc, gpu="1", type="uncorrected") == 0
         d.fault("xid", "--gpu", "1", "--xid", "48")  # a DBE: the GPU still answers
         until("GPU 1 withdrawn", lambda: set(devices(standalone_slices(d))) == names - gpu1)
+        # the counter the runbooks tell the SRE to check moved with it
+        until("DBE counted", lambda: metric(d, ecc, gpu="1", type="uncorrected") == 1)
         assert d.stop() == 0
 
         d.start()  # a restart (an upgrade): NVML will not deliver that XID again

@@ -394,6 +394,23 @@ def test_xid_reaches_registered_event_sets(sim):
         fake.nvmlEventSetWait(es, 0)
 
 
+def test_a_double_bit_error_xid_moves_the_uncorrected_ecc_counters(sim):
+    """XID 48 is NVIDIA's "DBE (Double Bit Error) ECC Error": the driver counts it in the
+    uncorrected (double-bit) ECC totals, the counter docs/runbooks.md tells an SRE to check
+    (tessera_gpu_ecc_errors_total{type="uncorrected"}, from NVML_FI_DEV_ECC_DBE_VOL_TOTAL)."""
+    fake = sim("dgx-h100")
+    h = fake.nvmlDeviceGetHandleByIndex(2)
+    other = fake.nvmlDeviceGetHandleByIndex(1)
+    dbe = (pynvml.NVML_FI_DEV_ECC_DBE_VOL_TOTAL, pynvml.NVML_FI_DEV_ECC_DBE_AGG_TOTAL)
+    before = [field_value(fake, h, f) for f in dbe]
+    fake.inject_xid(2, 48)
+    assert [field_value(fake, h, f) for f in dbe] == [before[0] + 1, before[1] + 1]
+    fake.inject_xid(1, 94)  # a contained ECC error: its own XID, not a double-bit count here
+    fake.inject_xid(2, 13)
+    assert [field_value(fake, other, f) for f in dbe] == [0, 0]
+    assert [field_value(fake, h, f) for f in dbe] == [before[0] + 1, before[1] + 1]
+
+
 def test_mig_xid_and_unsupported_event_types(sim):
     fake = sim("dgx-a100")
     h = fake.nvmlDeviceGetHandleByIndex(0)

@@ -388,14 +388,51 @@ def test_shares_never_sum_above_one():
 # -- who holds what --------------------------------------------------------------------------------
 
 
-def test_holdings_map_by_uuid_then_minor_and_skip_unknown():
+def test_holdings_map_by_uuid_and_never_to_a_gpu_with_another_uuid():
+    # minor 7 is now a GPU with another UUID (the GPU was replaced, or the node's model changed):
+    # the device prepared on the old one is on no known GPU, never on the new one
     gpus = [gpu(0), GpuInfo(5, "GPU-new-uuid", "x", "b", 7)]
-    by_minor = Held("node-a", "gpu-7", "gpu", "GPU-old-uuid", 7)
+    replaced = Held("node-a", "gpu-7", "gpu", "GPU-old-uuid", 7)
     nowhere = Held("node-a", "gpu-9", "gpu", "GPU-9", 9)
-    cp = checkpoint(claim("b", by_minor, nowhere), claim("a", whole(0)))
+    cp = checkpoint(claim("b", replaced, nowhere), claim("a", whole(0)))
     held, unknown = holdings(cp, gpus)
-    assert [(h.uid, h.device, h.gpu_index) for h in held] == [("a", "gpu-0", 0), ("b", "gpu-7", 5)]
-    assert unknown == [("b", "node-a", "gpu-9")]
+    assert [(h.uid, h.device, h.gpu_index) for h in held] == [("a", "gpu-0", 0)]
+    assert unknown == [("b", "node-a", "gpu-7"), ("b", "node-a", "gpu-9")]
+
+
+def test_holdings_fall_back_to_the_minor_only_when_the_uuid_is_not_known():
+    gpus = [GpuInfo(5, "GPU-new-uuid", "x", "b", 7)]
+    unknown_uuid = Held("node-a", "gpu-7", "gpu", "", 7)
+    held, unknown = holdings(checkpoint(claim("b", unknown_uuid)), gpus)
+    assert [(h.device, h.gpu_uuid) for h in held] == [("gpu-7", "GPU-new-uuid")]
+    assert unknown == []
+
+
+def test_energy_is_never_charged_by_minor_to_a_gpu_with_another_uuid(tmp_path):
+    acc = EnergyAccounting(tmp_path / "e.json", FakeClock(1_000_000.0))
+    # the GPU at minor 1 now has another UUID than the one the claim was prepared on
+    gpus = [gpu(0), GpuInfo(1, "GPU-replacement", "x", "b", 1)]
+    gone = Held("node-a", "gpu-1", "gpu", "GPU-1", 1)
+    holders = checkpoint(claim("a", whole(0)), claim("b", gone))
+    window = run_window(
+        acc,
+        gpus,
+        holders,
+        lambda t: [
+            sample(0, t, 1000 + 300 * t, 300.0),
+            GpuSample(
+                index=1,
+                uuid="GPU-replacement",
+                timestamp=t,
+                energy_joules=50 + 200 * t,
+                power_watts=200.0,
+            ),
+        ],
+    )
+    assert window[1] == pytest.approx(6000.0)  # the replacement GPU drew energy
+    got = by_claim(acc)
+    assert ("b", "gpu-1") not in got  # none of it (and none of its time) is the claim's
+    assert got[("a", "gpu-0")][0] == pytest.approx(window[0], rel=0.01)
 
 
 def test_prepared_devices_and_unknown_gpu_logged_once(tmp_path, caplog):

@@ -184,6 +184,22 @@ def test_configured_application_xids_are_logged_as_such(tmp_path, caplog):
     assert kinds == {3: "application", 8: "unknown"}
 
 
+@pytest.mark.parametrize("xid", [119, 154])
+def test_an_unknown_xid_is_a_warning_and_counted(tmp_path, caplog, xid):
+    """XIDs newer than the agent's lists (119 a GSP RPC timeout, 154 a changed recovery action)
+    are never silent: a warning naming them as unknown, and a count (the metric
+    tessera_gpu_xid_errors_total{xid} the TesseraGpuUnknownXid alert reads)."""
+    run = Run(tmp_path)
+    run.xid(1, xid)
+    with caplog.at_level(logging.INFO, logger=LOG.name):
+        assert run.tick() == [True, True]
+    (record,) = [r for r in caplog.records if r.message == "XID event"]
+    assert record.levelno == logging.WARNING
+    assert (record.fields["xid"], record.fields["kind"]) == (xid, "unknown")
+    assert run.sampler.latest is not None
+    assert run.sampler.latest.gpus[1].xid_counts == ((xid, 1),)
+
+
 def test_the_application_xids_setting(tmp_path):
     config = load_config({"application_xids": "1, 2,3"}, {})
     assert config.telemetry.application_xids == frozenset({1, 2, 3})
