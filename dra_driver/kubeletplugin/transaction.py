@@ -363,6 +363,11 @@ class Transactions:
                             undone.add(e.uid)
                     return errors
 
+                # the MPS daemons first, all at once: each is its claim's alone, and a wedged
+                # one takes the stop's whole timeout (about 10 s); stopped one after another in
+                # the GPU's serial undo, six of them outlasted the kubelet's call. A failure
+                # here is the undo's to report (it stops the daemon again)
+                batch.each([e for e in entries if e.mps is not None], self._effects.stop_mps)
                 groups = _by_gpu(entries, self._effects.changes_node_of)
                 for outcome in batch.each(groups, undo_group):
                     if isinstance(outcome, BaseException):  # a bug outside undo itself

@@ -251,25 +251,28 @@ class MpsControl:
         return started is not None and abs(started - d.started_at) < 1.0
 
     def stop(self, d: MpsDaemon) -> None:
-        """Stop the daemon (``quit``, then signals) and remove its directories. Idempotent."""
-        if self.alive(d):
-            try:
-                self.command(d, "quit", timeout_s=self.stop_timeout_s / 2)
-                quit_taken = True
-            except ToolError as exc:  # a daemon that does not answer: no use waiting for it
-                quit_taken = False
-                self.log.warning(
-                    "MPS control daemon did not take quit; signalling it",
-                    extra=fields_(claim_uid=d.key, pid=d.pid, error=str(exc)),
-                )
-            if not (quit_taken and self._gone(d, self.stop_timeout_s)):
-                for sig in (signal.SIGTERM, signal.SIGKILL):
-                    try:
-                        psutil.Process(d.pid).send_signal(sig)
-                    except psutil.Error:
-                        break
-                    if self._gone(d, self.stop_timeout_s / 2):
-                        break
+        """Stop the daemon (``quit``, then signals) and remove its directories. Idempotent: a
+        daemon already gone only has its directories removed (logged once, when stopped)."""
+        if not self.alive(d):
+            self.remove(d.key)
+            return
+        try:
+            self.command(d, "quit", timeout_s=self.stop_timeout_s / 2)
+            quit_taken = True
+        except ToolError as exc:  # a daemon that does not answer: no use waiting for it
+            quit_taken = False
+            self.log.warning(
+                "MPS control daemon did not take quit; signalling it",
+                extra=fields_(claim_uid=d.key, pid=d.pid, error=str(exc)),
+            )
+        if not (quit_taken and self._gone(d, self.stop_timeout_s)):
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    psutil.Process(d.pid).send_signal(sig)
+                except psutil.Error:
+                    break
+                if self._gone(d, self.stop_timeout_s / 2):
+                    break
         self.remove(d.key)
         self.log.info("MPS control daemon stopped", extra=fields_(claim_uid=d.key, pid=d.pid))
 
