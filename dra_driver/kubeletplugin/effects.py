@@ -287,6 +287,12 @@ class Effects:
                     profile, start, _ = d.placement
                     self.mig.release(d.device, index, profile, start)
 
+    def mps_alive(self, entry: ClaimEntry) -> bool:
+        """Whether the claim's recorded MPS daemon still runs (True when it has none)."""
+        if self.mps is None or entry.mps is None:
+            return True
+        return self.mps.alive(_daemon(entry.uid, entry.mps))
+
     def stop_mps(self, entry: ClaimEntry) -> None:
         """Stop the claim's MPS daemon (the recorded one, else one its directory names) and
         remove its directories; the first step of ``undo``. Idempotent, and independent of every

@@ -51,6 +51,7 @@ from dra_driver.kubeletplugin.claims import ClaimKey, parse_allocation
 from dra_driver.kubeletplugin.effects import Effects
 from dra_driver.kubeletplugin.ledger import Ledger
 from dra_driver.kubeletplugin.locks import ClaimLocks
+from dra_driver.kubeletplugin.mps_watch import MpsWatch
 from dra_driver.kubeletplugin.plan import ClaimPlan, SharingPolicy, conflicts, plan_claim
 from dra_driver.kubeletplugin.records import Records, claim_entry, claim_key, gpus
 
@@ -128,6 +129,15 @@ class Transactions:
         self._gpu_locks = gpu_locks
         self._crash = crash
         self._log = log
+        self.mps_watch = MpsWatch(
+            effects=effects,
+            ledger=ledger,
+            claim_locks=claim_locks,
+            gpu_locks=gpu_locks,
+            log=log,
+        )
+        """Prepared claims' MPS daemons: a gone one started again (by a repeated prepare and
+        the agent's watch loop)."""
 
     # -- prepare -----------------------------------------------------------------------------
     def prepare_batch(self, batch: Batch) -> None:
@@ -209,6 +219,7 @@ class Transactions:
             and existing.state == PREPARE_COMPLETED
             and not existing.recovered  # identity unknown: prepared again from the claim
         ):
+            existing = self.mps_watch.ensure(existing)  # success only with its daemon
             self._ensure_spec(existing)
             return ClaimResult(devices=existing.devices)
         try:

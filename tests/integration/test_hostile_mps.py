@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,3 +47,44 @@ def test_six_wedged_daemons_on_one_gpu_are_stopped_within_the_call_deadline(shar
     }
     assert mps_daemons(d.state / "sim", d.model) == []
     assert d.checkpoint()["claims"] == {}
+
+
+def live_daemon_of(d: Daemon, uid: str) -> int | None:
+    """The PID of the claim's running MPS daemon (its pipe directory names the claim)."""
+    for daemon in mps_daemons(d.state / "sim", d.model):
+        if f"/{uid}/" in f"{daemon.pipe_dir}/":
+            return daemon.pid
+    return None
+
+
+def kill_daemon_of(d: Daemon, uid: str) -> int:
+    pid = live_daemon_of(d, uid)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    for _ in range(200):  # a hang guard of 10 s: until the simulator no longer lists it
+        if all(x.pid != pid for x in mps_daemons(d.state / "sim", d.model)):
+            return pid
+        threading.Event().wait(0.05)
+    raise AssertionError(f"MPS daemon {pid} did not die")
+
+
+def test_a_repeated_prepare_starts_a_killed_daemon_again_before_it_says_success(shares_node):
+    d = shares_node
+    ref = claim(d, "m", "gpu-6", memory="10Gi")
+    ok(prepare(d, ref), ref)
+    killed = kill_daemon_of(d, ref.uid)
+    ok(prepare(d, ref), ref)  # the kubelet asks again: success only with a daemon
+    pid = live_daemon_of(d, ref.uid)
+    assert pid is not None and pid != killed
+    assert d.checkpoint()["claims"][ref.uid]["mps"]["pid"] == pid
+
+
+def test_a_killed_daemon_is_noticed_and_started_again_without_a_call(shares_node):
+    d = shares_node
+    ref = claim(d, "m", "gpu-6", memory="10Gi")
+    ok(prepare(d, ref), ref)
+    killed = kill_daemon_of(d, ref.uid)
+    rec = d.wait_log("the MPS daemon of a prepared claim is gone; starting it again")
+    assert (rec["uid"], rec["pid"]) == (ref.uid, killed)
+    started = d.wait_log("started the MPS daemon of a prepared claim again (it was gone)")
+    assert started["claim_uid"] == ref.uid and live_daemon_of(d, ref.uid) == started["pid"]
