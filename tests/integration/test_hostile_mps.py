@@ -28,7 +28,9 @@ def shares_node(short_tmp: Path) -> Iterator[Daemon]:
     reap_mps_daemons(d.state / "sim", d.model)
 
 
-def test_six_wedged_daemons_on_one_gpu_are_stopped_within_the_call_deadline(shares_node):
+def test_six_wedged_daemons_on_one_gpu_are_stopped_within_the_call_deadline(
+    shares_node: Daemon,
+) -> None:
     """Each wedged daemon takes about 10 s to stop (quit unanswered for 5 s, SIGTERM waited on
     for 5 s, then SIGKILL); one after another, six took 60 s and every claim was answered "not
     done within 40 s", also those already undone."""
@@ -68,7 +70,9 @@ def kill_daemon_of(d: Daemon, uid: str) -> int:
     raise AssertionError(f"MPS daemon {pid} did not die")
 
 
-def test_a_repeated_prepare_starts_a_killed_daemon_again_before_it_says_success(shares_node):
+def test_a_repeated_prepare_starts_a_killed_daemon_again_before_it_says_success(
+    shares_node: Daemon,
+) -> None:
     d = shares_node
     ref = claim(d, "m", "gpu-6", memory="10Gi")
     ok(prepare(d, ref), ref)
@@ -79,7 +83,7 @@ def test_a_repeated_prepare_starts_a_killed_daemon_again_before_it_says_success(
     assert d.checkpoint()["claims"][ref.uid]["mps"]["pid"] == pid
 
 
-def test_a_killed_daemon_is_noticed_and_started_again_without_a_call(shares_node):
+def test_a_killed_daemon_is_noticed_and_started_again_without_a_call(shares_node: Daemon) -> None:
     d = shares_node
     ref = claim(d, "m", "gpu-6", memory="10Gi")
     ok(prepare(d, ref), ref)
