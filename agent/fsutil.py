@@ -164,3 +164,63 @@ def accepts_connections(path: Path, timeout: float = 1.0) -> bool:
     finally:
         probe.close()
     return True
+
+
+_FILE_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _FILE_KINDS if test(mode)), "not a plain file")
+
+
+def read_regular_file(path: Path, max_bytes: int) -> bytes:
+    """The whole content of ``path``, a regular file of at most ``max_bytes``, for a file in a
+    directory others can write (the CDI root, a claim's MPS pipe directory, a claim-file
+    directory).
+
+    Opened without following a symbolic link (``O_NOFOLLOW``: a link to ``/dev/zero`` would be
+    read without end, one to any other file would read what it names) and without blocking
+    (``O_NONBLOCK``: opening a FIFO with no writer blocks, and would stall the caller, at start
+    the whole agent); then checked on the open descriptor (``fstat``, so the file cannot be
+    swapped between the check and the read) to be a regular file no larger than ``max_bytes``,
+    and read at most ``max_bytes + 1`` bytes (a file still growing is refused too).
+
+    Raises OSError, ``strerror`` saying what was wrong and ``filename`` the path: ``ELOOP`` for
+    a symbolic link, ``EINVAL`` for anything but a regular file, ``EFBIG`` for a file that is
+    too large; FileNotFoundError and the like as ``open`` does."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and os.path.islink(path):
+            raise OSError(errno.ELOOP, "a symbolic link, not followed", str(path)) from exc
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = _kind(st.st_mode)
+            raise OSError(errno.EINVAL, f"not a regular file ({kind})", str(path))
+        if st.st_size > max_bytes:
+            raise OSError(
+                errno.EFBIG, f"{st.st_size} bytes, more than the {max_bytes} allowed", str(path)
+            )
+        chunks: list[bytes] = []
+        left = max_bytes + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise OSError(errno.EFBIG, f"grew past the {max_bytes} bytes allowed", str(path))
+    return data

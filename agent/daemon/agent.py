@@ -110,6 +110,8 @@ class Agent:
         self.supervisor.spawn(
             "telemetry-notify", lambda: self.telemetry.notify_watchers(stop_event)
         )
+        preparer = self.preparer
+        self.supervisor.spawn("mps-watch", lambda: preparer.watch_mps(stop_event))
         self.supervisor.spawn("publisher", lambda: self.publisher.run(stop_event))
         if self.publisher.store.watchable:
             self.supervisor.spawn("slice-watch", lambda: self.publisher.watch_loop(stop_event))

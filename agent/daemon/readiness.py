@@ -43,6 +43,7 @@ class ClaimChecks:
             ("claims", self.claims_moving),
             ("disk", self.disk_writable),
             ("unrecovered-claims", self.claims_accounted_for),
+            ("mps-daemons", self.mps_daemons_running),
         ]
 
     def claims_moving(self) -> tuple[bool, str]:
@@ -79,6 +80,14 @@ class ClaimChecks:
         if not lost:
             return True, "every prepared claim is accounted for"
         return True, f"{len(lost)} held but not rebuilt: {'; '.join(str(u) for u in lost)}"
+
+    def mps_daemons_running(self) -> tuple[bool, str]:
+        """Not ready while a prepared claim's MPS daemon is gone and could not be started again
+        (its containers cannot use the GPU): the watch loop retries, and the check follows."""
+        failing = self.preparer.failing_mps()
+        if not failing:
+            return True, "every prepared claim's MPS daemon runs"
+        return False, f"gone and not started again: {'; '.join(failing)}"
 
 
 class SocketChecks:

@@ -81,7 +81,7 @@ from agent.driverfiles.discover import (
     under,
 )
 from agent.errors import DecodeError
-from agent.fsutil import atomic_write, fsync_dir, remove_temp_files
+from agent.fsutil import atomic_write, fsync_dir, read_regular_file, remove_temp_files
 from dra_driver.errors import CdiError
 from dra_driver.kubeletplugin.cdi_driver_edits import DriverEdits
 from dra_driver.kubeletplugin.cdi_spec import (
@@ -406,8 +406,11 @@ class CdiWriter:
         cannot be read or is not a spec of ours; fields of the wrong shape read as absent."""
         path = self.path(claim_uid)
         try:
-            written_at = path.stat().st_mtime
-            spec = load_json(path.read_bytes(), str(path), MAX_SPEC_BYTES)
+            # the CDI root is shared with other vendors' tools: a FIFO, a link to /dev/zero or a
+            # huge file named like our spec must not hang or bloat the agent (read_regular_file)
+            data = read_regular_file(path, MAX_SPEC_BYTES)
+            written_at = path.lstat().st_mtime
+            spec = load_json(data, str(path), MAX_SPEC_BYTES)
         except OSError as exc:
             raise CdiError(f"cannot read CDI spec {path}: {exc.strerror or exc}") from exc
         except DecodeError as exc:

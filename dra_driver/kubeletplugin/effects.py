@@ -267,15 +267,7 @@ class Effects:
         """Undo the side effects of ``entry`` (all of them, whatever it got to), given the
         claims that remain. Idempotent; raises SharingError when something cannot be undone."""
         others = [d for e in remaining.claims.values() if e.uid != entry.uid for d in e.devices]
-        if self.mps is not None:
-            daemon = (
-                _daemon(entry.uid, entry.mps)
-                if entry.mps is not None
-                else self.mps.found(entry.uid)
-            )
-            if daemon is not None:
-                self.mps.stop(daemon)
-            self.mps.remove(entry.uid)
+        self.stop_mps(entry)
         for d in entry.devices:
             mps_users = [
                 o for o in others if o.gpu_uuid == d.gpu_uuid and o.sharing in (MPS, MEMORY_SHARE)
@@ -294,6 +286,25 @@ class Effects:
                 if index is not None:
                     profile, start, _ = d.placement
                     self.mig.release(d.device, index, profile, start)
+
+    def mps_alive(self, entry: ClaimEntry) -> bool:
+        """Whether the claim's recorded MPS daemon still runs (True when it has none)."""
+        if self.mps is None or entry.mps is None:
+            return True
+        return self.mps.alive(_daemon(entry.uid, entry.mps))
+
+    def stop_mps(self, entry: ClaimEntry) -> None:
+        """Stop the claim's MPS daemon (the recorded one, else one its directory names) and
+        remove its directories; the first step of ``undo``. Idempotent, and independent of every
+        other claim's: the unprepare of a call stops all its claims' daemons at once
+        (``Transactions.unprepare_batch``), since a wedged one takes ``stop_timeout_s`` or more."""
+        if self.mps is None:
+            return
+        recorded = entry.mps
+        daemon = _daemon(entry.uid, recorded) if recorded is not None else self.mps.found(entry.uid)
+        if daemon is not None:
+            self.mps.stop(daemon)
+        self.mps.remove(entry.uid)
 
     def _restore_power(self, d: PreparedDevice, milliwatts: int) -> None:
         """Set a capped GPU's power limit back to ``milliwatts``, the one recorded before the

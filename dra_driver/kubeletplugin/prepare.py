@@ -31,6 +31,7 @@ from dra_driver.kubeletplugin.claims import ClaimKey
 from dra_driver.kubeletplugin.effects import Effects
 from dra_driver.kubeletplugin.ledger import Ledger
 from dra_driver.kubeletplugin.locks import ClaimLocks
+from dra_driver.kubeletplugin.mps_watch import WATCH_INTERVAL_S
 from dra_driver.kubeletplugin.plan import SharingPolicy
 from dra_driver.kubeletplugin.rebuild import Unrecovered
 from dra_driver.kubeletplugin.reconcile import Reconciler
@@ -163,6 +164,16 @@ class Preparer:
 
     def unprepare(self, claims: Sequence[ClaimKey]) -> dict[str, ClaimResult]:
         return self._runner.call("unprepare", claims)
+
+    def watch_mps(self, stop: threading.Event, interval_s: float = WATCH_INTERVAL_S) -> None:
+        """Until ``stop``: every ``interval_s`` seconds, start again each prepared claim's MPS
+        daemon found gone (``mps_watch``)."""
+        while not stop.wait(interval_s):
+            self._transactions.mps_watch.revive()
+
+    def failing_mps(self) -> list[str]:
+        """The prepared claims whose MPS daemon is gone and could not be started again."""
+        return self._transactions.mps_watch.failing()
 
     def stuck(self) -> list[str]:
         """The claims whose prepare or unprepare has run longer than the call deadline (a

@@ -51,6 +51,7 @@ from dra_driver.kubeletplugin.claims import ClaimKey, parse_allocation
 from dra_driver.kubeletplugin.effects import Effects
 from dra_driver.kubeletplugin.ledger import Ledger
 from dra_driver.kubeletplugin.locks import ClaimLocks
+from dra_driver.kubeletplugin.mps_watch import MpsWatch
 from dra_driver.kubeletplugin.plan import ClaimPlan, SharingPolicy, conflicts, plan_claim
 from dra_driver.kubeletplugin.records import Records, claim_entry, claim_key, gpus
 
@@ -128,6 +129,15 @@ class Transactions:
         self._gpu_locks = gpu_locks
         self._crash = crash
         self._log = log
+        self.mps_watch = MpsWatch(
+            effects=effects,
+            ledger=ledger,
+            claim_locks=claim_locks,
+            gpu_locks=gpu_locks,
+            log=log,
+        )
+        """Prepared claims' MPS daemons: a gone one started again (by a repeated prepare and
+        the agent's watch loop)."""
 
     # -- prepare -----------------------------------------------------------------------------
     def prepare_batch(self, batch: Batch) -> None:
@@ -209,6 +219,7 @@ class Transactions:
             and existing.state == PREPARE_COMPLETED
             and not existing.recovered  # identity unknown: prepared again from the claim
         ):
+            existing = self.mps_watch.ensure(existing)  # success only with its daemon
             self._ensure_spec(existing)
             return ClaimResult(devices=existing.devices)
         try:
@@ -363,6 +374,11 @@ class Transactions:
                             undone.add(e.uid)
                     return errors
 
+                # the MPS daemons first, all at once: each is its claim's alone, and a wedged
+                # one takes the stop's whole timeout (about 10 s); stopped one after another in
+                # the GPU's serial undo, six of them outlasted the kubelet's call. A failure
+                # here is the undo's to report (it stops the daemon again)
+                batch.each([e for e in entries if e.mps is not None], self._effects.stop_mps)
                 groups = _by_gpu(entries, self._effects.changes_node_of)
                 for outcome in batch.each(groups, undo_group):
                     if isinstance(outcome, BaseException):  # a bug outside undo itself

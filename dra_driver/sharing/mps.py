@@ -38,7 +38,7 @@ from pathlib import Path
 
 import psutil
 
-from agent.fsutil import ensure_dir
+from agent.fsutil import ensure_dir, read_regular_file
 from agent.logs import fields_
 from dra_driver.errors import SharingError, ToolError
 from dra_driver.sharing.node_tools import Tools, check_uuid
@@ -48,6 +48,7 @@ CONTROL_SOCKET = "control"
 """The UNIX socket the control daemon listens on in its pipe directory."""
 MAX_SOCKET_PATH = 107  # sockaddr_un.sun_path holds 108 bytes with the terminating NUL
 MIB = 1024 * 1024
+MAX_PID_FILE_BYTES = 64
 KEY_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
@@ -210,7 +211,7 @@ class MpsControl:
         deadline = self._clock() + self.ready_timeout_s
         while True:
             try:
-                text = pid_file.read_text().strip()
+                text = _read_pid_file(pid_file)
             except OSError:
                 text = ""
             if text.isdigit():
@@ -250,25 +251,28 @@ class MpsControl:
         return started is not None and abs(started - d.started_at) < 1.0
 
     def stop(self, d: MpsDaemon) -> None:
-        """Stop the daemon (``quit``, then signals) and remove its directories. Idempotent."""
-        if self.alive(d):
-            try:
-                self.command(d, "quit", timeout_s=self.stop_timeout_s / 2)
-                quit_taken = True
-            except ToolError as exc:  # a daemon that does not answer: no use waiting for it
-                quit_taken = False
-                self.log.warning(
-                    "MPS control daemon did not take quit; signalling it",
-                    extra=fields_(claim_uid=d.key, pid=d.pid, error=str(exc)),
-                )
-            if not (quit_taken and self._gone(d, self.stop_timeout_s)):
-                for sig in (signal.SIGTERM, signal.SIGKILL):
-                    try:
-                        psutil.Process(d.pid).send_signal(sig)
-                    except psutil.Error:
-                        break
-                    if self._gone(d, self.stop_timeout_s / 2):
-                        break
+        """Stop the daemon (``quit``, then signals) and remove its directories. Idempotent: a
+        daemon already gone only has its directories removed (logged once, when stopped)."""
+        if not self.alive(d):
+            self.remove(d.key)
+            return
+        try:
+            self.command(d, "quit", timeout_s=self.stop_timeout_s / 2)
+            quit_taken = True
+        except ToolError as exc:  # a daemon that does not answer: no use waiting for it
+            quit_taken = False
+            self.log.warning(
+                "MPS control daemon did not take quit; signalling it",
+                extra=fields_(claim_uid=d.key, pid=d.pid, error=str(exc)),
+            )
+        if not (quit_taken and self._gone(d, self.stop_timeout_s)):
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    psutil.Process(d.pid).send_signal(sig)
+                except psutil.Error:
+                    break
+                if self._gone(d, self.stop_timeout_s / 2):
+                    break
         self.remove(d.key)
         self.log.info("MPS control daemon stopped", extra=fields_(claim_uid=d.key, pid=d.pid))
 
@@ -297,7 +301,7 @@ class MpsControl:
         from its pid file, if that process still runs."""
         base = self.directory(key)
         try:
-            pid = int((base / "pipe" / PID_FILE).read_text().strip())
+            pid = int(_read_pid_file(base / "pipe" / PID_FILE))
         except (OSError, ValueError):
             return None
         started = _start_time(pid)
@@ -306,6 +310,13 @@ class MpsControl:
         return MpsDaemon(
             key, pid, started, str(base / "pipe"), str(base / "log"), str(base / "shm"), ()
         )
+
+
+def _read_pid_file(path: Path) -> str:
+    """The text of a daemon's pid file, stripped. The pipe directory is mounted into the claim's
+    containers, so what is there may be anything: read as a small regular file only (a FIFO or
+    a link put there must not hang or bloat the agent). Raises OSError."""
+    return read_regular_file(path, MAX_PID_FILE_BYTES).decode(errors="replace").strip()
 
 
 def _is_mps_control(pid: int) -> bool:

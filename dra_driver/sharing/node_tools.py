@@ -5,12 +5,18 @@ given explicitly (``--nvidia-smi``, ``--mps-control``). Only validated values re
 list (UUIDs, small integers, words from a fixed set); nothing is run through a shell, so no claim
 content can become a command. A run that fails, times out or cannot start raises ``ToolError``
 naming the command, its exit status and the first line of what it printed.
+
+Each tool runs in a session (so a process group) of its own: at its deadline the whole group is
+killed, the children it started too, and the error is the tool's own ("no answer within N s"),
+raised at the tool's deadline, not when the kubelet's call gives up.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -72,25 +78,36 @@ class Tools:
         """Run ``argv`` (no shell) with a deadline; ToolError when it cannot run, times out, or
         (``check``) exits non-zero."""
         command = " ".join(argv)
+        deadline = timeout_s or self.timeout_s
         try:
-            done = subprocess.run(
+            # a session (and so a process group) of its own: at the deadline the whole group is
+            # killed, the tool's children too (subprocess.run kills only the direct child, and
+            # leaves a child that hangs, say the tool's helper, running)
+            proc = subprocess.Popen(
                 list(argv),
-                input=stdin,
+                stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 env={**self.env, **(env or {})},
-                capture_output=True,
                 text=True,
-                timeout=timeout_s or self.timeout_s,
-                check=False,
                 close_fds=True,
+                start_new_session=True,
             )
-        except subprocess.TimeoutExpired as exc:
-            raise ToolError(
-                f"{command}: no answer within {exc.timeout:g} s", command=command
-            ) from exc
         except OSError as exc:
             raise ToolError(
                 f"{command}: cannot run it: {exc.strerror or exc}", command=command
             ) from exc
+        try:
+            stdout, stderr = proc.communicate(stdin, timeout=deadline)
+        except subprocess.TimeoutExpired:
+            said = _kill_group(proc)
+            first = next((line for line in said.splitlines() if line.strip()), "")
+            printed = f" (it printed: {first.strip()[:300]})" if first else ""
+            raise ToolError(
+                f"{command}: no answer within {deadline:g} s; killed it and its children{printed}",
+                command=command,
+            ) from None
+        done = subprocess.CompletedProcess(list(argv), proc.returncode, stdout, stderr)
         output = (done.stdout or "") + (done.stderr or "")
         if check and done.returncode != 0:
             first = next((line for line in output.splitlines() if line.strip()), "no output")
@@ -100,6 +117,25 @@ class Tools:
                 code=done.returncode,
             )
         return ToolResult(done.returncode, output)
+
+
+KILL_WAIT_S = 5.0
+"""How long a killed tool's output is waited for: a child that left the tool's session (a
+daemon's ``setsid``) may still hold the pipes, and is not waited for longer."""
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> str:
+    """Kill ``proc``'s whole process group (its session's, started by ``run``), reap it and
+    return what it printed before."""
+    with contextlib.suppress(ProcessLookupError):  # the group is gone already
+        os.killpg(proc.pid, signal.SIGKILL)
+    try:
+        stdout, stderr = proc.communicate(timeout=KILL_WAIT_S)
+    except subprocess.TimeoutExpired:  # pipes held by a process outside the group
+        proc.kill()
+        proc.wait()
+        return ""
+    return (stdout or "") + (stderr or "")
 
 
 def tool_env(driver_root: Path) -> dict[str, str]:

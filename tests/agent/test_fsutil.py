@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.fsutil import DISK_HEADROOM_BYTES, disk_trouble
+from agent.fsutil import DISK_HEADROOM_BYTES, disk_trouble, read_regular_file
 
 
 def statvfs(
@@ -59,3 +59,60 @@ def test_a_directory_not_made_yet_is_judged_by_the_one_above(
     monkeypatch.setattr(os, "statvfs", statvfs_)
     assert disk_trouble(tmp_path / "cdi" / "deeper") is None
     assert asked == [tmp_path / "cdi" / "deeper", tmp_path / "cdi", tmp_path]
+
+
+# --- read_regular_file: files in directories others can write (issue 23, item 10) ---
+
+
+def test_read_regular_file_reads_a_small_regular_file(tmp_path: Path) -> None:
+    p = tmp_path / "spec.json"
+    p.write_bytes(b'{"a": 1}')
+    assert read_regular_file(p, 100) == b'{"a": 1}'
+
+
+def test_read_regular_file_does_not_block_on_a_fifo(tmp_path: Path) -> None:
+    """A FIFO with no writer would block a plain open() (and the agent's start) forever."""
+    p = tmp_path / "spec.json"
+    os.mkfifo(p)
+    with pytest.raises(OSError, match=r"not a regular file \(a FIFO\)") as info:
+        read_regular_file(p, 100)
+    assert str(p) in str(info.value)
+
+
+def test_read_regular_file_does_not_follow_a_symlink(tmp_path: Path) -> None:
+    """A link to /dev/zero would be read without end; a link to a regular file is refused too
+    (it could name any file the agent may read)."""
+    zero = tmp_path / "zero.json"
+    zero.symlink_to("/dev/zero")
+    with pytest.raises(OSError, match="a symbolic link, not followed"):
+        read_regular_file(zero, 100)
+    target = tmp_path / "real"
+    target.write_bytes(b"{}")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    with pytest.raises(OSError, match="a symbolic link, not followed"):
+        read_regular_file(link, 100)
+
+
+def test_read_regular_file_refuses_a_device_and_a_directory(tmp_path: Path) -> None:
+    with pytest.raises(OSError, match=r"not a regular file \(a character device\)"):
+        read_regular_file(Path("/dev/zero"), 100)
+    with pytest.raises(OSError, match=r"not a regular file \(a directory\)"):
+        read_regular_file(tmp_path, 100)
+
+
+def test_read_regular_file_refuses_a_large_file_before_reading_it(tmp_path: Path) -> None:
+    """A sparse 300 MB file costs no disk; reading it whole would cost 300 MB of memory."""
+    p = tmp_path / "big.json"
+    with p.open("wb") as f:
+        f.truncate(300 * 1024 * 1024)
+    with pytest.raises(OSError, match=r"314572800 bytes, more than the 4096 allowed"):
+        read_regular_file(p, 4096)
+    exact = tmp_path / "exact.json"
+    exact.write_bytes(b"x" * 4096)
+    assert len(read_regular_file(exact, 4096)) == 4096
+
+
+def test_read_regular_file_missing_is_file_not_found(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        read_regular_file(tmp_path / "absent", 100)
