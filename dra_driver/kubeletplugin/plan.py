@@ -163,7 +163,7 @@ def _sharing(
             raise _mismatch(
                 asked,
                 device,
-                "to time-slice it (strategy TimeSlicing)",
+                "to time-slice it with strategy TimeSlicing",
                 policy.mode,
                 "use MPS or leave sharing unset, or run the claim where --sharing is none or"
                 " time-slicing (class shared-gpu.tessera.dev selects only those GPUs)",
@@ -172,7 +172,7 @@ def _sharing(
             raise _mismatch(
                 asked,
                 device,
-                "to hold it alone (strategy Exclusive)",
+                "to hold it alone with strategy Exclusive",
                 policy.mode,
                 "request the GPU's whole memory as capacity for a GPU of one's own, use MPS or"
                 " leave sharing unset",

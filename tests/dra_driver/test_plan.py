@@ -174,12 +174,12 @@ def test_memory_shares_refuse_time_slicing_naming_the_class_that_asked_it(h100):
         plan_claim(by_class, h100, policy)
     assert e.value.reason == "sharing_mismatch"
     assert str(e.value).startswith(
-        "claim ns/a (uid-a): gpu-0: the claim asks to time-slice it (strategy TimeSlicing) (the"
+        "claim ns/a (uid-a): gpu-0: the claim asks to time-slice it with strategy TimeSlicing (the"
         " config of its class shared), but this node runs --sharing memory-shares, which shares"
         " every whole GPU by memory, each claim through an MPS daemon of its own, and never"
         " time-slices one; use MPS or leave sharing unset"
     )
-    with pytest.raises(ClaimError, match=r"TimeSlicing\) \(its own config\)"):
+    with pytest.raises(ClaimError, match=r"TimeSlicing \(its own config\)"):
         plan_claim(allocation("gpu-0", config=gpu_config("TimeSlicing")), h100, policy)
 
 
@@ -187,7 +187,7 @@ def test_memory_shares_refuse_an_explicit_exclusive_config(h100):
     """A shared GPU cannot be had exclusively by saying so: the config is refused, not ignored
     (the scheduler may place other shares on the GPU)."""
     policy = SharingPolicy(mode="memory-shares")
-    with pytest.raises(ClaimError, match=r"asks to hold it alone \(strategy Exclusive\)"):
+    with pytest.raises(ClaimError, match=r"asks to hold it alone with strategy Exclusive"):
         plan_claim(allocation("gpu-0", config=gpu_config("Exclusive")), h100, policy)
     plain = plan_claim(allocation("gpu-0"), h100, policy)  # no config: a share
     assert [p.sharing for p in plain.devices] == [MEMORY_SHARE]

@@ -159,7 +159,7 @@ def test_a_memory_share_cannot_be_capped(inventory: Any) -> None:
             allocation("gpu-0", cfg=config("300W")), model, SharingPolicy(mode="memory-shares")
         )
     assert e.value.reason == "sharing_mismatch"
-    assert "asks to hold it alone (strategy Exclusive)" in str(e.value)
+    assert "asks to hold it alone with strategy Exclusive" in str(e.value)
 
 
 def test_time_slicing_nodes_still_cap_a_gpu_held_alone(inventory: Any) -> None:
