@@ -112,13 +112,13 @@ def _memory(device: AdvertisedDevice) -> int:
 
 
 OFFERS = {
-    "none": "gives a whole GPU to one claim at a time",
     "time-slicing": "shares a whole GPU between claims only when each of them time-slices it at"
     " one interval",
     "memory-shares": "shares every whole GPU by memory, each claim through an MPS daemon of its"
     " own, and never time-slices one",
 }
-"""What each ``--sharing`` mode offers a claim for a whole GPU, in a refusal's words."""
+"""What each sharing ``--sharing`` mode offers a claim for a whole GPU, in a refusal's words
+(``none`` refuses nothing by mode: a GPU is one claim's, shared by its pods as it asks)."""
 
 
 @dataclass(frozen=True)
