@@ -228,6 +228,9 @@ def _whole_gpu(
         "type": string_value("gpu"),
         "uuid": string_value(d.uuid),
         "nvlinkLinks": int_value(gpu.nvlink_links),
+        # the node's --sharing: what prepare can do with the GPU, so that a class or selector
+        # takes only GPUs whose node prepares what its claims ask (plan.py refuses the rest)
+        "sharing": string_value(policy.sharing),
     }
     attrs |= power_attributes(d.power_limits)
     consumes = ((counters.name, counters.counters),) if counters is not None else ()

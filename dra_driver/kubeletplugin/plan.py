@@ -19,6 +19,18 @@ How a device is shared (``PlannedDevice.sharing``):
   share unless its MPS config says otherwise; the shares of one GPU never add up to more than
   its memory.
 
+What a claim asks must be what the node's ``--sharing`` mode offers; when it is not (the
+scheduler placed a claim that the node cannot prepare: a class or selector that does not look at
+the device's ``sharing`` attribute), the refusal is a ClaimError with reason
+``sharing_mismatch`` that names what the claim asked, where that came from (the claim's config
+or its class's) and what the node offers:
+
+- under ``memory-shares`` a whole GPU is never time-sliced nor held exclusively by a config that
+  says so (the scheduler may place other shares on it);
+- under ``time-slicing`` a claim that consumed only part of a GPU's memory shares the GPU, so it
+  must time-slice it; exclusive or with MPS it would be refused next to the next share (the
+  scheduler places other claims on the memory left).
+
 A power limit (``powerLimit``, ``PlannedDevice.power_limit_mw``) is for a whole GPU the claim holds
 alone: refused (ParamsError naming the device, the value and the allowed range) on a shared GPU
 (``--sharing memory-shares``; TimeSlicing and MPS configs are refused by ``params``), on a GPU
@@ -99,29 +111,71 @@ def _memory(device: AdvertisedDevice) -> int:
     return int(dict(device.capacity).get("memory", "0"))
 
 
+OFFERS = {
+    "time-slicing": "shares a whole GPU between claims only when each of them time-slices it at"
+    " one interval",
+    "memory-shares": "shares every whole GPU by memory, each claim through an MPS daemon of its"
+    " own, and never time-slices one",
+}
+"""What each sharing ``--sharing`` mode offers a claim for a whole GPU, in a refusal's words
+(``none`` refuses nothing by mode: a GPU is one claim's, shared by its pods as it asks)."""
+
+
+@dataclass(frozen=True)
+class Asked:
+    """Where a device's effective config came from, for a refusal to name it."""
+
+    claim: ClaimKey
+    source: str | None
+    """``FromClass``, ``FromClaim`` or None (no config)."""
+    device_class: str
+
+    def origin(self) -> str:
+        if self.source == "FromClass":
+            return f"the config of its class {self.device_class}".rstrip()
+        return "its own config" if self.source is not None else "no config"
+
+
+def _mismatch(asked: Asked, device: AdvertisedDevice, what: str, mode: str, fix: str) -> ClaimError:
+    """The refusal of a claim that asks what the node's sharing mode does not offer."""
+    return ClaimError(
+        f"claim {asked.claim}: {device.name}: the claim asks {what} ({asked.origin()}), but this"
+        f" node runs --sharing {mode}, which {OFFERS[mode]}; {fix}",
+        "sharing_mismatch",
+    )
+
+
 def _sharing(
-    claim: ClaimKey,
+    asked: Asked,
     device: AdvertisedDevice,
     config: params.DeviceConfig | None,
     policy: SharingPolicy,
     consumed: int | None,
     share_id: str | None,
 ) -> PlannedDevice:
-    """How ``device`` is shared for this claim (raises ParamsError for a config that does not
-    fit the node's sharing)."""
+    """How ``device`` is shared for this claim (raises ClaimError ``sharing_mismatch`` for what
+    the node's sharing does not offer)."""
+    claim = asked.claim
     sharing = config.sharing if config is not None else params.Exclusive()
     base = PlannedDevice(device, (), config, share_id=share_id)
     if policy.mode == "memory-shares" and device.kind == "gpu":
         if isinstance(sharing, params.TimeSlicing):
-            raise ParamsError(
-                f"{device.name}: TimeSlicing does not apply under --sharing memory-shares (whole"
-                " GPUs are shared by memory, through MPS); use MPS or leave sharing unset"
+            raise _mismatch(
+                asked,
+                device,
+                "to time-slice it with strategy TimeSlicing",
+                policy.mode,
+                "use MPS or leave sharing unset, or run the claim where --sharing is none or"
+                " time-slicing (class shared-gpu.tessera.dev selects only those GPUs)",
             )
         if config is not None and isinstance(sharing, params.Exclusive):
-            raise ParamsError(
-                f"{device.name}: strategy Exclusive does not apply under --sharing memory-shares"
-                " (whole GPUs are shared by memory, through MPS); request the GPU's whole memory"
-                " as capacity for a GPU of one's own, use MPS or leave sharing unset"
+            raise _mismatch(
+                asked,
+                device,
+                "to hold it alone with strategy Exclusive",
+                policy.mode,
+                "request the GPU's whole memory as capacity for a GPU of one's own, use MPS or"
+                " leave sharing unset",
             )
         total = _memory(device)
         memory = consumed if consumed is not None else policy.memory_share_min
@@ -148,6 +202,22 @@ def _sharing(
             memory_bytes=memory,
             thread_percentage=min(100, percentage),
             pinned_memory_bytes=min(memory, pinned) if pinned else memory,
+        )
+    if (
+        policy.mode == "time-slicing"
+        and device.kind == "gpu"
+        and consumed is not None
+        and consumed < _memory(device)
+        and not isinstance(sharing, params.TimeSlicing)
+    ):
+        how = "with MPS" if isinstance(sharing, params.Mps) else "without time-slicing it"
+        raise _mismatch(
+            asked,
+            device,
+            f"a share of {consumed} of its {_memory(device)} bytes of memory {how}",
+            policy.mode,
+            "time-slice it (class time-sliced.gpu.tessera.dev), request no memory for a GPU of"
+            " one's own, or run memory shares where --sharing is memory-shares",
         )
     if isinstance(sharing, params.TimeSlicing):
         return PlannedDevice(
@@ -218,7 +288,7 @@ def _effective_config(
     requests: Sequence[str],
     configs: Sequence[tuple[OpaqueConfig, params.DeviceConfig]],
     kind: str,
-) -> params.DeviceConfig | None:
+) -> tuple[OpaqueConfig, params.DeviceConfig] | None:
     """The config of a device allocated for ``requests`` (in order): of the configs for its kind
     that apply to a request (``configs_for``), later entries win, and the device's later
     requests over its earlier ones. In one pass over the configs and one over the requests, so
@@ -235,7 +305,7 @@ def _effective_config(
     for r in reversed(requests):
         best = max(everyone, named.get(r, -1), named.get(r.split("/", 1)[0], -1))
         if best >= 0:
-            return configs[best][1]
+            return configs[best]
     return None
 
 
@@ -245,8 +315,9 @@ def plan_claim(
     """Our devices of the allocation, each with its request names, effective config and how it
     is shared. Pure.
 
-    Raises ClaimError for devices this node does not advertise, ParamsError for configs that do
-    not parse, validate or fit the node's sharing."""
+    Raises ClaimError for devices this node does not advertise and for what the node's sharing
+    does not offer (``sharing_mismatch``), ParamsError for configs that do not parse or
+    validate."""
     requests: dict[str, dict[str, None]] = {}  # device -> its request names, in order
     consumed: dict[str, int] = {}
     share_ids: dict[str, str] = {}
@@ -275,15 +346,18 @@ def plan_claim(
                 f"claim {allocation.claim}: device {shown(name)} is not advertised by this node",
                 "unknown_device",
             )
-        config = _effective_config(tuple(reqs), configs, dev.kind)
-        p = _sharing(allocation.claim, dev, config, policy, consumed.get(name), share_ids.get(name))
+        effective = _effective_config(tuple(reqs), configs, dev.kind)
+        config = effective[1] if effective is not None else None
+        source = effective[0].source if effective is not None else None
+        asked = Asked(allocation.claim, source, classes.get(name, ""))
+        p = _sharing(asked, dev, config, policy, consumed.get(name), share_ids.get(name))
         power = _power_limit(p, policy)
         planned.append(
             dataclasses.replace(
                 p,
                 request_names=tuple(reqs),
                 power_limit_mw=power,
-                device_class=classes.get(name, ""),
+                device_class=asked.device_class,
             )
         )
     _check_limit_keys(planned)

@@ -46,7 +46,8 @@ REASONS: Mapping[str, str] = {
     "no_claim": "no ResourceClaim with this UID exists",
     "allocation_invalid": "the claim is not allocated to this node's pool, or is malformed",
     "device_not_advertised": "a device of its allocation is no longer advertised",
-    "invalid_config": "its opaque config does not validate",
+    "invalid_config": "its opaque config does not validate, or it asks what the node's --sharing"
+    " does not offer",
     "allocation_disagrees": "its allocation or config differs from what its CDI spec exposes",
     "leftovers_inconsistent": "its devices, MIG instances or MPS daemon differ from its spec",
     "conflict": "another prepared claim holds one of its devices",
@@ -140,7 +141,10 @@ def decide(
         allocation = parse_allocation(dict(obj), key, driver, pool)
         plan = plan_claim(allocation, model, sharing)
     except ClaimError as exc:
-        reason = "device_not_advertised" if exc.reason == "unknown_device" else "allocation_invalid"
+        reason = {
+            "unknown_device": "device_not_advertised",
+            "sharing_mismatch": "invalid_config",
+        }.get(exc.reason, "allocation_invalid")
         return Unrecovered(uid, reason, str(exc))
     except ParamsError as exc:
         return Unrecovered(uid, "invalid_config", str(exc))

@@ -116,6 +116,25 @@ def test_more_gpus_than_the_node_has_exit_1_with_a_reason(tmp_path):
     assert node["reason"] and node["claims"][0]["allocation"] is None
 
 
+@pytest.mark.parametrize(
+    ("example", "fits", "other"),
+    [
+        ("memory-share-8gi.yaml", "memory-shares", "time-slicing"),
+        ("time-slicing.yaml", "time-slicing", "memory-shares"),
+        ("time-slicing-shared.yaml", "time-slicing", "memory-shares"),
+    ],
+)
+def test_a_sharing_example_fits_only_nodes_of_its_sharing_mode(example, fits, other):
+    """The node's --sharing reaches the slices as the `sharing` attribute, which the example's
+    class or selector reads: it fits its mode and, elsewhere, says what it saw."""
+    args = [EXAMPLES / example, "--class", CLASSES, "--simulate", "dgx-h100"]
+    code, out, err = explain(*args, "--sharing", fits)
+    assert code == 0, out + err
+    code, out, err = explain(*args, "--sharing", other)
+    assert code == 1, out + err
+    assert f'device.attributes["gpu.tessera.dev"].sharing="{other}"' in out
+
+
 def test_allocated_claims_take_their_devices(tmp_path):
     out = io.StringIO()
     assert main(["slices", "--simulate", "l40s-pcie"], {}, out, io.StringIO()) == 0

@@ -22,10 +22,18 @@ from agent.config import Config
 from agent.discovery.inventory import NodeInventory
 from agent.node import discover
 from agent.sim.model import model_names
-from dra_driver.device_model import AdvertisedDevice, DeviceModel
-from dra_driver.errors import ParamsError
+from dra_driver.device_model import MIG_MODES, SHARING_MODES, AdvertisedDevice, DeviceModel
+from dra_driver.errors import ClaimError, ParamsError
+from dra_driver.kubeletplugin.checkpoint import Checkpoint, ClaimEntry, PreparedDevice
 from dra_driver.kubeletplugin.claims import Allocation, ClaimKey, parse_allocation
-from dra_driver.kubeletplugin.plan import MEMORY_SHARE, MPS, TIME_SLICING, plan_claim
+from dra_driver.kubeletplugin.plan import (
+    MEMORY_SHARE,
+    MPS,
+    TIME_SLICING,
+    ClaimPlan,
+    conflicts,
+    plan_claim,
+)
 from dra_driver.scheduler.celenv import CelEnvironment
 from dra_driver.scheduler.explanation import Explanation, explain
 
@@ -33,8 +41,6 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "deploy" / "daemonset" / "examples"
 CLASSES = ROOT / "deploy" / "daemonset" / "deviceclasses.yaml"
 DOMAIN = "gpu.tessera.dev"
-REFUSED = "refused"
-"""``Fit.expect``: the allocator allocates, but preparing refuses the example's config there."""
 
 # -- the simulated nodes, discovered once per process ------------------------------------------
 
@@ -192,17 +198,24 @@ def run(name: str, node: Node) -> list[tuple[dict[str, Any], Explanation, list[d
     the installed DeviceClasses and those the example defines; the NIC driver's slice and
     class when the claim asks for a NIC; the node's busy devices held by another claim."""
     docs = documents(EXAMPLES / name)
-    classes = [d for d in documents(CLASSES) + docs if d["kind"] == "DeviceClass"]
-    _, slices = published(node)
     out = []
     for claim in claims(docs):
-        node_slices, node_classes = list(slices), classes
-        if NIC_CLASS["metadata"]["name"] in class_names(claim):
-            node_slices.append(nic_slice(node.model, nic_root(node, slices)))
-            node_classes = [*classes, NIC_CLASS]
+        node_classes, node_slices = scene(docs, claim, node)
         e = explain(claim, node_classes, node_slices, held(node), cel=CelEnvironment())
         out.append((claim, e, node_slices))
     return out
+
+
+def scene(
+    docs: list[dict[str, Any]], claim: dict[str, Any], node: Node
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The DeviceClasses and ResourceSlices a claim of the example is allocated against on the
+    node (see ``run``)."""
+    classes = [d for d in documents(CLASSES) + docs if d["kind"] == "DeviceClass"]
+    _, slices = published(node)
+    if NIC_CLASS["metadata"]["name"] in class_names(claim):
+        return [*classes, NIC_CLASS], [*slices, nic_slice(node.model, nic_root(node, slices))]
+    return classes, list(slices)
 
 
 def matched_values(
@@ -226,10 +239,12 @@ def matched_values(
     return values
 
 
-def taken_by_driver(claim: dict[str, Any], allocation: dict[str, Any], node: Node) -> Allocation:
+def taken_by_driver(
+    claim: dict[str, Any], allocation: dict[str, Any], node: Node, uid: str = "uid-example"
+) -> Allocation:
     """The allocation as the driver reads it from the claim's status (its devices, and the class
     and claim configs for it in the order it applies them)."""
-    key = ClaimKey("default", claim["metadata"]["name"], "uid-example")
+    key = ClaimKey("default", claim["metadata"]["name"], uid)
     obj = {"metadata": {"uid": key.uid}, "status": {"allocation": allocation}}
     return parse_allocation(obj, key, node.config().driver.driver_name, node.model)
 
@@ -240,8 +255,9 @@ def taken_by_driver(claim: dict[str, Any], allocation: dict[str, Any], node: Nod
 @dataclass(frozen=True)
 class Fit:
     """The example allocates on the node; the driver shares the device(s) as ``expect`` says
-    (None: exclusive; a plan.py sharing; REFUSED), and ``requests`` are the (sub)requests the
-    allocation answers (None: not checked)."""
+    (None: exclusive; a plan.py sharing), and ``requests`` are the (sub)requests the allocation
+    answers (None: not checked). Nowhere is an example allocated and then refused at prepare
+    (test_no_example_is_allocated_where_the_driver_refuses_it)."""
 
     node: Node
     expect: str | None = None
@@ -271,7 +287,16 @@ MIG_DYNAMIC = ("dgx-a100", "dgx-h100", "hgx-h200")
 NO_WHOLE_GPU = "class-selector", 'device.attributes["gpu.tessera.dev"].type="mig"'
 """A whole-GPU class on a node whose GPUs are all in MIG mode: what the class selector saw."""
 NO_MIG = "class-selector", 'device.attributes["gpu.tessera.dev"].type="gpu"'
-NOT_SHARED = "class-selector", "device.allowMultipleAllocations=false"
+
+
+def sharing_seen(mode: str) -> str:
+    """A selector on the ``sharing`` attribute, as the allocator shows what it saw."""
+    return f'device.attributes["gpu.tessera.dev"].sharing="{mode}"'
+
+
+NOT_TIME_SLICING = "class-selector", sharing_seen("none")
+MEMORY_SHARES = Node("dgx-h100", sharing="memory-shares")
+TIME_SLICING_NODE = Node("dgx-h100", sharing="time-slicing")
 
 FITS: dict[str, list[Fit]] = {
     "allocated-gpu-claim.yaml": [Fit(Node(m)) for m in model_names()],  # sample-gpu's spec
@@ -298,13 +323,9 @@ FITS: dict[str, list[Fit]] = {
         *[Fit(Node(m), expect=TIME_SLICING) for m in WHOLE],
         Fit(Node("dgx-h100", sharing="time-slicing"), expect=TIME_SLICING),
         Fit(Node("dgx-h100", "dynamic"), expect=TIME_SLICING),
-        # "works with any --sharing except memory-shares"
-        Fit(Node("dgx-h100", sharing="memory-shares"), expect=REFUSED),
     ],
     "time-slicing-shared.yaml": [
         *[Fit(Node(m, sharing="time-slicing"), expect=TIME_SLICING) for m in WHOLE],
-        # the class selects any shared GPU; preparing refuses time-slicing among memory shares
-        Fit(Node("dgx-h100", sharing="memory-shares"), expect=REFUSED),
     ],
     "mps.yaml": [
         *[Fit(Node(m), expect=MPS) for m in WHOLE],
@@ -312,10 +333,6 @@ FITS: dict[str, list[Fit]] = {
     ],
     "memory-share-8gi.yaml": [
         *[Fit(Node(m, sharing="memory-shares"), expect=MEMORY_SHARE) for m in WHOLE],
-        # time-slicing GPUs allow multiple allocations too, so the scheduler places it; with no
-        # sharing config the driver prepares the GPU unshared (a second claim on it would be
-        # refused at prepare: "already prepared for claim ...")
-        Fit(Node("dgx-h100", sharing="time-slicing")),
     ],
     "mps-on-mig.yaml": [
         Fit(Node("dgx-a100"), expect=MPS),
@@ -336,7 +353,6 @@ FITS: dict[str, list[Fit]] = {
         Fit(Node("hgx-h200"), requests=("gpu/any",)),
         Fit(Node("dgx-h100", "dynamic"), requests=("gpu/any",)),
         Fit(Node("dgx-h100", sharing="time-slicing"), requests=("gpu/any",)),  # held alone
-        Fit(Node("dgx-h100", sharing="memory-shares"), expect=REFUSED),  # a share: no cap
     ],
     "prefer-hopper.yaml": [
         Fit(Node("dgx-h100"), requests=("gpu/hopper",)),
@@ -395,21 +411,28 @@ MISFITS: dict[str, list[Misfit]] = {
         Misfit(Node("l40s-pcie"), *NO_MIG),
         Misfit(Node("mixed"), *NO_MIG),
     ],
-    "time-slicing.yaml": [Misfit(Node("dgx-a100"), *NO_WHOLE_GPU)],
+    "time-slicing.yaml": [
+        Misfit(Node("dgx-a100"), *NO_WHOLE_GPU),
+        # a memory-shares node never time-slices a GPU: the class does not select its GPUs
+        Misfit(MEMORY_SHARES, "class-selector", sharing_seen("memory-shares")),
+    ],
     "time-slicing-shared.yaml": [
         Misfit(Node("dgx-a100"), *NO_WHOLE_GPU),
         Misfit(Node("dgx-a100", sharing="time-slicing"), *NO_WHOLE_GPU),
-        *[Misfit(Node(m), *NOT_SHARED) for m in WHOLE],  # without --sharing time-slicing
+        *[Misfit(Node(m), *NOT_TIME_SLICING) for m in WHOLE],  # without --sharing time-slicing
+        Misfit(MEMORY_SHARES, "class-selector", sharing_seen("memory-shares")),
     ],
-    "mps.yaml": [Misfit(Node("dgx-a100"), *NO_WHOLE_GPU)],
+    "mps.yaml": [
+        Misfit(Node("dgx-a100"), *NO_WHOLE_GPU),
+        Misfit(MEMORY_SHARES, "class-selector", sharing_seen("memory-shares")),
+    ],
     "memory-share-8gi.yaml": [
         Misfit(Node("dgx-a100", sharing="memory-shares"), *NO_WHOLE_GPU),
         Misfit(Node("dgx-a100"), *NO_WHOLE_GPU),
-        # without --sharing memory-shares (or time-slicing) a GPU is exclusive
-        *[
-            Misfit(Node(m), "request-selector", "(saw device.allowMultipleAllocations=false)")
-            for m in WHOLE
-        ],
+        # a GPU of another mode: exclusive, or time-sliced (where a share that does not
+        # time-slice would be refused at prepare)
+        *[Misfit(Node(m), "request-selector", sharing_seen("none")) for m in WHOLE],
+        Misfit(TIME_SLICING_NODE, "request-selector", sharing_seen("time-slicing")),
     ],
     "mps-on-mig.yaml": [
         Misfit(Node("dgx-h100"), *NO_MIG),
@@ -428,6 +451,8 @@ MISFITS: dict[str, list[Misfit]] = {
     ],
     "power-capped-gpu.yaml": [
         Misfit(Node("dgx-a100"), *NO_WHOLE_GPU),
+        # a memory share is never capped: neither subrequest takes a memory-shares GPU
+        Misfit(MEMORY_SHARES, "request-selector", sharing_seen("memory-shares")),
         # the mixed server's A100s are taken: its L4s (40..72 W) cannot take a 250 W cap
         Misfit(
             Node("mixed", busy=("gpu-0", "gpu-1")),
@@ -515,10 +540,6 @@ def test_each_example_allocates_and_the_driver_takes_its_config(name: str, fit: 
             assert results == written["devices"]["results"], "the example's allocation is stale"
         taken = taken_by_driver(claim, allocation, node)
         assert taken.devices, f"{name} asks this driver for nothing"
-        if fit.expect == REFUSED:
-            with pytest.raises(ParamsError):
-                plan_claim(taken, model, config.driver.sharing_policy())
-            continue
         plan = plan_claim(taken, model, config.driver.sharing_policy())
         assert {p.sharing for p in plan.devices} == {fit.expect}, (name, node, plan)
 
@@ -542,6 +563,84 @@ def test_each_example_fails_elsewhere_with_the_reason_a_user_sees(
     assert any(misfit.text in t for t in of_kind), (misfit.text, sorted(set(of_kind))[:3])
 
 
+# -- nothing allocated that prepare refuses ------------------------------------------------------
+
+EVERY_MODE = [
+    Node(m, mig, sharing) for m in model_names() for mig in MIG_MODES for sharing in SHARING_MODES
+]
+"""Every simulated model under every --mig-mode and --sharing (at its default MIG layout)."""
+
+
+def prepared(uid: str, plan: ClaimPlan, pool: str) -> ClaimEntry:
+    """The checkpoint's record of a prepared claim, as prepare writes it (records.py
+    ``Records.device``; the CDI ids play no part in who may share a device)."""
+    devices = []
+    for p in plan.devices:
+        d = p.device
+        placement = None
+        if p.dynamic and d.mig_profile_id is not None and d.mig_placement_start is not None:
+            placement = (d.mig_profile_id, d.mig_placement_start, d.mig_placement_size or 0)
+        devices.append(
+            PreparedDevice(
+                request_names=p.request_names,
+                pool=pool,
+                device=d.name,
+                cdi_device_ids=(),
+                kind=d.kind,
+                gpu_uuid=d.parent_uuid,
+                gpu_minor=d.gpu_minor,
+                placement=placement,
+                sharing=p.sharing,
+                interval=p.interval,
+                share_id=p.share_id,
+                memory_bytes=p.memory_bytes,
+            )
+        )
+    return ClaimEntry(uid, "default", "first", "PREPARE_COMPLETED", tuple(devices), 0.0)
+
+
+def refusals(docs: list[dict[str, Any]], claim: dict[str, Any], node: Node) -> list[str]:
+    """Why the driver would refuse the claim where the allocator places it on the node (nothing:
+    it prepares it), and a second claim of the same spec that the allocator places beside the
+    first (the scheduler seeing the first one's allocation, as with a template's claims)."""
+    model, _ = published(node)
+    policy = node.config().driver.sharing_policy()
+    classes, slices = scene(docs, claim, node)
+    first = explain(claim, classes, slices, [], cel=CelEnvironment())
+    if not first.ok:
+        return []
+    try:
+        plan = plan_claim(taken_by_driver(claim, first.allocation(), node), model, policy)
+    except (ClaimError, ParamsError) as e:
+        return [f"{node}: {e}"]
+    second_claim = {**claim, "metadata": {**claim["metadata"], "name": "second"}}
+    allocated = {"metadata": claim["metadata"], "status": {"allocation": first.allocation()}}
+    second = explain(second_claim, classes, slices, [allocated], cel=CelEnvironment())
+    if not second.ok:
+        return []
+    key = ClaimKey("default", "second", "uid-second")
+    checkpoint = Checkpoint("boot", {}).with_claim(prepared("uid-example", plan, node.model))
+    try:
+        taken = taken_by_driver(second_claim, second.allocation(), node, key.uid)
+        beside = plan_claim(taken, model, policy)
+        conflicts(checkpoint, key, node.model, beside.devices, policy)
+    except (ClaimError, ParamsError) as e:
+        return [f"{node}, a second claim: {e}"]
+    return []
+
+
+@pytest.mark.parametrize("name", sorted(FITS))
+def test_no_example_is_allocated_where_the_driver_refuses_it(name: str) -> None:
+    """On every model under every mode, wherever the allocator places a claim of the example
+    (and a second one beside it) the driver prepares them: the example selects only devices
+    whose node can do what it asks."""
+    docs = documents(EXAMPLES / name)
+    found = [
+        r for node in EVERY_MODE for claim in claims(docs) for r in refusals(docs, claim, node)
+    ]
+    assert found == []
+
+
 # -- the DeviceClasses ---------------------------------------------------------------------------
 
 GENERATIONS = {
@@ -556,8 +655,10 @@ so that the table does not restate the selector)."""
 def meant_for(class_name: str, device: dict[str, Any]) -> bool:
     """Whether the class is meant to select the device (a ResourceSlice device)."""
     kind = device["attributes"]["type"]["string"]
-    if class_name in ("gpu.tessera.dev", "shared-gpu.tessera.dev"):
+    if class_name == "gpu.tessera.dev":
         return kind == "gpu"
+    if class_name == "shared-gpu.tessera.dev":  # time-sliced: not where GPUs are memory shares
+        return kind == "gpu" and device["attributes"]["sharing"]["string"] != "memory-shares"
     if class_name == "mig.gpu.tessera.dev":
         return kind == "mig"
     return (
@@ -569,6 +670,7 @@ INSTALLED = [d for d in documents(CLASSES) if d["kind"] == "DeviceClass"]
 CLASS_NODES = [
     *[Node(m, mode) for m in model_names() for mode in ("static", "dynamic")],
     Node("dgx-a100", layout="none"),  # MIG off: eight whole A100s
+    *[Node(m, sharing=mode) for m in WHOLE for mode in ("time-slicing", "memory-shares")],
 ]
 SELECTED_AT_DEFAULTS = {
     # class: devices selected on dgx-a100, dgx-h100, hgx-h200, l40s-pcie, mixed
@@ -667,11 +769,11 @@ def test_a_claim_config_wins_over_the_shared_class_config() -> None:
     assert (planned.sharing, planned.thread_percentage) == (MPS, 25)
 
 
-def test_the_shared_class_is_refused_under_memory_shares() -> None:
-    with pytest.raises(
-        ParamsError, match="TimeSlicing does not apply under --sharing memory-shares"
-    ):
-        plan_by_class(Node("dgx-h100", sharing="memory-shares"))
+def test_the_shared_class_takes_no_gpu_of_a_memory_shares_node() -> None:
+    """Its config time-slices, which a memory-shares node never does: the class selects none of
+    its GPUs (the claim waits, with the reason, instead of being refused at prepare)."""
+    assert selected_by(SHARED, MEMORY_SHARES) == set()
+    assert len(selected_by(SHARED, TIME_SLICING_NODE)) == 8
 
 
 def test_mps_example_limits_reach_the_driver() -> None:
@@ -683,6 +785,14 @@ def test_mps_example_limits_reach_the_driver() -> None:
     (planned,) = plan.devices
     assert (planned.sharing, planned.thread_percentage) == (MPS, 50)
     assert planned.pinned_memory_bytes == 8 * 1024**3
+
+
+@pytest.mark.parametrize("class_name", list(SELECTED_AT_DEFAULTS))
+def test_no_class_is_allocated_where_the_driver_refuses_it(class_name: str) -> None:
+    """A claim that names only the class (the class's own config, if any, applies) is prepared
+    wherever the allocator places it, on every model under every mode."""
+    claim = class_claim(class_name)
+    assert [r for node in EVERY_MODE for r in refusals([], claim, node)] == []
 
 
 # -- the cookbook's attribute table --------------------------------------------------------------

@@ -60,6 +60,13 @@ DOWNWARD = {"spec.nodeName": "gpu-node-1", "metadata.uid": POD_UID}
 
 @functools.cache
 def render(components: tuple[str, ...]) -> tuple[dict[str, Any], ...]:
+    """The objects of a rendering that must succeed (``kustomize``)."""
+    out = kustomize(components)
+    assert out.returncode == 0, out.stderr
+    return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
+
+
+def kustomize(components: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
     """`kubectl kustomize` of the base with these components (a throwaway kustomization next to
     nothing, naming them by relative path as a user's overlay would)."""
     assert KUBECTL is not None
@@ -72,11 +79,9 @@ def render(components: tuple[str, ...]) -> tuple[dict[str, Any], ...]:
             "components": [f"{rel}/components/{c}" for c in components],
         }
         Path(tmp, "kustomization.yaml").write_text(yaml.safe_dump(kust))
-        out = subprocess.run(
+        return subprocess.run(
             [KUBECTL, "kustomize", tmp], capture_output=True, text=True, timeout=60, check=False
         )
-    assert out.returncode == 0, out.stderr
-    return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
 
 
 def daemonset(components: Sequence[str] = ()) -> dict[str, Any]:
@@ -304,6 +309,40 @@ def test_each_component_does_what_it_says_alone_and_combined(components):
     for name in components:
         if name not in OWNED_ELSEWHERE:
             EXPECTED[name](components)
+
+
+SHARING_ANNOTATION = "gpu.tessera.dev/sharing"
+EXCLUSIVE = ("time-slicing", "memory-shares")
+"""Components that each set the node's --sharing mode: one at most per rendering."""
+
+
+@needs_kubectl
+@pytest.mark.parametrize("components", COMBINATIONS, ids=combo_id)
+def test_the_pod_template_names_the_sharing_mode_the_agent_runs(components):
+    """The annotation the sharing components guard is the agent's --sharing (so that a pod
+    shows its mode, and a change of mode rolls the pods)."""
+    annotations = daemonset(components)["spec"]["template"]["metadata"]["annotations"]
+    assert annotations[SHARING_ANNOTATION] == config(components).driver.sharing
+
+
+@needs_kubectl
+@pytest.mark.parametrize(
+    "components",
+    [
+        EXCLUSIVE,
+        EXCLUSIVE[::-1],
+        ("dynamic-mig", EXCLUSIVE[1], "device-taints", EXCLUSIVE[0]),
+    ],
+    ids=combo_id,
+)
+def test_exclusive_sharing_components_do_not_render_together(components):
+    """Two --sharing modes in one rendering fail, naming the component that came second,
+    instead of the last one silently winning."""
+    out = kustomize(components)
+    assert out.returncode != 0, "rendered with two --sharing modes"
+    second = [c for c in components if c in EXCLUSIVE][1]
+    assert f"components/{second}" in out.stderr, out.stderr
+    assert SHARING_ANNOTATION.replace("/", "~1") in out.stderr, out.stderr
 
 
 @needs_kubectl

@@ -188,6 +188,7 @@ def test_static_dgx_h100_whole_gpus(inventory: Inventory) -> None:
         "resource.kubernetes.io/numaNode": 0,
         "nvlinkClique": "clique-0-1-2-3-4-5-6-7",
         "nvlinkLinks": 18,
+        "sharing": "none",  # the node's --sharing
         # the GPU's power-limit range and default from NVML, in watts (H100 SXM: 200..700 W)
         "powerLimitMinWatts": 200,
         "powerLimitMaxWatts": 700,
@@ -303,6 +304,21 @@ def test_sharing_lets_several_claims_allocate_a_whole_gpu(
         assert "requestPolicy" not in memory
     plain = advertised_devices(inventory("dgx-h100"), DevicePolicy()).device("gpu-0").api()
     assert "allowMultipleAllocations" not in plain
+
+
+@pytest.mark.parametrize("mig_mode", ["static", "dynamic"])
+@pytest.mark.parametrize("sharing", ["none", "time-slicing", "memory-shares"])
+def test_whole_gpus_carry_the_sharing_mode_their_node_prepares(
+    inventory: Inventory, sharing: str, mig_mode: str
+) -> None:
+    """The attribute classes select on (deploy/daemonset/deviceclasses.yaml): every whole GPU
+    says the node's --sharing, MIG devices (never shared between claims) say nothing."""
+    model = advertised_devices(
+        inventory("dgx-h100"), DevicePolicy(mig_mode=mig_mode, sharing=sharing)
+    )
+    for d in model.devices:
+        assert attrs(d).get("sharing") == (sharing if d.kind == "gpu" else None), d.name
+    assert {d.kind for d in model.devices} == ({"gpu", "mig"} if mig_mode == "dynamic" else {"gpu"})
 
 
 @pytest.mark.parametrize("model_name", ["dgx-a100", "dgx-h100"], ids=str)

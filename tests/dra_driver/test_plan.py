@@ -162,9 +162,24 @@ def test_memory_shares_take_the_consumed_memory_as_limit_and_thread_share(h100):
         plan_claim(too_big, h100, policy)
 
 
-def test_memory_shares_refuse_time_slicing(h100):
+def test_memory_shares_refuse_time_slicing_naming_the_class_that_asked_it(h100):
+    """The refusal says what the claim asked, where that came from and what the node offers."""
     policy = SharingPolicy(mode="memory-shares")
-    with pytest.raises(ParamsError, match="TimeSlicing does not apply under --sharing memory"):
+    by_class = Allocation(
+        CLAIM,
+        (AllocatedDevice("gpu", "gpu.tessera.dev", POOL, "gpu-0", device_class="shared"),),
+        (OpaqueConfig("FromClass", (), gpu_config("TimeSlicing")),),
+    )
+    with pytest.raises(ClaimError) as e:
+        plan_claim(by_class, h100, policy)
+    assert e.value.reason == "sharing_mismatch"
+    assert str(e.value).startswith(
+        "claim ns/a (uid-a): gpu-0: the claim asks to time-slice it with strategy TimeSlicing (the"
+        " config of its class shared), but this node runs --sharing memory-shares, which shares"
+        " every whole GPU by memory, each claim through an MPS daemon of its own, and never"
+        " time-slices one; use MPS or leave sharing unset"
+    )
+    with pytest.raises(ClaimError, match=r"TimeSlicing \(its own config\)"):
         plan_claim(allocation("gpu-0", config=gpu_config("TimeSlicing")), h100, policy)
 
 
@@ -172,10 +187,39 @@ def test_memory_shares_refuse_an_explicit_exclusive_config(h100):
     """A shared GPU cannot be had exclusively by saying so: the config is refused, not ignored
     (the scheduler may place other shares on the GPU)."""
     policy = SharingPolicy(mode="memory-shares")
-    with pytest.raises(ParamsError, match="Exclusive does not apply under --sharing memory"):
+    with pytest.raises(ClaimError, match=r"asks to hold it alone with strategy Exclusive"):
         plan_claim(allocation("gpu-0", config=gpu_config("Exclusive")), h100, policy)
     plain = plan_claim(allocation("gpu-0"), h100, policy)  # no config: a share
     assert [p.sharing for p in plain.devices] == [MEMORY_SHARE]
+
+
+@pytest.mark.parametrize(
+    ("config", "how"),
+    [
+        (None, "without time-slicing it (no config)"),
+        (gpu_config("MPS"), "with MPS (its own config)"),
+    ],
+)
+def test_time_slicing_refuses_a_share_of_memory_that_does_not_time_slice(h100, config, how):
+    """Under --sharing time-slicing a claim that consumed part of a GPU's memory shares the GPU
+    with the claims placed on the rest: it is refused at once, naming the mismatch, instead of
+    being prepared alone and the next share being refused as if the GPU were allocated twice."""
+    policy = SharingPolicy(mode="time-slicing")
+    total = int(dict(h100.device("gpu-0").capacity)["memory"])
+    with pytest.raises(ClaimError) as e:
+        plan_claim(allocation("gpu-0", config=config, consumed=8 * GIB), h100, policy)
+    assert e.value.reason == "sharing_mismatch"
+    assert f"asks a share of {8 * GIB} of its {total} bytes of memory {how}" in str(e.value)
+    assert "runs --sharing time-slicing, which shares a whole GPU between claims only when" in (
+        str(e.value)
+    )
+    # the whole memory (what a claim that requests none consumes) is a GPU of its own
+    (whole,) = plan_claim(allocation("gpu-0", config=config, consumed=total), h100, policy).devices
+    assert whole.sharing == (MPS if config else None)
+    sliced = allocation("gpu-0", config=gpu_config("TimeSlicing"), consumed=8 * GIB)
+    assert [p.sharing for p in plan_claim(sliced, h100, policy).devices] == [TIME_SLICING]
+    # elsewhere the mode gives no share of memory to refuse: no consumedCapacity, exclusive
+    assert plan_claim(allocation("gpu-0", consumed=8 * GIB), h100).devices[0].sharing is None
 
 
 def test_an_exclusive_device_is_never_held_twice(h100):

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from dra_driver.device_model import DeviceModel, DevicePolicy, advertised_devices
-from dra_driver.errors import ParamsError
+from dra_driver.errors import ClaimError, ParamsError
 from dra_driver.kubeletplugin.claims import AllocatedDevice, Allocation, ClaimKey, OpaqueConfig
 from dra_driver.kubeletplugin.params import API_VERSION, validate, watts
 from dra_driver.kubeletplugin.plan import SharingPolicy, plan_claim
@@ -154,11 +154,12 @@ def test_a_memory_share_cannot_be_capped(inventory: Any) -> None:
     cfg = config("300W", sharing={"strategy": "MPS"})
     with pytest.raises(ParamsError):  # MPS and a cap: refused by the config itself
         plan_claim(allocation("gpu-0", cfg=cfg), model, SharingPolicy(mode="memory-shares"))
-    with pytest.raises(ParamsError) as e:  # no strategy: a memory share all the same
+    with pytest.raises(ClaimError) as e:  # no strategy: Exclusive, which a share cannot be
         plan_claim(
             allocation("gpu-0", cfg=config("300W")), model, SharingPolicy(mode="memory-shares")
         )
-    assert "Exclusive does not apply under --sharing memory-shares" in str(e.value)
+    assert e.value.reason == "sharing_mismatch"
+    assert "asks to hold it alone with strategy Exclusive" in str(e.value)
 
 
 def test_time_slicing_nodes_still_cap_a_gpu_held_alone(inventory: Any) -> None:

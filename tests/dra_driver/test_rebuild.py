@@ -256,6 +256,11 @@ def damage_bad_config(node: Node, key: ClaimKey) -> None:
     _rewrite_claim(node, key, lambda o: o["status"]["allocation"]["devices"].update(config=[bad]))
 
 
+def damage_share_not_time_sliced(node: Node, key: ClaimKey) -> None:
+    """Part of the GPU's memory with no config: what this time-slicing node refuses."""
+    _rewrite_claim(node, key, lambda o: _results(o)[0].update(consumedCapacity={"memory": "8Gi"}))
+
+
 def damage_config_now_mps(node: Node, key: ClaimKey) -> None:
     mps = opaque("MPS")
     _rewrite_claim(node, key, lambda o: o["status"]["allocation"]["devices"].update(config=[mps]))
@@ -281,6 +286,7 @@ DAMAGES = {
     "allocation_disagrees": damage_other_device,
     "allocation_invalid": damage_not_allocated,
     "invalid_config": damage_bad_config,
+    "invalid_config-sharing": damage_share_not_time_sliced,
     "allocation_disagrees-mps": damage_config_now_mps,
     "leftovers_inconsistent": damage_device_node,
     "spec_unreadable": damage_unreadable_spec,

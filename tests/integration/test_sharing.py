@@ -228,6 +228,33 @@ def test_claims_time_slice_a_gpu_at_one_interval_until_the_last_leaves(node):
     assert timeslice(node, 0) == 0
 
 
+@pytest.mark.parametrize("node", [("dgx-h100", "--sharing", "time-slicing")], indirect=True)
+def test_memory_shares_on_a_time_slicing_node_are_refused_naming_the_mismatch(node):
+    """examples/memory-share-8gi.yaml's claims as a scheduler that ignores the `sharing`
+    attribute would place them: two 8Gi shares of gpu-0 with no config. Both are refused, each
+    naming what it asked and what the node offers (before: the first was prepared alone and the
+    second refused as if the GPU were allocated twice)."""
+    gpu = next(dev for dev in advertised(node) if dev["name"] == "gpu-0")
+    assert gpu["attributes"]["sharing"] == {"string": "time-slicing"}
+    a, b = claim(node, "a", "gpu-0", memory="8Gi"), claim(node, "b", "gpu-0", memory="8Gi")
+    result = prepare(node, a, b)
+    for ref in (a, b):
+        error = result[ref.uid]["error"]
+        assert "already prepared" not in error
+        assert f"the claim asks a share of {8 * GIB} of its" in error, error
+        assert "without time-slicing it (no config), but this node runs --sharing time-slicing" in (
+            error
+        )
+    assert not (node.cdi_dir / f"k8s.{DRIVER}-claim_{a.uid}.json").exists()
+    # the same two shares time-sliced are what the node offers
+    ts = sharing_config("GpuConfig", "TimeSlicing")
+    c = claim(node, "c", "gpu-0", config=ts, memory="8Gi")
+    d = claim(node, "d", "gpu-0", config=ts, memory="8Gi")
+    result = prepare(node, c, d)
+    ok(result, c)
+    ok(result, d)
+
+
 @pytest.mark.parametrize("node", [("dgx-h100",)], indirect=True)
 def test_without_sharing_a_time_sliced_gpu_is_its_claims_alone(node):
     ts = sharing_config("GpuConfig", "TimeSlicing", interval="Medium")
