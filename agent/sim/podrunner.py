@@ -155,8 +155,8 @@ class PodRunner:
                 )  # fmt: skip
             except OSError as exc:
                 self._done.add(meta["uid"])
-                message = f"cannot run {argv[0]}: {exc.strerror or exc}"
-                self._write_status(pod, {"phase": "Failed", "reason": "StartError", "message": message})  # fmt: skip
+                why = f"cannot run {argv[0]}: {exc.strerror or exc}"
+                self._write_status(pod, {"phase": "Failed", "reason": "StartError", "message": why})
                 return
         now = _now()
         grace = float(pod["spec"].get("terminationGracePeriodSeconds", 30))

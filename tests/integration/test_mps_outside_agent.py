@@ -57,7 +57,8 @@ def mps_claim(server: ApiServer, node: str, name: str, device: str) -> ClaimRef:
         "kind": "GpuConfig",
         "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": 50}},
     }
-    config = {"source": "FromClaim", "requests": [], "opaque": {"driver": DRIVER, "parameters": parameters}}  # fmt: skip
+    opaque = {"driver": DRIVER, "parameters": parameters}
+    config = {"source": "FromClaim", "requests": [], "opaque": opaque}
     obj = claim_manifest(name, f"uid-{name}", [("gpu", device)], node, config=[config])
     created: dict[str, Any] = server.put_object("resourceclaims", obj)
     return ClaimRef("default", name, created["metadata"]["uid"])
@@ -95,7 +96,7 @@ def kill_namespace(d: Daemon) -> None:
     inside = [init, *init.children(recursive=True)]
     init.send_signal(signal.SIGKILL)
     d.wait_exit()
-    gone, alive = psutil.wait_procs(inside, timeout=10)
+    _, alive = psutil.wait_procs(inside, timeout=10)
     assert alive == [], f"processes of the killed namespace still run: {alive}"
 
 
