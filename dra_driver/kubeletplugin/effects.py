@@ -274,8 +274,11 @@ class Effects:
                 else self.mps.found(entry.uid)
             )
             if daemon is not None:
-                self.mps.stop(daemon)
-            self.mps.remove(entry.uid)
+                self.mps.stop(daemon)  # and removes its directories and Pod
+            elif self.mps.directory(entry.uid).exists():
+                # what a crash left (a Pod is only made after its directory, and removed
+                # before it): a claim that never had a daemon costs no API call
+                self.mps.remove(entry.uid)
         for d in entry.devices:
             mps_users = [
                 o for o in others if o.gpu_uuid == d.gpu_uuid and o.sharing in (MPS, MEMORY_SHARE)
