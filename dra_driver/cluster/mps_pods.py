@@ -211,6 +211,23 @@ class PodLauncher:
             if CLAIM_LABEL in ((p.get("metadata") or {}).get("labels") or {})
         }
 
+    def describe(self, key: str) -> str:
+        """The Pod's name and phase, and why it is not running where its status says."""
+        name = f"Pod {self.t.namespace}/{NAME_PREFIX}{key}"
+        try:
+            pod = self.kube.request("GET", self._path(key))
+        except KubeError as exc:
+            return f"{name}: {exc}"
+        status = pod.get("status") or {}
+        why = [str(status.get("phase") or "Pending")]
+        if status.get("message"):
+            why.append(str(status["message"])[:300])
+        for c in status.get("containerStatuses") or []:
+            waiting = (c.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason"):
+                why.append(f"{waiting['reason']}: {str(waiting.get('message', ''))[:300]}")
+        return f"{name}: {'; '.join(why)}"
+
     def _delete(self, key: str, grace: int | None) -> None:
         body = None
         if grace is not None:

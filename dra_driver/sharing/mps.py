@@ -200,9 +200,10 @@ class MpsControl:
             if text.isdigit():
                 return int(text)
             if self._clock() > deadline:
+                where = self.launcher.describe(pid_file.parent.parent.name)
                 raise SharingError(
                     f"MPS control daemon wrote no PID to {pid_file} within"
-                    f" {self.ready_timeout_s:g} s",
+                    f" {self.ready_timeout_s:g} s{f' ({where})' if where else ''}",
                     "mps_not_ready",
                 )
             self._sleep(self._poll)

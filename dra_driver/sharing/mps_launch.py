@@ -53,6 +53,10 @@ class MpsLauncher(Protocol):
     def claim_keys(self) -> set[str]:
         """The claims the launcher keeps something for (running or not)."""
 
+    def describe(self, key: str) -> str:
+        """Where claim ``key``'s daemon runs and how it is, for an error ("" when nothing
+        more than its directories can be said)."""
+
 
 class LocalLauncher:
     """The daemon as the agent's own process (``-d``); see the module."""
@@ -116,3 +120,6 @@ class LocalLauncher:
 
     def claim_keys(self) -> set[str]:
         return set()
+
+    def describe(self, key: str) -> str:
+        return ""

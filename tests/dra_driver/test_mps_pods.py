@@ -129,3 +129,15 @@ def test_a_refused_create_fails_the_prepare_with_the_api_servers_answer(server: 
     with pytest.raises(SharingError, match=r"cannot create the MPS Pod .* 500") as caught:
         launcher(server).launch(UID, ENV, shm())
     assert caught.value.reason == "mps_pod_error"
+
+
+def test_a_pod_that_does_not_run_is_described_for_the_prepares_error(server: ApiServer) -> None:
+    pods = launcher(server)
+    pods.launch(UID, ENV, shm())
+    assert pods.describe(UID) == f"Pod {NS}/tessera-mps-{UID}: Pending"  # no kubelet took it
+    pod = server.get_object("pods", f"tessera-mps-{UID}", NS)
+    assert pod is not None
+    waiting = {"reason": "ErrImagePull", "message": "pull access denied"}
+    status = {"phase": "Pending", "containerStatuses": [{"state": {"waiting": waiting}}]}
+    server.put_object("pods", {**pod, "status": status})
+    assert pods.describe(UID).endswith(": Pending; ErrImagePull: pull access denied")

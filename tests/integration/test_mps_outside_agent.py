@@ -10,7 +10,7 @@ import os
 import shutil
 import signal
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -100,17 +100,25 @@ def kill_namespace(d: Daemon) -> None:
     assert alive == [], f"processes of the killed namespace still run: {alive}"
 
 
-@pytest.mark.timeout(180)
-def test_an_mps_server_outlives_the_agents_pid_namespace_and_is_adopted(
-    short_tmp: Path, cluster: tuple[ApiServer, PodRunner]
+def kill_process_group(d: Daemon) -> None:
+    """SIGKILL the agent's whole process group (it leads its own, under ``setsid``)."""
+    assert d.proc is not None
+    os.killpg(d.proc.pid, signal.SIGKILL)
+    d.wait_exit()
+
+
+def outlives_and_is_adopted(
+    short_tmp: Path,
+    cluster: tuple[ApiServer, PodRunner],
+    prefix: tuple[str, ...],
+    kill: Callable[[Daemon], None],
 ) -> None:
-    reason = can_unshare()
-    if reason is not None:
-        pytest.skip(reason)
+    """Prepare an MPS claim under a kube-mode agent run under ``prefix``, ``kill`` the agent;
+    its MPS server answers on, the next agent adopts it, unprepare stops it."""
     server, runner = cluster
     kubeconfig = str(server.kubeconfig(short_tmp))
     env = {"TESSERA_MPS_POD_IMAGE": "ghcr.io/tessera-gpu/tessera:test"}
-    d = Daemon(short_tmp / "node", "dgx-h100", "--kubeconfig", kubeconfig, prefix=UNSHARE)
+    d = Daemon(short_tmp / "node", "dgx-h100", "--kubeconfig", kubeconfig, prefix=prefix)
     d.start(env=env)
     try:
         ref = mps_claim(server, d.node, "shared", "gpu-3")
@@ -118,7 +126,7 @@ def test_an_mps_server_outlives_the_agents_pid_namespace_and_is_adopted(
         pipe_dir = str(d.state / "mps" / ref.uid / "pipe")
         assert ask(d, pipe_dir, "get_default_active_thread_percentage") == "50.0"
 
-        kill_namespace(d)  # the agent's container goes, with everything in it
+        kill(d)
         assert ask(d, pipe_dir, "get_default_active_thread_percentage") == "50.0"
         (daemon,) = mps_daemons(d.state / "sim", d.model)
         assert daemon.pipe_dir == pipe_dir
@@ -139,6 +147,28 @@ def test_an_mps_server_outlives_the_agents_pid_namespace_and_is_adopted(
         assert server.rejected == []
     finally:
         d.kill()
+
+
+@pytest.mark.timeout(180)
+def test_an_mps_server_outlives_the_agents_pid_namespace_and_is_adopted(
+    short_tmp: Path, cluster: tuple[ApiServer, PodRunner]
+) -> None:
+    reason = can_unshare()
+    if reason is not None:
+        pytest.skip(f"{reason}; test_an_mps_server_outlives_the_agents_process_group checks"
+                    " the same without a PID namespace")  # fmt: skip
+    # the agent's container goes, with everything in it
+    outlives_and_is_adopted(short_tmp, cluster, UNSHARE, kill_namespace)
+
+
+@pytest.mark.timeout(180)
+def test_an_mps_server_outlives_the_agents_process_group(
+    short_tmp: Path, cluster: tuple[ApiServer, PodRunner]
+) -> None:
+    # where no PID namespace can be made: the agent and every process of its group killed.
+    # Weaker than the namespace: a local daemon (-d) leaves the group by itself (setsid), so
+    # this alone passes with local daemons too; it checks the Pods' adoption without unshare
+    outlives_and_is_adopted(short_tmp, cluster, ("setsid",), kill_process_group)
 
 
 @pytest.mark.timeout(180)
@@ -167,3 +197,26 @@ def test_the_start_removes_mps_pods_and_directories_no_claim_owns(
         assert not Path(daemon.pipe_dir).exists()
     finally:
         d.kill()
+
+
+@pytest.mark.timeout(180)
+def test_an_mps_pod_no_kubelet_runs_fails_the_prepare_naming_it_and_is_removed(
+    short_tmp: Path,
+) -> None:
+    with ApiServer(namespaces=(*DEFAULT_NAMESPACES, NAMESPACE)) as server:  # no pod runner
+        kubeconfig = str(server.kubeconfig(short_tmp))
+        d = Daemon(short_tmp / "node", "dgx-h100", "--kubeconfig", kubeconfig,
+                   "--mps-pod-image", "ghcr.io/tessera-gpu/tessera:test",
+                   "--mps-ready-timeout", "1")  # fmt: skip
+        d.start()
+        try:
+            ref = mps_claim(server, d.node, "stuck", "gpu-1")
+            with KubeletClient(d.dra_socket) as k:
+                error = k.prepare([ref])["claims"][ref.uid]["error"]
+            assert "wrote no PID" in error, error
+            assert f"(Pod {NAMESPACE}/tessera-mps-{ref.uid}: Pending)" in error, error
+            assert mps_pods(server) == []  # the failed prepare was undone
+            assert not (d.state / "mps" / ref.uid).exists()
+            assert d.checkpoint()["claims"] == {}
+        finally:
+            d.kill()
