@@ -35,6 +35,7 @@ attribute the process to the claims of that pod.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 from dataclasses import dataclass
@@ -234,7 +235,7 @@ def cmd_apiserver(inv: Invocation) -> int:
             from agent.sim.podrunner import PodRunner
 
             logs = written.parent / "pod-logs"
-            runner = PodRunner(server.url, opts.run_pods_for, logs).start()
+            runner = PodRunner(server.url, opts.run_pods_for, logs, dict(os.environ)).start()
         inv.out.write(f"API server emulator on {server.url}; kubeconfig: {written}\n")
         inv.out.flush()
         try:

@@ -76,9 +76,11 @@ class PodRunner:
     """The API server's URL (``http://127.0.0.1:PORT``; the emulator asks no credentials)."""
     node: str
     log_dir: Path
+    env: Mapping[str, str]
+    """The runner's own environment (the caller's: nothing below the CLI reads it); its
+    processes get only :data:`PASSED_ENV` of it."""
     sync_s: float = 0.05
     max_grace_s: float = 5.0
-    env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("tessera.podrunner"))
     clock: Callable[[], float] = time.monotonic
     _pods: dict[str, _Running] = field(default_factory=dict)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -220,7 +221,7 @@ def drive_the_agent(server: ApiServer, state: Path) -> dict[str, list[RequestRec
                   "opaque": {"driver": DRIVER, "parameters": mps_params}}  # fmt: skip
     shared = claim_manifest("mps", "uid-mps", [("gpu", "gpu-3")], node, "team-a", [mps_config])
     mps = ClaimRef("team-a", "mps", server.put_object("resourceclaims", shared)["metadata"]["uid"])
-    runner = PodRunner(server.url, node, state.parent / "pod-logs").start()
+    runner = PodRunner(server.url, node, state.parent / "pod-logs", dict(os.environ)).start()
     claim = claim_manifest("train", "uid-train", [("gpu", "gpu-1")], node, "team-a")
     uid = server.put_object("resourceclaims", claim)["metadata"]["uid"]
     ref = ClaimRef("team-a", "train", uid)

@@ -43,7 +43,8 @@ def can_unshare() -> str | None:
 @pytest.fixture
 def cluster(short_tmp: Path) -> Iterator[tuple[ApiServer, PodRunner]]:
     with ApiServer(namespaces=(*DEFAULT_NAMESPACES, NAMESPACE)) as server:
-        runner = PodRunner(server.url, "dgx-h100", short_tmp / "pod-logs").start()
+        runner = PodRunner(server.url, "dgx-h100", short_tmp / "pod-logs", dict(os.environ))
+        runner.start()
         try:
             yield server, runner
         finally:

@@ -3,6 +3,7 @@ node, over real HTTP to the API-server emulator, with real processes."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,7 +74,7 @@ def test_what_it_cannot_stand_in_for_is_refused(change: dict[str, Any], why: str
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[tuple[ApiServer, PodRunner]]:
     with ApiServer() as server:
-        runner = PodRunner(server.url, "node-1", tmp_path / "logs").start()
+        runner = PodRunner(server.url, "node-1", tmp_path / "logs", dict(os.environ)).start()
         try:
             yield server, runner
         finally:
