@@ -35,6 +35,7 @@ attribute the process to the claims of that pod.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 from dataclasses import dataclass
@@ -87,6 +88,14 @@ class ApiServerOptions:
         " is allowed.",
         metavar="VERB:RESOURCE[.GROUP]",
         parse=access_rule,
+    )
+    run_pods_for: str | None = setting(
+        None,
+        "Play this node's kubelet for the Pods bound to it (the agent's MPS Pods in kube mode):"
+        " run each one's container command as a local process, write its status, stop it when"
+        " the Pod is deleted (agent/sim/podrunner.py; logs next to --kubeconfig-out). Unset:"
+        " such Pods stay Pending, and MPS claims fail to prepare.",
+        metavar="NODE",
     )
 
 
@@ -221,9 +230,19 @@ def cmd_apiserver(inv: Invocation) -> int:
         server.access.deny(rule.verb, rule.resource, rule.group)
     with server:
         written = server.kubeconfig(opts.kubeconfig_out)
+        runner = None
+        if opts.run_pods_for is not None:
+            from agent.sim.podrunner import PodRunner
+
+            logs = written.parent / "pod-logs"
+            runner = PodRunner(server.url, opts.run_pods_for, logs, dict(os.environ)).start()
         inv.out.write(f"API server emulator on {server.url}; kubeconfig: {written}\n")
         inv.out.flush()
-        stop.wait()
+        try:
+            stop.wait()
+        finally:
+            if runner is not None:
+                runner.stop()
     return 0
 
 

@@ -220,3 +220,19 @@ class SharingSettings:
         groups=("daemon",),
         metavar="SECONDS",
     )
+    mps_pod_namespace: str = setting(
+        "tessera-system",
+        "Kube mode: the namespace of the Pods that run the claims' MPS control daemons (one"
+        " per claim, pinned to this node, so they outlive the agent's container); the agent's"
+        " own namespace, where its Role lets it create them.",
+        groups=("daemon",),
+        metavar="NAMESPACE",
+    )
+    mps_pod_image: str | None = setting(
+        None,
+        "Kube mode: the image of those Pods (the agent's own: the daemon itself is the"
+        " driver's nvidia-cuda-mps-control, mounted from the host). Unset: MPS claims fail to"
+        " prepare in kube mode, naming this setting.",
+        groups=("daemon",),
+        metavar="IMAGE",
+    )

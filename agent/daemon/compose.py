@@ -198,7 +198,7 @@ def _build(
         ),
         devices=devices.get,
         log=prepare_log,
-        effects=sharing_effects(config, source, state_dir, devices, prepare_log, crash),
+        effects=sharing_effects(config, source, state_dir, devices, prepare_log, crash, kube),
         sharing=config.driver.sharing_policy(),
         crash_hook=crash,
         observe=driver_metrics.observe,

@@ -44,6 +44,7 @@ from dra_driver.kubeletplugin.prepare import Preparer
 from dra_driver.kubeletplugin.server import PluginServer
 from dra_driver.sharing.dynamic_mig import DynamicMig
 from dra_driver.sharing.mps import MpsControl
+from dra_driver.sharing.mps_launch import LocalLauncher, MpsLauncher
 from dra_driver.sharing.node_tools import Tools, find_tool, tool_env
 from dra_driver.sharing.power_cap import GpuPower
 from dra_driver.sharing.timeslice import GpuSettings
@@ -244,6 +245,42 @@ def claim_unprepared(
     return unprepared
 
 
+def mps_launcher(
+    config: Config,
+    source: NodeSource,
+    tools: Tools,
+    root: Path,
+    kube: KubeClient | None,
+    log: logging.Logger,
+) -> MpsLauncher:
+    """Where the claims' MPS control daemons run: standalone, the agent's own processes; in
+    kube mode a Pod per claim pinned to this node, which a restart of the agent's container
+    does not kill (dra_driver/cluster/mps_pods.py)."""
+    # the real daemon gets the claim's shared-memory directory as its /dev/shm (its clients
+    # see the same one through the CDI mount); the simulator's stand-in needs none
+    private_shm = config.simulator.simulate is None
+    if kube is None:
+        return LocalLauncher(tools, private_shm=private_shm)
+    from dra_driver.cluster.mps_pods import PodLauncher, PodTemplate
+
+    # where the tools the agent runs are on the host: the host's view of the driver root; the
+    # simulator's stand-in tools are real files at the simulated driver root itself (its
+    # host_root names where a real node's files would be, for the CDI specs)
+    on_host = source.driver_root if config.simulator.simulate else source.host_root
+    template = PodTemplate(
+        namespace=config.sharing.mps_pod_namespace,
+        node=source.hostname,
+        image=config.sharing.mps_pod_image or "",
+        mps_control=str(tools.mps_control),
+        driver_root=str(source.driver_root),
+        driver_root_on_host=str(on_host),
+        root=str(root),
+        tool_env=dict(tools.env),
+        private_shm=private_shm,
+    )
+    return PodLauncher(kube, template, log)
+
+
 def sharing_effects(
     config: Config,
     source: NodeSource,
@@ -251,24 +288,25 @@ def sharing_effects(
     devices: CurrentDevices,
     log: logging.Logger,
     crash: Callable[[str], None],
+    kube: KubeClient | None = None,
 ) -> Effects:
     """The tools prepare shares devices and makes partitions with: nvidia-smi and
     nvidia-cuda-mps-control from the driver root (the simulator's stand-ins with --simulate),
-    MPS daemons under --mps-root, and dynamic MIG through NVML when --mig-mode is dynamic."""
+    MPS daemons under --mps-root (run by :func:`mps_launcher`), and dynamic MIG through NVML
+    when --mig-mode is dynamic."""
     tools_ = config.sharing
     tools = Tools(
         nvidia_smi=find_tool("nvidia-smi", source.driver_root, tools_.nvidia_smi),
         mps_control=find_tool("nvidia-cuda-mps-control", source.driver_root, tools_.mps_control),
         env=tool_env(source.driver_root),
     )
+    root = tools_.mps_root or state_dir / "mps"
     mps = MpsControl(
         tools,
-        tools_.mps_root or state_dir / "mps",
+        root,
         log.getChild("mps"),
-        # the real daemon gets the claim's shared-memory directory as its /dev/shm (its clients
-        # see the same one through the CDI mount); the simulator's stand-in needs none
-        private_shm=config.simulator.simulate is None,
         ready_timeout_s=tools_.mps_ready_timeout,
+        launcher=mps_launcher(config, source, tools, root, kube, log.getChild("mps")),
     )
     # claim UIDs are 36 characters: warn now rather than at the first MPS claim
     problem = mps.socket_path_problem("0" * 36)

@@ -84,6 +84,20 @@ AGENT_ACCESS: tuple[Access, ...] = (
         Access("", "events", verb, "Events on the Node", required=False, namespace="default")
         for verb in ("create", "patch")
     ),
+    # dra_driver/cluster/mps_pods.py PodLauncher: a Pod per MPS claim in the agent's namespace
+    # (--mps-pod-namespace, tessera-system by default): create at prepare, get (is it still
+    # running), delete at unprepare, list at a start (orphans); without them MPS claims fail
+    *(
+        Access(
+            "",
+            "pods",
+            verb,
+            "the Pods of the claims' MPS control daemons",
+            required=False,
+            namespace="tessera-system",
+        )
+        for verb in ("create", "get", "list", "delete")
+    ),
 )
 """Every request the agent makes in kube mode (deploy/daemonset/rbac.yaml grants them; a test
 checks that it does)."""

@@ -303,8 +303,11 @@ class Effects:
         recorded = entry.mps
         daemon = _daemon(entry.uid, recorded) if recorded is not None else self.mps.found(entry.uid)
         if daemon is not None:
-            self.mps.stop(daemon)
-        self.mps.remove(entry.uid)
+            self.mps.stop(daemon)  # and removes its directories and Pod
+        elif self.mps.directory(entry.uid).exists():
+            # what a crash left (a Pod is only made after its directory, and removed before
+            # it): a claim that never had a daemon costs no API call
+            self.mps.remove(entry.uid)
 
     def _restore_power(self, d: PreparedDevice, milliwatts: int) -> None:
         """Set a capped GPU's power limit back to ``milliwatts``, the one recorded before the

@@ -22,6 +22,9 @@ tools".
   is started in a mount namespace of its own where ``shm`` is bind-mounted on ``/dev/shm``, so its
   server and the claim's containers (which get the same directory at ``/dev/shm``) share it and
   nothing else. The simulator's stand-in needs no shared memory.
+- Where it runs: the launcher (:mod:`dra_driver.sharing.mps_launch`) starts it, tells whether the
+  same one still runs, signals it and lists what it keeps: a local process (standalone mode) or a
+  Pod per claim (kube mode, ``dra_driver.cluster.mps_pods``).
 """
 
 from __future__ import annotations
@@ -30,17 +33,15 @@ import logging
 import os
 import re
 import shutil
-import signal
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
-
 from agent.fsutil import ensure_dir, read_regular_file
 from agent.logs import fields_
 from dra_driver.errors import SharingError, ToolError
+from dra_driver.sharing.mps_launch import LocalLauncher, MpsLauncher
 from dra_driver.sharing.node_tools import Tools, check_uuid
 
 PID_FILE = "nvidia-cuda-mps-control.pid"
@@ -93,8 +94,11 @@ class MpsControl:
         poll_s: float = 0.05,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
+        launcher: MpsLauncher | None = None,
     ) -> None:
+        """``launcher``: where daemons run (None: local processes, see ``private_shm``)."""
         self.tools = tools
+        self.launcher = launcher or LocalLauncher(tools, private_shm=private_shm)
         self.root = root
         self.log = log
         self.private_shm = private_shm
@@ -164,12 +168,12 @@ class MpsControl:
             ensure_dir(d, mode)
         (pipe / PID_FILE).unlink(missing_ok=True)  # a stale one would name another process
         env = self._env(pipe, log_dir, settings.devices)
-        self.tools.run(self._start_argv(shm), env=env)
+        self.launcher.launch(key, env, shm)
         pid = self._wait_for_pid(pipe / PID_FILE)
         daemon = MpsDaemon(
             key=key,
             pid=pid,
-            started_at=_start_time(pid) or 0.0,
+            started_at=self.launcher.started_at(key, pid) or 0.0,
             pipe_dir=str(pipe),
             log_dir=str(log_dir),
             shm_dir=str(shm),
@@ -187,26 +191,6 @@ class MpsControl:
         )
         return daemon
 
-    def _start_argv(self, shm: Path) -> list[str]:
-        mps = str(self.tools.mps_control)
-        if not self.private_shm:
-            return [mps, "-d"]
-        # a mount namespace of its own with the claim's directory as /dev/shm; the paths are
-        # positional parameters of the script, never part of it
-        return [
-            "unshare",
-            "--mount",
-            "--propagation",
-            "private",
-            "--",
-            "/bin/sh",
-            "-c",
-            'mount --bind "$1" /dev/shm && exec "$2" -d',
-            "tessera-mps",
-            str(shm),
-            mps,
-        ]
-
     def _wait_for_pid(self, pid_file: Path) -> int:
         deadline = self._clock() + self.ready_timeout_s
         while True:
@@ -217,9 +201,10 @@ class MpsControl:
             if text.isdigit():
                 return int(text)
             if self._clock() > deadline:
+                where = self.launcher.describe(pid_file.parent.parent.name)
                 raise SharingError(
                     f"MPS control daemon wrote no PID to {pid_file} within"
-                    f" {self.ready_timeout_s:g} s",
+                    f" {self.ready_timeout_s:g} s{f' ({where})' if where else ''}",
                     "mps_not_ready",
                 )
             self._sleep(self._poll)
@@ -247,12 +232,13 @@ class MpsControl:
 
     def alive(self, d: MpsDaemon) -> bool:
         """Whether the recorded daemon still runs (same PID and same start time)."""
-        started = _start_time(d.pid)
+        started = self.launcher.started_at(d.key, d.pid)
         return started is not None and abs(started - d.started_at) < 1.0
 
     def stop(self, d: MpsDaemon) -> None:
-        """Stop the daemon (``quit``, then signals) and remove its directories. Idempotent: a
-        daemon already gone only has its directories removed (logged once, when stopped)."""
+        """Stop the daemon (``quit``, then signals) and remove its directories (and its Pod).
+        Idempotent: a daemon already gone only has its directories removed (logged once, when
+        stopped)."""
         if not self.alive(d):
             self.remove(d.key)
             return
@@ -266,18 +252,17 @@ class MpsControl:
                 extra=fields_(claim_uid=d.key, pid=d.pid, error=str(exc)),
             )
         if not (quit_taken and self._gone(d, self.stop_timeout_s)):
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    psutil.Process(d.pid).send_signal(sig)
-                except psutil.Error:
-                    break
+            for force in (False, True):
+                self.launcher.kill(d.key, d.pid, force=force)
                 if self._gone(d, self.stop_timeout_s / 2):
                     break
         self.remove(d.key)
         self.log.info("MPS control daemon stopped", extra=fields_(claim_uid=d.key, pid=d.pid))
 
     def remove(self, key: str) -> None:
-        """Remove a daemon's directories (after it stopped, or what a crash left)."""
+        """Remove a daemon's directories and what its launcher keeps (after it stopped, or what
+        a crash left)."""
+        self.launcher.forget(key)
         shutil.rmtree(self.directory(key), ignore_errors=True)
 
     def _gone(self, d: MpsDaemon, timeout_s: float) -> bool:
@@ -290,11 +275,13 @@ class MpsControl:
 
     # -- start-up ----------------------------------------------------------------------------
     def keys_on_disk(self) -> set[str]:
-        """The claim UIDs that have a daemon directory (running or left by a crash)."""
+        """The claim UIDs that have a daemon directory or something its launcher keeps (a Pod),
+        running or left by a crash."""
         try:
-            return {p.name for p in self.root.iterdir() if p.is_dir() and KEY_RE.fullmatch(p.name)}
+            dirs = {p.name for p in self.root.iterdir() if p.is_dir() and KEY_RE.fullmatch(p.name)}
         except FileNotFoundError:
-            return set()
+            dirs = set()
+        return dirs | {k for k in self.launcher.claim_keys() if KEY_RE.fullmatch(k)}
 
     def found(self, key: str) -> MpsDaemon | None:
         """The daemon of a directory that no record names (a crash between start and commit):
@@ -304,8 +291,8 @@ class MpsControl:
             pid = int(_read_pid_file(base / "pipe" / PID_FILE))
         except (OSError, ValueError):
             return None
-        started = _start_time(pid)
-        if started is None or not _is_mps_control(pid):
+        started = self.launcher.found_at(key, pid)
+        if started is None:
             return None  # gone, or the PID now belongs to another program
         return MpsDaemon(
             key, pid, started, str(base / "pipe"), str(base / "log"), str(base / "shm"), ()
@@ -317,22 +304,3 @@ def _read_pid_file(path: Path) -> str:
     containers, so what is there may be anything: read as a small regular file only (a FIFO or
     a link put there must not hang or bloat the agent). Raises OSError."""
     return read_regular_file(path, MAX_PID_FILE_BYTES).decode(errors="replace").strip()
-
-
-def _is_mps_control(pid: int) -> bool:
-    try:
-        return any("nvidia-cuda-mps-control" in part for part in psutil.Process(pid).cmdline())
-    except psutil.Error:
-        return False
-
-
-def _start_time(pid: int) -> float | None:
-    """The process's start time; None when there is no such process or it has exited (a
-    zombie, which a daemon reparented to an init that does not reap stays)."""
-    try:
-        proc = psutil.Process(pid)
-        if proc.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
-            return None
-        return float(proc.create_time())
-    except psutil.Error:
-        return None

@@ -54,7 +54,11 @@ COMBINATIONS: list[tuple[str, ...]] = [
     ("monitoring", "monitoring/budgets"),
 ]
 POD_UID = "4f1b2c3d-5e6f-4a7b-8c9d-0e1f2a3b4c5d"
-DOWNWARD = {"spec.nodeName": "gpu-node-1", "metadata.uid": POD_UID}
+DOWNWARD = {
+    "spec.nodeName": "gpu-node-1",
+    "metadata.uid": POD_UID,
+    "metadata.namespace": "tessera-system",
+}
 """What the kubelet fills in for each fieldRef the DaemonSet uses."""
 
 
@@ -430,3 +434,11 @@ def test_every_kustomization_under_deploy_renders_and_validates(where):
     for obj in validatable([d for d in yaml.safe_load_all(out.stdout) if d]):
         for version in VERSIONS:
             validate_k8s(dict(obj), version)
+
+
+def test_the_mps_pods_run_the_agents_image_in_its_namespace():
+    # an MPS claim's daemon Pod (dra_driver/cluster/mps_pods.py) is made in the namespace the
+    # rbac.yaml Role grants, from the image the agent runs
+    c = config()
+    assert c.sharing.mps_pod_image == agent()["image"]
+    assert c.sharing.mps_pod_namespace == "tessera-system"

@@ -12,6 +12,9 @@ real code paths run, mode by mode:
 * unprepare: a NodeUnprepareResources of another claim writes its usage into its status
   (dra_driver/cluster/claim_usage_status.py: a GET, then a PUT of ``/status``);
 * events: GPU health changes become Events on the Node (created, then patched as they repeat);
+* mps: an MPS claim's control daemon runs in a Pod of its own (created at prepare, read while it
+  is stopped, deleted at unprepare; the simulator's pod runner plays the kubelet), and a start
+  lists the MPS Pods of the node to remove orphans;
 * doctor: ``tessera doctor`` in kube mode (discovery, self reviews).
 
 Each request maps to an RBAC verb as the API server's request-info resolver does (GET of an item:
@@ -27,6 +30,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +48,7 @@ from agent.sim.apiserver_access import verb_of
 from agent.sim.apiserver_faults import RequestRecord
 from agent.sim.apiserver_types import resolve
 from agent.sim.nvml import FakeNvml
+from agent.sim.podrunner import PodRunner
 from dra_driver.testkubelet.calls import ClaimRef
 from dra_driver.testkubelet.client import KubeletClient
 from tests.crds import TYPES, serving
@@ -95,8 +100,18 @@ def rbac_call(record: RequestRecord) -> Call | None:
     return Call(verb, route.rt.group, resource, route.namespace or "")
 
 
+def kubelets(record: RequestRecord) -> bool:
+    """A request of the simulator's pod runner, which plays the kubelet (with the node's own
+    credentials, not the agent's): its list of the node's Pods across namespaces and its
+    writes of their status. The agent makes neither."""
+    pod_status = record.path.startswith("/api/v1/namespaces/") and record.path.endswith("/status")
+    return (record.method, record.path) == ("GET", "/api/v1/pods") or (
+        record.method == "PUT" and "/pods/" in record.path and pod_status
+    )
+
+
 def calls(records: list[RequestRecord]) -> set[Call]:
-    found = {rbac_call(r) for r in records}
+    found = {rbac_call(r) for r in records if not kubelets(r)}
     return {c for c in found if c is not None}
 
 
@@ -195,9 +210,18 @@ def drive_the_agent(server: ApiServer, state: Path) -> dict[str, list[RequestRec
     """Every mode of the agent in kube mode against ``server``; the requests of each."""
     kubeconfig = str(server.kubeconfig(state.parent / "kubeconfig"))
     d = Daemon(state, MODEL, "--kubeconfig", kubeconfig, "--cleanup-on-exit",
-               "--telemetry-interval", "0.2", "--usage-report-interval", "0.5")  # fmt: skip
+               "--telemetry-interval", "0.2", "--usage-report-interval", "0.5",
+               "--mps-pod-image", "ghcr.io/tessera-gpu/tessera:test")  # fmt: skip
     node = d.node
     server.put_object("nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}})
+    server.put_object("namespaces", {"metadata": {"name": "tessera-system"}})
+    mps_params = {"apiVersion": f"{DRIVER}/v1alpha1", "kind": "GpuConfig",
+                  "sharing": {"strategy": "MPS"}}  # fmt: skip
+    mps_config = {"source": "FromClaim", "requests": [],
+                  "opaque": {"driver": DRIVER, "parameters": mps_params}}  # fmt: skip
+    shared = claim_manifest("mps", "uid-mps", [("gpu", "gpu-3")], node, "team-a", [mps_config])
+    mps = ClaimRef("team-a", "mps", server.put_object("resourceclaims", shared)["metadata"]["uid"])
+    runner = PodRunner(server.url, node, state.parent / "pod-logs", dict(os.environ)).start()
     claim = claim_manifest("train", "uid-train", [("gpu", "gpu-1")], node, "team-a")
     uid = server.put_object("resourceclaims", claim)["metadata"]["uid"]
     ref = ClaimRef("team-a", "train", uid)
@@ -255,6 +279,21 @@ def drive_the_agent(server: ApiServer, state: Path) -> dict[str, list[RequestRec
             )
         phases.end("events")
 
+        with KubeletClient(d.dra_socket) as k:
+            prepared = k.prepare([mps])["claims"][mps.uid]
+            assert prepared.get("error", "") == "", prepared
+            assert k.unprepare([mps])["claims"] == {mps.uid: {"error": ""}}
+        until(
+            lambda: bool(
+                (server.get_object("resourceclaims", "mps", "team-a") or {})
+                .get("status", {})
+                .get("devices")
+            ),
+            d,
+            "the MPS claim's usage in its status",
+        )
+        phases.end("mps")
+
         d.kill()  # kill -9, then the checkpoint is damaged: the claim is found through the API
         (d.state / "checkpoint.json").write_text('{"version": 2, "claims": {"uid-')
         d.start()
@@ -265,6 +304,7 @@ def drive_the_agent(server: ApiServer, state: Path) -> dict[str, list[RequestRec
         phases.end("restart and exit")
     finally:
         d.kill()
+        runner.stop()
     doctor(state, kubeconfig)
     assert server.rejected == []
     return phases.split(server, "doctor")
@@ -307,7 +347,8 @@ def test_rbac_grants_exactly_the_calls_the_agent_makes(short_tmp):
         f"update {reports}",  # every later one
         "get nodes",  # the Node's labels
     }
-    background = publisher | report
+    sweep = {"list pods in tessera-system"}  # a start's MPS orphans: Pods of no claim
+    background = publisher | report | sweep
     expected = {
         "publisher": publisher,
         "claims": {"get resourceclaims.resource.k8s.io in team-a"},
@@ -316,13 +357,22 @@ def test_rbac_grants_exactly_the_calls_the_agent_makes(short_tmp):
             "update resourceclaims/status.resource.k8s.io in team-a",
         },
         "events": {"create events in default", "patch events in default"},
-        "restart and exit": {"list resourceclaims.resource.k8s.io", f"delete {slices}"},
+        "mps": {
+            "get resourceclaims.resource.k8s.io in team-a",
+            "update resourceclaims/status.resource.k8s.io in team-a",
+            *(f"{verb} pods in tessera-system" for verb in ("create", "get", "delete")),
+        },
+        "restart and exit": {
+            "list resourceclaims.resource.k8s.io",
+            f"delete {slices}",
+            "list pods in tessera-system",  # the MPS Pods of claims no longer prepared
+        },
     }
     for mode, wanted in expected.items():
         found = set(shown[mode])
         assert wanted <= found, (mode, shown)
         assert found - wanted <= background, (mode, shown)
-    assert set(shown["publisher"]) - report == publisher - report, shown
+    assert set(shown["publisher"]) - report == (publisher | sweep) - report, shown
     assert report <= set().union(*map(set, shown.values())), shown
     assert per_mode["doctor"] == set(), shown  # discovery and self reviews only
     assert {(r.method, r.path) for r in modes["doctor"]} == set(DEFAULT_GRANTED)
@@ -340,5 +390,6 @@ def test_rbac_grants_exactly_the_calls_the_agent_makes(short_tmp):
     # and `tessera doctor` asks the server about exactly these (its RBAC check)
     # (a claim is read in its own namespace: the doctor asks for every namespace)
     asked = {Call(a.verb, a.group, a.resource, a.namespace) for a in AGENT_ACCESS}
-    cluster_wide = {Call(c.verb, c.group, c.resource) for c in made if c.resource != "events"}
-    assert asked == cluster_wide | {c for c in made if c.resource == "events"}
+    namespaced = ("events", "pods")
+    cluster_wide = {Call(c.verb, c.group, c.resource) for c in made if c.resource not in namespaced}
+    assert asked == cluster_wide | {c for c in made if c.resource in namespaced}

@@ -36,12 +36,13 @@ def by_subject(verdicts: list[Verdict]) -> dict[str, Verdict]:
 
 def test_everything_the_agent_needs_is_granted(server, tmp_path):
     verdicts = api_checks(connect(server, tmp_path))
-    assert [v.status for v in verdicts] == ["ok"] * 7
+    assert [v.status for v in verdicts] == ["ok"] * 8
     got = by_subject(verdicts)
     assert got["gpuusagereports.tessera.dev"].detail.startswith("get, create, update allowed")
     assert "Kubernetes v1.35.0" in got["api-server"].detail
     slices = got["resourceslices.resource.k8s.io"].detail
     assert slices.startswith("list, watch, create, update, delete allowed to system:serviceaccount")
+    assert got["pods"].detail.startswith("create, get, list, delete allowed")  # the MPS Pods
 
 
 def test_a_denied_verb_fails_naming_it_and_what_the_agent_needs_it_for(server, tmp_path):
@@ -144,8 +145,12 @@ def test_the_deployed_rbac_grants_every_request_the_agent_makes():
     for a in AGENT_ACCESS:
         anywhere = ("", a.group, a.resource, a.verb)
         assert anywhere in grants or (a.namespace, a.group, a.resource, a.verb) in grants, a
-    # the Role for Events grants exactly what the agent asks for there, nothing else
-    (events,) = [d for d in roles if d["kind"] == "Role"]
-    assert granted(events) == {
-        (a.namespace, a.group, a.resource, a.verb) for a in AGENT_ACCESS if a.namespace
-    }
+    # each Role (Events in default, the MPS Pods in tessera-system) grants exactly what the
+    # agent asks for in its namespace, nothing else
+    namespaced = [d for d in roles if d["kind"] == "Role"]
+    assert sorted(d["metadata"]["namespace"] for d in namespaced) == ["default", "tessera-system"]
+    for role in namespaced:
+        ns = role["metadata"]["namespace"]
+        assert granted(role) == {
+            (a.namespace, a.group, a.resource, a.verb) for a in AGENT_ACCESS if a.namespace == ns
+        }

@@ -38,9 +38,13 @@ class Daemon:
         *extra: str,
         nofile: int | None = None,
         pod_uid: str | None = None,
+        prefix: tuple[str, ...] = (),
     ) -> None:
         """``nofile``: run the daemon with this open-file limit (soft and hard). ``pod_uid``:
-        run it with ``--rolling-update`` as the agent of that pod (its sockets carry the UID)."""
+        run it with ``--rolling-update`` as the agent of that pod (its sockets carry the UID).
+        ``prefix``: a command the daemon runs under (``unshare --pid --fork``: a container's
+        PID namespace)."""
+        self.prefix = prefix
         self.state = state
         self.model = model
         self.extra = list(extra)
@@ -89,6 +93,7 @@ class Daemon:
                 "--metrics-address", "127.0.0.1:0", *self.extra, *extra]  # fmt: skip
         if self.nofile is not None:  # set in the child by a small exec wrapper
             args = [sys.executable, "-c", LIMIT_NOFILE, str(self.nofile), *args]
+        args = [*self.prefix, *args]
         if "--kubeconfig" not in args:
             args.append("--no-kube")
         self.logs = []
