@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 
 from agent.daemon.hub import Relay
 from agent.discovery.inventory import NodeInventory
@@ -59,7 +60,9 @@ class NodeDevices:
     ``health_changes`` carries the sampler's GPU health changes here and ``taints_dropped`` the
     publisher's notice that taints cannot work (both subscribed at construction);
     ``devices_changed`` is told every rediscovery that changed the GPUs or devices, or saw a GPU
-    bound again, and ``health_published`` every GPU health change once it is published."""
+    bound again, and ``health_published`` every GPU health change once it is published;
+    ``mig_changed`` carries the NVML index of a GPU whose MIG devices a prepare or unprepare
+    changed (dynamic MIG) here, before that call returns."""
 
     def __init__(
         self,
@@ -79,6 +82,7 @@ class NodeDevices:
         health_changes: Relay[GpuHealth],
         taints_dropped: Relay[None],
         devices_changed: Relay[DevicesChanged],
+        mig_changed: Relay[int],
         health_published: Callable[[GpuHealth], None],
     ) -> None:
         self.source = source
@@ -97,11 +101,12 @@ class NodeDevices:
         self.unhealthy = UnhealthyGpus()
         self.devices_changed = devices_changed
         self._health_published = health_published
-        self._apply_lock = threading.Lock()
+        self._apply_lock = threading.RLock()  # mig_changed applies while it holds it
         self._publish_lock = threading.Lock()
         self._unlisted_warned: set[str] = set()
         health_changes.subscribe(self.gpu_health_changed)
         taints_dropped.subscribe(lambda _: self.publish_devices())
+        mig_changed.subscribe(self.mig_changed)
 
     def readiness_checks(self) -> list[tuple[str, Check]]:
         """/readyz's check of discovery: the node was discovered."""
@@ -193,6 +198,37 @@ class NodeDevices:
                 extra=fields_(pci_bus_ids=fresh),
             )
         self.apply_inventory(reread.inventory, rebound)
+
+    def mig_changed(self, index: int) -> None:
+        """Dynamic MIG made or destroyed MIG devices on GPU ``index`` (or switched its MIG
+        mode): that GPU alone is read again and the inventory with it applied
+        (:meth:`apply_inventory`), before the prepare or unprepare answers. So the sampler reads
+        the GPU's new MIG devices, labelled with their profiles, from its next tick on, not
+        after the next rediscovery. A read that fails, or a GPU no longer at that index (a
+        rediscovery is due), is logged and left to the next rediscovery."""
+        try:
+            device = self.source.nvml.device(index)
+        except (TesseraError, OSError) as exc:
+            self.log.warning(
+                "cannot read a GPU whose MIG devices changed; telemetry sees them at the next"
+                " rediscovery",
+                extra=fields_(gpu=index, error=str(exc)),
+            )
+            return
+        with self._apply_lock:  # no other inventory is applied between this read and apply
+            inv = self.inventory
+            known = {g.device.uuid: g.device.index for g in inv.gpus} if inv else {}
+            if inv is None or known.get(device.uuid) != index:
+                self.log.info(
+                    "a GPU whose MIG devices changed is not in the inventory at that index;"
+                    " left to the next rediscovery",
+                    extra=fields_(gpu=index, uuid=device.uuid),
+                )
+                return
+            gpus = tuple(
+                replace(g, device=device) if g.device.uuid == device.uuid else g for g in inv.gpus
+            )
+            self.apply_inventory(replace(inv, gpus=gpus))
 
     def publish_devices(self) -> None:
         """Publish the current devices as health has them: the kubelet's health stream marks

@@ -87,6 +87,7 @@ def to_proto(snap: Snapshot, devices: Any = ()) -> Any:
         gpus.append(
             pb.Gpu(
                 index=s.index,
+                minor=g.minor,
                 uuid=s.uuid,
                 name=g.name,
                 pci_bus_id=g.pci_bus_id,

@@ -97,7 +97,9 @@ def make_node(
         if point in crash_at:
             raise Crash(point)
 
-    effects = sharing_effects(config, source, state, devices, logging.getLogger("test"), crash)
+    effects = sharing_effects(
+        config, source, state, devices, logging.getLogger("test"), crash, lambda gpu: None
+    )
     return Node(source, devices.get(), state, crash_at, effects, policy, model_name=model)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -37,7 +38,7 @@ MIG_SERIES = (
 
 
 @pytest.fixture
-def dynamic(short_tmp) -> Iterator[Daemon]:
+def dynamic(short_tmp: Path) -> Iterator[Daemon]:
     d = Daemon(
         short_tmp, "dgx-h100", "--mig-mode", "dynamic", "--telemetry-interval", INTERVAL,
         "--rediscovery-interval", "0",  # nothing re-reads the node behind the test's back
@@ -77,7 +78,7 @@ def mig_series(d: Daemon, uuid: str) -> dict[str, dict[str, str]]:
     return found
 
 
-def test_a_dynamic_mig_device_is_in_telemetry_from_the_next_tick(dynamic):
+def test_a_dynamic_mig_device_is_in_telemetry_from_the_next_tick(dynamic: Daemon) -> None:
     name = find(dynamic, 2, "3g.40gb", 4)
     uuid = devices(dynamic)["gpu-2"]["attributes"]["uuid"]["string"]
     assert mig_series(dynamic, uuid) == {}
@@ -117,7 +118,7 @@ def top_gpus(frame: str) -> list[str]:
     return re.findall(r"^│ (\d+)\s+│ NVIDIA", frame, flags=re.MULTILINE)
 
 
-def test_a_hot_removed_gpu_leaves_every_other_gpu_its_identity(short_tmp):
+def test_a_hot_removed_gpu_leaves_every_other_gpu_its_identity(short_tmp: Path) -> None:
     d = Daemon(
         short_tmp, "dgx-h100", "--telemetry-interval", INTERVAL, "--rediscovery-debounce", "0.3",
         "--rediscovery-interval", "0",  # only udev's events trigger here
