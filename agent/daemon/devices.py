@@ -14,7 +14,7 @@ from agent.discovery.inventory import NodeInventory
 from agent.errors import TesseraError
 from agent.hotplug import DevicesChanged, inventory_change
 from agent.logs import fields_
-from agent.node import NodeSource, rediscover
+from agent.node import NodeSource, Reread, rediscover
 from agent.nvml.events import EventWatcher
 from agent.nvml.telemetry import TelemetryReader
 from agent.statelock import StateLock
@@ -29,6 +29,8 @@ from dra_driver.errors import ClaimError
 from dra_driver.kubeletplugin.health_stream import HEALTHY, UNHEALTHY, HealthBoard
 
 Check = Callable[[], tuple[bool, str]]
+REREADS = 3
+"""Reads of the node a rediscovery makes at most when prepares keep changing MIG devices."""
 
 
 class CurrentDevices:
@@ -102,6 +104,8 @@ class NodeDevices:
         self.devices_changed = devices_changed
         self._health_published = health_published
         self._apply_lock = threading.RLock()  # mig_changed applies while it holds it
+        self._mig_changes = 0
+        """MIG changes applied by :meth:`mig_changed` (changed under ``_apply_lock``)."""
         self._publish_lock = threading.Lock()
         self._unlisted_warned: set[str] = set()
         health_changes.subscribe(self.gpu_health_changed)
@@ -175,7 +179,20 @@ class NodeDevices:
 
     def rediscover(self, rebound: frozenset[str] = frozenset()) -> None:
         """Read NVML and sysfs again and apply what they say (:meth:`apply_inventory`); a read
-        that fails is logged and the inventory stays as it was."""
+        that fails is logged and the inventory stays as it was. A read a prepare's MIG change
+        (:meth:`mig_changed`) overtook is not applied over it: the node is read again (at most
+        ``REREADS`` times in all; the last read is applied whatever happened meanwhile)."""
+        for attempt in range(1, REREADS + 1):
+            seen = self._mig_changes
+            reread = self._reread()
+            if reread is None:
+                return
+            with self._apply_lock:
+                if self._mig_changes == seen or attempt == REREADS:
+                    self.apply_inventory(reread.inventory, rebound)
+                    return
+
+    def _reread(self) -> Reread | None:
         try:
             reread = rediscover(self.source, self.inventory)
         except (TesseraError, OSError) as exc:
@@ -183,7 +200,7 @@ class NodeDevices:
                 "rediscovery failed; the advertised devices stay as they were",
                 extra=fields_(error=str(exc)),
             )
-            return
+            return None
         if reread.kept_unreadable:
             self.log.info(
                 "GPUs NVML cannot read are kept as they were (their PCI functions are there)",
@@ -197,7 +214,7 @@ class NodeDevices:
                 " hot-added after the agent started is advertised after a restart of the agent",
                 extra=fields_(pci_bus_ids=fresh),
             )
-        self.apply_inventory(reread.inventory, rebound)
+        return reread
 
     def mig_changed(self, index: int) -> None:
         """Dynamic MIG made or destroyed MIG devices on GPU ``index`` (or switched its MIG
@@ -228,6 +245,7 @@ class NodeDevices:
             gpus = tuple(
                 replace(g, device=device) if g.device.uuid == device.uuid else g for g in inv.gpus
             )
+            self._mig_changes += 1  # a rediscovery reading now must not apply its older read
             self.apply_inventory(replace(inv, gpus=gpus))
 
     def publish_devices(self) -> None:
