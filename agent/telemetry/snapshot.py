@@ -55,6 +55,8 @@ class PreparedDevice:
     namespace: str
     claim: str
     uid: str
+    gpu_instance_id: int | None = None
+    """The MIG device's GPU instance (its `top` row shows the claim); None for a whole GPU."""
 
 
 @dataclass(frozen=True)

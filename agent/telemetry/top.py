@@ -102,9 +102,12 @@ def render(sample: Any) -> Group:
             "n/a" if temp is None else f"{temp:.0f} °C",
             holders,
         )
-        by_device = {h.device: f"{h.namespace}/{h.claim}" for h in g.holders}
         for m in g.mig:
-            held = next((c for d, c in by_device.items() if f"-{m.gpu_instance_id}-" in d), "-")
+            held = ", ".join(
+                f"{h.namespace}/{h.claim}"
+                for h in g.holders
+                if _opt(h, "gpu_instance_id") == m.gpu_instance_id
+            )
             table.add_row(
                 "",
                 f"  └ {m.profile or 'mig'} (GI {m.gpu_instance_id})",
@@ -113,7 +116,7 @@ def render(sample: Any) -> Group:
                 "",
                 "",
                 "",
-                held,
+                held or "-",
             )
     return Group(table)
 

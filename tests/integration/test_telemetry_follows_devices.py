@@ -94,7 +94,8 @@ def test_a_dynamic_mig_device_is_in_telemetry_from_the_next_tick(dynamic: Daemon
     labels = series["tessera_mig_memory_total_bytes"]
     assert labels["mig_profile"] == "3g.40gb"
     assert labels["gpu_instance"] == str(mig.gpu_instance_id)
-    assert f"3g.40gb (GI {mig.gpu_instance_id})" in top(dynamic)
+    row = f"3g.40gb (GI {mig.gpu_instance_id})"
+    assert re.search(rf"{re.escape(row)}.*│ default/part\s+│$", top(dynamic), re.MULTILINE)
 
     ok(unprepare(dynamic, ref), ref)
     sample = tick_after_now(dynamic)

@@ -60,8 +60,9 @@ def make_snapshot(
                    float(tick * (i + 1)), float(tick), 1.0 if i == 0 else None)
         for i in range(claims)
     )  # fmt: skip
-    prepared = tuple(
-        PreparedDevice(u.pool, u.device, u.gpu_index, u.namespace, u.claim, u.uid) for u in usage
+    prepared = tuple(  # claim i > 0 holds the MIG device of GPU instance i
+        PreparedDevice(u.pool, u.device, u.gpu_index, u.namespace, u.claim, u.uid, i or None)
+        for i, u in enumerate(usage)
     )
     return Snapshot(
         node="node-a", tick=tick, wall_time=1_700_000_000.0 + tick, monotonic=float(tick),

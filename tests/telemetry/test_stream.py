@@ -201,6 +201,11 @@ def test_the_api_and_top_name_a_gpu_by_its_minor_number_beside_its_index():
     console(out, width=140).print(render(sample))
     rows = re.findall(r"^│ (\d+)\s+│ NVIDIA", out.getvalue(), flags=re.MULTILINE)
     assert rows == ["0", "6"]  # as the device names gpu-0 and gpu-6, not NVML's 0 and 5
+    # each MIG row names the claim holding that GPU instance (claim 1 holds GI 1), no other
+    out = io.StringIO()
+    console(out, width=140).print(render(to_proto(first)))
+    migs = re.findall(r"└ 1g\.10gb \(GI (\d)\).*│ (\S+)\s+│$", out.getvalue(), re.MULTILINE)
+    assert migs == [("1", "team-a/job-1"), ("2", "-")]
 
 
 def test_render_is_pure_and_handles_an_empty_sample():

@@ -111,14 +111,16 @@ class Mig(_message.Message):
     def __init__(self, gpu_instance_id: _Optional[int] = ..., compute_instance_id: _Optional[int] = ..., uuid: _Optional[str] = ..., profile: _Optional[str] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., utilization: _Optional[float] = ...) -> None: ...
 
 class Holder(_message.Message):
-    __slots__ = ("namespace", "claim", "device")
+    __slots__ = ("namespace", "claim", "device", "gpu_instance_id")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     CLAIM_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    GPU_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     claim: str
     device: str
-    def __init__(self, namespace: _Optional[str] = ..., claim: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    gpu_instance_id: int
+    def __init__(self, namespace: _Optional[str] = ..., claim: _Optional[str] = ..., device: _Optional[str] = ..., gpu_instance_id: _Optional[int] = ...) -> None: ...
 
 class ClaimUsage(_message.Message):
     __slots__ = ("namespace", "claim", "uid", "pool", "device", "gpu_index", "rule", "energy_joules_total", "gpu_seconds_total", "share")
