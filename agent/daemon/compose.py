@@ -148,6 +148,7 @@ def _build(
     health_changes: Relay[GpuHealth] = Relay("on_health_change")
     taints_dropped: Relay[None] = Relay("on_taints_dropped")
     devices_changed: Relay[DevicesChanged] = Relay("on_devices_changed")
+    mig_changed: Relay[int] = Relay("on_mig_changed")  # a prepare made or destroyed MIG devices
     devices_changed.subscribe(devices_event(node_events))
     publisher = Publisher(
         store,
@@ -198,7 +199,9 @@ def _build(
         ),
         devices=devices.get,
         log=prepare_log,
-        effects=sharing_effects(config, source, state_dir, devices, prepare_log, crash, kube),
+        effects=sharing_effects(
+            config, source, state_dir, devices, prepare_log, crash, mig_changed, kube
+        ),
         sharing=config.driver.sharing_policy(),
         crash_hook=crash,
         observe=driver_metrics.observe,
@@ -283,6 +286,7 @@ def _build(
         health_changes=health_changes,
         taints_dropped=taints_dropped,
         devices_changed=devices_changed,
+        mig_changed=mig_changed,
         health_published=health_event(node_events),
     )
     gone = GoneClaims(

@@ -7,13 +7,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 
 from agent.daemon.hub import Relay
 from agent.discovery.inventory import NodeInventory
 from agent.errors import TesseraError
 from agent.hotplug import DevicesChanged, inventory_change
 from agent.logs import fields_
-from agent.node import NodeSource, rediscover
+from agent.node import NodeSource, Reread, rediscover
 from agent.nvml.events import EventWatcher
 from agent.nvml.telemetry import TelemetryReader
 from agent.statelock import StateLock
@@ -28,6 +29,8 @@ from dra_driver.errors import ClaimError
 from dra_driver.kubeletplugin.health_stream import HEALTHY, UNHEALTHY, HealthBoard
 
 Check = Callable[[], tuple[bool, str]]
+REREADS = 3
+"""Reads of the node a rediscovery makes at most when prepares keep changing MIG devices."""
 
 
 class CurrentDevices:
@@ -67,7 +70,9 @@ class NodeDevices:
     ``health_changes`` carries the sampler's GPU health changes here and ``taints_dropped`` the
     publisher's notice that taints cannot work (both subscribed at construction);
     ``devices_changed`` is told every rediscovery that changed the GPUs or devices, or saw a GPU
-    bound again, and ``health_published`` every GPU health change once it is published."""
+    bound again, and ``health_published`` every GPU health change once it is published;
+    ``mig_changed`` carries the NVML index of a GPU whose MIG devices a prepare or unprepare
+    changed (dynamic MIG) here, before that call returns."""
 
     def __init__(
         self,
@@ -87,6 +92,7 @@ class NodeDevices:
         health_changes: Relay[GpuHealth],
         taints_dropped: Relay[None],
         devices_changed: Relay[DevicesChanged],
+        mig_changed: Relay[int],
         health_published: Callable[[GpuHealth], None],
     ) -> None:
         self.source = source
@@ -105,11 +111,14 @@ class NodeDevices:
         self.unhealthy = UnhealthyGpus()
         self.devices_changed = devices_changed
         self._health_published = health_published
-        self._apply_lock = threading.Lock()
+        self._apply_lock = threading.RLock()  # mig_changed applies while it holds it
+        self._mig_changes = 0
+        """MIG changes applied by :meth:`mig_changed` (changed under ``_apply_lock``)."""
         self._publish_lock = threading.Lock()
         self._unlisted_warned: set[str] = set()
         health_changes.subscribe(self.gpu_health_changed)
         taints_dropped.subscribe(lambda _: self.publish_devices())
+        mig_changed.subscribe(self.mig_changed)
 
     def readiness_checks(self) -> list[tuple[str, Check]]:
         """/readyz's check of discovery: the node was discovered."""
@@ -178,7 +187,20 @@ class NodeDevices:
 
     def rediscover(self, rebound: frozenset[str] = frozenset()) -> None:
         """Read NVML and sysfs again and apply what they say (:meth:`apply_inventory`); a read
-        that fails is logged and the inventory stays as it was."""
+        that fails is logged and the inventory stays as it was. A read a prepare's MIG change
+        (:meth:`mig_changed`) overtook is not applied over it: the node is read again (at most
+        ``REREADS`` times in all; the last read is applied whatever happened meanwhile)."""
+        for attempt in range(1, REREADS + 1):
+            seen = self._mig_changes
+            reread = self._reread()
+            if reread is None:
+                return
+            with self._apply_lock:
+                if self._mig_changes == seen or attempt == REREADS:
+                    self.apply_inventory(reread.inventory, rebound)
+                    return
+
+    def _reread(self) -> Reread | None:
         try:
             reread = rediscover(self.source, self.inventory)
         except (TesseraError, OSError) as exc:
@@ -186,7 +208,7 @@ class NodeDevices:
                 "rediscovery failed; the advertised devices stay as they were",
                 extra=fields_(error=str(exc)),
             )
-            return
+            return None
         if reread.kept_unreadable:
             self.log.info(
                 "GPUs NVML cannot read are kept as they were (their PCI functions are there)",
@@ -200,7 +222,39 @@ class NodeDevices:
                 " hot-added after the agent started is advertised after a restart of the agent",
                 extra=fields_(pci_bus_ids=fresh),
             )
-        self.apply_inventory(reread.inventory, rebound)
+        return reread
+
+    def mig_changed(self, index: int) -> None:
+        """Dynamic MIG made or destroyed MIG devices on GPU ``index`` (or switched its MIG
+        mode): that GPU alone is read again and the inventory with it applied
+        (:meth:`apply_inventory`), before the prepare or unprepare answers. So the sampler reads
+        the GPU's new MIG devices, labelled with their profiles, from its next tick on, not
+        after the next rediscovery. A read that fails, or a GPU no longer at that index (a
+        rediscovery is due), is logged and left to the next rediscovery."""
+        try:
+            device = self.source.nvml.device(index)
+        except (TesseraError, OSError) as exc:
+            self.log.warning(
+                "cannot read a GPU whose MIG devices changed; telemetry sees them at the next"
+                " rediscovery",
+                extra=fields_(gpu=index, error=str(exc)),
+            )
+            return
+        with self._apply_lock:  # no other inventory is applied between this read and apply
+            inv = self.inventory
+            known = {g.device.uuid: g.device.index for g in inv.gpus} if inv else {}
+            if inv is None or known.get(device.uuid) != index:
+                self.log.info(
+                    "a GPU whose MIG devices changed is not in the inventory at that index;"
+                    " left to the next rediscovery",
+                    extra=fields_(gpu=index, uuid=device.uuid),
+                )
+                return
+            gpus = tuple(
+                replace(g, device=device) if g.device.uuid == device.uuid else g for g in inv.gpus
+            )
+            self._mig_changes += 1  # a rediscovery reading now must not apply its older read
+            self.apply_inventory(replace(inv, gpus=gpus))
 
     def publish_devices(self) -> None:
         """Publish the current devices as health has them: the kubelet's health stream marks

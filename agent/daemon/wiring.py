@@ -288,12 +288,14 @@ def sharing_effects(
     devices: CurrentDevices,
     log: logging.Logger,
     crash: Callable[[str], None],
+    mig_changed: Callable[[int], None],
     kube: KubeClient | None = None,
 ) -> Effects:
     """The tools prepare shares devices and makes partitions with: nvidia-smi and
     nvidia-cuda-mps-control from the driver root (the simulator's stand-ins with --simulate),
     MPS daemons under --mps-root (run by :func:`mps_launcher`), and dynamic MIG through NVML
-    when --mig-mode is dynamic."""
+    when --mig-mode is dynamic (``mig_changed``: told the index of each GPU whose MIG devices
+    it changed)."""
     tools_ = config.sharing
     tools = Tools(
         nvidia_smi=find_tool("nvidia-smi", source.driver_root, tools_.nvidia_smi),
@@ -313,7 +315,7 @@ def sharing_effects(
     if problem is not None:
         log.warning("MPS claims will fail to prepare", extra=fields_(reason=problem))
     mig = (
-        DynamicMig(MigControl(source.nvml), log.getChild("mig"), crash)
+        DynamicMig(MigControl(source.nvml), log.getChild("mig"), crash, mig_changed)
         if config.driver.mig_mode == "dynamic"
         else None
     )

@@ -48,6 +48,8 @@ class GpuState:
     """Calls that answered NotSupported since the last MIG enumeration."""
     mig: tuple[MigDevice, ...] = ()
     mig_stale: bool = True
+    asks_seen: int = 0
+    """The reader's latest refresh ask this state has taken (``TelemetryReader.refresh``)."""
     reads_since_enumeration: int = 0
     last_process_timestamp: int = 0
     gpm_supported: bool | None = None

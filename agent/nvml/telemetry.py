@@ -35,6 +35,7 @@ throughput (NVML "KB/s") is taken as KiB/s.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 
 from agent.nvml.api_types import FieldValue, FieldValueUnion
@@ -92,6 +93,12 @@ class TelemetryReader:
         self._uuids: dict[int, str] = {}
         self._expected: dict[int, str] = {}
         self._mig_refresh_reads = mig_refresh_reads
+        self._asks_lock = threading.Lock()
+        self._asks = 0
+        """Refresh requests so far (``refresh`` is called from other threads than the reading
+        one): a GPU whose state has seen fewer asks than its latest is re-enumerated."""
+        self._asked: dict[int | None, int] = {}
+        """GPU index (None: every GPU) -> the number of the latest ask for it."""
 
     # -- public ------------------------------------------------------------------------------
     def read(self, index: int, now: float) -> GpuSample:
@@ -108,10 +115,12 @@ class TelemetryReader:
         return tuple(self.read(i, now) for i in range(self._nvml.device_count()))
 
     def refresh(self, index: int | None = None) -> None:
-        """Re-enumerate MIG devices and re-probe unsupported calls at the next read."""
-        for i, gpu in self._gpus.items():
-            if index is None or i == index:
-                gpu.mig_stale = True
+        """Re-enumerate MIG devices and re-probe unsupported calls at the next read of GPU
+        ``index`` (None: of every GPU). Safe from any thread: the reading thread takes the ask
+        at its next read (reads that began before it may not have seen it)."""
+        with self._asks_lock:
+            self._asks += 1
+            self._asked[index] = self._asks
 
     def expect(self, uuids: Mapping[int, str]) -> None:
         """The GPUs' UUIDs by NVML index after a rediscovery (indexes shift when a GPU leaves or
@@ -143,6 +152,11 @@ class TelemetryReader:
             uuid = text(api.nvmlDeviceGetUUID(handle))
             gpu = self._gpus[index] = GpuState(api=api, handle=handle, uuid=uuid)
             self._uuids[index] = uuid
+        with self._asks_lock:
+            asked = max(self._asked.get(index, 0), self._asked.get(None, 0))
+        if asked > gpu.asks_seen:
+            gpu.asks_seen = asked
+            gpu.mig_stale = True
         return gpu
 
     # -- one read ------------------------------------------------------------------------------

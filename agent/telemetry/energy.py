@@ -221,7 +221,9 @@ class EnergyAccounting:
             if now - self._saved_at >= self.persist_interval:
                 self._save(now)
             prepared = tuple(
-                PreparedDevice(h.pool, h.device, h.gpu_index, h.namespace, h.claim, h.uid)
+                PreparedDevice(
+                    h.pool, h.device, h.gpu_index, h.namespace, h.claim, h.uid, h.gpu_instance_id
+                )
                 for h in held or ()
             )
             energy = {

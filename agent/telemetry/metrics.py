@@ -22,6 +22,9 @@ from agent.telemetry.snapshot import GpuTelemetry, Snapshot
 from agent.usage.counters import Counters, HoldingKey
 
 GPU = ("node", "gpu", "uuid", "pci_bus_id", "model")
+"""``gpu`` is the GPU's minor number (its device name's ``gpu-<minor>``), not NVML's index: the
+index shifts when a GPU before it is removed, and a series must keep its labels for as long as
+it is the same GPU (docs/metrics.md, "GPU identity")."""
 MIG = (*GPU, "mig_profile", "gpu_instance")
 CLAIM = ("node", "namespace", "claim", "claim_uid", "pool", "device", "rule")
 """A claim's series carry its UID: a claim deleted and made again under the same name is another
@@ -280,7 +283,7 @@ def add_sample(
 
 def _gpu(families: dict[str, Metric], node: str, g: GpuTelemetry) -> None:
     s = g.sample
-    base = (node, str(s.index), s.uuid, g.pci_bus_id, g.name)
+    base = (node, str(g.minor), s.uuid, g.pci_bus_id, g.name)
 
     def put(name: str, value: float | None, *extra: str) -> None:
         add_sample(families, name, (*base, *extra), value)

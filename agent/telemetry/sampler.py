@@ -245,6 +245,7 @@ class Sampler:
                     sample=s,
                     name=g.name,
                     pci_bus_id=g.pci_bus_id,
+                    minor=g.minor,
                     energy_joules_total=accounted.gpu_energy.get(g.index),
                     xid_counts=tuple(sorted(self._xid_counts.get(g.uuid, {}).items())),
                     healthy=self._evaluate(g, s),

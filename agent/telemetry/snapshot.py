@@ -14,6 +14,10 @@ class GpuTelemetry:
     name: str
     """Product name (the ``model`` label)."""
     pci_bus_id: str
+    minor: int
+    """The GPU's minor number (``gpu-<minor>``, ``/dev/nvidia<minor>``): the ``gpu`` label and
+    `top`'s GPU column. NVML's index (``sample.index``) shifts when a GPU before it is removed;
+    the minor number does not (docs/metrics.md, "GPU identity")."""
     energy_joules_total: float | None
     """Tessera's energy counter for the GPU: monotonic across driver reloads and agent restarts."""
     xid_counts: tuple[tuple[int, int], ...]
@@ -51,6 +55,8 @@ class PreparedDevice:
     namespace: str
     claim: str
     uid: str
+    gpu_instance_id: int | None = None
+    """The MIG device's GPU instance (its `top` row shows the claim); None for a whole GPU."""
 
 
 @dataclass(frozen=True)

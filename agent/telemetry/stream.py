@@ -109,7 +109,12 @@ def to_proto(snap: Snapshot, devices: Any = ()) -> Any:
     holders: dict[int, list[Any]] = {}
     for p in snap.prepared:
         holders.setdefault(p.gpu_index, []).append(
-            pb.Holder(namespace=p.namespace, claim=p.claim, device=p.device)
+            pb.Holder(
+                namespace=p.namespace,
+                claim=p.claim,
+                device=p.device,
+                gpu_instance_id=p.gpu_instance_id,
+            )
         )
     gpus, indexes = [], set()
     for g in snap.gpus:
@@ -125,6 +130,7 @@ def to_proto(snap: Snapshot, devices: Any = ()) -> Any:
         gpus.append(
             pb.Gpu(
                 index=s.index,
+                minor=g.minor,
                 uuid=s.uuid,
                 name=g.name,
                 pci_bus_id=g.pci_bus_id,

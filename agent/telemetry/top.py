@@ -1,7 +1,9 @@
 """`tessera top`: a live terminal view over the telemetry API (rich).
 
 Per GPU and MIG device: utilization bars, memory, power, energy, temperature and the claims
-holding it. ``--once`` prints one frame and exits (scripts, tests).
+holding it. The GPU column is the GPU's minor number, the N of its device name ``gpu-N`` and of
+its metrics' ``gpu`` label (NVML's index shifts when a GPU before it is removed). ``--once``
+prints one frame and exits (scripts, tests).
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ def render(sample: Any) -> Group:
         energy = _opt(g, "energy_joules_total")
         temp = _opt(g, "temperature_gpu_celsius")
         table.add_row(
-            str(g.index),
+            str(g.minor),  # as in the device name gpu-<minor>; NVML's index shifts
             Text(f"{g.name} {status}".strip(), style="bold red" if status else ""),
             bar(_opt(g, "utilization_gpu")),
             _mem(_opt(g, "memory_used_bytes"), _opt(g, "memory_total_bytes")),
@@ -108,9 +110,12 @@ def render(sample: Any) -> Group:
             "n/a" if temp is None else f"{temp:.0f} °C",
             holders,
         )
-        by_device = {h.device: f"{h.namespace}/{h.claim}" for h in g.holders}
         for m in g.mig:
-            held = next((c for d, c in by_device.items() if f"-{m.gpu_instance_id}-" in d), "-")
+            held = ", ".join(
+                f"{h.namespace}/{h.claim}"
+                for h in g.holders
+                if _opt(h, "gpu_instance_id") == m.gpu_instance_id
+            )
             table.add_row(
                 "",
                 f"  └ {m.profile or 'mig'} (GI {m.gpu_instance_id})",
@@ -119,7 +124,7 @@ def render(sample: Any) -> Group:
                 "",
                 "",
                 "",
-                held,
+                held or "-",
             )
     return Group(table)
 

@@ -14,6 +14,11 @@ the placement start. Creating it (``ensure``):
 Every step can be found again by placement, so a crash between any two leaves nothing that the
 next prepare (or the start's sweep) does not find. A whole GPU handed out in dynamic mode must
 have no MIG instances (``free_whole_gpu``); on Hopper and newer MIG mode is turned off when idle.
+
+Every change to a GPU's MIG devices or mode (made, destroyed, switched, also when a later step
+fails) is told to ``changed`` with the GPU's NVML index before the call returns: the composition
+root re-reads that GPU, so telemetry and the inventory see the new MIG devices from the next
+sampler tick, not only at the next rediscovery.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from dra_driver.device_model import AdvertisedDevice
 from dra_driver.errors import SharingError
 
 CrashHook = Callable[[str], None]
+Changed = Callable[[int], None]
+"""Told the NVML index of a GPU whose MIG devices or MIG mode this module changed."""
 
 
 def _architecture(device: AdvertisedDevice) -> str:
@@ -44,20 +51,31 @@ class DynamicMig:
         control: MigControl,
         log: logging.Logger,
         crash_hook: CrashHook = lambda point: None,
+        changed: Changed = lambda index: None,
     ) -> None:
         self.control = control
         self.log = log
         self.crash = crash_hook
+        self._changed = changed
+
+    def _tell(self, index: int) -> None:
+        """``changed(index)``; its failure is logged: the MIG change itself has been made."""
+        try:
+            self._changed(index)
+        except Exception:
+            self.log.exception("telling a MIG change failed", extra=fields_(gpu=index))
 
     def ensure(self, device: AdvertisedDevice) -> MigInstance:
         """The MIG device of placement ``device``, created if it does not exist. Raises
         SharingError (reason ``mig_reset_required``, ``mig_error``)."""
         profile, start, size = _placement(device)
         index = device.gpu_index
+        changed = False
         try:
-            self._mig_on(device)
+            changed = self._mig_on(device)
             found = self.control.find(index, profile, start)
             if found is None:
+                changed = True  # from the call on: a failure may leave an instance made
                 gi_id = self.control.create_gpu_instance(index, profile, start, size)
                 self.crash("after-gi-create")
             else:
@@ -66,6 +84,7 @@ class DynamicMig:
             if existing:
                 inst = existing[0]
             else:
+                changed = True
                 ci_id = self.control.create_compute_instance(index, gi_id)
                 self.crash("after-ci-create")
                 inst = self.control.mig_device(index, gi_id, ci_id)
@@ -73,6 +92,9 @@ class DynamicMig:
             raise SharingError(
                 f"{device.name}: cannot create the MIG device: {exc}", "mig_error"
             ) from exc
+        finally:
+            if changed:
+                self._tell(index)
         self.log.info(
             "created MIG device",
             extra=fields_(
@@ -81,10 +103,11 @@ class DynamicMig:
         )
         return inst
 
-    def _mig_on(self, device: AdvertisedDevice) -> None:
+    def _mig_on(self, device: AdvertisedDevice) -> bool:
+        """MIG mode on for ``device``'s GPU; True when this call switched it."""
         mode = self.control.mode(device.gpu_index)
         if mode is None or mode.current:
-            return
+            return False
         if mode_switch_needs_reset(_architecture(device)):
             raise SharingError(
                 f"{device.name}: GPU {device.gpu_index} has MIG mode off, and turning it on"
@@ -99,6 +122,7 @@ class DynamicMig:
                 "mig_reset_required",
             )
         self.log.info("turned MIG mode on", extra=fields_(gpu=device.gpu_index))
+        return True
 
     def found(self, device: AdvertisedDevice) -> MigInstance | None:
         """The MIG device at placement ``device`` if one exists (its GPU instance and that
@@ -121,7 +145,10 @@ class DynamicMig:
             found = self.control.find(gpu_index, profile, start)
             if found is None:
                 return False
-            self.control.destroy(gpu_index, found.gpu_instance_id)
+            try:
+                self.control.destroy(gpu_index, found.gpu_instance_id)
+            finally:  # a failed destroy may have destroyed its compute instances
+                self._tell(gpu_index)
         except NvmlError as exc:
             raise SharingError(
                 f"{name}: cannot destroy the MIG device: {exc}", "mig_error"
@@ -161,7 +188,10 @@ class DynamicMig:
                         f" reset on {_architecture(device)} GPUs",
                         "mig_reset_required",
                     )
-                self.control.set_mode(index, False)
+                try:
+                    self.control.set_mode(index, False)
+                finally:
+                    self._tell(index)
                 self.log.info("turned MIG mode off for a whole-GPU claim", extra=fields_(gpu=index))
         except NvmlError as exc:
             raise SharingError(f"{device.name}: cannot check MIG on GPU {index}: {exc}") from exc

@@ -252,3 +252,40 @@ def test_an_unarmed_crash_hook_does_nothing() -> None:
     for point in CRASH_POINTS:
         hook(point)
     assert kills.calls == 0
+
+
+def test_a_rediscovery_read_a_mig_change_overtook_is_read_again(short_tmp, monkeypatch):
+    """A prepare makes a dynamic MIG device while a rediscovery reads the node: the older read
+    is not applied over the change (the sampler would lose the device's profile until the next
+    rediscovery); the node is read again."""
+    import agent.daemon.devices as devices_module
+    from agent.nvml.mig import MigControl
+
+    cfg = Config.of(
+        simulate="dgx-h100", state_dir=short_tmp, no_kube=True, metrics_address="127.0.0.1:0",
+        telemetry_interval=60.0, mig_mode="dynamic",
+    )  # fmt: skip
+    agent = build(cfg, logging.getLogger("tessera.test"), replace(node_access(cfg), triggers=None))
+    reads = 0
+    real = devices_module.rediscover
+
+    def overtaken(source, previous):  # type: ignore[no-untyped-def]
+        nonlocal reads
+        reads += 1
+        result = real(source, previous)
+        if reads == 1:  # a prepare on GPU 2 finishes between this read and its apply
+            mig = MigControl(agent.source.nvml)
+            assert mig.set_mode(2, True)
+            mig.create(2, 19, 0, 1)
+            agent.node.mig_changed(2)
+        return result
+
+    monkeypatch.setattr(devices_module, "rediscover", overtaken)
+    try:
+        agent.start()
+        agent.node.rediscover()
+        assert reads == 2
+        (gpu2,) = [g for g in agent.telemetry.sampler.gpus if g.index == 2]
+        assert [p for _, p in gpu2.mig_profiles] == ["1g.10gb"]
+    finally:
+        agent.stop()

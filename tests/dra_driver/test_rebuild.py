@@ -93,7 +93,13 @@ class Node:
             devices=devices.get,
             log=log,
             effects=sharing_effects(
-                self.config, self.source, self.state, devices, log, lambda point: None
+                self.config,
+                self.source,
+                self.state,
+                devices,
+                log,
+                lambda point: None,
+                lambda gpu: None,
             ),
             sharing=self.config.driver.sharing_policy(),
             index=self.index or claims,

@@ -51,6 +51,8 @@ class Node:
     crash_at: set[str]
     effects: Effects
     policy: SharingPolicy
+    mig_changed: list[int]
+    """GPU indexes dynamic MIG said it changed (the agent re-reads them for telemetry), in order."""
 
     @property
     def sim_dir(self) -> Path:
@@ -97,8 +99,13 @@ def make_node(
         if point in crash_at:
             raise Crash(point)
 
-    effects = sharing_effects(config, source, state, devices, logging.getLogger("test"), crash)
-    return Node(source, devices.get(), state, crash_at, effects, policy, model_name=model)
+    mig_changed: list[int] = []
+    effects = sharing_effects(
+        config, source, state, devices, logging.getLogger("test"), crash, mig_changed.append
+    )
+    return Node(
+        source, devices.get(), state, crash_at, effects, policy, mig_changed, model_name=model
+    )
 
 
 @pytest.fixture
@@ -342,8 +349,12 @@ def test_a_placement_is_created_where_allocated_and_destroyed_after(h100):
     assert dev.gpu_instance_id == inst.gpu_instance_id
     (mig_device,) = h100.source.nvml.mig_instances(0)  # what discovery and telemetry see
     assert dev.mig_uuid == mig_device.uuid and dev.compute_instance_id == 0
+    assert h100.mig_changed == [0]  # told once the device is made, before apply returns
     h100.effects.undo(entry, checkpoint(entry))
     assert h100.mig().gpu_instances(0) == ()
+    assert h100.mig_changed == [0, 0]
+    h100.effects.undo(entry, checkpoint(entry))  # nothing left to destroy: nothing to tell
+    assert h100.mig_changed == [0, 0]
 
 
 @pytest.mark.parametrize("point", ["after-gi-create", "after-ci-create"])
@@ -364,6 +375,10 @@ def test_a_placement_half_made_by_a_crash_is_finished_or_swept(h100, point):
     assert len(retry.mig().gpu_instances(1)) == 1
     retry.effects.sweep(checkpoint())  # owned by no claim: destroyed
     assert retry.mig().gpu_instances(1) == ()
+    # told of what changed the GPU: the half-made device (even as its make failed), the compute
+    # instance the retry made where the crash left none, the sweep's destroy
+    assert h100.mig_changed == [1]
+    assert retry.mig_changed == ([1, 1] if point == "after-gi-create" else [1])
 
 
 def test_restore_makes_a_lost_placement_again_and_its_mps_daemon_serves_the_new_one(h100):
@@ -406,6 +421,7 @@ def test_a_hopper_gpu_leaves_mig_mode_for_a_whole_gpu_claim(h100):
     apply(h100, key, whole)
     mode = h100.source.nvml.mig_mode(7)
     assert mode is not None and not mode.current
+    assert h100.mig_changed == [7, 7, 7]  # made, destroyed, MIG mode off
 
 
 def test_an_ampere_gpu_out_of_mig_mode_refuses_a_placement(tmp_path):

@@ -226,7 +226,7 @@ class SharingMachine(RuleBasedStateMachine):
             devices=devices.get,
             log=log,
             effects=sharing_effects(
-                config, self.node.source, self.run, devices, log, self._crash_hook
+                config, self.node.source, self.run, devices, log, self._crash_hook, lambda gpu: None
             ),
             sharing=config.driver.sharing_policy(),
             crash_hook=self._crash_hook,

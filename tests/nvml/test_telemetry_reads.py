@@ -1,6 +1,7 @@
 """Telemetry reads through the facade (agent.nvml.telemetry) against the simulator: fields
 present or absent per product, base units, lost GPUs, errors, and the NVML calls per read."""
 
+import threading
 from collections import Counter
 from typing import Any
 
@@ -8,6 +9,7 @@ import pynvml
 import pytest
 
 from agent.nvml.facade import Nvml
+from agent.nvml.mig import MigControl
 from agent.nvml.samples import GpuSample
 from agent.nvml.telemetry import TelemetryReader
 from agent.sim.model import load_model
@@ -181,6 +183,30 @@ def test_mig_layout_changes_are_picked_up(node, clock):
     fake.apply_mig_layout("all-7g")
     reader.read(3, clock())  # the old MIG handles fail: re-enumerate next time
     assert [m.memory_total_bytes for m in reader.read(3, clock()).mig] == [40448 * MIB]
+
+
+def test_a_refresh_asked_from_another_thread_shows_new_mig_devices_at_the_next_read(
+    tmp_path, clock
+):
+    """Dynamic MIG makes devices behind the reader's back; the agent asks for a refresh of that
+    GPU (from the prepare's thread) and the next read lists them, not the 60th."""
+    fake = FakeNvml(load_model("dgx-h100"), tmp_path / "h100", clock=clock)
+    nvml = Nvml(fake)
+    nvml.init()
+    reader = TelemetryReader(nvml)
+    assert reader.read(2, clock()).mig == () and reader.read(3, clock()).mig == ()
+    mig = MigControl(nvml)
+    for gpu in (2, 3):
+        assert mig.set_mode(gpu, True)
+        mig.create(gpu, 19, 0, 1)  # a 1g.10gb at placement 0
+    asker = threading.Thread(target=reader.refresh, args=(2,))
+    asker.start()
+    asker.join()
+    (made,) = reader.read(2, clock()).mig
+    assert made.uuid == nvml.mig_instances(2)[0].uuid
+    assert reader.read(3, clock()).mig == ()  # not asked: left for its periodic re-enumeration
+    reader.refresh()  # every GPU
+    assert len(reader.read(3, clock()).mig) == 1
 
 
 # -- lost GPUs and errors --------------------------------------------------------------------

@@ -27,7 +27,7 @@ def make_snapshot(
                 remapped_rows_uncorrectable=0, remap_pending=False,
                 processes=(ProcessSample(4242, GIB, None, None, 0.5),),
             ),
-            name="NVIDIA H100 80GB HBM3", pci_bus_id="0000:1b:00.0",
+            name="NVIDIA H100 80GB HBM3", pci_bus_id="0000:1b:00.0", minor=0,
             energy_joules_total=1000.0 * tick, xid_counts=((13, 2),), healthy=True,
         ),
         GpuTelemetry(
@@ -40,7 +40,7 @@ def make_snapshot(
                     for i in range(mig_devices)
                 ),
             ),
-            name="NVIDIA H100 80GB HBM3", pci_bus_id="0000:43:00.0",
+            name="NVIDIA H100 80GB HBM3", pci_bus_id="0000:43:00.0", minor=1,
             energy_joules_total=10.0 * tick, xid_counts=(),
             healthy=True, mig_profiles=tuple((i + 1, "1g.10gb") for i in range(mig_devices)),
         ),
@@ -49,7 +49,7 @@ def make_snapshot(
         gpus.append(
             GpuTelemetry(
                 sample=GpuSample(index=2, uuid="GPU-2", timestamp=float(tick), lost=True),
-                name="NVIDIA H100 80GB HBM3", pci_bus_id="0000:52:00.0",
+                name="NVIDIA H100 80GB HBM3", pci_bus_id="0000:52:00.0", minor=2,
                 energy_joules_total=5.0, xid_counts=((79, 1),), healthy=False,
             )
         )  # fmt: skip
@@ -60,8 +60,9 @@ def make_snapshot(
                    float(tick * (i + 1)), float(tick), 1.0 if i == 0 else None)
         for i in range(claims)
     )  # fmt: skip
-    prepared = tuple(
-        PreparedDevice(u.pool, u.device, u.gpu_index, u.namespace, u.claim, u.uid) for u in usage
+    prepared = tuple(  # claim i > 0 holds the MIG device of GPU instance i
+        PreparedDevice(u.pool, u.device, u.gpu_index, u.namespace, u.claim, u.uid, i or None)
+        for i, u in enumerate(usage)
     )
     return Snapshot(
         node="node-a", tick=tick, wall_time=1_700_000_000.0 + tick, monotonic=float(tick),

@@ -106,6 +106,17 @@ def test_labels_identify_gpu_mig_and_claim():
     }  # fmt: skip
 
 
+def test_the_gpu_label_is_the_minor_number_not_the_shifting_index():
+    """After a GPU before it left, NVML lists ``gpu-6`` at index 5: its series keep ``gpu="6"``."""
+    first = make_snapshot(lost_gpu=False)
+    moved = replace(first.gpus[1], sample=replace(first.gpus[1].sample, index=5), minor=6)
+    snap = replace(first, gpus=(first.gpus[0], moved))
+    fams = {f.name: f for f in text_string_to_metric_families(exposition(registry(lambda: snap)))}
+    gpus = {s.labels["uuid"]: s.labels["gpu"] for s in fams["tessera_gpu_healthy"].samples}
+    assert gpus == {"GPU-0": "0", "GPU-1": "6"}
+    assert {s.labels["gpu"] for s in fams["tessera_mig_memory_used_bytes"].samples} == {"6"}
+
+
 def test_a_claim_made_again_under_its_name_is_another_series():
     """Deleted and created again (same namespace, name and device, a new UID) within the
     retention: two series, not two samples with one label set (Prometheus keeps one of those)."""

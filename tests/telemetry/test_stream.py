@@ -7,10 +7,12 @@ import io
 import itertools
 import logging
 import os
+import re
 import stat
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -18,8 +20,8 @@ import pytest
 from agent.errors import ConfigError
 from agent.telemetry.api import telemetry_pb2 as pb
 from agent.telemetry.api import telemetry_pb2_grpc as pb_grpc
-from agent.telemetry.stream import TelemetryLimits, TelemetryServer
-from agent.telemetry.top import TopError, render, run_top
+from agent.telemetry.stream import TelemetryLimits, TelemetryServer, to_proto
+from agent.telemetry.top import TopError, console, render, run_top
 from agent.tls import TlsFiles
 from tests.telemetry.snapshots import make_snapshot
 from tests.tlscerts import make_pki
@@ -188,6 +190,22 @@ def test_top_without_an_agent_says_so(short_tmp):
         TopError, match=f"^no Tessera agent answers at unix://{short_tmp}/none.sock;"
     ):
         run_top(f"unix://{short_tmp}/none.sock", True, 1.0, io.StringIO(), threading.Event())
+
+
+def test_the_api_and_top_name_a_gpu_by_its_minor_number_beside_its_index():
+    first = make_snapshot(lost_gpu=False)
+    moved = replace(first.gpus[1], sample=replace(first.gpus[1].sample, index=5), minor=6)
+    sample = to_proto(replace(first, gpus=(first.gpus[0], moved)))
+    assert [(g.index, g.minor) for g in sample.gpus] == [(0, 0), (5, 6)]
+    out = io.StringIO()
+    console(out, width=140).print(render(sample))
+    rows = re.findall(r"^│ (\d+)\s+│ NVIDIA", out.getvalue(), flags=re.MULTILINE)
+    assert rows == ["0", "6"]  # as the device names gpu-0 and gpu-6, not NVML's 0 and 5
+    # each MIG row names the claim holding that GPU instance (claim 1 holds GI 1), no other
+    out = io.StringIO()
+    console(out, width=140).print(render(to_proto(first)))
+    migs = re.findall(r"└ 1g\.10gb \(GI (\d)\).*│ (\S+)\s+│$", out.getvalue(), re.MULTILINE)
+    assert migs == [("1", "team-a/job-1"), ("2", "-")]
 
 
 def test_render_is_pure_and_handles_an_empty_sample():

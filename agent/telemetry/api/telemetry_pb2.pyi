@@ -41,7 +41,7 @@ class Sample(_message.Message):
     def __init__(self, node: _Optional[str] = ..., tick: _Optional[int] = ..., wall_time: _Optional[float] = ..., interval_seconds: _Optional[float] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., claims: _Optional[_Iterable[_Union[ClaimUsage, _Mapping]]] = ..., tick_duration_seconds: _Optional[float] = ..., lag_seconds: _Optional[float] = ...) -> None: ...
 
 class Gpu(_message.Message):
-    __slots__ = ("index", "uuid", "name", "pci_bus_id", "lost", "healthy", "utilization_gpu", "utilization_memory", "memory_used_bytes", "memory_total_bytes", "power_watts", "energy_joules_total", "temperature_gpu_celsius", "temperature_memory_celsius", "clock_sm_hertz", "clock_memory_hertz", "xids", "mig", "holders")
+    __slots__ = ("index", "uuid", "name", "pci_bus_id", "lost", "healthy", "utilization_gpu", "utilization_memory", "memory_used_bytes", "memory_total_bytes", "power_watts", "energy_joules_total", "temperature_gpu_celsius", "temperature_memory_celsius", "clock_sm_hertz", "clock_memory_hertz", "xids", "mig", "holders", "minor")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class Gpu(_message.Message):
     XIDS_FIELD_NUMBER: _ClassVar[int]
     MIG_FIELD_NUMBER: _ClassVar[int]
     HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    MINOR_FIELD_NUMBER: _ClassVar[int]
     index: int
     uuid: str
     name: str
@@ -80,7 +81,8 @@ class Gpu(_message.Message):
     xids: _containers.RepeatedCompositeFieldContainer[Xid]
     mig: _containers.RepeatedCompositeFieldContainer[Mig]
     holders: _containers.RepeatedCompositeFieldContainer[Holder]
-    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., pci_bus_id: _Optional[str] = ..., lost: _Optional[bool] = ..., healthy: _Optional[bool] = ..., utilization_gpu: _Optional[float] = ..., utilization_memory: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., power_watts: _Optional[float] = ..., energy_joules_total: _Optional[float] = ..., temperature_gpu_celsius: _Optional[float] = ..., temperature_memory_celsius: _Optional[float] = ..., clock_sm_hertz: _Optional[float] = ..., clock_memory_hertz: _Optional[float] = ..., xids: _Optional[_Iterable[_Union[Xid, _Mapping]]] = ..., mig: _Optional[_Iterable[_Union[Mig, _Mapping]]] = ..., holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ...) -> None: ...
+    minor: int
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., pci_bus_id: _Optional[str] = ..., lost: _Optional[bool] = ..., healthy: _Optional[bool] = ..., utilization_gpu: _Optional[float] = ..., utilization_memory: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., power_watts: _Optional[float] = ..., energy_joules_total: _Optional[float] = ..., temperature_gpu_celsius: _Optional[float] = ..., temperature_memory_celsius: _Optional[float] = ..., clock_sm_hertz: _Optional[float] = ..., clock_memory_hertz: _Optional[float] = ..., xids: _Optional[_Iterable[_Union[Xid, _Mapping]]] = ..., mig: _Optional[_Iterable[_Union[Mig, _Mapping]]] = ..., holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., minor: _Optional[int] = ...) -> None: ...
 
 class Xid(_message.Message):
     __slots__ = ("xid", "count")
@@ -109,14 +111,16 @@ class Mig(_message.Message):
     def __init__(self, gpu_instance_id: _Optional[int] = ..., compute_instance_id: _Optional[int] = ..., uuid: _Optional[str] = ..., profile: _Optional[str] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., utilization: _Optional[float] = ...) -> None: ...
 
 class Holder(_message.Message):
-    __slots__ = ("namespace", "claim", "device")
+    __slots__ = ("namespace", "claim", "device", "gpu_instance_id")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     CLAIM_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    GPU_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     claim: str
     device: str
-    def __init__(self, namespace: _Optional[str] = ..., claim: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    gpu_instance_id: int
+    def __init__(self, namespace: _Optional[str] = ..., claim: _Optional[str] = ..., device: _Optional[str] = ..., gpu_instance_id: _Optional[int] = ...) -> None: ...
 
 class ClaimUsage(_message.Message):
     __slots__ = ("namespace", "claim", "uid", "pool", "device", "gpu_index", "rule", "energy_joules_total", "gpu_seconds_total", "share")
