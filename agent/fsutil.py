@@ -1,5 +1,7 @@
 """Crash-safe file writes: temp file in the same directory, fsync, rename, fsync the directory;
-and whether a directory's file system can take a write at all (``disk_trouble``)."""
+whether a directory's file system can take a write at all (``disk_trouble``); and reading a file
+from a directory others can write without following links or reading without bound
+(``read_regular_file``)."""
 
 from __future__ import annotations
 
@@ -123,6 +125,50 @@ def disk_trouble(directory: Path, need: int = 0) -> str | None:
     if st.f_files and not (st.f_ffree if os.geteuid() == 0 else st.f_favail):
         return f"{directory}: {os.strerror(errno.ENOSPC)} (no free inode)"
     return None
+
+
+class FileRefused(OSError):
+    """A file that ``read_regular_file`` will not read: a symbolic link, not a regular file, or
+    larger than allowed. The message says which, with the size where it is too big."""
+
+
+def read_regular_file(path: Path, max_bytes: int) -> bytes:
+    """The contents of the regular file ``path``, at most ``max_bytes`` long.
+
+    For files in a directory others can write (claim files, CDI specs): the last component is
+    opened with ``O_NOFOLLOW`` (a link to /dev/zero or to a file elsewhere is refused, not
+    read), ``O_NONBLOCK`` (a FIFO cannot hang the open), then checked with ``fstat`` on the open
+    file (no window between check and read) and read at most ``max_bytes + 1`` bytes (a file
+    that grows after the check is still refused). FileRefused says why a file is refused; other
+    OSErrors (not found, permission) pass through."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW's answer for a link (open(2))
+            raise FileRefused(errno.ELOOP, "a symbolic link, not followed", str(path)) from exc
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FileRefused(errno.EINVAL, "not a regular file", str(path))
+        if st.st_size > max_bytes:
+            raise FileRefused(
+                errno.EFBIG, f"{st.st_size} bytes, more than the {max_bytes} allowed", str(path)
+            )
+        chunks: list[bytes] = []
+        left = max_bytes + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1024 * 1024))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > max_bytes:
+        raise FileRefused(errno.EFBIG, f"more than the {max_bytes} bytes allowed", str(path))
+    return data
 
 
 def socket_identity(path: Path) -> SocketIdentity | None:

@@ -59,3 +59,21 @@ def test_a_directory_not_made_yet_is_judged_by_the_one_above(
     monkeypatch.setattr(os, "statvfs", statvfs_)
     assert disk_trouble(tmp_path / "cdi" / "deeper") is None
     assert asked == [tmp_path / "cdi" / "deeper", tmp_path / "cdi", tmp_path]
+
+
+def test_read_regular_file_refuses_links_special_files_and_big_files(tmp_path):
+    from agent.fsutil import FileRefused, read_regular_file
+
+    (tmp_path / "f").write_bytes(b"x" * 10)
+    (tmp_path / "link").symlink_to(tmp_path / "f")
+    os.mkfifo(tmp_path / "fifo")  # opened without blocking, refused before any read
+    assert read_regular_file(tmp_path / "f", 10) == b"x" * 10
+    with pytest.raises(FileRefused, match="a symbolic link"):
+        read_regular_file(tmp_path / "link", 10)
+    with pytest.raises(FileRefused, match="not a regular file"):
+        read_regular_file(tmp_path / "fifo", 10)
+    with pytest.raises(FileRefused, match="11 bytes, more than the 10 allowed"):
+        (tmp_path / "f").write_bytes(b"x" * 11)
+        read_regular_file(tmp_path / "f", 10)
+    with pytest.raises(FileNotFoundError):
+        read_regular_file(tmp_path / "missing", 10)
