@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 from agent.config import DaemonSettings
 from agent.daemon.devices import NodeDevices
 from agent.daemon.handover import StateDir
+from agent.daemon.node_owner import NodeOwner
 from agent.daemon.readiness import AgentChecks, Checks
 from agent.daemon.sampling import Sampling
-from agent.daemon.wiring import NodeOwner
 from agent.hotplug import EventSource, Rediscovery
 from agent.http import HttpEndpoint, Readiness
 from agent.logs import fields_
@@ -106,6 +106,9 @@ class Agent:
             "telemetry-notify", lambda: self.telemetry.notify_watchers(stop_event)
         )
         self.supervisor.spawn("publisher", lambda: self.publisher.run(stop_event))
+        if self.owner.unknown:  # read at start failed: keep reading, then own the slices
+            owner, publisher = self.owner, self.publisher
+            self.supervisor.spawn("node-owner", lambda: owner.follow(stop_event, publisher.poke))
         if self.publisher.store.watchable:
             self.supervisor.spawn("slice-watch", lambda: self.publisher.watch_loop(stop_event))
         if self.rediscovery is not None:
