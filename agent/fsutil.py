@@ -171,6 +171,16 @@ def read_regular_file(path: Path, max_bytes: int) -> bytes:
     return data
 
 
+def holds(path: Path, data: bytes) -> bool:
+    """Whether the regular file ``path`` holds exactly ``data`` (read no further than that, never
+    through a link): a caller that would write ``data`` there need not, and a start on a full
+    disk then writes nothing it already has. False when it cannot be read."""
+    try:
+        return read_regular_file(path, len(data)) == data
+    except OSError:
+        return False
+
+
 def socket_identity(path: Path) -> SocketIdentity | None:
     """The identity of the unix socket at ``path``; None when there is no socket there."""
     try:

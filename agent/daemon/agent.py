@@ -23,7 +23,7 @@ from agent.node import NodeSource, discover
 from agent.supervisor import Deadline, Supervisor
 from dra_driver.advertise.publisher import Publisher
 from dra_driver.cluster.node_events import NodeEventRecorder
-from dra_driver.errors import KubeError
+from dra_driver.errors import CdiError, KubeError
 from dra_driver.kubeletplugin.prepare import Preparer
 from dra_driver.kubeletplugin.server import PluginServer
 
@@ -89,11 +89,15 @@ class Agent:
             return
         self.state.sweep_temp_files(*self.preparer.cdi.remove_temp_files())
         self.telemetry.restore()
-        self.preparer.cdi.write_base()
+        try:
+            self.preparer.cdi.write_base()
+        except CdiError as exc:  # a full disk: the first claim's spec writes it (or says why)
+            self.log.error("cannot write the base CDI spec", extra=fields_(error=str(exc)))
         inventory = discover(self.source)
         self.owner.read()  # the Node's uid: the slices' owner and the events' subject
         self.node.apply_inventory(inventory)
         self.preparer.reconcile_on_start()
+        self._say_if_degraded()
         self.plugin.start()
         self.telemetry.start()
         _register(self.http.readiness, self.checks.ready)
@@ -133,6 +137,19 @@ class Agent:
                 state_dir=str(self.state.path),
             ),
         )
+
+    def _say_if_degraded(self) -> None:
+        """One log line when the agent starts on a disk it cannot write (a full or read-only
+        state directory or CDI root): it runs, claims already prepared are answered, and every
+        claim that needs a write fails saying why until there is room; /readyz's ``disk`` check
+        says the same and passes again once there is."""
+        disk = dict(self.checks.ready).get("disk")
+        ok, problem = disk() if disk is not None else (True, "")
+        if not ok:
+            self.log.warning(
+                "started on a disk that cannot be written",
+                extra=fields_(problem=problem, state_dir=str(self.state.path)),
+            )
 
     def stop(self) -> None:
         """Stop in reverse order of start, all of it within ``--shutdown-timeout``.

@@ -18,7 +18,7 @@ from agent.errors import TesseraError
 from agent.logs import fields_
 from agent.nvml.types import MigInstance
 from dra_driver.device_model import AdvertisedDevice, DeviceModel
-from dra_driver.errors import CdiError, ClaimError, KubeError
+from dra_driver.errors import CdiError, CheckpointError, ClaimError, KubeError
 from dra_driver.kubeletplugin.cdi import CdiWriter
 from dra_driver.kubeletplugin.cdi_spec import SpecEvidence as CdiEvidence
 from dra_driver.kubeletplugin.checkpoint import (
@@ -163,7 +163,25 @@ class Reconciler:
                             reason="its devices were made again" if changed else "it was missing",
                         ),
                     )
+            self._settle(cp)
+
+    def _settle(self, cp: Checkpoint) -> None:
+        """The start's checkpoint: saved only when the file does not hold it already (a restart
+        on a full disk writes nothing it has). When it cannot be saved (a full or read-only
+        disk) the agent still starts with it in memory, logged: what this start undid is undone
+        again at the next one, and every claim that needs a write fails, saying why, until the
+        disk has room (/readyz's ``disk`` check)."""
+        if self._ledger.store.holds(cp):
+            self._ledger.adopt(cp)
+            return
+        try:
             self._ledger.commit(cp)
+        except CheckpointError as exc:
+            self._log.error(
+                "cannot save the checkpoint at start; running with it in memory",
+                extra=fields_(error=str(exc)),
+            )
+            self._ledger.adopt(cp)
 
     def _start_step(self, what: str, entry: ClaimEntry, step: Callable[[], T]) -> tuple[T] | None:
         """One claim's step at start: ``(its result,)``, or None when it failed; a failure is
