@@ -16,6 +16,7 @@ from agent.daemon.handover import StateDir
 from agent.daemon.node_owner import NodeOwner
 from agent.daemon.readiness import AgentChecks, Checks
 from agent.daemon.sampling import Sampling
+from agent.daemon.unrecovered import follow_unrecovered
 from agent.hotplug import EventSource, Rediscovery
 from agent.http import HttpEndpoint, Readiness
 from agent.logs import fields_
@@ -110,6 +111,11 @@ class Agent:
             "telemetry-notify", lambda: self.telemetry.notify_watchers(stop_event)
         )
         self.supervisor.spawn("publisher", lambda: self.publisher.run(stop_event))
+        if self.preparer.unrecovered():  # tried again while running, with backoff
+            preparer = self.preparer
+            self.supervisor.spawn(
+                "unrecovered-claims", lambda: follow_unrecovered(preparer, stop_event)
+            )
         if self.owner.unknown:  # read at start failed: keep reading, then own the slices
             owner, publisher = self.owner, self.publisher
             self.supervisor.spawn("node-owner", lambda: owner.follow(stop_event, publisher.poke))
