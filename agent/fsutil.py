@@ -1,5 +1,7 @@
 """Crash-safe file writes: temp file in the same directory, fsync, rename, fsync the directory;
-and whether a directory's file system can take a write at all (``disk_trouble``)."""
+whether a directory's file system can take a write at all (``disk_trouble``); and reading a file
+from a directory others can write without following links or reading without bound
+(``read_regular_file``)."""
 
 from __future__ import annotations
 
@@ -125,6 +127,21 @@ def disk_trouble(directory: Path, need: int = 0) -> str | None:
     return None
 
 
+class FileRefused(OSError):
+    """A file that ``read_regular_file`` will not read: a symbolic link, not a regular file, or
+    larger than allowed. The message says which, with the size where it is too big."""
+
+
+def holds(path: Path, data: bytes) -> bool:
+    """Whether the regular file ``path`` holds exactly ``data`` (read no further than that, never
+    through a link): a caller that would write ``data`` there need not, and a start on a full
+    disk then writes nothing it already has. False when it cannot be read."""
+    try:
+        return read_regular_file(path, len(data)) == data
+    except OSError:
+        return False
+
+
 def socket_identity(path: Path) -> SocketIdentity | None:
     """The identity of the unix socket at ``path``; None when there is no socket there."""
     try:
@@ -191,23 +208,23 @@ def read_regular_file(path: Path, max_bytes: int) -> bytes:
     swapped between the check and the read) to be a regular file no larger than ``max_bytes``,
     and read at most ``max_bytes + 1`` bytes (a file still growing is refused too).
 
-    Raises OSError, ``strerror`` saying what was wrong and ``filename`` the path: ``ELOOP`` for
-    a symbolic link, ``EINVAL`` for anything but a regular file, ``EFBIG`` for a file that is
-    too large; FileNotFoundError and the like as ``open`` does."""
+    Raises FileRefused (an OSError), ``strerror`` saying what was wrong and ``filename`` the
+    path: ``ELOOP`` for a symbolic link, ``EINVAL`` for anything but a regular file, ``EFBIG``
+    for a file that is too large; FileNotFoundError and the like as ``open`` does."""
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
     try:
         fd = os.open(path, flags)
     except OSError as exc:
         if exc.errno == errno.ELOOP and os.path.islink(path):
-            raise OSError(errno.ELOOP, "a symbolic link, not followed", str(path)) from exc
+            raise FileRefused(errno.ELOOP, "a symbolic link, not followed", str(path)) from exc
         raise
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             kind = _kind(st.st_mode)
-            raise OSError(errno.EINVAL, f"not a regular file ({kind})", str(path))
+            raise FileRefused(errno.EINVAL, f"not a regular file ({kind})", str(path))
         if st.st_size > max_bytes:
-            raise OSError(
+            raise FileRefused(
                 errno.EFBIG, f"{st.st_size} bytes, more than the {max_bytes} allowed", str(path)
             )
         chunks: list[bytes] = []
@@ -222,5 +239,5 @@ def read_regular_file(path: Path, max_bytes: int) -> bytes:
     finally:
         os.close(fd)
     if len(data) > max_bytes:
-        raise OSError(errno.EFBIG, f"grew past the {max_bytes} bytes allowed", str(path))
+        raise FileRefused(errno.EFBIG, f"grew past the {max_bytes} bytes allowed", str(path))
     return data

@@ -297,6 +297,12 @@ TREE = Command(
             "run the budget controller (GPU-hour, energy and cost budgets; a Deployment)",
             module="agent.cli.budgets",
         ),
+        Command(
+            "uninstall",
+            "remove the driver's CDI specs from this node once no agent runs and no claim is"
+            " prepared",
+            module="agent.cli.uninstall",
+        ),
         Command("sim", "simulator controls", module="agent.cli.sim"),
     ),
 )

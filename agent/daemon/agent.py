@@ -14,9 +14,10 @@ from agent.config import DaemonSettings
 from agent.daemon.devices import NodeDevices
 from agent.daemon.gone_claims import GoneClaims
 from agent.daemon.handover import StateDir
+from agent.daemon.node_owner import NodeOwner
 from agent.daemon.readiness import AgentChecks, Checks
 from agent.daemon.sampling import Sampling
-from agent.daemon.wiring import NodeOwner
+from agent.daemon.unrecovered import follow_unrecovered
 from agent.hotplug import EventSource, Rediscovery
 from agent.http import HttpEndpoint, Readiness
 from agent.logs import fields_
@@ -24,7 +25,7 @@ from agent.node import NodeSource, discover
 from agent.supervisor import Deadline, Supervisor
 from dra_driver.advertise.publisher import Publisher
 from dra_driver.cluster.node_events import NodeEventRecorder
-from dra_driver.errors import KubeError
+from dra_driver.errors import CdiError, KubeError
 from dra_driver.kubeletplugin.prepare import Preparer
 from dra_driver.kubeletplugin.server import PluginServer
 
@@ -93,12 +94,16 @@ class Agent:
             return
         self.state.sweep_temp_files(*self.preparer.cdi.remove_temp_files())
         self.telemetry.restore()
-        self.preparer.cdi.write_base()
+        try:
+            self.preparer.cdi.write_base()
+        except CdiError as exc:  # a full disk: the first claim's spec writes it (or says why)
+            self.log.error("cannot write the base CDI spec", extra=fields_(error=str(exc)))
         inventory = discover(self.source)
         self.owner.read()  # the Node's uid: the slices' owner and the events' subject
         self.node.apply_inventory(inventory)
         self.preparer.reconcile_on_start()
         self.gone.observe()
+        self._say_if_degraded()
         self.plugin.start()
         self.telemetry.start()
         _register(self.http.readiness, self.checks.ready)
@@ -113,6 +118,13 @@ class Agent:
         preparer = self.preparer
         self.supervisor.spawn("mps-watch", lambda: preparer.watch_mps(stop_event))
         self.supervisor.spawn("publisher", lambda: self.publisher.run(stop_event))
+        if preparer.unrecovered():  # tried again while running, with backoff
+            self.supervisor.spawn(
+                "unrecovered-claims", lambda: follow_unrecovered(preparer, stop_event)
+            )
+        if self.owner.unknown:  # read at start failed: keep reading, then own the slices
+            owner, publisher = self.owner, self.publisher
+            self.supervisor.spawn("node-owner", lambda: owner.follow(stop_event, publisher.poke))
         if self.publisher.store.watchable:
             self.supervisor.spawn("slice-watch", lambda: self.publisher.watch_loop(stop_event))
         if self.rediscovery is not None:
@@ -137,6 +149,19 @@ class Agent:
                 state_dir=str(self.state.path),
             ),
         )
+
+    def _say_if_degraded(self) -> None:
+        """One log line when the agent starts on a disk it cannot write (a full or read-only
+        state directory or CDI root): it runs, claims already prepared are answered, and every
+        claim that needs a write fails saying why until there is room; /readyz's ``disk`` check
+        says the same and passes again once there is."""
+        disk = dict(self.checks.ready).get("disk")
+        ok, problem = disk() if disk is not None else (True, "")
+        if not ok:
+            self.log.warning(
+                "started on a disk that cannot be written",
+                extra=fields_(problem=problem, state_dir=str(self.state.path)),
+            )
 
     def stop(self) -> None:
         """Stop in reverse order of start, all of it within ``--shutdown-timeout``.

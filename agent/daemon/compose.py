@@ -22,11 +22,11 @@ from agent.daemon.devices import CurrentDevices, NodeDevices
 from agent.daemon.gone_claims import GoneClaims
 from agent.daemon.handover import StateDir
 from agent.daemon.hub import Relay
+from agent.daemon.node_owner import NodeOwner
 from agent.daemon.paths import DEFAULT_STATE_DIR, agent_paths, take_state_dir
 from agent.daemon.readiness import AgentChecks, ClaimChecks, SocketChecks
 from agent.daemon.sampling import Sampling
 from agent.daemon.wiring import (
-    NodeOwner,
     agent_status,
     cdi_writer,
     claim_unprepared,

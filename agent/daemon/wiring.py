@@ -35,7 +35,6 @@ from dra_driver.cluster.node_events import (
     gpu_health,
     gpu_removed,
 )
-from dra_driver.errors import KubeError
 from dra_driver.kubeletplugin.cdi import CdiWriter
 from dra_driver.kubeletplugin.cdi_spec import MakeNode
 from dra_driver.kubeletplugin.checkpoint import ClaimEntry
@@ -52,36 +51,6 @@ from dra_driver.sharing.timeslice import GpuSettings
 if TYPE_CHECKING:  # imported where kube mode starts (build_agent)
     from dra_driver.cluster.kube import KubeClient
     from dra_driver.cluster.usage_report import ReportStats
-
-
-def node_uid(kube: KubeClient, name: str, log: logging.Logger) -> str | None:
-    """The Node's uid for slice ownerReferences; None (logged) when it cannot be read."""
-    try:
-        uid = kube.request("GET", f"/api/v1/nodes/{name}").get("metadata", {}).get("uid")
-    except KubeError as exc:
-        log.warning("cannot read the Node; slices get no owner", extra=fields_(error=str(exc)))
-        return None
-    return str(uid) if uid else None
-
-
-class NodeOwner:
-    """The Node's uid, read once at start in kube mode (:meth:`read`): the ResourceSlices'
-    ownerReference (the publisher asks :meth:`uid` each round) and the Node events' subject."""
-
-    def __init__(self, kube: KubeClient | None, name: str, log: logging.Logger) -> None:
-        self.kube = kube
-        self.name = name
-        self.log = log
-        self._uid: str | None = None
-
-    def read(self) -> str | None:
-        """Read the uid from the API server (None, logged, when it cannot be read)."""
-        if self.kube is not None:
-            self._uid = node_uid(self.kube, self.name, self.log)
-        return self._uid
-
-    def uid(self) -> str | None:
-        return self._uid
 
 
 def log_nvml_library(source: NodeSource, log: logging.Logger) -> None:

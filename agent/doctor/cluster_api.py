@@ -68,7 +68,7 @@ AGENT_ACCESS: tuple[Access, ...] = (
         "each unprepared claim's usage summary in its status",
         required=False,
     ),
-    # agent/daemon/wiring.py node_uid: without it the slices get no owner reference (logged)
+    # agent/daemon/node_owner.py: without it the slices get no owner reference (logged, retried)
     Access("", "nodes", "get", "the slices' owner reference (the Node's uid)", required=False),
     # dra_driver/cluster/usage_report.py UsageReporter: the node's GpuUsageReport; without it
     # usage stays in the node's ledger (budgets see none of this node's)

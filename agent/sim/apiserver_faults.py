@@ -9,7 +9,10 @@ a shorter read timeout sees as a timeout) their normal answer. A ``429`` carries
 (a number of seconds, or anything else a broken server might send). Malformed answers a broken
 proxy or server could send, each with status 200: ``"garbage"`` (a body that is not JSON),
 ``"array"`` (a JSON array where an object belongs), ``"bad-line"`` (a chunked stream, as a watch
-answers, whose one line is not JSON).
+answers, whose one line is not JSON). ``"stall"`` is for a watch: the stream opens (200, its
+headers) and then nothing comes, no event and no bookmark, whatever changes, until the watches
+are cut or the client goes away (a hung connection through a proxy, or a server whose watch
+stopped being fed); any other request it holds until the server stops.
 
 Beyond single requests: :meth:`FaultInjector.start_outage` answers *every* request with one kind
 (``"503"``, ``"drop"``, ...) until :meth:`FaultInjector.end_outage`, and cuts the open watches
@@ -76,7 +79,7 @@ class Fault:
 
 def check_kind(kind: str) -> None:
     """Raise ValueError unless ``kind`` is a fault kind."""
-    if kind in ERROR_KINDS or kind in MALFORMED_KINDS or kind == "drop":
+    if kind in ERROR_KINDS or kind in MALFORMED_KINDS or kind in ("drop", "stall"):
         return
     code, _, retry_after = kind.partition(":")
     if code in RETRY_AFTER_KINDS and _HEADER_VALUE.fullmatch(retry_after):
@@ -90,7 +93,7 @@ def check_kind(kind: str) -> None:
             return
     raise ValueError(
         f"unknown fault kind {kind!r}: use one of {', '.join(ERROR_KINDS + MALFORMED_KINDS)},"
-        " drop, slow:<seconds>, or 429:<retry-after> (also 500: and 503:)"
+        " drop, stall, slow:<seconds>, or 429:<retry-after> (also 500: and 503:)"
     )
 
 

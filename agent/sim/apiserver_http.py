@@ -250,6 +250,7 @@ class Handler(BaseHTTPRequestHandler):
         url = urlsplit(self.path)
         self._method, self._path, self._query = method, url.path, url.query
         self._responded = False
+        self._stalled = False
         try:
             body = self._read_body()
         except (ValueError, OSError):
@@ -262,7 +263,14 @@ class Handler(BaseHTTPRequestHandler):
                 self._record(0)
                 self.close_connection = True
                 return
-            if fault.delay:
+            if fault.kind == "stall":
+                self._stalled = True  # a watch opens and stays silent (_watch)
+                if _params(url.query).get("watch") not in _TRUE:
+                    ctx.stopping.wait()
+                    self._record(0)
+                    self.close_connection = True
+                    return
+            elif fault.delay:
                 ctx.stopping.wait(fault.delay)
             elif fault.kind in MALFORMED_KINDS:
                 self._send_malformed(fault.kind)
@@ -416,6 +424,7 @@ class Handler(BaseHTTPRequestHandler):
             bookmark_interval=ctx.bookmark_interval,
             bookmarks=params.get("allowWatchBookmarks") in _TRUE,
             initial_events_end=params.get("sendInitialEvents") in _TRUE,
+            stalled=self._stalled,
         )
         self._record(200)
         self.send_response(200)

@@ -10,6 +10,7 @@ history, a cut (:meth:`FaultInjector.cut_watches`), the client going away, or th
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,6 +63,8 @@ class Watch:
     """``allowWatchBookmarks``."""
     initial_events_end: bool
     """``sendInitialEvents``: a bookmark marks the end of the initial events (with bookmarks)."""
+    stalled: bool = False
+    """The ``stall`` fault: nothing is sent until a cut or the client going away."""
 
     @classmethod
     def open(
@@ -77,6 +80,7 @@ class Watch:
         bookmark_interval: float,
         bookmarks: bool,
         initial_events_end: bool,
+        stalled: bool = False,
     ) -> Watch:
         """Start at ``resource_version``; a 410 becomes the stream's ERROR event (as the real
         server sends it), any other error is raised for the handler to answer."""
@@ -101,7 +105,19 @@ class Watch:
             bookmark_interval,
             bookmarks,
             initial_events_end,
+            stalled,
         )
+
+    def _stall(self, peer_closed: Callable[[], bool]) -> bool:
+        """The ``stall`` fault: send nothing (no event, no bookmark, no end at the deadline)
+        until the test cuts the watches, the client goes away or the store closes."""
+        while not self.store.closed:
+            if self.faults.cuts != self.cuts:
+                raise Cut
+            if peer_closed():
+                return True
+            time.sleep(POLL)
+        return False
 
     def stream(self, send: Callable[[str, Obj], None], peer_closed: Callable[[], bool]) -> bool:
         """Send the watch's events (``send(type, object)``) until it ends; True when it ended
@@ -114,6 +130,8 @@ class Watch:
                 meta["annotations"] = annotations
             send("BOOKMARK", {"kind": rt.kind, "apiVersion": rt.api_version, "metadata": meta})
 
+        if self.stalled:
+            return self._stall(peer_closed)
         if self.error is not None:
             send("ERROR", self.error.status())
             return False

@@ -119,6 +119,17 @@ class Backoff:
         return d * (0.5 + self.rng.random() / 2)
 
 
+WATCH_SILENCE_S = 90.0
+"""A slice watch that delivers nothing (no event, no bookmark) for this long is restarted. The
+watch asks for bookmarks (``allowWatchBookmarks``); the API server's watch cache sends one to
+every such watcher each minute besides one just before the watch's deadline
+(k8s.io/apiserver/pkg/storage/cacher/cacher.go, ``defaultBookmarkFrequency = time.Minute``), so
+a healthy watch is never silent for 90 s; bookmarks are a hint, not a promise (API concepts,
+"Watch bookmarks"), and a server that sends none only costs a watch restarted from the last
+resourceVersion every 90 s. Without this a hung stream (a dead proxy, a stopped feed) hid drift
+until the client's read timeout, ``timeout_s`` + 10 s: about 5 minutes."""
+
+
 class Publisher:
     """Applies plans; ``step(now)`` does one round and says how long until the next."""
 
@@ -133,6 +144,7 @@ class Publisher:
         clock: Callable[[], float] = time.monotonic,
         node_uid: Callable[[], str | None] = lambda: None,
         on_taints_dropped: Callable[[], None] | None = None,
+        watch_silence: float = WATCH_SILENCE_S,
     ) -> None:
         self.store = store
         self.policy = policy
@@ -159,6 +171,11 @@ class Publisher:
         """The API server stored our devices without their taints (its DRADeviceTaints feature
         gate is off): tainting cannot work there."""
         self._throttle = Throttle(log, OTHER_PUBLISHER_LOG_INTERVAL, clock)
+        self.watch_silence = watch_silence
+        self._watch_heard: float | None = None
+        """When the open watch last delivered something (or opened); None: no watch open."""
+        self.watch_restarts = 0
+        """Watches ended for their silence (:meth:`check_watch`)."""
         self._on_taints_dropped = on_taints_dropped
         """Called once when ``taints_dropped`` becomes true (the agent then withdraws the devices
         instead: rewriting the taints would only loop, each write dropped again)."""
@@ -337,11 +354,33 @@ class Publisher:
             self.log.warning("publishing ResourceSlices failed, will retry", extra=fields)
 
     def run(self, stop: threading.Event) -> None:
-        """The publisher loop (a thread). Returns when ``stop`` is set."""
+        """The publisher loop (a thread): rounds, and the watch's silence checked. Returns when
+        ``stop`` is set."""
         while not stop.is_set():
             delay = self.step(self.clock())
+            delay = min(delay, self.check_watch(self.clock()))
             self._wake.wait(delay)
             self._wake.clear()
+
+    def check_watch(self, now: float) -> float:
+        """End the open watch when it has delivered nothing for ``watch_silence`` seconds (the
+        watch loop then opens a new one from the last resourceVersion) and reconcile, since a
+        change may have been missed; the seconds until the next check is due."""
+        heard = self._watch_heard
+        if heard is None:
+            return self.watch_silence
+        silent = now - heard
+        if silent < self.watch_silence:
+            return self.watch_silence - silent
+        self._watch_heard = now
+        self.watch_restarts += 1
+        self.log.warning(
+            "slice watch silent (no event, no bookmark); restarting it",
+            extra=fields_(silent_s=round(silent, 1), bound_s=self.watch_silence),
+        )
+        self.store.end_watches()
+        self.poke()
+        return self.watch_silence
 
     def stop(self) -> None:
         """Wake the loops so they see their stop event; end a running watch."""
@@ -353,8 +392,10 @@ class Publisher:
         failures = 0
         while not stop.is_set() and self.store.watchable:
             started, events, expired = self.clock(), 0, False
+            self._watch_heard = started
             try:
                 for event in self.store.watch(self._list_rv, timeout_s):
+                    self._watch_heard = self.clock()
                     if stop.is_set():
                         return
                     events += 1
@@ -373,10 +414,12 @@ class Publisher:
                     if event.get("type") != "BOOKMARK":
                         self.poke()
             except KubeError as exc:
+                self._watch_heard = None
                 failures += 1
                 self.log.info("slice watch interrupted", extra=fields_(error=str(exc)))
                 stop.wait(self.retry_in(exc, failures))
                 continue
+            self._watch_heard = None
             if expired and failures > 1:
                 # a server that answers every watch with an error must not make us spin either
                 stop.wait(self.backoff.delay(failures - 1))

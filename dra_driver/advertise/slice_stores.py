@@ -50,6 +50,10 @@ class SliceStore(Protocol):
         """Make any running ``watch`` iterator finish now (shutdown)."""
         ...
 
+    def end_watches(self) -> None:
+        """Make the running ``watch`` iterators finish now; later watches run as usual."""
+        ...
+
 
 def slice_list(data: Obj, method: str = "GET", url: str = SLICES_PATH) -> tuple[list[Obj], str]:
     """The slices of a list answer and its resourceVersion, checked for what the publisher
@@ -103,6 +107,9 @@ class KubeSliceStore:
 
     def abort_watches(self) -> None:
         self._kube.abort_watches()
+
+    def end_watches(self) -> None:
+        self._kube.end_watches()
 
 
 MAX_SLICE_FILE_BYTES = 16 * 1024 * 1024
@@ -202,4 +209,7 @@ class DirSliceStore:
         return iter(())
 
     def abort_watches(self) -> None:
+        return None
+
+    def end_watches(self) -> None:
         return None

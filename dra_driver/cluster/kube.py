@@ -98,6 +98,8 @@ class KubeClient:
         self._api = api_client
         self._timeout = timeout
         self._watches: set[Any] = set()
+        self._ended: set[Any] = set()
+        """Streams :meth:`end_watches` ended: their iterators finish without an error."""
         self._watch_lock = threading.Lock()
         self._closed = False
 
@@ -129,6 +131,17 @@ class KubeClient:
         # publisher backs off; a claim read fails that claim and the kubelet retries it)
         cfg.retries = False
         return cls(kclient.ApiClient(cfg))
+
+    def end_watches(self) -> None:
+        """End the watch streams open now (their iterators finish, as at the server's
+        timeout); the client stays open and new watches run as usual (a watch that went
+        silent is restarted this way)."""
+        with self._watch_lock:
+            open_streams = list(self._watches)
+            self._ended.update(open_streams)
+        for raw in open_streams:
+            with contextlib.suppress(OSError):
+                raw.shutdown()
 
     def abort_watches(self) -> None:
         """End every open watch stream now (their iterators finish); new ones end at once."""
@@ -225,12 +238,15 @@ class KubeClient:
                         f"a watch line longer than {MAX_BODY_BYTES} bytes", "WATCH", path
                     )
         except (urllib3.exceptions.HTTPError, OSError) as exc:
-            if self._closed:
+            with self._watch_lock:
+                ended = self._closed or raw in self._ended
+            if ended:
                 return
             raise KubeError(0, "ConnectionError", str(exc), "WATCH", path) from exc
         finally:
             with self._watch_lock:
                 self._watches.discard(raw)
+                self._ended.discard(raw)
             raw.release_conn()
 
 

@@ -8,7 +8,8 @@ returns its result). Prepare and unprepare have pools of their own, so an unprep
 behind prepares of other claims (a slow claim read holds a prepare worker, never an unprepare
 one). What a batch does with its claims is the handler's business (``transaction``): it answers
 each claim through the batch (:meth:`Batch.fail`, :meth:`Batch.succeed`) and runs per-claim
-steps concurrently with :meth:`Batch.each`.
+steps concurrently with :meth:`Batch.each`, or with :meth:`Batch.waves` where the claims done
+should go on without waiting for a slow one (the claim reads of a prepare).
 """
 
 from __future__ import annotations
@@ -16,8 +17,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import CancelledError, Future, InvalidStateError, ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import (
+    ALL_COMPLETED,
+    FIRST_COMPLETED,
+    CancelledError,
+    Future,
+    InvalidStateError,
+    ThreadPoolExecutor,
+)
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
 from contextlib import suppress
@@ -35,6 +43,14 @@ R = TypeVar("R")
 Observer = Callable[[str, float, str | None], None]
 """``observe(operation, seconds, error reason or None)`` after every claim (for metrics)."""
 OPERATIONS = ("prepare", "unprepare")
+GROUP_WINDOW_S = 0.5
+"""How long :meth:`Batch.waves` waits for every item before going on with those done: claims read
+within it share their checkpoint writes (group commit; a read takes milliseconds from files and
+tens of milliseconds from a healthy API server); a claim read later goes on in a later wave as
+soon as it is read, so one slow read never holds back the others' answers."""
+_CANCEL_POLL_S = 1.0
+"""A future cancelled by the pool's shutdown never wakes ``wait`` (only a worker notifies its
+waiters): how often a wave that waits looks for those."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +170,53 @@ class Batch:
                     pass
             results.append(outcome(item) if finish else NotRun())
         return results
+
+    def waves(
+        self, items: Sequence[T], fn: Callable[[T], R], window: float = GROUP_WINDOW_S
+    ) -> Iterator[list[tuple[T, R | BaseException | NotRun]]]:
+        """``fn`` of every item, concurrently on the operation's step pool (inline for one
+        item), handed back in waves of ``(item, outcome)`` in the items' order: the first wave
+        holds those done within ``window`` seconds (all of them, normally), each later wave
+        those done by the time the previous one was handled (at least one; the caller handles a
+        wave before asking for the next). An exception is returned in the item's place; an item
+        the stopping agent never began is ``NotRun``."""
+
+        def outcome(item: T) -> R | BaseException:
+            try:
+                return fn(item)
+            except Exception as exc:
+                return exc
+
+        if len(items) <= 1:
+            yield [(i, outcome(i)) for i in items]
+            return
+        pending: dict[Future[R | BaseException], int] = {}
+        ready: list[tuple[int, R | BaseException | NotRun]] = []
+        for n, item in enumerate(items):
+            try:
+                pending[self._steps.submit(outcome, item)] = n
+            except RuntimeError:  # shut down: the agent is stopping
+                ready.append((n, NotRun()))
+        first = True
+        while pending or ready:
+            done: set[Future[R | BaseException]] = set()
+            while pending and not done:
+                done, _ = wait_futures(
+                    pending,
+                    timeout=window if first else _CANCEL_POLL_S,
+                    return_when=ALL_COMPLETED if first else FIRST_COMPLETED,
+                )
+                done |= {f for f in pending if f.cancelled()}
+                first = False
+            for fut in done:
+                n = pending.pop(fut)
+                try:
+                    ready.append((n, fut.result()))
+                except CancelledError:
+                    ready.append((n, NotRun()))
+            ready.sort(key=lambda r: r[0])
+            yield [(items[n], result) for n, result in ready]
+            ready = []
 
 
 class BatchRunner:

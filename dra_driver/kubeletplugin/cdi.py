@@ -81,7 +81,7 @@ from agent.driverfiles.discover import (
     under,
 )
 from agent.errors import DecodeError
-from agent.fsutil import atomic_write, fsync_dir, read_regular_file, remove_temp_files
+from agent.fsutil import atomic_write, fsync_dir, holds, read_regular_file, remove_temp_files
 from dra_driver.errors import CdiError
 from dra_driver.kubeletplugin.cdi_driver_edits import DriverEdits
 from dra_driver.kubeletplugin.cdi_spec import (
@@ -146,6 +146,8 @@ class CdiWriter:
         self.base_device_id = f"{self.base_kind}={BASE_DEVICE}"
         """The CDI device id every prepared device is answered with besides its own."""
         self.base_path = self.cdi_root / f"k8s.{driver_name}-driver.json"
+        self._base_current = False
+        """Whether this process wrote (or found) the base spec as it builds it."""
         self.files: DriverFiles = discover_driver_files(self.driver_root, driver_version)
         on_root = has_dev_dir(self.driver_root)
         self.dev_root = self.driver_root if on_root else Path("/")
@@ -242,9 +244,12 @@ class CdiWriter:
         return spec
 
     def write_base(self) -> Path:
-        """Write the base spec (atomically, mode 0644); returns its path."""
+        """Write the base spec (atomically, mode 0644) unless the file holds it already (a start
+        on a full disk then writes nothing); returns its path. CdiError when it cannot be
+        written: the next claim's :meth:`write` tries again."""
         spec = self.build_base_spec()
         self._atomic(self.base_path, spec)
+        self._base_current = True
         return self.base_path
 
     def build_spec(
@@ -316,6 +321,8 @@ class CdiWriter:
 
     def _atomic(self, path: Path, spec: dict[str, Any]) -> None:
         data = (json.dumps(spec, indent=2, sort_keys=True) + "\n").encode()
+        if holds(path, data):
+            return
         try:
             atomic_write(path, data, mode=SPEC_FILE_MODE, dir_mode=CDI_DIR_MODE)
         except OSError as exc:
@@ -328,7 +335,7 @@ class CdiWriter:
         validate_spec(spec)
         if spec["kind"] != self.kind:
             raise CdiError(f"CDI spec kind {spec['kind']!r} is not this driver's {self.kind!r}")
-        if not self.base_path.exists():
+        if not self._base_current or not self.base_path.exists():
             self.write_base()
         self._atomic(path, spec)
         return path
@@ -343,7 +350,7 @@ class CdiWriter:
         device names are checked as they go in. Raises CdiError as both."""
         path = self.path(claim_uid)
         spec = self._claim_spec(claim_uid, devices, mps)
-        if not self.base_path.exists():
+        if not self._base_current or not self.base_path.exists():
             self.write_base()
         self._atomic(path, spec)
         return path

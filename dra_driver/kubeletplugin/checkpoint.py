@@ -62,7 +62,7 @@ from typing import Any
 
 from agent.decode import fields, load_json
 from agent.errors import DecodeError, TesseraError
-from agent.fsutil import atomic_write, move_aside
+from agent.fsutil import atomic_write, holds, move_aside
 from agent.logs import fields_
 from dra_driver.errors import CheckpointCorrupt, CheckpointError, CheckpointTooNew
 from dra_driver.kubeletplugin.checkpoint_migrations import MIGRATIONS
@@ -456,6 +456,10 @@ class CheckpointStore:
         return LoadResult(
             stored, rebooted=False, corrupt_moved_to=None, migrated_from=migrated_from
         )
+
+    def holds(self, cp: Checkpoint) -> bool:
+        """Whether the file holds ``cp`` exactly as :meth:`save` would write it."""
+        return holds(self.path, encode(cp))
 
     def save(self, cp: Checkpoint) -> None:
         """Replace the file with ``cp`` atomically (mode 0600). Raises CheckpointError."""

@@ -3,17 +3,15 @@
 ``KubeClaimSource`` reads from the API server (names validated before they go into a URL; a read
 has its own deadline, shorter than the kubelet's), ``DirClaimSource`` from
 ``<state-dir>/resourceclaims/*.yaml`` (standalone mode: manifests that carry
-``status.allocation``). The directory source reads only regular files of at most
-``MAX_CLAIM_FILE_BYTES`` (a FIFO or device never blocks it), decodes them with limits (no YAML
-aliases, bounded integers and nesting: ``agent.decode``), and a file that cannot be read only
-affects the claims it holds: the others are found, and a claim that is not found names the
-unreadable files. What a claim's allocation says is ``claims.py``.
+``status.allocation``). The directory source reads only regular files, never through a symbolic
+link, of at most ``MAX_CLAIM_FILE_BYTES`` (a FIFO or device never blocks it), decodes them with
+limits (no YAML aliases, bounded integers and nesting: ``agent.decode``), and a file that cannot
+be read only affects the claims it holds: the others are found, and a claim that is not found
+names the unreadable files. What a claim's allocation says is ``claims.py``.
 """
 
 from __future__ import annotations
 
-import os
-import stat
 import threading
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
@@ -21,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from agent.decode import load_yaml_documents
 from agent.errors import DecodeError
+from agent.fsutil import FileRefused, read_regular_file
 from dra_driver.errors import ClaimError, KubeError
 from dra_driver.kubeletplugin.claims import check_claim_names, shown
 
@@ -123,44 +122,38 @@ class KubeClaimSource:
 class DirClaimSource:
     """Standalone mode: ResourceClaim manifests (with status.allocation) in a directory.
 
-    Parsed files are cached by (mtime, size, inode), so a batch of claims parses each file once.
-    Only regular files are read (opened without blocking, checked before reading), at most
-    ``MAX_CLAIM_FILE_BYTES`` each. A file that cannot be read or decoded is remembered with why;
-    it hides only the claims it holds, and a claim not found names such files."""
+    Parsed files are cached by their bytes, so a batch of claims parses each file once. Only
+    regular files are read (never through a symbolic link; opened without blocking, checked
+    before reading), at most ``MAX_CLAIM_FILE_BYTES`` each. A file that cannot be read or
+    decoded is remembered with why; it hides only the claims it holds, and a claim not found
+    names such files."""
 
     origin = "claim-files"
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._cache: dict[Path, tuple[tuple[int, int, int], list[dict[str, Any]] | str]] = {}
+        self._cache: dict[Path, tuple[bytes, list[dict[str, Any]] | str]] = {}
         self._lock = threading.Lock()
 
     def _file(self, path: Path) -> list[dict[str, Any]] | str:
-        """The claim documents of one file, or why it cannot be read."""
+        """The claim documents of one file, or why it cannot be read. Read with
+        ``read_regular_file``: a symbolic link is not followed (whoever can write the directory
+        must not make the driver read a file elsewhere), only a regular file of at most
+        ``MAX_CLAIM_FILE_BYTES`` is read. The parse is cached by the file's bytes: reading 1 MiB
+        is cheap beside decoding it for every claim of a batch."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as exc:
-            return f"cannot open it: {exc.strerror or exc}"
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                return "not a regular file"
-            if st.st_size > MAX_CLAIM_FILE_BYTES:
-                return f"{st.st_size} bytes, more than the {MAX_CLAIM_FILE_BYTES} allowed"
-            key = (st.st_mtime_ns, st.st_size, st.st_ino)
-            with self._lock:
-                cached = self._cache.get(path)
-            if cached is not None and cached[0] == key:
-                return cached[1]
-            with os.fdopen(os.dup(fd), "rb") as f:
-                data = f.read(MAX_CLAIM_FILE_BYTES + 1)
+            data = read_regular_file(path, MAX_CLAIM_FILE_BYTES)
+        except FileRefused as exc:
+            return f"cannot open it: {exc.strerror}"
         except OSError as exc:
             return f"cannot read it: {exc.strerror or exc}"
-        finally:
-            os.close(fd)
+        with self._lock:
+            cached = self._cache.get(path)
+        if cached is not None and cached[0] == data:
+            return cached[1]
         result = self._decode(path, data)
         with self._lock:
-            self._cache[path] = (key, result)
+            self._cache[path] = (data, result)
         return result
 
     @staticmethod

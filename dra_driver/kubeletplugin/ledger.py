@@ -4,7 +4,8 @@ Memory never runs ahead of the file (a change is saved, then adopted), except fo
 records of claims that change nothing on the node (``transaction``: a crash before they
 complete leaves a CDI spec the checkpoint does not list, which the next start removes), and
 for a claim undone whose release cannot be written (a full disk: its started record left in the
-file is rolled back again at the next start).
+file is rolled back again at the next start), and for the start's checkpoint when it cannot be
+saved (``reconcile``: the next start repeats what this one did).
 """
 
 from __future__ import annotations

@@ -149,6 +149,11 @@ class Preparer:
         /readyz, the metrics and the operator."""
         return self._reconciler.unrecovered()
 
+    def retry_unrecovered(self) -> list[Unrecovered]:
+        """Try again to rebuild the claims :meth:`unrecovered` lists; those still unrecovered
+        (``reconcile.Reconciler.retry_unrecovered``; the agent calls it with backoff)."""
+        return self._reconciler.retry_unrecovered(self.claim_locks)
+
     # -- start-up ----------------------------------------------------------------------------
     def reconcile_on_start(self) -> None:
         """Load the checkpoint and make reality match it, logging every action

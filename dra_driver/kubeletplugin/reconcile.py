@@ -18,7 +18,7 @@ from agent.errors import TesseraError
 from agent.logs import fields_
 from agent.nvml.types import MigInstance
 from dra_driver.device_model import AdvertisedDevice, DeviceModel
-from dra_driver.errors import CdiError, ClaimError, KubeError
+from dra_driver.errors import CdiError, CheckpointError, ClaimError, KubeError
 from dra_driver.kubeletplugin.cdi import CdiWriter
 from dra_driver.kubeletplugin.cdi_spec import SpecEvidence as CdiEvidence
 from dra_driver.kubeletplugin.checkpoint import (
@@ -31,6 +31,7 @@ from dra_driver.kubeletplugin.checkpoint import (
 from dra_driver.kubeletplugin.claim_sources import ClaimIndex
 from dra_driver.kubeletplugin.effects import Effects
 from dra_driver.kubeletplugin.ledger import Ledger
+from dra_driver.kubeletplugin.locks import ClaimLocks
 from dra_driver.kubeletplugin.plan import PlannedDevice, SharingPolicy, conflicts
 from dra_driver.kubeletplugin.rebuild import Rebuilt, Unrecovered, decide
 from dra_driver.kubeletplugin.records import Records, cdi_requests
@@ -147,23 +148,76 @@ class Reconciler:
                     " start",
                     extra=fields_(error=str(exc)),
                 )
-            for entry in list(cp.claims.values()):
-                restored = self._start_step("restore", entry, partial(self._effects.restore, entry))
-                changed = restored is not None and restored[0] != entry
-                if restored is not None and changed:
-                    cp = cp.with_claim(restored[0])
-                current = cp.claims[entry.uid]
-                if current.devices and (changed or current.uid not in self._cdi.claim_uids()):
-                    self._records.write_spec(current)
-                    self._log.warning(
-                        "restored the CDI spec of a prepared claim",
-                        extra=fields_(
-                            claim=f"{entry.namespace}/{entry.name}",
-                            uid=entry.uid,
-                            reason="its devices were made again" if changed else "it was missing",
-                        ),
+            cp = self._restore(cp, list(cp.claims))
+            self._settle(cp)
+
+    def _restore(self, cp: Checkpoint, uids: list[str]) -> Checkpoint:
+        """Set the sharing of the claims ``uids`` again and make what is gone of their devices
+        (MPS daemons, MIG devices), rewriting a CDI spec that changed or is missing."""
+        for uid in uids:
+            entry = cp.claims[uid]
+            restored = self._start_step("restore", entry, partial(self._effects.restore, entry))
+            changed = restored is not None and restored[0] != entry
+            if restored is not None and changed:
+                cp = cp.with_claim(restored[0])
+            current = cp.claims[entry.uid]
+            if current.devices and (changed or current.uid not in self._cdi.claim_uids()):
+                self._records.write_spec(current)
+                self._log.warning(
+                    "restored the CDI spec of a prepared claim",
+                    extra=fields_(
+                        claim=f"{entry.namespace}/{entry.name}",
+                        uid=entry.uid,
+                        reason="its devices were made again" if changed else "it was missing",
+                    ),
+                )
+        return cp
+
+    def retry_unrecovered(self, claim_locks: ClaimLocks) -> list[Unrecovered]:
+        """While the agent runs: try again to rebuild the claims :meth:`unrecovered` lists (the
+        claim source may answer now, a device may be advertised again), as the start does, under
+        those claims' locks (a prepare or unprepare of one waits, and one that came first has
+        settled it); a claim rebuilt gets its sharing restored and is saved. The claims still
+        unrecovered."""
+        uids = sorted(u.uid for u in self.unrecovered())
+        if not uids:
+            return []
+        with claim_locks.hold_all(uids), self._ledger.lock:
+            cp = self._ledger.checkpoint
+            if not any(u in cp.claims and cp.claims[u].recovered for u in uids):
+                return self.unrecovered()
+            reported = dict(self._unrecovered)
+            rebuilt = self._rebuild(cp)
+            done = [u for u in uids if u in rebuilt.claims and not rebuilt.claims[u].recovered]
+            if done:
+                rebuilt = self._restore(rebuilt, done)
+                try:
+                    self._ledger.commit(rebuilt)
+                except CheckpointError as exc:
+                    self._unrecovered = reported  # still held as before: tried again later
+                    self._log.error(
+                        "cannot save the claims rebuilt while running; tried again later",
+                        extra=fields_(uids=done, error=str(exc)),
                     )
+        return self.unrecovered()
+
+    def _settle(self, cp: Checkpoint) -> None:
+        """The start's checkpoint: saved only when the file does not hold it already (a restart
+        on a full disk writes nothing it has). When it cannot be saved (a full or read-only
+        disk) the agent still starts with it in memory, logged: what this start undid is undone
+        again at the next one, and every claim that needs a write fails, saying why, until the
+        disk has room (/readyz's ``disk`` check)."""
+        if self._ledger.store.holds(cp):
+            self._ledger.adopt(cp)
+            return
+        try:
             self._ledger.commit(cp)
+        except CheckpointError as exc:
+            self._log.error(
+                "cannot save the checkpoint at start; running with it in memory",
+                extra=fields_(error=str(exc)),
+            )
+            self._ledger.adopt(cp)
 
     def _start_step(self, what: str, entry: ClaimEntry, step: Callable[[], T]) -> tuple[T] | None:
         """One claim's step at start: ``(its result,)``, or None when it failed; a failure is

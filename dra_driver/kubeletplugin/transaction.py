@@ -145,6 +145,9 @@ class Transactions:
         them (group commit):
 
         1. every claim read and planned (concurrently); an already prepared one is answered;
+           steps 2 to 4 go on with the claims read within ``batch.GROUP_WINDOW_S`` (all of
+           them, normally), and again for each claim read later, as soon as it is read (one
+           slow read never holds back the others' answers);
         2. under the checkpoint lock, each is checked against the holders so far and recorded
            as ``PrepareStarted`` (the devices are reserved); ONE write makes the records
            durable, and only when some claim changes the node (dynamic MIG, time-slicing, MPS,
@@ -156,49 +159,55 @@ class Transactions:
         4. ONE write records them all as ``PrepareCompleted``; then they are answered.
         """
         with self._claim_locks.hold_all(c.uid for c, _ in batch.claims):
-            planned: list[_Planned] = []
             keys = [c for c, _ in batch.claims]
-            plans = batch.each(keys, self._plan, finish=False)
-            for claim, outcome in zip(keys, plans, strict=True):
-                if isinstance(outcome, NotRun):
-                    batch.answer(claim, shutting_down(claim))
-                elif isinstance(outcome, BaseException):
-                    batch.fail(claim, outcome)
-                elif isinstance(outcome, ClaimResult):
-                    batch.succeed(claim, outcome)
-                else:
-                    planned.append(outcome)
-            started = self._start(batch, planned)
-            if not started:
-                return
-            self._crash("after-started")
-            made: list[ClaimEntry] = []
-            entries = batch.each(started, self._make)
-            for p, entry in zip(started, entries, strict=True):
-                if isinstance(entry, BaseException):
-                    if isinstance(entry, TesseraError):
-                        self._roll_back(self._ledger.checkpoint.claims[p.claim.uid], quiet=True)
-                    batch.fail(p.claim, entry)
-                else:
-                    made.append(entry)
-            if not made:
-                return
-            try:
-                self._ledger.update(lambda cp: cp.with_claims(made))
-            except TesseraError as exc:  # e.g. the disk is full: no spec may stay behind
-                for e in made:
-                    self._roll_back(self._ledger.checkpoint.claims[e.uid], quiet=True)
-                    batch.fail(claim_key(e), exc)
-                return
-            self._crash("after-completed")
+            # claims read within the group window go on together; one read later goes on as
+            # soon as it is read, so a slow read never holds back the others' answers
+            for wave in batch.waves(keys, self._plan):
+                planned: list[_Planned] = []
+                for claim, outcome in wave:
+                    if isinstance(outcome, NotRun):
+                        batch.answer(claim, shutting_down(claim))
+                    elif isinstance(outcome, BaseException):
+                        batch.fail(claim, outcome)
+                    elif isinstance(outcome, ClaimResult):
+                        batch.succeed(claim, outcome)
+                    else:
+                        planned.append(outcome)
+                self._complete(batch, planned)
+
+    def _complete(self, batch: Batch, planned: list[_Planned]) -> None:
+        """Steps 2 to 4 of the claims read and planned together (one wave of a batch)."""
+        started = self._start(batch, planned)
+        if not started:
+            return
+        self._crash("after-started")
+        made: list[ClaimEntry] = []
+        entries = batch.each(started, self._make)
+        for p, entry in zip(started, entries, strict=True):
+            if isinstance(entry, BaseException):
+                if isinstance(entry, TesseraError):
+                    self._roll_back(self._ledger.checkpoint.claims[p.claim.uid], quiet=True)
+                batch.fail(p.claim, entry)
+            else:
+                made.append(entry)
+        if not made:
+            return
+        try:
+            self._ledger.update(lambda cp: cp.with_claims(made))
+        except TesseraError as exc:  # e.g. the disk is full: no spec may stay behind
             for e in made:
-                self._log.info(
-                    "prepared claim",
-                    extra=fields_(
-                        claim=str(claim_key(e)), devices=",".join(d.device for d in e.devices)
-                    ),
-                )
-                batch.succeed(claim_key(e), ClaimResult(devices=e.devices))
+                self._roll_back(self._ledger.checkpoint.claims[e.uid], quiet=True)
+                batch.fail(claim_key(e), exc)
+            return
+        self._crash("after-completed")
+        for e in made:
+            self._log.info(
+                "prepared claim",
+                extra=fields_(
+                    claim=str(claim_key(e)), devices=",".join(d.device for d in e.devices)
+                ),
+            )
+            batch.succeed(claim_key(e), ClaimResult(devices=e.devices))
 
     def _plan(self, claim: ClaimKey) -> _Planned | ClaimResult:
         """Step 1 of one claim: its result when it is prepared already, else its plan (an

@@ -218,7 +218,15 @@ def test_a_command_loaded_on_demand_is_listed_with_its_own_name_and_help():
     """``tessera --help`` lists explain, doctor, kubelet and sim from stubs, so that a start
     imports none of them; each stub says what the command itself says."""
     stubs = [c for c in TREE.subcommands if c.module is not None]
-    assert {c.name for c in stubs} == {"explain", "doctor", "kubelet", "sim", "usage", "budgets"}
+    assert {c.name for c in stubs} == {
+        "explain",
+        "doctor",
+        "kubelet",
+        "sim",
+        "usage",
+        "budgets",
+        "uninstall",
+    }
     for stub in stubs:
         full = stub.resolved()
         assert full.module is None and full is not stub

@@ -116,3 +116,21 @@ def test_read_regular_file_refuses_a_large_file_before_reading_it(tmp_path: Path
 def test_read_regular_file_missing_is_file_not_found(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         read_regular_file(tmp_path / "absent", 100)
+
+
+def test_read_regular_file_refuses_links_special_files_and_big_files(tmp_path):
+    from agent.fsutil import FileRefused, read_regular_file
+
+    (tmp_path / "f").write_bytes(b"x" * 10)
+    (tmp_path / "link").symlink_to(tmp_path / "f")
+    os.mkfifo(tmp_path / "fifo")  # opened without blocking, refused before any read
+    assert read_regular_file(tmp_path / "f", 10) == b"x" * 10
+    with pytest.raises(FileRefused, match="a symbolic link"):
+        read_regular_file(tmp_path / "link", 10)
+    with pytest.raises(FileRefused, match="not a regular file"):
+        read_regular_file(tmp_path / "fifo", 10)
+    with pytest.raises(FileRefused, match="11 bytes, more than the 10 allowed"):
+        (tmp_path / "f").write_bytes(b"x" * 11)
+        read_regular_file(tmp_path / "f", 10)
+    with pytest.raises(FileNotFoundError):
+        read_regular_file(tmp_path / "missing", 10)

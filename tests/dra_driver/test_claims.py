@@ -253,3 +253,23 @@ def test_each_result_carries_the_device_class_its_request_or_subrequest_names():
         ("odd", ""),
     ]
     assert device_classes({"spec": {"devices": {"requests": "not a list"}}}) == {}
+
+
+def test_a_claim_file_that_is_a_symlink_is_not_followed(tmp_path):
+    """Standalone mode: whoever can write resourceclaims/ must not make the driver read a file
+    elsewhere (a claim planted outside, or /dev/zero) by linking to it: the link is refused and
+    named, the real files beside it are still read."""
+    claims, outside = tmp_path / "resourceclaims", tmp_path / "elsewhere"
+    claims.mkdir()
+    outside.mkdir()
+    (outside / "planted.yaml").write_text(yaml.safe_dump(claim([result()], uid="uid-planted")))
+    (claims / "link.yaml").symlink_to(outside / "planted.yaml")
+    (claims / "zero.yaml").symlink_to("/dev/zero")
+    (claims / "real.yaml").write_text(yaml.safe_dump(claim([result()], uid="uid-real")))
+    src = DirClaimSource(claims)
+    assert set(src.by_uid({"uid-planted", "uid-real"})) == {"uid-real"}
+    (claims / "real.yaml").unlink()
+    with pytest.raises(ClaimError) as e:
+        src.get("default", "c1")
+    assert "link.yaml: cannot open it: a symbolic link" in str(e.value)
+    assert "zero.yaml: cannot open it: a symbolic link" in str(e.value)

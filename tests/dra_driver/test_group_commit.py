@@ -5,8 +5,10 @@ the real tools (NVML's MIG calls over the simulator, simulated nvidia-smi)."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,6 +16,7 @@ from agent.config import Config
 from dra_driver.errors import CheckpointError, SharingError
 from dra_driver.kubeletplugin.cdi_spec import validate_spec
 from dra_driver.kubeletplugin.checkpoint import PREPARE_COMPLETED, Checkpoint
+from dra_driver.kubeletplugin.claim_sources import DirClaimSource
 from dra_driver.kubeletplugin.claims import ClaimKey
 from dra_driver.kubeletplugin.effects import Applied
 from dra_driver.kubeletplugin.prepare import Preparer
@@ -184,3 +187,43 @@ def test_a_prepared_uid_asked_for_under_other_names_is_refused_naming_its_claim(
     )
     assert errors(agent.prepare([held])) == {held.uid: ""}  # its own names still get it
     agent.close(5)
+
+
+class SlowFor:
+    """The claim files, except that reading ``name`` waits until ``release`` is set (an API
+    server slow to answer one claim, within the client's own read timeout)."""
+
+    def __init__(self, node: Node, name: str) -> None:
+        self.files = DirClaimSource(node.state / "resourceclaims")
+        self.name = name
+        self.reading = threading.Event()
+        self.release = threading.Event()
+
+    def get(self, namespace: str, name: str) -> dict[str, Any]:
+        if name == self.name:
+            self.reading.set()
+            self.release.wait(60)
+        return self.files.get(namespace, name)
+
+
+def test_one_slow_claim_read_does_not_hold_back_the_answers_of_the_others(static_node):
+    """The kubelet's answer holds every claim of the call: the claims whose work is done are
+    answered with their devices even when another claim of the call is not done by the
+    deadline (that one alone says so, and a retry returns its result)."""
+    keys = [static_node.claim(f"c{i}", f"gpu-{i}") for i in range(3)]
+    slow = SlowFor(static_node, "c1")
+    agent = static_node.agent(claims=slow, deadline_s=2.0)
+    try:
+        try:
+            results = agent.prepare(keys)
+            assert slow.reading.is_set()
+        finally:
+            slow.release.set()
+        assert results[keys[0].uid].error == "" and results[keys[0].uid].devices
+        assert results[keys[2].uid].error == "" and results[keys[2].uid].devices
+        assert "not done within 2 s" in results[keys[1].uid].error
+        assert {keys[0].uid, keys[2].uid} <= specs(static_node)
+        assert errors(agent.prepare(keys)) == {k.uid: "" for k in keys}  # the kubelet's retry
+        assert errors(agent.unprepare(keys)) == {k.uid: "" for k in keys}
+    finally:
+        agent.close(5)

@@ -73,15 +73,18 @@ class Node:
     def sim(self) -> Path:
         return self.state / "sim"
 
-    def agent(self, model: DeviceModel | None = None) -> Preparer:
+    def agent(
+        self, model: DeviceModel | None = None, claims: Any = None, deadline_s: float = 40.0
+    ) -> Preparer:
+        """``claims``: where claims are read (None: the claim files)."""
         devices = CurrentDevices()
         devices.set(model or self.model)
         log = logging.getLogger("test.rebuild")
-        claims = DirClaimSource(self.state / "resourceclaims")
+        files = DirClaimSource(self.state / "resourceclaims")
         p = Preparer(
             driver_name=DRIVER,
             pool=MODEL,
-            claims=claims,
+            claims=claims or files,
             store=CheckpointStore(self.state / "checkpoint.json", "boot"),
             cdi=CdiWriter(
                 self.state / "cdi",
@@ -102,7 +105,8 @@ class Node:
                 lambda gpu: None,
             ),
             sharing=self.config.driver.sharing_policy(),
-            index=self.index or claims,
+            index=self.index or files,
+            deadline_s=deadline_s,
         )
         p.reconcile_on_start()
         return p

@@ -448,24 +448,36 @@ def test_a_read_only_state_disk_fails_each_claim_and_recovers_when_writable(
         d.kill()
 
 
-def test_a_start_on_a_full_disk_says_so_and_the_next_start_has_every_claim(
+def test_a_start_on_a_full_disk_comes_up_degraded_and_recovers_when_there_is_room(
     short_tmp: Path, mounts: Mounts
 ) -> None:
+    """A restart on a full disk (issue 23, item 8): it used to exit at every start (each start
+    rewrote the base CDI spec and the checkpoint), a crash loop. A start writes neither when they
+    hold what it would write, so it comes up: /readyz says the disk is full and a log line says
+    what is degraded; the claim prepared before is still answered; once there is room a new
+    claim is prepared."""
     node = make_node(short_tmp, mounts)
     d = node.daemon
     d.start()
     try:
-        a = ref(0)
+        a, b = ref(0), ref(1)
         ok(node, "prepare", a)
         d.kill()
+        base = node.cdi / f"k8s.{DRIVER}-driver.json"
+        before = {p: p.stat().st_ino for p in (base, node.checkpoint_file)}
         node.state.fill()
-        d.start(wait=False)
-        assert d.wait_exit() == 2
-        (line,) = [r for r in d.logs if r.get("msg") == "agent cannot run"]
-        assert NO_SPACE in line["error"] and str(d.state) in line["error"]
+        d.start()  # waits for the sockets: it comes up
+        assert {p: p.stat().st_ino for p in before} == before  # neither file was rewritten
+        code, disk = ready_check(node)
+        assert code == 503 and NO_SPACE in disk and str(d.state) in disk
+        (line,) = [r for r in d.logs if r.get("msg") == "started on a disk that cannot be written"]
+        assert NO_SPACE in line["problem"]
+        ok(node, "prepare", a)  # the kubelet asks again: prepared already
+        assert cannot_write(node, b, errors(node, "prepare", b)[b.uid], NO_SPACE)
         node.state.free()
-        d.start()  # the kubelet starts it again
-        assert prepared(node) == {a.uid} and errors(node, "prepare", a) == {a.uid: ""}
+        assert ready_check(node) == (200, "writable")
+        ok(node, "prepare", b)
+        assert prepared(node) == {a.uid, b.uid}
         found = record(1, 1, node)
         assert found == []
     finally:
