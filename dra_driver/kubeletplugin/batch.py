@@ -146,11 +146,7 @@ class Batch:
         item not yet begun is run inline when ``finish`` (a claim already started finishes)
         and is ``NotRun`` otherwise."""
 
-        def outcome(item: T) -> R | BaseException:
-            try:
-                return fn(item)
-            except Exception as exc:
-                return exc
+        outcome = partial(_outcome, fn)
 
         if len(items) <= 1:
             return [outcome(i) for i in items]
@@ -181,11 +177,7 @@ class Batch:
         wave before asking for the next). An exception is returned in the item's place; an item
         the stopping agent never began is ``NotRun``."""
 
-        def outcome(item: T) -> R | BaseException:
-            try:
-                return fn(item)
-            except Exception as exc:
-                return exc
+        outcome = partial(_outcome, fn)
 
         if len(items) <= 1:
             yield [(i, outcome(i)) for i in items]
@@ -361,3 +353,11 @@ class BatchRunner:
         _, not_done = wait_futures(started, timeout=max(0.0, timeout))
         with self._running_lock:
             return sorted(str(self._running[f][0]) for f in not_done if f in self._running)
+
+
+def _outcome(fn: Callable[[T], R], item: T) -> R | BaseException:
+    """``fn(item)``, or the exception it raised (each item's failure is its own)."""
+    try:
+        return fn(item)
+    except Exception as exc:
+        return exc
