@@ -54,7 +54,8 @@ MIG capability minors are read from the driver's ``proc/driver/nvidia/capabiliti
 the driver root; a missing file is an error, since a MIG container without its capability nodes
 cannot use the GPU. A capability's device node missing under the dev root is made (``mknod``,
 the ``nvidia-caps`` major from the driver root's ``proc/devices``, the file's minor and mode), as
-``nvidia-modprobe`` does: the runtime reads a ``hostPath`` node to fill in its type and numbers.
+``nvidia-modprobe`` does: the runtime reads a ``hostPath`` node to fill in its type and numbers;
+under a read-only dev root it is made in the host's ``/dev`` (``caps_fallback_root``).
 
 ``build_spec``/``build_base_spec`` read the driver root (and make missing MIG capability nodes);
 ``write``/``write_base``/``remove``/``claim_uids`` do the I/O on ``cdi_root``. Every spec is
@@ -64,6 +65,7 @@ is returned or written.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -122,11 +124,13 @@ class CdiWriter:
         host_driver_root: Path | None = None,
         hook: str | None = None,
         make_node: MakeNode = make_char_device,
+        caps_fallback_root: Path = Path("/"),
     ) -> None:
         """``driver_root``: where the agent sees the driver's files; ``host_driver_root``: where
         the host sees them (None: the same); ``hook``: the host path of ``nvidia-cdi-hook`` or
         ``nvidia-ctk`` (None: the hook-free layout); ``make_node``: how a missing MIG capability
-        node is made."""
+        node is made; ``caps_fallback_root``: where it is made when the dev root is read-only
+        (the agent's own ``/``, whose ``/dev`` is the host's: the DaemonSet's ``dev`` volume)."""
         if not DNS_SUBDOMAIN_RE.fullmatch(driver_name) or len(driver_name) > 253:
             raise CdiError(f"driver name {driver_name!r} is not a lower-case DNS subdomain")
         if not DRIVER_VERSION_RE.fullmatch(driver_version):
@@ -141,6 +145,7 @@ class CdiWriter:
         self.driver_version = driver_version
         self.hook = hook
         self.make_node = make_node
+        self.caps_fallback_root = caps_fallback_root
         self.kind = f"k8s.{driver_name}/claim"
         self.base_kind = f"k8s.{driver_name}/driver"
         self.base_device_id = f"{self.base_kind}={BASE_DEVICE}"
@@ -192,15 +197,39 @@ class CdiWriter:
         for access in (gi_dir / "access", gi_dir / f"ci{ci}" / "access"):
             minor, mode = read_caps(access)
             path = f"/dev/nvidia-caps/nvidia-cap{minor}"
-            self._ensure_caps_node(path, minor, mode)
-            nodes.append(self.node(path))
+            if self._ensure_caps_node(path, minor, mode):
+                nodes.append(self.node(path))
+            else:
+                nodes.append({"path": path, "hostPath": str(under(self.caps_fallback_root, path))})
         return nodes
 
-    def _ensure_caps_node(self, path: str, minor: int, mode: int) -> None:
-        """Make the capability node ``path`` under the dev root when it is missing."""
+    def _ensure_caps_node(self, path: str, minor: int, mode: int) -> bool:
+        """Make the capability node ``path`` under the dev root when missing: True, or False
+        when it is under ``caps_fallback_root`` instead, because the dev root is a read-only
+        mount (the container-driver component's driver root) and the host's ``/dev`` is where
+        it can be made, as ``nvidia-modprobe`` makes it (NVIDIA's DRA driver gives the runtime
+        the numbers instead, k8s-dra-driver-gpu cmd/gpu-kubelet-plugin/cdi.go
+        ``GetDevNodesForMigDevice``; a node on the host also serves the agent's MPS daemons)."""
         node = under(self.dev_root, path)
         if node.exists():
-            return
+            return True
+        fallback = under(self.caps_fallback_root, path)
+        if self.dev_root != self.caps_fallback_root and fallback.exists():
+            return False
+        try:
+            self._make_caps_node(node, minor, mode)
+            return True
+        except CdiError as exc:
+            if not isinstance(exc.__cause__, OSError) or exc.__cause__.errno != errno.EROFS:
+                raise
+            if self.dev_root == self.caps_fallback_root:
+                raise
+        self._make_caps_node(fallback, minor, mode)
+        return False
+
+    def _make_caps_node(self, node: Path, minor: int, mode: int) -> None:
+        """``mknod`` the capability node ``node`` (already made meanwhile: done); raises
+        CdiError, caused by the OSError when the make failed."""
         major = read_char_major(self.driver_root, NVIDIA_CAPS)
         if major is None:
             raise CdiError(

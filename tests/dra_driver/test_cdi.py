@@ -131,6 +131,57 @@ def test_caps_minor_comes_from_the_file_not_a_formula(tmp_path: Path, version: s
     assert nodes(spec["devices"][0]["containerEdits"])[2] == "/dev/nvidia-caps/nvidia-cap4242"
 
 
+def _read_only_under(root: Path, err: int = errno.EROFS) -> Any:
+    """A ``make_node`` for which ``root`` is a read-only mount (the container-driver component
+    mounts the driver container's root read-only): making a node there fails as mknod(2) does."""
+
+    def make(path: Path, major: int, minor: int, mode: int) -> None:
+        if path.is_relative_to(root):
+            raise OSError(err, os.strerror(err), str(path))
+        make_device_node(path, major, minor, mode)
+
+    return make
+
+
+def test_a_read_only_driver_root_gets_its_caps_nodes_made_in_the_hosts_dev(
+    tmp_path: Path, version: str
+) -> None:
+    """Issue 23 item 8: with the container-driver component the dev root is the driver
+    container's, mounted read-only; a MIG prepare must not fail for a capability node it cannot
+    make there. The node is made in the host's /dev instead, and the spec names it there."""
+    root, host_dev = tmp_path / "driver-root", tmp_path / "host"
+    write_driver_root(load_model("dgx-h100"), root)
+    assert (root / "dev").is_dir()  # a dev root: the driver container's /dev
+    w = CdiWriter(
+        tmp_path / "cdi", DRIVER, root, version, host_driver_root=Path("/run/nvidia/driver"),
+        make_node=_read_only_under(root), caps_fallback_root=host_dev,
+    )  # fmt: skip
+    spec = w.build_spec(UID, [CdiRequest(MIG_NAME, 2, gpu_instance_id=9, compute_instance_id=0)])
+    validate_spec(spec)
+    gi = caps_minor(2, 9)
+    by_path = {n["path"]: n for n in spec["devices"][0]["containerEdits"]["deviceNodes"]}
+    caps = by_path[f"/dev/nvidia-caps/nvidia-cap{gi}"]
+    assert caps["hostPath"] == str(host_dev / f"dev/nvidia-caps/nvidia-cap{gi}")
+    assert (host_dev / f"dev/nvidia-caps/nvidia-cap{gi}").is_file()  # the simulator's mknod
+    assert by_path["/dev/nvidia2"]["hostPath"] == "/run/nvidia/driver/dev/nvidia2"  # as before
+    again = w.build_spec(UID, [CdiRequest(MIG_NAME, 2, gpu_instance_id=9, compute_instance_id=0)])
+    assert again == spec  # found there the next time, not made again
+
+
+def test_a_caps_node_that_cannot_be_made_for_another_reason_is_still_an_error(
+    tmp_path: Path, version: str
+) -> None:
+    root = tmp_path / "driver-root"
+    write_driver_root(load_model("dgx-h100"), root)
+    w = CdiWriter(
+        tmp_path / "cdi", DRIVER, root, version,
+        make_node=_read_only_under(root, errno.EPERM), caps_fallback_root=tmp_path / "host",
+    )  # fmt: skip
+    with pytest.raises(CdiError, match="the agent needs CAP_MKNOD"):
+        w.build_spec(UID, [CdiRequest(MIG_NAME, 2, gpu_instance_id=9, compute_instance_id=0)])
+    assert not (tmp_path / "host").exists()
+
+
 def test_mixed_claim(writer: CdiWriter) -> None:
     spec = writer.build_spec(
         UID, [CdiRequest("gpu-0", 0), CdiRequest("gpu-1-mig-1g10gb-19-0", 1, 11, 0)]
