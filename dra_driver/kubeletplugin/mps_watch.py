@@ -21,13 +21,15 @@ import logging
 import threading
 
 from agent.errors import TesseraError
-from agent.logs import fields_
+from agent.logs import Throttle, fields_
 from dra_driver.kubeletplugin.checkpoint import PREPARE_COMPLETED, ClaimEntry
 from dra_driver.kubeletplugin.effects import Effects
 from dra_driver.kubeletplugin.ledger import Ledger
 from dra_driver.kubeletplugin.locks import ClaimLocks
 from dra_driver.kubeletplugin.records import claim_key, gpus
 
+UNKNOWN_LOG_INTERVAL_S = 60.0
+"""At most one warning a minute per claim whose daemon's state cannot be read."""
 WATCH_INTERVAL_S = 5.0
 """How often the watch loop looks at the daemons: a signal-0 probe and a start-time read of each
 (``MpsControl.alive``), cheap next to the sampler's once-a-second NVML reads."""
@@ -50,6 +52,7 @@ class MpsWatch:
         self._claim_locks = claim_locks
         self._gpu_locks = gpu_locks
         self._log = log
+        self._throttle = Throttle(log, UNKNOWN_LOG_INTERVAL_S)
         self._failing: dict[str, str] = {}
         self._lock = threading.Lock()
 
@@ -79,7 +82,7 @@ class MpsWatch:
         """One round of the watch loop: every prepared claim's daemon found gone is started
         again; one that cannot be is logged and listed by ``failing``."""
         for entry in list(self._ledger.checkpoint.claims.values()):
-            if not _watched(entry) or self._effects.mps_alive(entry):
+            if not _watched(entry) or self._alive(entry):
                 continue
             with self._claim_locks.hold_all([entry.uid]):
                 current = self._ledger.checkpoint.claims.get(entry.uid)
@@ -97,6 +100,23 @@ class MpsWatch:
         with self._lock:  # claims unprepared since they failed are no one's concern
             for uid in [u for u in self._failing if u not in self._ledger.checkpoint.claims]:
                 del self._failing[uid]
+
+    def _alive(self, entry: ClaimEntry) -> bool:
+        """Whether the claim's daemon runs; True (left alone this round) when that cannot be
+        told: in kube mode it is its Pod's state, and an API outage must neither end this loop
+        nor start a second daemon beside one that may well run."""
+        try:
+            return self._effects.mps_alive(entry)
+        except TesseraError as exc:
+            self._throttle(
+                logging.WARNING,
+                entry.uid,
+                "cannot tell whether a prepared claim's MPS daemon runs; asked again next round",
+                claim=str(claim_key(entry)),
+                uid=entry.uid,
+                error=str(exc),
+            )
+            return True
 
     def failing(self) -> list[str]:
         """The claims whose daemon is gone and could not be started again, with why."""

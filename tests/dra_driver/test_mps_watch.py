@@ -94,3 +94,30 @@ def test_an_unprepared_claim_is_no_longer_failing(ledger: Ledger) -> None:
     ledger.commit(ledger.checkpoint.without_claim("uid-a"))
     watch.revive()
     assert watch.failing() == []
+
+
+class Unknowable(DeadDaemons):
+    """Whether a daemon runs cannot be told (kube mode: its Pod cannot be read, the API server
+    down)."""
+
+    def mps_alive(self, entry: ClaimEntry) -> bool:
+        raise SharingError("cannot read the MPS Pod tessera-mps-uid-a: 503", "mps_pod_error")
+
+
+def test_a_round_that_cannot_tell_whether_a_daemon_runs_skips_it_and_the_loop_goes_on(
+    ledger: Ledger, caplog: pytest.LogCaptureFixture
+) -> None:
+    """In kube mode the daemon's liveness is its Pod's: an API outage must neither end the
+    watch loop (its thread) nor start a second daemon beside one that may well run."""
+    effects = Unknowable()
+    watch = MpsWatch(
+        effects=effects,
+        ledger=ledger,
+        claim_locks=ClaimLocks(),
+        gpu_locks=ClaimLocks(),
+        log=logging.getLogger("t"),
+    )
+    with caplog.at_level(logging.WARNING, "t"):
+        watch.revive()
+    assert effects.restored == [] and watch.failing() == []
+    assert "cannot tell whether" in caplog.records[-1].getMessage()
