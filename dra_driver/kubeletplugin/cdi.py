@@ -197,55 +197,46 @@ class CdiWriter:
         for access in (gi_dir / "access", gi_dir / f"ci{ci}" / "access"):
             minor, mode = read_caps(access)
             path = f"/dev/nvidia-caps/nvidia-cap{minor}"
-            if self._ensure_caps_node(path, minor, mode):
-                nodes.append(self.node(path))
-            else:
-                nodes.append({"path": path, "hostPath": str(under(self.caps_fallback_root, path))})
+            nodes.append(self._caps_node(path, minor, mode))
         return nodes
 
-    def _ensure_caps_node(self, path: str, minor: int, mode: int) -> bool:
-        """Make the capability node ``path`` under the dev root when missing: True, or False
-        when it is under ``caps_fallback_root`` instead, because the dev root is a read-only
-        mount (the container-driver component's driver root) and the host's ``/dev`` is where
-        it can be made, as ``nvidia-modprobe`` makes it (NVIDIA's DRA driver gives the runtime
-        the numbers instead, k8s-dra-driver-gpu cmd/gpu-kubelet-plugin/cdi.go
-        ``GetDevNodesForMigDevice``; a node on the host also serves the agent's MPS daemons)."""
-        node = under(self.dev_root, path)
-        if node.exists():
-            return True
-        fallback = under(self.caps_fallback_root, path)
-        if self.dev_root != self.caps_fallback_root and fallback.exists():
-            return False
-        try:
-            self._make_caps_node(node, minor, mode)
-            return True
-        except CdiError as exc:
-            if not isinstance(exc.__cause__, OSError) or exc.__cause__.errno != errno.EROFS:
-                raise
-            if self.dev_root == self.caps_fallback_root:
-                raise
-        self._make_caps_node(fallback, minor, mode)
-        return False
-
-    def _make_caps_node(self, node: Path, minor: int, mode: int) -> None:
-        """``mknod`` the capability node ``node`` (already made meanwhile: done); raises
-        CdiError, caused by the OSError when the make failed."""
+    def _caps_node(self, path: str, minor: int, mode: int) -> dict[str, Any]:
+        """The capability node ``path``, made (``mknod``) when missing: under the dev root, or,
+        where that is a read-only mount (the container-driver component's driver root), in the
+        host's ``/dev`` (``caps_fallback_root``), as ``nvidia-modprobe`` makes it there (NVIDIA's
+        DRA driver gives the runtime the numbers instead, k8s-dra-driver-gpu
+        cmd/gpu-kubelet-plugin/cdi.go ``GetDevNodesForMigDevice``; a node on the host also
+        serves the agent's MPS daemons)."""
+        roots = [(self.dev_root, self.host_dev_root)]  # (where the agent sees it, the host)
+        if self.caps_fallback_root != self.dev_root:
+            roots.append((self.caps_fallback_root, self.caps_fallback_root))
+        found = [host for seen, host in roots if under(seen, path).exists()]
+        if found:
+            return {"path": path, "hostPath": str(under(found[0], path))}
         major = read_char_major(self.driver_root, NVIDIA_CAPS)
         if major is None:
             raise CdiError(
-                f"MIG capability node {node} is missing and cannot be made: no"
-                f" '{NVIDIA_CAPS}' character device in {under(self.driver_root, '/proc/devices')}"
-                " (is the nvidia-caps part of the driver loaded?)"
+                f"MIG capability node {under(self.dev_root, path)} is missing and cannot be"
+                f" made: no '{NVIDIA_CAPS}' character device in"
+                f" {under(self.driver_root, '/proc/devices')} (is the nvidia-caps part of the"
+                " driver loaded?)"
             )
-        try:
-            self.make_node(node, major, minor, mode)
-        except FileExistsError:
-            return  # made meanwhile (another claim on the same instance)
-        except OSError as exc:
-            raise CdiError(
-                f"cannot make MIG capability node {node} (char {major}:{minor}):"
-                f" {exc.strerror or exc}; the agent needs CAP_MKNOD and the host's /dev writable"
-            ) from exc
+        for i, (seen, host) in enumerate(roots):
+            node = under(seen, path)
+            try:
+                self.make_node(node, major, minor, mode)
+            except FileExistsError:
+                pass  # made meanwhile (another claim on the same instance)
+            except OSError as exc:
+                if exc.errno == errno.EROFS and i + 1 < len(roots):
+                    continue  # a read-only dev root: the host's /dev next
+                raise CdiError(
+                    f"cannot make MIG capability node {node} (char {major}:{minor}):"
+                    f" {exc.strerror or exc}; the agent needs CAP_MKNOD and the host's /dev"
+                    " writable"
+                ) from exc
+            return {"path": path, "hostPath": str(under(host, path))}
+        raise AssertionError("unreachable: the last root makes the node or raises")
 
     def build_base_spec(self) -> dict[str, Any]:
         """The base spec: the driver's files and the control device nodes. Pure apart from
