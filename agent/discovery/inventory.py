@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agent.nvml.types import GpuDevice, SystemInfo
+from agent.pcihost.vm_types import GpuVirtualization
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class Gpu:
     """Active NVLinks of this GPU."""
     near_nics: tuple[str, ...]
     """NICs behind the same PCIe switch or root complex (PIX/PXB/PHB), closest first."""
+    virtualization: GpuVirtualization | None = None
+    """What the GPU offers virtual machines (IOMMU group, bound driver, vGPU types); None where
+    discovery was not asked (``--virtualization none``)."""
 
     @property
     def index(self) -> int:
