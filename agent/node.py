@@ -14,8 +14,9 @@ from typing import Any
 from agent.bootid import read_boot_id, read_boot_time
 from agent.discovery.build import build_inventory
 from agent.discovery.inventory import NodeInventory
-from agent.discovery.sysfs import read_sysfs
+from agent.discovery.sysfs import SysfsSnapshot, read_sysfs
 from agent.discovery.topology import normalize_bus_id
+from agent.discovery.vm import VmDiscovery, read_vm_view
 from agent.nvml.errors import NvmlGpuLost, NvmlInvalidArgument, NvmlNotFound
 from agent.nvml.facade import Nvml
 from agent.nvml.loader import NvmlLibrary, open_real_nvml
@@ -78,13 +79,34 @@ def real_node(
     )
 
 
-def discover(source: NodeSource) -> NodeInventory:
-    """Read NVML and sysfs once and build the node inventory. NVML must be initialized."""
+def discover(source: NodeSource, vm: VmDiscovery | None = None) -> NodeInventory:
+    """Read NVML and sysfs once and build the node inventory. NVML must be initialized.
+
+    ``vm`` (``--virtualization`` not none, :func:`agent.discovery.vm.vm_discovery`): every GPU's
+    ``virtualization`` is filled, and GPUs lent to virtual machines (bound to vfio-pci, which
+    NVML does not enumerate) are kept from their cached facts with index -1."""
+    sysfs = read_sysfs(source.sysfs_root)
+    return _inventory(source, list(source.nvml.devices()), sysfs, vm)
+
+
+def _inventory(
+    source: NodeSource,
+    gpus: list[GpuDevice],
+    sysfs: SysfsSnapshot,
+    vm: VmDiscovery | None,
+    known: tuple[GpuDevice, ...] = (),
+) -> NodeInventory:
+    virtualization = None
+    if vm is not None:
+        view = read_vm_view(source.sysfs_root, sysfs, gpus, vm, known)
+        gpus = [*gpus, *view.parked]
+        virtualization = view.virtualization
     return build_inventory(
         hostname=source.hostname,
         system=source.nvml.system(),
-        gpus=source.nvml.devices(),
-        sysfs=read_sysfs(source.sysfs_root),
+        gpus=gpus,
+        sysfs=sysfs,
+        virtualization=virtualization,
     )
 
 
@@ -102,7 +124,8 @@ class Reread:
     unlisted: tuple[str, ...] = ()
     """NVIDIA display/3D functions sysfs has that NVML does not enumerate (sysfs bus ids): a GPU
     hot-added after this process's ``nvmlInit`` (it is advertised after a restart; gpu-facts.md),
-    or one bound to another driver (vfio-pci for a VM)."""
+    or one bound to another driver (vfio-pci for a VM) whose facts are not known (a GPU lent to a
+    VM that the inventory keeps, index -1, is not listed here)."""
 
 
 NVIDIA_VENDOR_ID = 0x10DE
@@ -111,7 +134,9 @@ DISPLAY_CLASS = 0x03
 are bridges, 0x0680, and the GPUs' audio functions 0x0403)."""
 
 
-def rediscover(source: NodeSource, previous: NodeInventory | None) -> Reread:
+def rediscover(
+    source: NodeSource, previous: NodeInventory | None, vm: VmDiscovery | None = None
+) -> Reread:
     """Read NVML and sysfs again after a hot-plug event or on the periodic re-read.
 
     Unlike :func:`discover` (the start), a GPU that is gone never fails the read: NVML may still
@@ -120,10 +145,13 @@ def rediscover(source: NodeSource, previous: NodeInventory | None) -> Reread:
     drops its PCI function at once. So a GPU whose function sysfs no longer has is left out,
     and a lost GPU whose function is still there (fallen off the bus, not removed) is kept as
     ``previous`` had it at the same index, so that its devices stay advertised and the health
-    code, not rediscovery, decides about them."""
+    code, not rediscovery, decides about them. With ``vm`` (see :func:`discover`) a GPU lent to
+    a virtual machine stays in the inventory, neither gone nor unlisted."""
     sysfs = read_sysfs(source.sysfs_root)
     present = {f.bus for f in sysfs.functions}
-    before = {g.device.index: g.device for g in previous.gpus} if previous else {}
+    before = (
+        {g.device.index: g.device for g in previous.gpus if g.device.index >= 0} if previous else {}
+    )
     gpus: list[GpuDevice] = []
     kept: list[int] = []
     gone: list[str] = []
@@ -142,10 +170,12 @@ def rediscover(source: NodeSource, previous: NodeInventory | None) -> Reread:
             gone.append(f"{index}/{device.pci_bus_id}")
             continue
         gpus.append(device)
-    inventory = build_inventory(
-        hostname=source.hostname, system=source.nvml.system(), gpus=gpus, sysfs=sysfs
-    )
-    known = {normalize_bus_id(g.pci_bus_id) for g in (*gpus, *before.values())}
+    previous_gpus = tuple(g.device for g in previous.gpus) if previous else ()
+    inventory = _inventory(source, gpus, sysfs, vm, previous_gpus)
+    known = {
+        normalize_bus_id(g.device.pci_bus_id)
+        for g in (*inventory.gpus, *(previous.gpus if previous else ()))
+    }
     unlisted = sorted(
         f.bus
         for f in sysfs.functions

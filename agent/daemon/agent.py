@@ -98,7 +98,7 @@ class Agent:
             self.preparer.cdi.write_base()
         except CdiError as exc:  # a full disk: the first claim's spec writes it (or says why)
             self.log.error("cannot write the base CDI spec", extra=fields_(error=str(exc)))
-        inventory = discover(self.source)
+        inventory = discover(self.source, self.node.vm)
         self.owner.read()  # the Node's uid: the slices' owner and the events' subject
         self.node.apply_inventory(inventory)
         self.preparer.reconcile_on_start()

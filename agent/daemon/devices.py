@@ -10,7 +10,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from agent.daemon.hub import Relay
-from agent.discovery.inventory import NodeInventory
+from agent.discovery.inventory import Gpu, NodeInventory
+from agent.discovery.vm import VmDiscovery
 from agent.errors import TesseraError
 from agent.hotplug import DevicesChanged, inventory_change
 from agent.logs import fields_
@@ -31,6 +32,12 @@ from dra_driver.kubeletplugin.health_stream import HEALTHY, UNHEALTHY, HealthBoa
 Check = Callable[[], tuple[bool, str]]
 REREADS = 3
 """Reads of the node a rediscovery makes at most when prepares keep changing MIG devices."""
+
+
+def enumerated(inv: NodeInventory) -> list[Gpu]:
+    """The inventory's GPUs NVML enumerates: not those lent to virtual machines (index -1),
+    which NVML cannot read or watch."""
+    return [g for g in inv.gpus if g.device.index >= 0]
 
 
 class CurrentDevices:
@@ -94,8 +101,12 @@ class NodeDevices:
         devices_changed: Relay[DevicesChanged],
         mig_changed: Relay[int],
         health_published: Callable[[GpuHealth], None],
+        vm: VmDiscovery | None = None,
     ) -> None:
         self.source = source
+        self.vm = vm
+        """``--virtualization`` not none: discovery fills ``Gpu.virtualization`` and keeps GPUs
+        lent to virtual machines (agent.discovery.vm)."""
         self.policy = policy
         self.device_taints = device_taints
         self.devices = devices
@@ -133,8 +144,9 @@ class NodeDevices:
         """The one path an inventory takes, at the start and after every rediscovery: device
         model, then the devices prepare sees, the publisher, the health board (devices of a
         removed GPU that claims hold stay there, UNHEALTHY), then the XID watcher, the telemetry
-        reader and the sampler (by UUID: indexes may shift). Logs the inventory at the start and
-        one record per rediscovery that changed anything; tells ``devices_changed``."""
+        reader and the sampler (by UUID: indexes may shift), of the GPUs NVML enumerates (not
+        those lent to virtual machines, index -1). Logs the inventory at the start and one record
+        per rediscovery that changed anything; tells ``devices_changed``."""
         with self._apply_lock:
             previous = self.inventory
             old_model = self.devices.current()
@@ -144,14 +156,15 @@ class NodeDevices:
                 self.devices.set(model)
                 self.health.set_devices(d.name for d in model.devices)
                 self.publish_devices()
-            self.events.watch([g.device.index for g in inv.gpus])
-            self.reader.expect({g.device.index: g.device.uuid for g in inv.gpus})
+            readable = enumerated(inv)
+            self.events.watch([g.device.index for g in readable])
+            self.reader.expect({g.device.index: g.device.uuid for g in readable})
             before = {g.device.uuid: g.device for g in previous.gpus} if previous else {}
-            for g in inv.gpus:
+            for g in readable:
                 old = before.get(g.device.uuid)
                 if old is not None and old.mig_instances != g.device.mig_instances:
                     self.reader.refresh(g.device.index)
-            self.sampler.set_gpus([gpu_info(g.device) for g in inv.gpus])
+            self.sampler.set_gpus([gpu_info(g.device) for g in readable])
             change = inventory_change(
                 previous,
                 inv,
@@ -202,7 +215,7 @@ class NodeDevices:
 
     def _reread(self) -> Reread | None:
         try:
-            reread = rediscover(self.source, self.inventory)
+            reread = rediscover(self.source, self.inventory, self.vm)
         except (TesseraError, OSError) as exc:
             self.log.warning(
                 "rediscovery failed; the advertised devices stay as they were",
