@@ -6,6 +6,7 @@ Each layer owns its errors in its own ``errors`` module, all subclasses of :clas
     agent.errors             TesseraError, ConfigError          (every layer)
     agent.nvml.errors        DriverNotFoundError, NvmlError and its codes
     agent.discovery.errors   DiscoveryError
+    agent.pcihost.errors     PciHostError                       (sysfs reads and writes)
     agent.sim.errors         ModelError, MigError               (the simulator)
     dra_driver.errors        KubeError, ClaimError, ParamsError, CheckpointError, CdiError, ...
 

@@ -23,8 +23,8 @@ from agent.discovery.vm_cache import CACHE_NAME, CacheUnreadable, lasting_facts,
 from agent.errors import ConfigError
 from agent.logs import fields_
 from agent.nvml.types import GpuDevice
+from agent.pcihost.attrs import bound_driver
 from agent.pcihost.read import read_gpu_functions
-from agent.pcihost.sysfs import bound_driver
 from agent.pcihost.vm_types import NVIDIA, GpuVirtualization, VgpuType
 
 MODES = ("none", "passthrough", "vgpu")

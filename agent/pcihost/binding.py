@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from agent.pcihost import sysfs
+from agent.pcihost import attrs
 from agent.pcihost.errors import PciHostError, kernel_answer, write_failed
 from agent.pcihost.vm_types import NVIDIA, VFIO_PCI, KernelWrite
 
@@ -52,21 +52,21 @@ class PciBinding:
 
     def driver(self, bdf: str) -> str | None:
         """The driver bound to ``bdf`` now, None when unbound."""
-        return sysfs.bound_driver(self.sys_root, bdf)
+        return attrs.bound_driver(self.sys_root, bdf)
 
     def override(self, bdf: str) -> str | None:
         """``bdf``'s ``driver_override``, None when unset."""
-        return sysfs.driver_override(self.sys_root, bdf)
+        return attrs.driver_override(self.sys_root, bdf)
 
     def iommu_group(self, bdf: str) -> int | None:
         """``bdf``'s IOMMU group, None without an IOMMU."""
-        return sysfs.iommu_group(self.sys_root, bdf)
+        return attrs.iommu_group(self.sys_root, bdf)
 
     def group_members(self, bdf: str) -> tuple[str, ...]:
         """Every function of ``bdf``'s IOMMU group (``bdf`` included), sorted; empty without
         an IOMMU."""
         group = self.iommu_group(bdf)
-        return () if group is None else sysfs.group_devices(self.sys_root, group)
+        return () if group is None else attrs.group_devices(self.sys_root, group)
 
     def unbind_lock_path(self, bdf: str) -> Path:
         return self.driver_root / "proc" / "driver" / "nvidia" / "gpus" / bdf / "unbindLock"
@@ -94,7 +94,7 @@ class PciBinding:
         for attempt in range(1, UNBIND_LOCK_TRIES + 1):
             try:
                 self._write(lock, "1")
-                value = sysfs.read_text(lock)
+                value = attrs.read_text(lock)
                 if value == "1":
                     return
                 answer = f"read back {value!r}, not '1'"
@@ -135,7 +135,7 @@ class PciBinding:
                 path=drivers,
                 value=driver,
             )
-        override = sysfs.function_dir(self.sys_root, bdf) / "driver_override"
+        override = attrs.function_dir(self.sys_root, bdf) / "driver_override"
         try:
             self._write(override, driver)
         except OSError as exc:
@@ -159,7 +159,7 @@ class PciBinding:
             )
 
     def _clear_override_after_failure(self, bdf: str) -> None:
-        path = sysfs.function_dir(self.sys_root, bdf) / "driver_override"
+        path = attrs.function_dir(self.sys_root, bdf) / "driver_override"
         try:
             self._write(path, CLEAR_OVERRIDE)
         except OSError:  # the bind's error is the one to report; the override is read again
@@ -170,7 +170,7 @@ class PciBinding:
         is unset (idempotent). The binding itself does not change."""
         if self.override(bdf) is None:
             return
-        path = sysfs.function_dir(self.sys_root, bdf) / "driver_override"
+        path = attrs.function_dir(self.sys_root, bdf) / "driver_override"
         try:
             self._write(path, CLEAR_OVERRIDE)
         except OSError as exc:

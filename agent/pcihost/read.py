@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agent.pcihost import sysfs
+from agent.pcihost import attrs
 from agent.pcihost.vgpu_host import (
     current_vgpu_type_path,
     mdev_types_dir,
@@ -25,8 +25,8 @@ def vgpu_layout(sys_root: Path, bus_id: str) -> tuple[str | None, tuple[str, ...
     - ``mdev``: its VFs (Ampere) or, failing that, the GPU itself have
       ``mdev_supported_types``; the functions are those;
     - else ``(None, ())``: no vGPU host driver, or its VFs are not enabled yet."""
-    vfs = sysfs.virtual_functions(sys_root, bus_id)
-    has_total = (sysfs.function_dir(sys_root, bus_id) / "sriov_totalvfs").exists()
+    vfs = attrs.virtual_functions(sys_root, bus_id)
+    has_total = (attrs.function_dir(sys_root, bus_id) / "sriov_totalvfs").exists()
     typed = tuple(vf for vf in vfs if current_vgpu_type_path(sys_root, vf).exists())
     if has_total and typed:
         return VGPU_VF, typed
@@ -43,16 +43,16 @@ def read_gpu_functions(sys_root: Path, bus_id: str) -> GpuVirtualization:
     members, vGPU interface, the functions vGPUs are made on and the vGPUs that exist.
     ``vgpu_types`` is empty and ``heterogeneous`` False: NVML knows those (discovery fills them).
     PciHostError naming the path when the function is not there or cannot be read."""
-    fn = sysfs.function_dir(sys_root, bus_id)
-    group = sysfs.iommu_group(sys_root, bus_id)
+    fn = attrs.function_dir(sys_root, bus_id)
+    group = attrs.iommu_group(sys_root, bus_id)
     interface, functions = vgpu_layout(sys_root, bus_id)
     return GpuVirtualization(
         bus_id=bus_id,
-        vendor_id=sysfs.read_hex(fn / "vendor"),
-        device_id=sysfs.read_hex(fn / "device"),
-        driver=sysfs.bound_driver(sys_root, bus_id),
+        vendor_id=attrs.read_hex(fn / "vendor"),
+        device_id=attrs.read_hex(fn / "device"),
+        driver=attrs.bound_driver(sys_root, bus_id),
         iommu_group=group,
-        group_members=() if group is None else sysfs.group_devices(sys_root, group),
+        group_members=() if group is None else attrs.group_devices(sys_root, group),
         vgpu_interface=interface,
         vgpu_functions=functions,
         vgpus=read_vgpus(sys_root, bus_id) if interface else (),

@@ -19,7 +19,7 @@ import os
 import uuid as uuids
 from pathlib import Path
 
-from agent.pcihost import sysfs
+from agent.pcihost import attrs
 from agent.pcihost.errors import PciHostError, read_failed, write_failed
 from agent.pcihost.vm_types import KernelWrite, Vgpu
 
@@ -28,15 +28,15 @@ MDEV_TYPE_PREFIX = "nvidia-"
 
 
 def current_vgpu_type_path(sys_root: Path, vf: str) -> Path:
-    return sysfs.function_dir(sys_root, vf) / "nvidia" / "current_vgpu_type"
+    return attrs.function_dir(sys_root, vf) / "nvidia" / "current_vgpu_type"
 
 
 def creatable_path(sys_root: Path, function: str) -> Path:
-    return sysfs.function_dir(sys_root, function) / "nvidia" / "creatable_vgpu_types"
+    return attrs.function_dir(sys_root, function) / "nvidia" / "creatable_vgpu_types"
 
 
 def mdev_types_dir(sys_root: Path, function: str) -> Path:
-    return sysfs.function_dir(sys_root, function) / "mdev_supported_types"
+    return attrs.function_dir(sys_root, function) / "mdev_supported_types"
 
 
 def mdev_link(sys_root: Path, uuid: str) -> Path:
@@ -78,7 +78,7 @@ def mdev_type_id(name: str) -> int | None:
 
 def vf_vgpu_type(sys_root: Path, vf: str) -> int | None:
     """The VF's ``current_vgpu_type`` (0: none), None when the VF has no such file."""
-    text = sysfs.read_optional(current_vgpu_type_path(sys_root, vf))
+    text = attrs.read_optional(current_vgpu_type_path(sys_root, vf))
     if text is None:
         return None
     if text in ("", "0"):  # KubeVirt's HasVGPUProfile treats both as none
@@ -98,7 +98,7 @@ def mdev_parent(sys_root: Path, uuid: str) -> str:
 
 def mdev_type_of(sys_root: Path, uuid: str) -> int | None:
     """The NVIDIA vGPU type id of mediated device ``uuid`` (its ``mdev_type`` link)."""
-    name = sysfs.link_name(mdev_link(sys_root, uuid) / "mdev_type")
+    name = attrs.link_name(mdev_link(sys_root, uuid) / "mdev_type")
     return None if name is None else mdev_type_id(name)
 
 
@@ -116,7 +116,7 @@ def mdev_uuids(sys_root: Path) -> list[str]:
 def read_vgpus(sys_root: Path, gpu_bus_id: str) -> tuple[Vgpu, ...]:
     """The vGPUs that exist now on the GPU ``gpu_bus_id``: its VFs with a vGPU type, and the
     mediated devices whose parent is the GPU or one of its VFs; sorted by function, then UUID."""
-    vfs = sysfs.virtual_functions(sys_root, gpu_bus_id)
+    vfs = attrs.virtual_functions(sys_root, gpu_bus_id)
     found: list[Vgpu] = []
     for vf in vfs:
         type_id = vf_vgpu_type(sys_root, vf)
@@ -143,7 +143,7 @@ class VgpuHost:
         ``creatable_vgpu_types`` (``vf``), else the mdev types with available instances
         (``mdev``). PciHostError when the function offers neither."""
         listing = creatable_path(self.sys_root, function)
-        text = sysfs.read_optional(listing)
+        text = attrs.read_optional(listing)
         if text is not None:
             return parse_creatable(text)
         types_dir = mdev_types_dir(self.sys_root, function)
@@ -156,11 +156,11 @@ class VgpuHost:
         types: dict[int, str] = {}
         for name in sorted(os.listdir(types_dir)):
             type_id = mdev_type_id(name)
-            available = sysfs.read_optional(types_dir / name / "available_instances")
+            available = attrs.read_optional(types_dir / name / "available_instances")
             if type_id is None or available is None or not available.isdigit():
                 continue
             if int(available) > 0:
-                types[type_id] = sysfs.read_optional(types_dir / name / "name") or name
+                types[type_id] = attrs.read_optional(types_dir / name / "name") or name
         return types
 
     def current_type(self, vf: str) -> int:
@@ -241,7 +241,7 @@ class VgpuHost:
         try:
             self._write(create, uuid)
         except OSError as exc:
-            available = sysfs.read_optional(create.parent / "available_instances")
+            available = attrs.read_optional(create.parent / "available_instances")
             raise write_failed(create, uuid, exc, f"available_instances {available}") from exc
 
     def remove_mdev(self, uuid: str) -> None:
@@ -262,7 +262,7 @@ class VgpuHost:
         link = mdev_link(self.sys_root, uuid)
         if not link.exists():
             raise PciHostError(f"no mediated device {uuid}: {link} does not exist", path=link)
-        name = sysfs.link_name(link / "iommu_group")
+        name = attrs.link_name(link / "iommu_group")
         return None if name is None or not name.isdigit() else int(name)
 
     def vgpus(self, gpu_bus_id: str) -> tuple[Vgpu, ...]:
