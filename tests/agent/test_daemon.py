@@ -269,10 +269,10 @@ def test_a_rediscovery_read_a_mig_change_overtook_is_read_again(short_tmp, monke
     reads = 0
     real = devices_module.rediscover
 
-    def overtaken(source, previous):  # type: ignore[no-untyped-def]
+    def overtaken(source, previous, vm=None):  # type: ignore[no-untyped-def]
         nonlocal reads
         reads += 1
-        result = real(source, previous)
+        result = real(source, previous, vm)
         if reads == 1:  # a prepare on GPU 2 finishes between this read and its apply
             mig = MigControl(agent.source.nvml)
             assert mig.set_mode(2, True)
