@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from agent.doctor import Facts, diagnose
 from agent.doctor.verdict import Verdict
-from agent.doctor.virtualization import (
+from agent.doctor.vm_checks import (
     check_iommu,
     check_iommu_group,
     check_sriov,
@@ -19,6 +20,7 @@ from agent.doctor.virtualization import (
     nvidia_gpus,
     virtualization_checks,
 )
+from agent.sim.node import simulated_node
 
 GPU = "0000:1b:00.0"
 AUDIO = "0000:1b:00.1"
@@ -281,3 +283,37 @@ def test_a_ready_vgpu_node_passes_and_an_unready_gpu_fails_alone(sysfs):
 def test_a_node_without_gpus_warns(sysfs):
     (v,) = [v for v in virtualization_checks(sysfs.root, "passthrough") if v.status == "warn"]
     assert v.check == "iommu-group" and "no NVIDIA GPU" in v.detail
+
+
+# -- in diagnose ---------------------------------------------------------------------------------
+
+
+def diagnosed(tmp_path: Path, mode: str) -> list[Verdict]:
+    """``diagnose`` of a simulated dgx-h100 in standalone mode with ``--virtualization mode``."""
+    state = tmp_path / "state"
+    source = simulated_node("dgx-h100", state)
+    facts = Facts(
+        source=source,
+        host_root=tmp_path / "host",
+        state_dir=state,
+        registry_dir=tmp_path / "registry",
+        plugins_dir=tmp_path / "plugins",
+        cdi_root=tmp_path / "cdi",
+        mig_mode="static",
+        connect=None,
+        stand_in_nodes=True,
+        virtualization=mode,
+    )
+    return diagnose(facts)
+
+
+def test_diagnose_checks_the_node_for_vms_only_when_asked(tmp_path):
+    vm_checks = {"iommu", "vfio-pci", "iommu-group", "sriov", "vgpu-types"}
+    assert not vm_checks & {v.check for v in diagnosed(tmp_path / "a", "none")}
+    passthrough = diagnosed(tmp_path / "b", "passthrough")
+    checks = [v.check for v in passthrough]
+    assert {"iommu", "vfio-pci", "iommu-group"} <= set(checks)
+    assert checks.index("iommu") > checks.index("device-nodes")  # after the GPU checks
+    # every GPU of the node's sysfs is looked at: the model's eight
+    assert len([v for v in passthrough if v.check == "iommu-group"]) == 8
+    assert {"sriov", "vgpu-types"} <= {v.check for v in diagnosed(tmp_path / "c", "vgpu")}
