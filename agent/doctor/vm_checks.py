@@ -5,6 +5,10 @@ driver's types. Run only when ``--virtualization`` is not ``none``.
 They read sysfs directly (docs/gpu-facts.md, "GPUs for virtual machines"; the paths of
 Documentation/ABI/testing/sysfs-bus-pci and sysfs-bus-vfio-mdev): a few attribute reads and
 directory listings, kept here so that a node whose agent cannot start can still be diagnosed.
+``agent.pcihost.read.read_gpu_functions`` reads the same driver link, IOMMU group and members
+and vGPU interface for the agent; the doctor keeps its own few reads because it must describe a
+half-configured host (no group, no VFs, a foreign member) that the agent's reader only has to
+represent.
 
 The fixes' facts:
 
