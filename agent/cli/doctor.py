@@ -98,7 +98,9 @@ COMMAND = Command(
     " driver and CUDA versions, each GPU's MIG mode against --mig-mode, the device nodes, the"
     " CDI directory and the container runtime reading it, the kubelet's plugin directories,"
     " the NVIDIA Container Toolkit's hook, the state directory and its lock, the API server"
-    " and the RBAC the agent needs. It takes the agent's flags, so it checks what `tessera run`"
+    " and the RBAC the agent needs; with --virtualization passthrough or vgpu also the IOMMU,"
+    " vfio-pci, each GPU's IOMMU group, SR-IOV virtual functions and the vGPU host driver's"
+    " types. It takes the agent's flags, so it checks what `tessera run`"
     " with them would use. Exit code 0 when nothing failed (warnings do not count), 1 when"
     " something did. See docs/troubleshooting.md.",
 )

@@ -10,6 +10,13 @@ check               looks at                                           module
 ``driver-version``  driver and CUDA versions, the driver's libraries   :mod:`.gpu`
 ``mig-mode``        per GPU: current/pending, against ``--mig-mode``   :mod:`.gpu`
 ``device-nodes``    /dev nodes the CDI specs name, on the host         :mod:`.gpu`
+``iommu``           IOMMU groups exist (``--virtualization`` only)     :mod:`.vm_checks`
+``vfio-pci``        vfio-pci is loaded (passthrough)                   :mod:`.vm_checks`
+``iommu-group``     per GPU: its group holds only its own functions    :mod:`.vm_checks`
+                    (passthrough)
+``sriov``           per GPU: virtual functions enabled where the vGPU  :mod:`.vm_checks`
+                    host driver makes vGPUs on them (vgpu)
+``vgpu-types``      per GPU: the vGPU host driver offers types (vgpu)  :mod:`.vm_checks`
 ``cdi-dir``         ``--cdi-root`` writable                            :mod:`.host`
 ``cdi-runtime``     containerd / CRI-O has CDI on and reads it         :mod:`.host`
 ``kubelet-dirs``    the kubelet's registry and plugins directories     :mod:`.host`
@@ -44,6 +51,7 @@ from agent.doctor.host import (
     check_state_lock,
 )
 from agent.doctor.verdict import Verdict
+from agent.doctor.vm_checks import virtualization_checks
 from agent.node import NodeSource
 from dra_driver.cluster.kube import KubeClient
 
@@ -72,6 +80,8 @@ class Facts:
     in_pod: bool = False
     """Runs in a Kubernetes pod (``KUBERNETES_SERVICE_HOST`` set, as the kubelet does in every
     container): with the host root ``/`` the host's runtime configuration is not visible."""
+    virtualization: str = "none"
+    """``--virtualization``: passthrough or vgpu add the checks of :mod:`.vm_checks`."""
 
 
 def diagnose(facts: Facts) -> list[Verdict]:
@@ -92,6 +102,7 @@ def diagnose(facts: Facts) -> list[Verdict]:
             source.nvml.shutdown()
     else:
         out += skipped_gpu_checks()
+    out += virtualization_checks(source.sysfs_root, facts.virtualization)
     out.append(check_cdi_dir(facts.cdi_root))
     out += check_runtimes(facts.host_root, facts.cdi_root, in_pod=facts.in_pod)
     out += check_kubelet_dirs(facts.registry_dir, facts.plugins_dir)

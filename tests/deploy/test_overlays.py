@@ -49,6 +49,9 @@ COMBINATIONS: list[tuple[str, ...]] = [
     # every feature at once, on either driver layout and sharing mode
     ("container-driver", "dynamic-mig", "memory-shares", "device-taints", "rolling-update"),
     ("dynamic-mig", "time-slicing", "device-taints", "rolling-update", "nfd-node-selector"),
+    # GPUs for VMs: passthrough goes with dynamic MIG, vGPU with static MIG only
+    ("container-driver", "dynamic-mig", "passthrough", "device-taints", "rolling-update"),
+    ("vgpu", "device-taints", "rolling-update", "gpu-operator-node-selector"),
     # a component inside another one refines it and is rendered with it
     ("monitoring", "monitoring/pod-monitor"),
     ("monitoring", "monitoring/budgets"),
@@ -118,6 +121,17 @@ def config(components: Sequence[str] = ()) -> Config:
     return load_config({}, environment(components))
 
 
+VIRTUALIZATION_SETTINGS = {"virtualization"} & {s.name for s in settings_of(Config)}
+"""The --virtualization setting, once issue 24's settings part is merged (empty before): what
+components/passthrough and components/vgpu change in the Config. Until then their expectations
+read TESSERA_VIRTUALIZATION from the rendered environment, which is what the agent reads."""
+
+
+def virtualization(components: Sequence[str] = ()) -> str:
+    """The agent's --virtualization in this rendering (TESSERA_VIRTUALIZATION; none unset)."""
+    return environment(components).get("TESSERA_VIRTUALIZATION", "none")
+
+
 def mounts(components: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
     """mountPath -> the mount with its volume (``volume``)."""
     volumes = {v["name"]: v for v in pod(components)["volumes"]}
@@ -185,7 +199,9 @@ def test_every_path_the_agent_uses_is_mounted_from_the_host_as_it_needs(componen
     c = config(components)
     paths = agent_paths(c, c.node.state_dir or Path("/var/lib/tessera"))
     writes = [c.node.state_dir, paths.registry_dir, paths.plugins_dir, paths.cdi_root, Path("/dev")]
-    reads = [c.node.driver_root, c.node.proc_root, Path("/sys")]
+    reads = [c.node.driver_root, c.node.proc_root]
+    # VMs' GPUs: driver binding, vGPU types and mediated devices are sysfs writes
+    (writes if virtualization(components) != "none" else reads).append(Path("/sys"))
     doctor = load_settings(DoctorOptions, {}, environment(components)).host_root
     used = set()
     for p in writes:
@@ -247,6 +263,31 @@ def expect_memory_shares(components: Sequence[str]) -> None:
     assert policy.memory_share_min == policy.memory_share_step == 1024**3
 
 
+def expect_virtualization(mode: str, components: Sequence[str]) -> None:
+    assert virtualization(components) == mode
+    c = config(components)
+    for s in settings_of(Config):
+        if s.name in VIRTUALIZATION_SETTINGS:
+            assert getattr(getattr(c, s.section), s.name) == mode
+    sys = mount_of("/sys", components)
+    assert sys is not None and sys["readOnly"] is False  # said explicitly
+    assert sys["volume"]["hostPath"]["path"] == "/sys"
+    # the VFIO nodes the CDI specs name are the host's, under the writable /dev volume
+    dev = mount_of("/dev/vfio/vfio", components)
+    assert dev is not None and dev["volume"]["hostPath"]["path"] == "/dev"
+    assert not dev.get("readOnly")
+    assert config(components).driver.sharing == "none"
+
+
+def expect_passthrough(components: Sequence[str]) -> None:
+    expect_virtualization("passthrough", components)
+
+
+def expect_vgpu(components: Sequence[str]) -> None:
+    expect_virtualization("vgpu", components)
+    assert config(components).driver.mig_mode == "static"
+
+
 def expect_device_taints(components: Sequence[str]) -> None:
     assert config(components).publishing.device_taints is True
 
@@ -303,6 +344,8 @@ EXPECTED = {
     "device-taints": expect_device_taints,
     "rolling-update": expect_rolling_update,
     "nfd-node-selector": expect_nfd_node_selector,
+    "passthrough": expect_passthrough,
+    "vgpu": expect_vgpu,
     "gpu-operator-node-selector": expect_gpu_operator_node_selector,
 }
 
@@ -316,6 +359,8 @@ def test_each_component_does_what_it_says_alone_and_combined(components):
 
 
 SHARING_ANNOTATION = "gpu.tessera.dev/sharing"
+VIRTUALIZATION_ANNOTATION = "gpu.tessera.dev/virtualization"
+MIG_MODE_ANNOTATION = "gpu.tessera.dev/mig-mode"
 EXCLUSIVE = ("time-slicing", "memory-shares")
 """Components that each set the node's --sharing mode: one at most per rendering."""
 
@@ -327,6 +372,9 @@ def test_the_pod_template_names_the_sharing_mode_the_agent_runs(components):
     shows its mode, and a change of mode rolls the pods)."""
     annotations = daemonset(components)["spec"]["template"]["metadata"]["annotations"]
     assert annotations[SHARING_ANNOTATION] == config(components).driver.sharing
+    assert annotations[VIRTUALIZATION_ANNOTATION] == virtualization(components)
+    # components/vgpu removes the MIG mode's annotation (its guard against dynamic MIG): static
+    assert annotations.get(MIG_MODE_ANNOTATION, "static") == config(components).driver.mig_mode
 
 
 @needs_kubectl
@@ -349,6 +397,42 @@ def test_exclusive_sharing_components_do_not_render_together(components):
     assert SHARING_ANNOTATION.replace("/", "~1") in out.stderr, out.stderr
 
 
+EXCLUDED_PAIRS = [
+    ("time-slicing", "memory-shares"),
+    ("passthrough", "vgpu"),
+    ("passthrough", "memory-shares"),
+    ("passthrough", "time-slicing"),
+    ("vgpu", "memory-shares"),
+    ("vgpu", "time-slicing"),
+    ("vgpu", "dynamic-mig"),
+]
+"""Components the agent refuses together (one --sharing, one --virtualization, no --sharing with
+--virtualization, no vGPU with dynamic MIG): each pair fails to render in either order."""
+
+
+@needs_kubectl
+@pytest.mark.parametrize(
+    "components",
+    [pair for a, b in EXCLUDED_PAIRS for pair in ((a, b), (b, a))],
+    ids=combo_id,
+)
+def test_components_the_agent_refuses_together_do_not_render_together(components):
+    """The rendering fails naming the component that came second and the annotation it found
+    taken, instead of producing a DaemonSet whose agents exit at start."""
+    out = kustomize(components)
+    assert out.returncode != 0, "rendered"
+    assert f"components/{components[1]}" in out.stderr, out.stderr
+    assert "testing value /spec/template/metadata/annotations/gpu.tessera.dev~1" in out.stderr
+
+
+@needs_kubectl
+def test_passthrough_goes_with_dynamic_mig_in_either_order():
+    for components in (("passthrough", "dynamic-mig"), ("dynamic-mig", "passthrough")):
+        assert kustomize(components).returncode == 0, components
+        expect_passthrough(components)
+        expect_dynamic_mig(components)
+
+
 @needs_kubectl
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_a_component_changes_only_its_own_settings(name):
@@ -363,6 +447,8 @@ def test_a_component_changes_only_its_own_settings(name):
         "rolling-update": {"rolling_update", "pod_uid"},
         "nfd-node-selector": set(),
         "gpu-operator-node-selector": set(),
+        "passthrough": VIRTUALIZATION_SETTINGS,
+        "vgpu": VIRTUALIZATION_SETTINGS,
     }[name]
     changed = {
         s.name
