@@ -144,14 +144,15 @@ class NodeDevices:
                 self.devices.set(model)
                 self.health.set_devices(d.name for d in model.devices)
                 self.publish_devices()
-            self.events.watch([g.device.index for g in inv.gpus])
-            self.reader.expect({g.device.index: g.device.uuid for g in inv.gpus})
+            seen = [g.device for g in inv.gpus if g.device.index >= 0]  # -1: handed to a VM
+            self.events.watch([d.index for d in seen])
+            self.reader.expect({d.index: d.uuid for d in seen})
             before = {g.device.uuid: g.device for g in previous.gpus} if previous else {}
             for g in inv.gpus:
                 old = before.get(g.device.uuid)
                 if old is not None and old.mig_instances != g.device.mig_instances:
                     self.reader.refresh(g.device.index)
-            self.sampler.set_gpus([gpu_info(g.device) for g in inv.gpus])
+            self.sampler.set_gpus([gpu_info(g.device, g.virtualization) for g in inv.gpus])
             change = inventory_change(
                 previous,
                 inv,
