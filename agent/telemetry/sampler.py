@@ -304,6 +304,8 @@ class Sampler:
                     " again",
                     extra=fields_(gpu=g.minor, uuid=g.uuid, pci_bus_id=g.pci_bus_id),
                 )
+                # the reads that failed while it was unbound were no loss
+                self._changed(g, self._health.handed_over(g.uuid, g.index, self._wall()))
             elif g.uuid in self._handed and g.uuid not in now:
                 self._log.info(
                     "GPU bound to nvidia again; sampled again",
@@ -409,6 +411,13 @@ class Sampler:
         self._probe_notes[gpu.uuid] = note
         if change is None:
             return self._health.current(gpu.uuid, gpu.index).healthy
+        self._changed(gpu, change)
+        return change.healthy
+
+    def _changed(self, gpu: GpuInfo, change: GpuHealth | None) -> None:
+        """Log a change of the GPU's health and tell ``on_health_change``."""
+        if change is None:
+            return
         self._log.warning(
             "GPU health changed",
             extra=fields_(gpu=gpu.index, uuid=gpu.uuid, healthy=change.healthy, cause=change.cause),
@@ -421,7 +430,6 @@ class Sampler:
                 self._log.exception(
                     "health change hook failed", extra=fields_(gpu=gpu.index, uuid=gpu.uuid)
                 )
-        return change.healthy
 
     def _publish(self, snap: Snapshot) -> None:
         self._latest = snap

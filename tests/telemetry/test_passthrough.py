@@ -44,11 +44,14 @@ class Node:
         self.clock = clock
         self.reads: list[int] = []
         self.offset: dict[int, float] = {}
+        self.failing: set[int] = set()
 
     def read(self, index: int, now: float) -> GpuSample:
         self.reads.append(index)
         if index < 0:
             raise AssertionError("a GPU NVML does not see was read")
+        if index in self.failing:
+            raise RuntimeError("GPU is lost")
         energy = 300.0 * now + self.offset.get(index, 0.0)
         return GpuSample(index, f"GPU-{index}", now, energy_joules=energy, power_watts=300.0)
 
@@ -172,6 +175,33 @@ def test_a_gpu_bound_to_nvidia_again_is_sampled_again_without_the_vms_energy(
         0.0
     ]
     assert changes == []
+
+
+def test_reads_that_failed_while_the_gpu_was_unbound_for_a_vm_are_no_loss(
+    tmp_path: Path,
+) -> None:
+    sampler, node, clock, changes = make(tmp_path, [gpu(0, 0), gpu(1, 1)])
+    sampler.tick()
+    node.failing.add(1)  # unbound from nvidia; the inventory does not say so yet
+    clock.advance(1.0)
+    sampler.tick()
+    assert [(c.uuid, c.healthy, c.cause) for c in changes] == [("GPU-1", False, "gpu-lost")]
+    sampler.set_gpus([gpu(0, 0), gpu(-1, 1, passthrough=True)])
+    clock.advance(1.0)
+    sampler.tick()
+    assert [(c.uuid, c.healthy, c.cause) for c in changes[1:]] == [("GPU-1", True, None)]
+
+
+def test_a_fatal_xid_stays_with_a_gpu_handed_to_a_vm(tmp_path: Path) -> None:
+    sampler, _, clock, changes = make(tmp_path, [gpu(0, 0), gpu(1, 1)])
+    sampler.restore_faults({"GPU-1": (79, 1.7e9)})
+    sampler.tick()
+    assert [(c.uuid, c.healthy, c.cause) for c in changes] == [("GPU-1", False, "xid-79")]
+    sampler.set_gpus([gpu(0, 0), gpu(-1, 1, passthrough=True)])
+    clock.advance(1.0)
+    sampler.tick()
+    assert len(changes) == 1  # only a reset clears it
+    assert sampler.sticky_faults() == {"GPU-1": (79, pytest.approx(1.7e9))}
 
 
 def test_a_vfio_claim_accrues_the_whole_gpus_seconds_and_no_energy(tmp_path: Path) -> None:
