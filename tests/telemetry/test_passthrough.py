@@ -287,3 +287,24 @@ def test_gpu_info_says_passthrough_from_the_bound_driver_and_reads_vgpu_framebuf
     assert gpu_info(device(-1)).passthrough  # NVML does not see it, whatever else is known
     cap = gpu_info(device(0), virt("nvidia")).capacity
     assert cap is not None and cap.vgpu_framebuffers == ((1001, 35 * GIB),)
+
+
+def test_the_energy_state_of_a_node_with_a_gpu_handed_over_is_read_back(tmp_path: Path) -> None:
+    clock = FakeClock(100.0)
+    accounting = EnergyAccounting(tmp_path / "energy.json", clock)
+    gpus = [gpu(0, 0), gpu(-1, 1, passthrough=True)]
+    for t in (100.0, 110.0):
+        accounting.update(
+            [GpuSample(0, "GPU-0", t, energy_joules=300.0 * t), GpuSample(-1, "GPU-1", t)],
+            gpus,
+            [VFIO_CLAIM],
+        )
+    accounting.close()
+    again = EnergyAccounting(tmp_path / "energy.json", clock)
+    (usage,) = again.usage()
+    assert (usage.device, usage.gpu_seconds_total, usage.energy_joules_total) == (
+        "gpu-1-vfio",
+        pytest.approx(10.0),
+        0.0,
+    )
+    assert again.gpu_energy("GPU-0") == pytest.approx(3000.0)
