@@ -164,7 +164,8 @@ class NodeDevices:
                 old = before.get(g.device.uuid)
                 if old is not None and old.mig_instances != g.device.mig_instances:
                     self.reader.refresh(g.device.index)
-            self.sampler.set_gpus([gpu_info(g.device) for g in readable])
+            # every GPU, those handed to a VM too: they serve tessera_gpu_passthrough
+            self.sampler.set_gpus([gpu_info(g.device, g.virtualization) for g in inv.gpus])
             change = inventory_change(
                 previous,
                 inv,

@@ -12,12 +12,13 @@ from typing import Protocol
 
 from agent.nvml.samples import GpuSample
 from agent.telemetry.gpuinfo import GpuInfo
-from agent.usage.weights import Held
+from agent.usage.weights import VGPU, Held
 
 EXCLUSIVE = "exclusive"
 MIG_SM_SHARE = "mig-sm-share"
 SHARED = "shared"
-RULES = (EXCLUSIVE, MIG_SM_SHARE, SHARED)
+VGPU_FRAMEBUFFER = "vgpu-framebuffer"
+RULES = (EXCLUSIVE, MIG_SM_SHARE, SHARED, VGPU_FRAMEBUFFER)
 LEGACY_RULES = {"process-utilization": SHARED, "even": SHARED}
 """Rules of earlier builds, which named how the latest interval was split (and so changed from
 tick to tick); their state files are read with the stable rule that replaced them."""
@@ -69,9 +70,12 @@ ProcessPod = Callable[[int], str | None]
 
 def rule_for(kind: str, sharing: str | None) -> str:
     """A holding's rule, from how its device was prepared (pure). It never depends on who else
-    holds the unit now, so it stays the same for the holding's whole life: ``shared`` for a
-    device prepared to be shared with other claims (time-slicing, memory shares), else
-    ``mig-sm-share`` for a MIG device and ``exclusive`` for a whole GPU."""
+    holds the unit now, so it stays the same for the holding's whole life: ``vgpu-framebuffer``
+    for a vGPU, ``shared`` for a device prepared to be shared with other claims (time-slicing,
+    memory shares), else ``mig-sm-share`` for a MIG device and ``exclusive`` for a whole GPU
+    (a GPU passed through to a virtual machine, kind ``vfio``, too)."""
+    if kind == VGPU:
+        return VGPU_FRAMEBUFFER
     if sharing not in UNSHARED:
         return SHARED
     return MIG_SM_SHARE if kind == "mig" else EXCLUSIVE
@@ -87,13 +91,16 @@ class Holding:
     pool: str
     device: str
     kind: str
-    """``gpu`` or ``mig`` (anything but ``mig`` is treated as the whole GPU)."""
+    """``gpu``, ``mig`` or ``vgpu`` (anything else, ``vfio`` too, is treated as the whole
+    GPU)."""
     gpu_index: int
     gpu_uuid: str
     gpu_instance_id: int | None
     sharing: str | None = None
     pods: tuple[str, ...] = ()
     """The claim's pods (``ClaimHolder.pods``)."""
+    vgpu_type_id: int | None = None
+    """A ``vgpu`` device's vGPU type."""
 
     @property
     def key(self) -> HoldingKey:
@@ -149,6 +156,7 @@ def holdings(
                     gpu_instance_id=d.gpu_instance_id,
                     sharing=d.sharing,
                     pods=pods,
+                    vgpu_type_id=d.vgpu_type_id,
                 )
             )
     return found, unknown
@@ -217,17 +225,23 @@ def shares(
     the pod running it, which the holders' ``pods`` map to claims. It is only called for the
     processes of a unit several claims hold. The shares never sum to more than 1.
     """
-    whole = [h for h in members if h.kind != "mig"]
-    migs: dict[str, list[Holding]] = defaultdict(list)
+    whole = [h for h in members if h.kind not in ("mig", VGPU)]
+    parts: dict[str, list[Holding]] = defaultdict(list)
     for h in members:
-        if h.kind == "mig":
-            migs[h.device].append(h)
+        if h.kind in ("mig", VGPU):
+            parts[h.device].append(h)
     out: list[Share] = []
     if whole:
         out += _split_unit(1.0, whole, sample, None, process_pod)
-    for device in sorted(migs):
-        group = migs[device]
+    for device in sorted(parts):
+        group = parts[device]
         gi = group[0].gpu_instance_id
+        if group[0].kind == VGPU:
+            # its framebuffer's fraction of the GPU's memory, as its usage weight; the host sees
+            # no VM's processes, so nothing finer is known
+            fraction = gpu.capacity.vgpu_fraction(group[0].vgpu_type_id) if gpu.capacity else None
+            out += _split_unit(fraction or 0.0, group, None, None, None)
+            continue
         sms = gpu.mig_device_multiprocessors(device, gi)
         parent = gpu.multiprocessors
         unit = sms / parent if sms is not None and parent else 0.0

@@ -19,6 +19,13 @@ nothing and leaves the baseline where it was, so the next good reading covers th
 reading after the agent starts is only a baseline: energy used while the agent was down is not
 counted, by the GPUs or by the claims. Totals never decrease.
 
+**GPUs handed to virtual machines.** A GPU bound to vfio-pci (``GpuInfo.passthrough``) is not
+read: the sampler passes a sample with nothing in it, so it accounts no energy, and its baseline
+is dropped every tick it is passed through: the first reading after it is bound to nvidia again
+is only a baseline, so energy a virtual machine used (the counter may or may not have restarted
+meanwhile) is never counted, by the GPU or by whoever holds it next. Its claims (a ``vfio``
+device holds the whole GPU: ``exclusive``) keep accruing GPU-seconds and get no energy.
+
 **Which GPU a device is on.** A held device's GPU is found by its ``gpu_uuid`` (stable across
 reboots and index renumbering); only a device with no recorded UUID is placed by its
 ``gpu_minor``. A device whose GPU no longer has its UUID (lost, replaced, or the node's model
@@ -43,6 +50,14 @@ that changed would start a new Prometheus series for the same counter.
   of idle slices (MIG devices no claim holds, and SMs no profile combination covers: seven H100
   ``1g`` devices are 7 x 16 of 132 SMs) is attributed to no one; so is a MIG device whose SMs are
   unknown.
+- ``vgpu-framebuffer``: a vGPU (device kind ``vgpu``) gets its type's framebuffer over the GPU's
+  memory (``GpuCapacity.vgpu_fraction``), the usage weight's rule (:mod:`agent.usage.weights`):
+  an ``H200X-35C`` (35 GiB) of a 140 GiB H200 gets 1/4 of the GPU's energy and time. The host
+  sees no process inside a VM, so nothing finer is known; on a GPU of one vGPU type the
+  fraction is 1 / max instances, the GPU time each vGPU gets under NVIDIA's fixed-share
+  scheduler (https://docs.nvidia.com/vgpu/knowledge-base/latest/vgpu-features.html, "vGPU
+  Schedulers"). Framebuffer no vGPU holds is attributed to no one, as idle MIG slices
+  are; a vGPU whose type the GPU does not list gets nothing.
 - ``shared``: a device prepared to be shared with other claims (``TimeSlicing``,
   ``MemoryShare``). The holdings of its unit (the whole GPU, or one MIG device as above) split
   the unit by the SM utilization of each claim's processes when NVML reports any
@@ -151,7 +166,8 @@ class Accounted:
     """The accounting's answer to one update."""
 
     gpu_energy: Mapping[int, float | None]
-    """GPU index -> monotonic energy total (None before any energy reading)."""
+    """GPU index -> monotonic energy total (None before any energy reading); GPUs handed to
+    virtual machines are not in it."""
     claims: tuple[ClaimUsage, ...]
     prepared: tuple[PreparedDevice, ...]
     """The devices held now, on known GPUs."""
@@ -214,6 +230,9 @@ class EnergyAccounting:
             if holders is not None:
                 held, unknown = holdings(holders, gpus)
                 self._warn_unknown(unknown)
+            for g in gpus:
+                if g.passthrough:  # what the VM used is never counted after it comes back
+                    self._gpus.setdefault(g.uuid, _Gpu()).baseline = None
             for sample in samples:
                 self._account(sample, by_uuid.get(sample.uuid), held)
             if held is not None:
@@ -229,6 +248,7 @@ class EnergyAccounting:
             energy = {
                 g.index: (st.energy_joules if st.known else None)
                 for g in gpus
+                if not g.passthrough  # not in the telemetry (and all at index -1)
                 for st in [self._gpus.get(g.uuid, _Gpu())]
             }
             return Accounted(energy, self._claims(), prepared)

@@ -12,6 +12,11 @@ tick, then :meth:`HealthTracker.evaluate` per GPU):
   A later fatal XID replaces the cause; a fatal XID while lost names the cause (``xid-79``).
 - **Application XIDs** (``APPLICATION_XIDS`` plus the configured ones) and XIDs in neither set
   are counted and logged; the GPU stays healthy (the workload faulted, not the GPU).
+- **Handed to a virtual machine** (:meth:`HealthTracker.handed_over`): unbinding the GPU from
+  nvidia for vfio-pci makes NVML lose it, so the ticks before the inventory says so may fail to
+  read it. That is not a loss: ``gpu-lost`` (and a probe) is cleared at once, and the GPU is not
+  evaluated while a VM has it (nothing on the host reads it). A fatal XID stays: only a reset
+  clears it (binding it to nvidia again is a re-bind, so that reset is observed then).
 - **Probe**: after an observed recovery the GPU stays unhealthy (same cause) until
   ``probe_reads`` consecutive ticks read it successfully with nothing disqualifying
   (:func:`probe_problem`: a row remapping still pending after the reset). A failed read or a
@@ -168,20 +173,34 @@ class HealthTracker:
         with self._lock:
             self._states.setdefault(uuid, _State()).reset_seen = True
 
+    def handed_over(self, uuid: str, index: int, now: float) -> GpuHealth | None:
+        """The GPU was handed to a virtual machine: failed reads are no loss (see the module
+        docstring); the new health when it changed, else None."""
+        with self._lock:
+            st = self._states.setdefault(uuid, _State(since=now))
+            st.lost, st.lost_after_fatal = False, False
+            st.probing, st.good_reads, st.probe_note = False, 0, None
+            return self._report(st, uuid, index, now)
+
     def evaluate(self, uuid: str, index: int, sample: GpuSample, now: float) -> GpuHealth | None:
         """Apply this tick's read of the GPU; the new health when it changed (health or cause),
         else None."""
         with self._lock:
             st = self._states.setdefault(uuid, _State(since=now))
             self._apply(st, sample)
-            healthy, cause = self._verdict(st)
-            if healthy == st.healthy and cause == st.cause:
-                return None
-            if healthy != st.healthy:
-                st.since = now if st.restored_since is None else st.restored_since
-            st.restored_since = None
-            st.healthy, st.cause = healthy, cause
-            return GpuHealth(uuid=uuid, index=index, healthy=healthy, cause=cause, since=st.since)
+            return self._report(st, uuid, index, now)
+
+    def _report(self, st: _State, uuid: str, index: int, now: float) -> GpuHealth | None:
+        """Take the verdict on ``st`` (the caller holds the lock); the new health when it
+        changed (health or cause), else None."""
+        healthy, cause = self._verdict(st)
+        if healthy == st.healthy and cause == st.cause:
+            return None
+        if healthy != st.healthy:
+            st.since = now if st.restored_since is None else st.restored_since
+        st.restored_since = None
+        st.healthy, st.cause = healthy, cause
+        return GpuHealth(uuid=uuid, index=index, healthy=healthy, cause=cause, since=st.since)
 
     def current(self, uuid: str, index: int) -> GpuHealth:
         with self._lock:

@@ -1,7 +1,8 @@
 """What the sampler and the energy accounting need to know about each GPU, besides its samples.
 
-``GpuInfo`` is a frozen value built once per inventory (``gpu_info(device)``): identity for labels
-and for mapping checkpoint entries to GPUs, and the SM counts that split a MIG GPU's energy.
+``GpuInfo`` is a frozen value built once per inventory (``gpu_info(device, virtualization)``):
+identity for labels and for mapping checkpoint entries to GPUs, the SM counts that split a MIG
+GPU's energy, and whether the host can read the GPU at all (``passthrough``).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agent.nvml.types import GpuDevice
+from agent.pcihost.vm_types import NVIDIA, GpuVirtualization
 from agent.usage.weights import GpuCapacity, capacity_of, mig_profile_id
 
 
@@ -33,7 +35,12 @@ class GpuInfo:
     """(GPU instance id, SMs) of the existing MIG devices: the fallback when a device name does
     not carry a profile id."""
     capacity: GpuCapacity | None = None
-    """What the GPU divides into (memory, MIG slices): the usage weights of its devices."""
+    """What the GPU divides into (memory, MIG slices, vGPU framebuffers): the usage weights of
+    its devices."""
+    passthrough: bool = False
+    """The GPU is handed to virtual machines: bound to another driver than nvidia (``vfio-pci``)
+    or to none, so NVML does not see it (its ``index`` is -1) and the host reads nothing from
+    it. The sampler does not read it; its claims' GPU-seconds still accrue."""
 
     def mig_device_multiprocessors(self, device: str, gpu_instance_id: int | None) -> int | None:
         """SMs of the MIG device named ``device`` (profile id from the name, else the GPU
@@ -48,8 +55,11 @@ class GpuInfo:
         return None
 
 
-def gpu_info(device: GpuDevice) -> GpuInfo:
-    """The ``GpuInfo`` of a GPU as discovery read it (pure)."""
+def gpu_info(device: GpuDevice, virtualization: GpuVirtualization | None = None) -> GpuInfo:
+    """The ``GpuInfo`` of a GPU as discovery read it, with what it offers virtual machines
+    (``Gpu.virtualization``; None where discovery was not asked) (pure). A GPU NVML no longer
+    sees (index -1: discovery kept it from its last facts) is passed through whatever else is
+    known."""
     instances = sorted(device.mig_instances, key=lambda i: i.gpu_instance_id)
     sms = [p.multiprocessors for p in device.mig_profiles]
     return GpuInfo(
@@ -64,5 +74,7 @@ def gpu_info(device: GpuDevice) -> GpuInfo:
             sorted((p.profile_id, p.multiprocessors) for p in device.mig_profiles)
         ),
         mig_multiprocessors=tuple((i.gpu_instance_id, i.multiprocessors) for i in instances),
-        capacity=capacity_of(device),
+        capacity=capacity_of(device, virtualization),
+        passthrough=device.index < 0
+        or (virtualization is not None and virtualization.driver != NVIDIA),
     )

@@ -141,6 +141,13 @@ SPECS: tuple[Spec, ...] = (
         GPU,
     ),
     Spec("tessera_gpu_processes", "gauge", "Compute processes running on the GPU.", GPU),
+    Spec(
+        "tessera_gpu_passthrough",
+        "gauge",
+        "1 when the GPU is handed to virtual machines (bound to vfio-pci, or to no driver): the"
+        " host cannot read it, and it has no other GPU series; 0 when the host reads it.",
+        GPU,
+    ),
     Spec("tessera_mig_memory_used_bytes", "gauge", "Memory in use on a MIG device.", MIG),
     Spec("tessera_mig_memory_total_bytes", "gauge", "Memory of a MIG device.", MIG),
     Spec(
@@ -288,6 +295,7 @@ def _gpu(families: dict[str, Metric], node: str, g: GpuTelemetry) -> None:
     def put(name: str, value: float | None, *extra: str) -> None:
         add_sample(families, name, (*base, *extra), value)
 
+    put("tessera_gpu_passthrough", 0.0)
     put("tessera_gpu_healthy", 1.0 if g.healthy else 0.0)
     put("tessera_gpu_energy_joules", g.energy_joules_total)
     for xid, count in g.xid_counts:
@@ -335,6 +343,9 @@ def _fill(families: dict[str, Metric], snap: Snapshot) -> None:
     node = snap.node
     for g in snap.gpus:
         _gpu(families, node, g)
+    for vm in snap.passthrough:  # nothing else: the host reads nothing from it
+        identity = (node, str(vm.minor), vm.uuid, vm.pci_bus_id, vm.name)
+        add_sample(families, "tessera_gpu_passthrough", identity, 1)
     for c in snap.claims:
         labels = (node, c.namespace, c.claim, c.uid, c.pool, c.device, c.rule)
         add_sample(families, "tessera_claim_energy_joules", labels, c.energy_joules_total)

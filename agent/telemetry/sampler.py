@@ -20,6 +20,14 @@ passes. Application XIDs (the built-in ones plus the configured list) and XIDs i
 are counted but keep the GPU healthy. ``on_health_change(GpuHealth)`` is called on every change
 of health or cause (every GPU starts healthy, as the plugin's health board does).
 
+**GPUs handed to virtual machines** (``GpuInfo.passthrough``: bound to vfio-pci or to no driver)
+are not read, have no XIDs and no health evaluated: the host cannot see them, and a GPU a VM
+holds is neither lost nor faulty for that. The snapshot lists them in ``passthrough`` (their
+``tessera_gpu_passthrough`` series) and in none of ``gpus``, so no series of theirs goes stale.
+The accounting gets a sample with nothing in it for each (no energy, no utilization), so the
+claims holding them keep their GPU-seconds. Once the inventory says a GPU is bound to nvidia
+again, it is read from the next tick on.
+
 **Schedule.** ``run`` ticks at fixed slots ``start + k * interval`` (no drift: the next slot is the
 previous slot plus the interval, whatever the tick took). A tick that starts late records
 ``lag_seconds``; when a tick overran whole slots, they are skipped (counted in ``missed_ticks``)
@@ -48,12 +56,14 @@ from agent.telemetry.gpu_health import (
     xid_kind,
 )
 from agent.telemetry.gpuinfo import GpuInfo
-from agent.telemetry.snapshot import ClaimUsage, GpuTelemetry, Snapshot
+from agent.telemetry.snapshot import ClaimUsage, GpuTelemetry, PassthroughGpu, Snapshot
 from agent.telemetry.usage_meter import UsageMeter
 
 __all__ = ["APPLICATION_XIDS", "FATAL_XIDS", "Sampler", "Subscription"]
 STALE_INTERVALS = 3
 """``fresh()``: the latest snapshot is younger than this many intervals."""
+UNREAD = "not read: handed to a virtual machine (not bound to nvidia)"
+"""The error of the empty sample the accounting gets for a GPU handed to a VM."""
 
 
 class Subscription:
@@ -148,6 +158,9 @@ class Sampler:
         self._xid_counts: dict[str, collections.Counter[int]] = {}
         self._health = HealthTracker(probe_reads)
         self._failing: dict[str, str] = {}
+        self._handed: set[str] = set()
+        """UUIDs of the GPUs handed to virtual machines at the last tick (logged when it
+        changes)."""
         self._probe_notes: dict[str, str | None] = {}
         self.missed_ticks = 0
         """Schedule slots skipped because a tick overran them."""
@@ -234,12 +247,17 @@ class Sampler:
         with self._tick_lock:
             started = self._clock()
             gpus = self._gpus
-            samples = [self._read_one(g) for g in gpus]
-            self._drain_xids(gpus)
+            read = [g for g in gpus if not g.passthrough]
+            handed = [g for g in gpus if g.passthrough]
+            self._note_handed(gpus, handed)
+            samples = [self._read_one(g) for g in read]
+            self._drain_xids(read)
             holders = self._read_holders()
-            accounted = self._accounting.update(samples, gpus, holders)
+            now = self._clock()
+            unread = [GpuSample(g.index, g.uuid, now, errors=(UNREAD,)) for g in handed]
+            accounted = self._accounting.update([*samples, *unread], gpus, holders)
             if self._usage is not None:
-                self._feed_usage(started, samples, gpus, holders, accounted.claims)
+                self._feed_usage(started, [*samples, *unread], gpus, holders, accounted.claims)
             telemetry = tuple(
                 GpuTelemetry(
                     sample=s,
@@ -251,7 +269,7 @@ class Sampler:
                     healthy=self._evaluate(g, s),
                     mig_profiles=g.mig_profiles,
                 )
-                for g, s in zip(gpus, samples, strict=True)
+                for g, s in zip(read, samples, strict=True)
             )
             self._ticks += 1
             finished = self._clock()
@@ -266,9 +284,34 @@ class Sampler:
                 prepared=accounted.prepared,
                 tick_duration_seconds=finished - started,
                 lag_seconds=lag,
+                passthrough=tuple(
+                    PassthroughGpu(g.uuid, g.name, g.pci_bus_id, g.minor) for g in handed
+                ),
             )
             self._publish(snap)
             return snap
+
+    def _note_handed(self, gpus: Sequence[GpuInfo], handed: Sequence[GpuInfo]) -> None:
+        """Log a GPU handed to a VM, and one bound to nvidia again, once each."""
+        now = {g.uuid for g in handed}
+        if now == self._handed:
+            return
+        for g in gpus:
+            if g.uuid in now and g.uuid not in self._handed:
+                self._failing.pop(g.uuid, None)  # not failing: not read at all
+                self._log.info(
+                    "GPU handed to a virtual machine; not sampled until it is bound to nvidia"
+                    " again",
+                    extra=fields_(gpu=g.minor, uuid=g.uuid, pci_bus_id=g.pci_bus_id),
+                )
+                # the reads that failed while it was unbound were no loss
+                self._changed(g, self._health.handed_over(g.uuid, g.index, self._wall()))
+            elif g.uuid in self._handed and g.uuid not in now:
+                self._log.info(
+                    "GPU bound to nvidia again; sampled again",
+                    extra=fields_(gpu=g.minor, uuid=g.uuid, index=g.index),
+                )
+        self._handed = now
 
     def _read_one(self, gpu: GpuInfo) -> GpuSample:
         try:
@@ -368,6 +411,13 @@ class Sampler:
         self._probe_notes[gpu.uuid] = note
         if change is None:
             return self._health.current(gpu.uuid, gpu.index).healthy
+        self._changed(gpu, change)
+        return change.healthy
+
+    def _changed(self, gpu: GpuInfo, change: GpuHealth | None) -> None:
+        """Log a change of the GPU's health and tell ``on_health_change``."""
+        if change is None:
+            return
         self._log.warning(
             "GPU health changed",
             extra=fields_(gpu=gpu.index, uuid=gpu.uuid, healthy=change.healthy, cause=change.cause),
@@ -380,7 +430,6 @@ class Sampler:
                 self._log.exception(
                     "health change hook failed", extra=fields_(gpu=gpu.index, uuid=gpu.uuid)
                 )
-        return change.healthy
 
     def _publish(self, snap: Snapshot) -> None:
         self._latest = snap

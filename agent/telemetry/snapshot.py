@@ -28,6 +28,19 @@ class GpuTelemetry:
 
 
 @dataclass(frozen=True)
+class PassthroughGpu:
+    """A GPU of the inventory handed to virtual machines (bound to vfio-pci, or unbound): the
+    host reads nothing from it, so it has no sample; only its identity, for its
+    ``tessera_gpu_passthrough`` series."""
+
+    uuid: str
+    name: str
+    """Product name (the ``model`` label)."""
+    pci_bus_id: str
+    minor: int
+
+
+@dataclass(frozen=True)
 class ClaimUsage:
     """What one prepared device has cost one claim so far (counters, monotonic)."""
 
@@ -38,8 +51,9 @@ class ClaimUsage:
     device: str
     gpu_index: int
     rule: str
-    """How the device's share is found: ``exclusive``, ``mig-sm-share`` or ``shared`` (see
-    docs/metrics.md); the same for as long as the claim holds the device."""
+    """How the device's share is found: ``exclusive``, ``mig-sm-share``, ``shared`` or
+    ``vgpu-framebuffer`` (see docs/metrics.md); the same for as long as the claim holds the
+    device."""
     energy_joules_total: float
     gpu_seconds_total: float
     share: float | None = None
@@ -74,3 +88,5 @@ class Snapshot:
     """How long the tick's reads took."""
     lag_seconds: float
     """How late the tick started against its schedule."""
+    passthrough: tuple[PassthroughGpu, ...] = ()
+    """The GPUs handed to virtual machines, not read this tick (none of them is in ``gpus``)."""

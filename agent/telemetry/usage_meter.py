@@ -9,7 +9,9 @@ interval per write.
   device got in the interval (``ClaimUsage.share``: 1 for a device held alone, else the split of
   the telemetry's attribution, by its processes' SM utilization where NVML reports it); for a MIG
   device held alone, the MIG device's SM utilization (GPM, Hopper and later) x its weight.
-  Unknown otherwise (no utilization read, a shared MIG device): counted as unobserved.
+  Unknown otherwise (no utilization read, a shared MIG device, a device used inside a virtual
+  machine: ``vfio``, whose GPU the host cannot read, and ``vgpu``, whose GPU's utilization is
+  every vGPU's together): counted as unobserved.
 - **Energy**: the increase of the device's ``tessera_claim_energy_joules`` counter since the
   tick before (the attribution of :mod:`agent.telemetry.energy`), so the ledger and the metric
   never disagree about a joule while the agent runs.
@@ -50,7 +52,7 @@ from agent.telemetry.gpuinfo import GpuInfo
 from agent.telemetry.snapshot import ClaimUsage
 from agent.usage.buckets import bucket_start, report_buckets
 from agent.usage.counters import Counters, Gap, Held, HoldingKey, UsageLedger
-from agent.usage.weights import Holding, weights
+from agent.usage.weights import VM_KINDS, Holding, weights
 
 WRITE_WARNING_INTERVAL_S = 60.0
 
@@ -330,7 +332,7 @@ class UsageMeter:
             profile = None
             if device.kind == "mig" and gpu.capacity is not None:
                 profile = gpu.capacity.mig_profile_name(device.device, device.gpu_instance_id)
-            busy = "gpu" if device.kind != "mig" else None
+            busy = "gpu" if device.kind not in ("mig", *VM_KINDS) else None
             if device.kind == "mig" and device.sharing in (None, "MPS"):
                 busy = "mig"
             plan.append(

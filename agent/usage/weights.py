@@ -16,10 +16,14 @@ counted with (pure). docs/budgets.md states the rules; in short:
 - ``time-sliced``: the claims holding one unit (a whole GPU, or one MIG device) with time-slicing
   split its weight evenly: three claims on one GPU weigh 1/3 each, whatever their load (their
   busy GPU-seconds say who used it).
+- ``vgpu-framebuffer``: a vGPU (device kind ``vgpu``) weighs its type's framebuffer over the
+  GPU's memory, as a memory share does: an ``H200X-35C`` (35 GiB) of a 140 GiB H200 weighs 0.25.
+  A GPU of one vGPU type holds ``max_instances`` of them, and they fill it. A device passed
+  through to a virtual machine whole (kind ``vfio``) is a whole GPU: ``whole-gpu``.
 
 A GPU's weights sum to at most 1: if a malformed checkpoint makes them larger, they are scaled
-down together. A device whose MIG profile is unknown weighs nothing and is returned in
-``unknown`` (its caller logs it): counting a guess would be worse than counting nothing that is
+down together. A device whose MIG profile or vGPU type is unknown weighs nothing and is returned
+in ``unknown`` (its caller logs it): counting a guess would be worse than counting nothing that is
 visible.
 """
 
@@ -33,12 +37,20 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from agent.nvml.types import GpuDevice
+from agent.pcihost.vm_types import GpuVirtualization
 
 WHOLE_GPU = "whole-gpu"
 MIG_SLICES = "mig-slices"
 MEMORY_SHARE = "memory-share"
 TIME_SLICED = "time-sliced"
-RULES = (WHOLE_GPU, MIG_SLICES, MEMORY_SHARE, TIME_SLICED)
+VGPU_FRAMEBUFFER = "vgpu-framebuffer"
+RULES = (WHOLE_GPU, MIG_SLICES, MEMORY_SHARE, TIME_SLICED, VGPU_FRAMEBUFFER)
+VGPU = "vgpu"
+"""The device kind of a vGPU (a VM's share of a GPU the vGPU host driver divides)."""
+VFIO = "vfio"
+"""The device kind of a whole GPU passed through to a virtual machine (bound to vfio-pci)."""
+VM_KINDS = (VFIO, VGPU)
+"""Devices used inside virtual machines: the host sees none of their processes or busy time."""
 
 _MIG_DEVICE = re.compile(r"^gpu-\d+-mig-[a-z0-9]+-(\d+)-\d+$")
 
@@ -66,6 +78,17 @@ class GpuCapacity:
     """(GPU instance id, profile id) of the MIG devices that exist."""
     profile_names: tuple[tuple[int, str], ...] = ()
     """(profile id, name as NVML gives it: ``1g.10gb``) of every MIG profile."""
+    vgpu_framebuffers: tuple[tuple[int, int], ...] = ()
+    """(vGPU type id, framebuffer bytes) of every vGPU type the GPU supports (NVML's, through
+    discovery's ``Gpu.virtualization``); empty where it offers none."""
+
+    def vgpu_fraction(self, type_id: int | None) -> float | None:
+        """The fraction of the GPU's memory a vGPU of type ``type_id`` holds; None when the
+        type (or the GPU's memory) is not known."""
+        framebuffer = dict(self.vgpu_framebuffers).get(type_id) if type_id is not None else None
+        if framebuffer is None or self.memory_bytes <= 0:
+            return None
+        return min(1.0, framebuffer / self.memory_bytes)
 
     def mig_profile_of(self, device: str, gpu_instance_id: int | None) -> int | None:
         """The profile id of the MIG device ``device``: its name's, else its GPU instance's."""
@@ -99,8 +122,8 @@ class GpuCapacity:
         return dict(self.instances)
 
 
-def capacity_of(device: GpuDevice) -> GpuCapacity:
-    """The ``GpuCapacity`` of a discovered GPU (pure)."""
+def capacity_of(device: GpuDevice, virtualization: GpuVirtualization | None = None) -> GpuCapacity:
+    """The ``GpuCapacity`` of a discovered GPU and what it offers virtual machines (pure)."""
     profiles = tuple(
         sorted(
             (p.profile_id, p.slice_count, max((pl.size for pl in p.placements), default=0))
@@ -115,6 +138,11 @@ def capacity_of(device: GpuDevice) -> GpuCapacity:
         profiles=profiles,
         instances=tuple(sorted((i.gpu_instance_id, i.profile_id) for i in device.mig_instances)),
         profile_names=tuple(sorted((p.profile_id, p.name) for p in device.mig_profiles)),
+        vgpu_framebuffers=tuple(
+            sorted((t.type_id, t.framebuffer_bytes) for t in virtualization.vgpu_types)
+        )
+        if virtualization is not None
+        else (),
     )
 
 
@@ -128,7 +156,7 @@ class Held(Protocol):
     def device(self) -> str: ...
     @property
     def kind(self) -> str:
-        """``gpu`` or ``mig``."""
+        """``gpu``, ``mig``, ``vfio`` (a whole GPU passed through to a VM) or ``vgpu``."""
         ...
 
     @property
@@ -143,6 +171,11 @@ class Held(Protocol):
     @property
     def memory_bytes(self) -> int | None:
         """``MemoryShare``: the memory the claim holds."""
+        ...
+
+    @property
+    def vgpu_type_id(self) -> int | None:
+        """A ``vgpu`` device's NVML vGPU type id."""
         ...
 
 
@@ -190,6 +223,12 @@ def weights(
                 unknown.append(h)
                 continue
             unit, rule = fraction, MIG_SLICES
+        elif d.kind == VGPU:
+            fraction = gpu.vgpu_fraction(d.vgpu_type_id)
+            if fraction is None:
+                unknown.append(h)
+                continue
+            unit, rule = fraction, VGPU_FRAMEBUFFER
         if d.sharing == "MemoryShare" and d.memory_bytes is not None and gpu.memory_bytes > 0:
             # memory shares are of whole GPUs (plan.py); a MIG device's would be of its memory
             unit, rule = unit * min(1.0, d.memory_bytes / gpu.memory_bytes), MEMORY_SHARE

@@ -48,6 +48,7 @@ class PreparedDevice:
     """The DeviceClass its request named (labels its usage); "" when not known, as in every
     checkpoint written before it was recorded. Written only when known; readers of any version
     ignore fields they do not know, so it needs no version of its own."""
+    vgpu_type_id: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "request_names", tuple(self.request_names))

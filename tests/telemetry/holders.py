@@ -17,6 +17,7 @@ class Held:
     sharing: str | None = None
     memory_bytes: int | None = None
     device_class: str = ""
+    vgpu_type_id: int | None = None
 
 
 @dataclass(frozen=True)

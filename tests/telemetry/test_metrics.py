@@ -27,7 +27,7 @@ UNITLESS = {
     "tessera_resourceslice_writes", "tessera_resourceslice_errors", "tessera_prepare_errors",
     "tessera_claims_stuck", "tessera_claims_unrecovered", "tessera_node_events",
     "tessera_usage_report_errors", "tessera_prepared_devices_gone",
-    "tessera_claim_usage_status_errors",
+    "tessera_claim_usage_status_errors", "tessera_gpu_passthrough",
 }  # fmt: skip
 UNIT_WORDS = ("bytes", "watts", "joules", "celsius", "hertz", "seconds", "ratio")
 
