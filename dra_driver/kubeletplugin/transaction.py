@@ -15,7 +15,8 @@ checkpoint writes (group commit):
    next start removes);
 3. each claim's side effects, under the locks of its GPUs (``sharing.effects``): dynamic MIG
    devices created, time-slicing and MPS set up (an MPS daemon recorded as soon as it runs);
-   then its CDI spec (idempotent, discoverable by its file name);
+   then, for VM devices, their KEP-5304 metadata (``device_metadata``), then its CDI spec
+   (idempotent, discoverable by its file name);
 4. one write records every claim that got there as ``PrepareCompleted``.
 
 A failure in step 3 undoes what that claim got to before it answers; the others go on. A crash
