@@ -60,6 +60,7 @@ from dra_driver.cluster.node_events import KubeEventSink, LogEventSink, NodeEven
 from dra_driver.kubeletplugin.cdi_spec import MakeNode
 from dra_driver.kubeletplugin.checkpoint import CheckpointStore
 from dra_driver.kubeletplugin.claim_sources import DirClaimSource, KubeClaimSource
+from dra_driver.kubeletplugin.device_metadata import DeviceMetadataWriter
 from dra_driver.kubeletplugin.health_stream import HealthBoard
 from dra_driver.kubeletplugin.prepare import Preparer
 from dra_driver.kubeletplugin.server import PluginServer
@@ -208,6 +209,9 @@ def _build(
         boot_time=source.boot_time,
         index=claims,
         on_unprepared=claim_unprepared(claim_status),
+        # KEP-5304 metadata of VM devices, always: KubeVirt finds a VM's GPU only there
+        # (docs/virtualization.md); container devices get none, so nothing to switch off
+        metadata=DeviceMetadataWriter(paths.plugins_dir / driver_name, paths.cdi_root, driver_name),
     )
     health = HealthBoard(pool=source.hostname, held=lambda: held_devices(preparer))
     daemon = config.daemon

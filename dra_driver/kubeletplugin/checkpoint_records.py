@@ -49,6 +49,8 @@ class PreparedDevice:
     checkpoint written before it was recorded. Written only when known; readers of any version
     ignore fields they do not know, so it needs no version of its own."""
     vgpu_type_id: int | None = None
+    pci_bus_id: str | None = None
+    mdev_uuid: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "request_names", tuple(self.request_names))

@@ -28,6 +28,7 @@ from dra_driver.kubeletplugin.checkpoint import (
 )
 from dra_driver.kubeletplugin.claim_sources import ClaimIndex, ClaimSource
 from dra_driver.kubeletplugin.claims import ClaimKey
+from dra_driver.kubeletplugin.device_metadata import DeviceMetadataWriter
 from dra_driver.kubeletplugin.effects import Effects
 from dra_driver.kubeletplugin.ledger import Ledger
 from dra_driver.kubeletplugin.locks import ClaimLocks
@@ -62,11 +63,14 @@ class Preparer:
         clock: Callable[[], float] = time.monotonic,
         index: ClaimIndex | None = None,
         on_unprepared: Callable[[ClaimEntry], None] = lambda entry: None,
+        metadata: DeviceMetadataWriter | None = None,
     ) -> None:
         """``index`` finds claims by UID (``claims`` itself when it can; the API server or the
         claim files), to rebuild a lost checkpoint from the CDI specs that survived.
         ``on_unprepared`` is told of each claim whose release was recorded, on the kubelet
-        call's thread: it must only queue (kube mode: the claim's usage summary)."""
+        call's thread: it must only queue (kube mode: the claim's usage summary).
+        ``metadata`` writes the KEP-5304 device metadata of VM devices (vfio, vgpu) that
+        KubeVirt's virt-launcher reads; None: none is written."""
         self.driver_name = driver_name
         self.pool = pool
         self.claims = claims
@@ -103,6 +107,7 @@ class Preparer:
             crash=crash_hook,
             log=log,
             on_unprepared=on_unprepared,
+            metadata=metadata,
         )
         self._reconciler = Reconciler(
             driver_name=driver_name,
@@ -116,6 +121,7 @@ class Preparer:
             index=index,
             boot_time=boot_time,
             log=log,
+            metadata=metadata,
         )
         self._runner = BatchRunner(
             handlers={

@@ -29,6 +29,7 @@ from dra_driver.kubeletplugin.checkpoint import (
     PreparedDevice,
 )
 from dra_driver.kubeletplugin.claim_sources import ClaimIndex
+from dra_driver.kubeletplugin.device_metadata import DeviceMetadataWriter
 from dra_driver.kubeletplugin.effects import Effects
 from dra_driver.kubeletplugin.ledger import Ledger
 from dra_driver.kubeletplugin.locks import ClaimLocks
@@ -79,9 +80,12 @@ class Reconciler:
         index: ClaimIndex | None,
         boot_time: float,
         log: logging.Logger,
+        metadata: DeviceMetadataWriter | None = None,
     ) -> None:
         """``index`` finds claims by UID, to rebuild a lost checkpoint from the CDI specs that
-        survived; a spec written before ``boot_time`` predates this boot."""
+        survived; a spec written before ``boot_time`` predates this boot. ``metadata``: the
+        KEP-5304 files of VM devices, those of claims the checkpoint does not hold swept."""
+        self._metadata = metadata
         self._driver_name = driver_name
         self._pool = pool
         self._cdi = cdi
@@ -140,6 +144,7 @@ class Reconciler:
             for uid in sorted(self._cdi.claim_uids() - set(cp.claims)):
                 cp = self._unlisted_spec(cp, uid, result.authoritative)
             cp = self._rebuild(cp)
+            self._sweep_metadata(cp)
             try:
                 self._effects.sweep(cp)
             except TesseraError as exc:
@@ -150,6 +155,22 @@ class Reconciler:
                 )
             cp = self._restore(cp, list(cp.claims))
             self._settle(cp)
+
+    def _sweep_metadata(self, cp: Checkpoint) -> None:
+        """Remove the KEP-5304 files of every claim ``cp`` does not hold (recovered ones are
+        held): an interrupted prepare's, or an unprepare's that crashed before removing them."""
+        if self._metadata is None:
+            return
+        try:
+            removed = self._metadata.sweep(set(cp.claims))
+        except CdiError as exc:
+            self._log.error(
+                "cannot sweep device metadata no claim owns; retried at the next start",
+                extra=fields_(error=str(exc)),
+            )
+            return
+        for uid in removed:
+            self._log.warning("removed orphaned device metadata", extra=fields_(uid=uid))
 
     def _restore(self, cp: Checkpoint, uids: list[str]) -> Checkpoint:
         """Set the sharing of the claims ``uids`` again and make what is gone of their devices
@@ -239,6 +260,8 @@ class Reconciler:
         ``cp`` keeps, and remove its CDI spec."""
         self._effects.undo(entry, cp)
         self._cdi.remove(entry.uid)
+        if self._metadata is not None:
+            self._metadata.remove(entry.uid)
 
     def _unlisted_spec(self, cp: Checkpoint, uid: str, authoritative: bool) -> Checkpoint:
         """Decide about the CDI spec of a claim the checkpoint does not list (see

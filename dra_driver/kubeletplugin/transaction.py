@@ -15,7 +15,8 @@ checkpoint writes (group commit):
    next start removes);
 3. each claim's side effects, under the locks of its GPUs (``sharing.effects``): dynamic MIG
    devices created, time-slicing and MPS set up (an MPS daemon recorded as soon as it runs);
-   then its CDI spec (idempotent, discoverable by its file name);
+   then, for VM devices, their KEP-5304 metadata (``device_metadata``), then its CDI spec
+   (idempotent, discoverable by its file name);
 4. one write records every claim that got there as ``PrepareCompleted``.
 
 A failure in step 3 undoes what that claim got to before it answers; the others go on. A crash
@@ -48,6 +49,11 @@ from dra_driver.kubeletplugin.checkpoint import (
 )
 from dra_driver.kubeletplugin.claim_sources import ClaimSource
 from dra_driver.kubeletplugin.claims import ClaimKey, parse_allocation
+from dra_driver.kubeletplugin.device_metadata import (
+    DeviceMetadataWriter,
+    pod_claim_name,
+    prepare_metadata,
+)
 from dra_driver.kubeletplugin.effects import Effects
 from dra_driver.kubeletplugin.ledger import Ledger
 from dra_driver.kubeletplugin.locks import ClaimLocks
@@ -67,6 +73,8 @@ class _Planned:
     records: tuple[PreparedDevice, ...]
     changes_node: bool
     """Whether its prepare changes the node beyond its CDI spec (its start must be durable)."""
+    pod_claim_name: str | None = None
+    """The pod's name for the claim, when made from its template (KEP-5304 metadata path)."""
 
 
 def _by_gpu(
@@ -111,10 +119,12 @@ class Transactions:
         crash: CrashHook,
         log: logging.Logger,
         on_unprepared: Callable[[ClaimEntry], None] = lambda entry: None,
+        metadata: DeviceMetadataWriter | None = None,
     ) -> None:
         """``on_unprepared`` is told of each claim whose release was recorded (it must not
         block: the kubelet's call is still open; an exception from it is logged, never the
-        call's)."""
+        call's). ``metadata`` writes the KEP-5304 files of VM devices (None: none)."""
+        self._metadata = metadata
         self._on_unprepared = on_unprepared
         self._driver_name = driver_name
         self._pool = pool
@@ -245,7 +255,8 @@ class Transactions:
         if existing is not None:  # left by a crash, or recovered: roll back first
             self._roll_back(existing)
         records = tuple(self._records.device(claim.uid, p) for p in plan.devices)
-        return _Planned(claim, plan, records, self._effects.changes_node(plan))
+        changes = self._effects.changes_node(plan)
+        return _Planned(claim, plan, records, changes, pod_claim_name(obj))
 
     def _start(self, batch: Batch, planned: list[_Planned]) -> list[_Planned]:
         """Step 2: reserve the planned claims' devices (each checked against the holders so
@@ -286,9 +297,13 @@ class Transactions:
 
         with self._gpu_locks.hold_all(gpus(p.records)):
             applied = self._effects.apply(claim, plan, p.records, save)
-        entry = claim_entry(
-            claim, PREPARE_COMPLETED, applied.devices, pods=plan.pods, mps=applied.mps
-        )
+        devices = applied.devices
+        if self._metadata is not None:  # before the completion: a crash leaves it to the start
+            advertised = {d.device.name: d.device for d in plan.devices}
+            devices = prepare_metadata(
+                self._metadata, claim, p.pod_claim_name, devices, advertised.get
+            )
+        entry = claim_entry(claim, PREPARE_COMPLETED, devices, pods=plan.pods, mps=applied.mps)
         if entry.devices:
             self._records.write_spec(entry)
         self._crash("after-cdi")
@@ -308,6 +323,8 @@ class Transactions:
             try:
                 self._effects.undo(entry, self._ledger.checkpoint)
                 self._cdi.remove(entry.uid)
+                if self._metadata is not None:
+                    self._metadata.remove(entry.uid)
             except TesseraError as exc:
                 self._log.error(
                     "cannot undo a claim's partial prepare; its devices stay held until a retry"
@@ -423,6 +440,8 @@ class Transactions:
                     )
             rest = [c for c in keys if c.uid not in failed]
             removed = self._cdi.remove_many([c.uid for c in rest])
+            if self._metadata is not None:
+                removed = self._metadata.remove_many([c.uid for c in rest]) | removed
             for c in rest:
                 error = removed.get(c.uid)
                 if error is not None:
