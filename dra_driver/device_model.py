@@ -26,6 +26,11 @@ MIG layout fits by construction; on A100/H100/H200 the maximum is exactly the 7g
 Honouring ``max_instances`` keeps ``ofa-engines`` at 1 where only one ``+me`` instance may exist,
 so the counters also forbid two ``+me`` placements at once. ``memory`` is the GPU's total bytes
 (or that largest sum, should it ever be greater).
+
+Virtual machines (``--virtualization``): the vfio and vgpu devices come from
+:mod:`dra_driver.vm_devices`; a GPU passed through gets a counter set even without dynamic MIG,
+so that its whole GPU and its vfio device exclude each other. The value types are in
+:mod:`dra_driver.device_types` (listed in ``__all__`` here, where the driver imports them).
 """
 
 from __future__ import annotations

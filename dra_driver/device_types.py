@@ -94,7 +94,7 @@ class AdvertisedDevice:
     gpu_minor: int
     parent_uuid: str
     uuid: str | None
-    """None for dynamic MIG placements (they do not exist yet)."""
+    """None for dynamic MIG placements and vGPUs (they do not exist yet)."""
     mig_profile_id: int | None
     mig_placement_start: int | None
     mig_placement_size: int | None
