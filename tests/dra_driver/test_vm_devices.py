@@ -99,6 +99,16 @@ def test_dynamic_mig_vfio_consumes_every_counter_of_the_gpu(
             assert fits(model, [dev]) and not fits(model, [vfio, dev]), dev.name
 
 
+def test_dynamic_mode_gpus_without_mig_get_the_memory_counter_set(
+    inventory: Inventory, fits: Fits
+) -> None:
+    """--mig-mode dynamic on GPUs that have no MIG (L40S): as in static mode."""
+    inv = passthrough(inventory("l40s-pcie"))
+    model = advertised_devices(inv, DevicePolicy(mig_mode="dynamic", virtualization="passthrough"))
+    assert model == advertised_devices(inv, PASSTHROUGH)
+    assert not fits(model, [model.device("gpu-3"), model.device("gpu-3-vfio")])
+
+
 def test_a_gpu_without_an_iommu_group_gets_no_vfio_device_and_no_counters(
     inventory: Inventory,
 ) -> None:

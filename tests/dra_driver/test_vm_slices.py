@@ -31,6 +31,8 @@ def node(inventory: Inventory, case: str) -> Node:
     if case == "passthrough-a100-dynamic":
         inv = passthrough(inventory("dgx-a100"))  # in MIG mode: placements and vfio only
         return inv, DevicePolicy(mig_mode="dynamic", virtualization=vm)
+    if case == "passthrough-l40s-gpu-1-no-iommu":
+        return passthrough(inventory("l40s-pcie"), no_iommu=(1,)), DevicePolicy(virtualization=vm)
     if case == "vgpu-h200":
         return vgpu(inventory("hgx-h200"), H200_TYPES), DevicePolicy(virtualization="vgpu")
     assert case == "vgpu-l40s-mdev"
@@ -42,6 +44,7 @@ CASES = [
     "passthrough-static",
     "passthrough-dynamic",
     "passthrough-a100-dynamic",
+    "passthrough-l40s-gpu-1-no-iommu",
     "vgpu-h200",
     "vgpu-l40s-mdev",
 ]
