@@ -26,6 +26,11 @@ MIG layout fits by construction; on A100/H100/H200 the maximum is exactly the 7g
 Honouring ``max_instances`` keeps ``ofa-engines`` at 1 where only one ``+me`` instance may exist,
 so the counters also forbid two ``+me`` placements at once. ``memory`` is the GPU's total bytes
 (or that largest sum, should it ever be greater).
+
+Virtual machines (``--virtualization``): the vfio and vgpu devices come from
+:mod:`dra_driver.vm_devices`; a GPU passed through gets a counter set even without dynamic MIG,
+so that its whole GPU and its vfio device exclude each other. The value types are in
+:mod:`dra_driver.device_types` (listed in ``__all__`` here, where the driver imports them).
 """
 
 from __future__ import annotations
@@ -34,7 +39,6 @@ import functools
 import re
 import types
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from agent.discovery.inventory import Gpu, NodeInventory
 from agent.nvml.mig import mode_switch_needs_reset
@@ -43,7 +47,6 @@ from agent.nvml.types import (
     MigInstance,
     MigProfile,
     Placement,
-    PowerLimits,
     SystemInfo,
 )
 from dra_driver.device_attributes import (
@@ -52,10 +55,50 @@ from dra_driver.device_attributes import (
     power_attributes,
     string_value,
 )
+from dra_driver.device_types import (
+    GIB,
+    MIG_MODES,
+    SHARING_MODES,
+    VIRTUALIZATION_MODES,
+    AdvertisedDevice,
+    Attribute,
+    CounterSet,
+    DeviceModel,
+    DevicePolicy,
+    DeviceTaint,
+    Quantities,
+    RequestPolicy,
+    counter_set_name,
+    quantities,
+    sorted_attrs,
+)
+from dra_driver.vm_devices import (
+    memory_counter_set,
+    passes_through,
+    under_vgpu_manager,
+    vfio_device,
+    vgpu_devices,
+)
 
-MIG_MODES = ("static", "dynamic")
-SHARING_MODES = ("none", "time-slicing", "memory-shares")
-GIB = 1024**3
+__all__ = [  # the value types live in device_types; this is where the rest of the driver finds them
+    "GIB",
+    "MIG_MODES",
+    "SHARING_MODES",
+    "VIRTUALIZATION_MODES",
+    "AdvertisedDevice",
+    "Attribute",
+    "CounterSet",
+    "DeviceModel",
+    "DevicePolicy",
+    "DeviceTaint",
+    "Quantities",
+    "RequestPolicy",
+    "advertised_devices",
+    "counter_set_name",
+    "gpu_counter_set",
+    "memory_slots",
+    "mig_device_name",
+]
 
 # (counter name: a DNS label, capacity name: a C identifier, MigProfile attribute)
 _DIMENSIONS: tuple[tuple[str, str, str], ...] = (
@@ -67,156 +110,11 @@ _DIMENSIONS: tuple[tuple[str, str, str], ...] = (
     ("ofa-engines", "ofaEngines", "ofa_engines"),
 )
 
-Attribute = tuple[str, dict[str, object]]
-Quantities = tuple[tuple[str, str], ...]
-
-
-@dataclass(frozen=True)
-class DevicePolicy:
-    driver_name: str = "gpu.tessera.dev"
-    mig_mode: str = "static"
-    """``static`` or ``dynamic``."""
-    sharing: str = "none"
-    """How whole GPUs may be shared between claims: ``none`` (one claim per GPU),
-    ``time-slicing`` (several claims, time-sliced) or ``memory-shares`` (several claims, each
-    with the memory it consumed, enforced by MPS). Sharing sets ``allowMultipleAllocations``,
-    which needs the DRAConsumableCapacity feature gate (alpha in 1.34/1.35)."""
-    memory_share_min: int = GIB
-    """memory-shares: the smallest share, in bytes (the request policy's min and default)."""
-    memory_share_step: int = GIB
-    """memory-shares: shares are a multiple of this many bytes (the request policy's step)."""
-
-
-@dataclass(frozen=True)
-class CounterSet:
-    name: str
-    """``gpu-<minor>-counter-set``."""
-    counters: Quantities
-    """(counter name, Quantity string), sorted by name."""
-
-    def api(self) -> dict[str, object]:
-        """The v1 CounterSet object."""
-        return {"name": self.name, "counters": {c: {"value": q} for c, q in self.counters}}
-
-
-@dataclass(frozen=True)
-class RequestPolicy:
-    """How a claim consumes a capacity of a shared device: ``default`` when it asks nothing,
-    else at least ``min`` and rounded up to ``min + n * step`` (Quantity strings)."""
-
-    default: str
-    min: str
-    step: str
-
-    def api(self) -> dict[str, object]:
-        return {"default": self.default, "validRange": {"min": self.min, "step": self.step}}
-
-
-@dataclass(frozen=True)
-class DeviceTaint:
-    """A v1 DeviceTaint (the DRADeviceTaints feature; see dra_driver/advertise/taints.py)."""
-
-    key: str
-    value: str
-    effect: str
-    time_added: str
-    """RFC 3339, seconds, UTC (``2026-01-02T03:04:05Z``)."""
-
-    def api(self) -> dict[str, object]:
-        return {
-            "key": self.key,
-            "value": self.value,
-            "effect": self.effect,
-            "timeAdded": self.time_added,
-        }
-
-
-@dataclass(frozen=True)
-class AdvertisedDevice:
-    name: str
-    kind: str
-    """``gpu`` or ``mig``."""
-    gpu_index: int
-    gpu_minor: int
-    parent_uuid: str
-    uuid: str | None
-    """None for dynamic MIG placements (they do not exist yet)."""
-    mig_profile_id: int | None
-    mig_placement_start: int | None
-    mig_placement_size: int | None
-    gpu_instance_id: int | None
-    """Static MIG only."""
-    compute_instance_id: int | None
-    attributes: tuple[Attribute, ...]
-    """(qualified name, {"string"|"int"|"bool"|"version": value}), sorted by name."""
-    capacity: Quantities
-    """(name, Quantity string), sorted by name."""
-    consumes_counters: tuple[tuple[str, Quantities], ...] = ()
-    """(counter set, ((counter, Quantity), ...)); empty when the device uses no counters."""
-    allow_multiple_allocations: bool = False
-    """Several claims may be allocated this device at once (GPU sharing)."""
-    request_policies: tuple[tuple[str, RequestPolicy], ...] = ()
-    """(capacity name, how a claim consumes it) for consumable capacity."""
-    taints: tuple[DeviceTaint, ...] = ()
-    """Set by ``dra_driver.advertise.taints.with_health`` for devices of an unhealthy GPU."""
-    power_limits: PowerLimits | None = None
-    """A whole GPU's power-limit range and default in milliwatts, exactly as NVML reports them
-    (the attributes round them to watts); None for MIG devices and GPUs without one."""
-
-    def api(self) -> dict[str, object]:
-        """The v1 Device object as the API server stores it."""
-        policies = dict(self.request_policies)
-        capacity: dict[str, object] = {}
-        for k, q in self.capacity:
-            entry: dict[str, object] = {"value": q}
-            if k in policies:
-                entry["requestPolicy"] = policies[k].api()
-            capacity[k] = entry
-        out: dict[str, object] = {
-            "name": self.name,
-            "attributes": {k: dict(v) for k, v in self.attributes},
-            "capacity": capacity,
-        }
-        if self.allow_multiple_allocations:
-            out["allowMultipleAllocations"] = True
-        if self.consumes_counters:
-            out["consumesCounters"] = [
-                {"counterSet": s, "counters": {c: {"value": q} for c, q in counters}}
-                for s, counters in self.consumes_counters
-            ]
-        if self.taints:
-            out["taints"] = [t.api() for t in self.taints]
-        return out
-
-
-@dataclass(frozen=True)
-class DeviceModel:
-    devices: tuple[AdvertisedDevice, ...]
-    counter_sets: tuple[CounterSet, ...]
-
-    def device(self, name: str) -> AdvertisedDevice:
-        for d in self.devices:
-            if d.name == name:
-                return d
-        raise KeyError(name)
-
 
 def mig_device_name(minor: int, profile_name: str, profile_id: int, start: int) -> str:
     """``gpu-0-mig-1g5gb-19-0``; ``1g.5gb+me`` becomes ``1g5gbme``."""
     profile = re.sub(r"[^a-z0-9]", "", profile_name.lower())
     return f"gpu-{minor}-mig-{profile}-{profile_id}-{start}"
-
-
-def counter_set_name(minor: int) -> str:
-    return f"gpu-{minor}-counter-set"
-
-
-def _sorted_attrs(attrs: dict[str, dict[str, object]]) -> tuple[Attribute, ...]:
-    return tuple(sorted(attrs.items()))
-
-
-def _quantities(values: dict[str, int]) -> Quantities:
-    return tuple(sorted((k, str(v)) for k, v in values.items()))
 
 
 def _whole_gpu(
@@ -250,8 +148,8 @@ def _whole_gpu(
         mig_placement_size=None,
         gpu_instance_id=None,
         compute_instance_id=None,
-        attributes=_sorted_attrs(attrs),
-        capacity=_quantities({"memory": d.memory.total}),
+        attributes=sorted_attrs(attrs),
+        capacity=quantities({"memory": d.memory.total}),
         consumes_counters=consumes,
         allow_multiple_allocations=policy.sharing != "none",
         request_policies=policies,
@@ -261,7 +159,7 @@ def _whole_gpu(
 
 def _mig_capacity(profile: MigProfile | None, memory: int, multiprocessors: int) -> Quantities:
     values = {cap: getattr(profile, field) for _, cap, field in _DIMENSIONS} if profile else {}
-    return _quantities(values | {"memory": memory, "multiprocessors": multiprocessors})
+    return quantities(values | {"memory": memory, "multiprocessors": multiprocessors})
 
 
 def _mig_device(
@@ -296,7 +194,7 @@ def _mig_device(
         mig_placement_size=placement.size,
         gpu_instance_id=instance.gpu_instance_id if instance is not None else None,
         compute_instance_id=instance.compute_instance_id if instance is not None else None,
-        attributes=_sorted_attrs(attrs),
+        attributes=sorted_attrs(attrs),
         capacity=capacity,
         consumes_counters=consumes,
     )
@@ -349,7 +247,7 @@ def gpu_counter_set(device: GpuDevice) -> CounterSet:
     values["memory"] = max(values.get("memory", 0), device.memory.total)
     for slot in range(memory_slots(device.mig_profiles)):
         values[f"memory-slice-{slot}"] = 1
-    return CounterSet(name=counter_set_name(device.minor), counters=_quantities(values))
+    return CounterSet(name=counter_set_name(device.minor), counters=quantities(values))
 
 
 def _placement_consumption(
@@ -357,7 +255,7 @@ def _placement_consumption(
 ) -> tuple[tuple[str, Quantities], ...]:
     amounts = _profile_amounts(profile)
     amounts |= {f"memory-slice-{slot}": 1 for slot in placement.slots()}
-    return ((counters.name, _quantities(amounts)),)
+    return ((counters.name, quantities(amounts)),)
 
 
 def _static_mig_devices(gpu: Gpu, system: SystemInfo) -> list[AdvertisedDevice]:
@@ -418,29 +316,61 @@ def _slice_count(gpu: GpuDevice, profile_id: int | None, profile_name: str) -> i
     return int(m.group(1)) if m else 0
 
 
+def _check(policy: DevicePolicy) -> None:
+    for name, value, allowed in (
+        ("mig_mode", policy.mig_mode, MIG_MODES),
+        ("sharing", policy.sharing, SHARING_MODES),
+        ("virtualization", policy.virtualization, VIRTUALIZATION_MODES),
+    ):
+        if value not in allowed:
+            raise ValueError(f"{name} {value!r}: expected one of {', '.join(allowed)}")
+    if policy.virtualization != "none" and policy.sharing != "none":
+        raise ValueError(
+            f"virtualization {policy.virtualization!r} with sharing {policy.sharing!r}: a GPU"
+            " for VMs is never shared between containers' claims"
+        )
+    if policy.virtualization == "vgpu" and policy.mig_mode == "dynamic":
+        raise ValueError("virtualization 'vgpu' with mig_mode 'dynamic': vGPU GPUs have no MIG")
+
+
+def _gpu_devices(
+    gpu: Gpu, system: SystemInfo, policy: DevicePolicy
+) -> tuple[list[AdvertisedDevice], CounterSet | None]:
+    """One GPU's devices and its counter set (None: its devices consume no counters)."""
+    d = gpu.device
+    if under_vgpu_manager(gpu, policy):
+        return vgpu_devices(gpu, system, policy)
+    vfio = passes_through(gpu, policy)
+    if policy.mig_mode == "dynamic" and d.mig_capable and d.mig_profiles:
+        found, counters = _dynamic_devices(gpu, system, policy)
+        return [*found, vfio_device(gpu, system, counters)] if vfio else found, counters
+    if policy.mig_mode == "static" and d.mig_enabled:
+        return _static_mig_devices(gpu, system), None
+    if not vfio:
+        return [_whole_gpu(gpu, system, policy)], None
+    counters = memory_counter_set(d)
+    return [_whole_gpu(gpu, system, policy, counters), vfio_device(gpu, system, counters)], counters
+
+
+_KIND_ORDER = {"gpu": 0, "mig": 1, "vfio": 2, "vgpu": 3}
+
+
 def advertised_devices(inv: NodeInventory, policy: DevicePolicy) -> DeviceModel:
     """Every device the node advertises under ``policy``, in a deterministic order: by GPU minor,
-    the whole GPU first, then MIG devices by (slice count, profile id, placement start)."""
-    if policy.mig_mode not in MIG_MODES:
-        raise ValueError(f"mig_mode {policy.mig_mode!r}: expected one of {', '.join(MIG_MODES)}")
-    if policy.sharing not in SHARING_MODES:
-        raise ValueError(f"sharing {policy.sharing!r}: expected one of {', '.join(SHARING_MODES)}")
+    the whole GPU first, then MIG devices by (slice count, profile id, placement start), then
+    the GPU's VM devices (its vfio device; its vGPUs by type, smallest first, then instance)."""
+    _check(policy)
     devices: list[AdvertisedDevice] = []
     counter_sets: list[CounterSet] = []
     for gpu in sorted(inv.gpus, key=lambda g: g.device.minor):
-        d = gpu.device
-        if policy.mig_mode == "dynamic" and d.mig_capable and d.mig_profiles:
-            found, counters = _dynamic_devices(gpu, inv.system, policy)
-            devices += found
+        found, counters = _gpu_devices(gpu, inv.system, policy)
+        devices += found
+        if counters is not None:
             counter_sets.append(counters)
-        elif policy.mig_mode == "static" and d.mig_enabled:
-            devices += _static_mig_devices(gpu, inv.system)
-        else:
-            devices.append(_whole_gpu(gpu, inv.system, policy))
 
     def order(dev: AdvertisedDevice) -> tuple[int, int, int, int, int]:
-        if dev.kind == "gpu":
-            return (dev.gpu_minor, 0, 0, 0, 0)
+        if dev.kind != "mig":  # vGPUs keep the order vm_devices made them in (a stable sort)
+            return (dev.gpu_minor, _KIND_ORDER[dev.kind], 0, 0, 0)
         gpu = next(g.device for g in inv.gpus if g.device.minor == dev.gpu_minor)
         profile = dict(dev.attributes)["profile"]["string"]
         return (

@@ -8,10 +8,12 @@ from pathlib import Path
 
 from agent.config.converters import CrashAt, crash_at, dns_subdomain, memory_quantity
 from agent.config.declare import setting
-from dra_driver.device_model import SHARING_MODES, DevicePolicy
+from agent.errors import ConfigError
+from dra_driver.device_model import SHARING_MODES, VIRTUALIZATION_MODES, DevicePolicy
 from dra_driver.kubeletplugin.crash_points import CRASH_POINTS
 from dra_driver.kubeletplugin.plan import SharingPolicy
 from dra_driver.quantity import parse_bytes
+from dra_driver.vm_devices import gpu_selector
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,8 @@ class SimulatorSettings:
 
 @dataclass(frozen=True)
 class DriverSettings:
-    """What the driver advertises: its name, MIG and sharing modes, the ResourceSlice layout."""
+    """What the driver advertises: its name, MIG and sharing modes, the ResourceSlice layout,
+    the devices GPUs offer virtual machines."""
 
     driver_name: str = setting(
         "gpu.tessera.dev",
@@ -157,6 +160,47 @@ class DriverSettings:
         groups=("driver",),
         choices=("1.35", "1.34"),
     )
+    virtualization: str = setting(
+        "none",
+        "What GPUs also offer virtual machines (KubeVirt): none, passthrough (each GPU in an"
+        " IOMMU group is also a vfio device, the whole GPU for one VM, bound to vfio-pci at"
+        " prepare; the scheduler never allocates it beside the GPU's container devices) or vgpu"
+        " (on NVIDIA's vGPU host driver: a vgpu device per vGPU type and instance; such GPUs are"
+        " not advertised for containers). Only with --sharing none; vgpu not with --mig-mode"
+        " dynamic.",
+        groups=("node", "driver"),
+        choices=VIRTUALIZATION_MODES,
+    )
+    virtualization_gpus: tuple[str, ...] = setting(
+        (),
+        "With --virtualization: the GPUs that get VM devices, by minor (3), UUID (GPU-…) or PCI"
+        " address (0000:1b:00.0); repeat the flag for several (in the variable: separated by"
+        " commas). Unset: every GPU.",
+        groups=("node", "driver"),
+        metavar="GPU",
+        parse=gpu_selector,
+    )
+
+    def __post_init__(self) -> None:
+        if self.virtualization != "none" and self.sharing != "none":
+            raise ConfigError(
+                f"--virtualization {self.virtualization} and --sharing {self.sharing} go against"
+                " each other: a GPU's VM device and its container devices are kept apart by one"
+                " counter set per GPU, which a GPU shared between claims does not consume; use"
+                " --sharing none with --virtualization, or --virtualization none"
+            )
+        if self.virtualization == "vgpu" and self.mig_mode == "dynamic":
+            raise ConfigError(
+                "--virtualization vgpu and --mig-mode dynamic go against each other: a GPU under"
+                " NVIDIA's vGPU host driver is not advertised for containers, so it has no MIG"
+                " placements to offer; use --mig-mode static (MIG-backed vGPU types are offered"
+                " as vGPU types)"
+            )
+        if self.virtualization_gpus and self.virtualization == "none":
+            raise ConfigError(
+                f"--virtualization-gpus {','.join(self.virtualization_gpus)}: needs"
+                " --virtualization passthrough or vgpu (with none, no GPU gets VM devices)"
+            )
 
     def device_policy(self) -> DevicePolicy:
         """What the node advertises, from the driver settings."""
@@ -166,6 +210,8 @@ class DriverSettings:
             sharing=self.sharing,
             memory_share_min=parse_bytes(self.memory_share_min),
             memory_share_step=parse_bytes(self.memory_share_step),
+            virtualization=self.virtualization,
+            virtualization_gpus=self.virtualization_gpus,
         )
 
     def sharing_policy(self) -> SharingPolicy:

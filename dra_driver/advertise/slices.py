@@ -12,8 +12,10 @@ Layouts:
 ``1.34``
     A device may only consume counter sets of its own slice, and a slice holds at most 32 counters
     in all its sets: each GPU's counter set shares a slice with the devices consuming it (at most
-    64); devices without counters follow, 128 per slice (1.34 has no lower limit for devices
-    with taints; at most 4 taints per device, and we set one).
+    128 and 1024 consumed counters: the limit of 64 devices for a slice whose devices consume
+    counters came with 1.35; a GPU's vGPU devices can pass 64); devices without counters follow,
+    128 per slice (1.34 has no lower limit for devices with taints; at most 4 taints per device,
+    and we set one).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 from dra_driver.advertise.slice_limits import (
     LAYOUTS,
     MAX_COUNTER_SETS,
+    MAX_DEVICE_COUNTERS_PER_SLICE,
     MAX_DEVICES,
     MAX_DEVICES_WITH_TAINTS_OR_COUNTERS,
     parse_quantity,
@@ -94,10 +97,18 @@ def _layout_134(model: DeviceModel) -> list[Chunk]:
     out: list[Chunk] = []
     for cs in model.counter_sets:
         consumers = by_set[cs.name]
-        if len(consumers) > MAX_DEVICES_WITH_TAINTS_OR_COUNTERS:
+        if len(consumers) > MAX_DEVICES:
             raise ValueError(
                 f"counter set {cs.name}: {len(consumers)} consuming devices do not fit one 1.34"
-                f" slice ({MAX_DEVICES_WITH_TAINTS_OR_COUNTERS} at most)"
+                f" slice ({MAX_DEVICES} at most); publish with --kube-layout 1.35, where they"
+                " may span slices"
+            )
+        consumed = sum(len(c) for d in consumers for _, c in d.consumes_counters)
+        if consumed > MAX_DEVICE_COUNTERS_PER_SLICE:
+            raise ValueError(
+                f"counter set {cs.name}: its devices consume {consumed} counters, more than one"
+                f" 1.34 slice holds ({MAX_DEVICE_COUNTERS_PER_SLICE}); publish with"
+                " --kube-layout 1.35"
             )
         out.append(((cs,), tuple(consumers)))
     out += [(None, devs) for devs in _chunks(plain, MAX_DEVICES)]

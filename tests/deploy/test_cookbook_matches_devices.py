@@ -652,6 +652,10 @@ GENERATIONS = {
 so that the table does not restate the selector)."""
 
 
+VM_CLASSES = {"vfio.gpu.tessera.dev": "vfio", "vgpu.gpu.tessera.dev": "vgpu"}
+"""The classes of VM devices and the device type each is for."""
+
+
 def meant_for(class_name: str, device: dict[str, Any]) -> bool:
     """Whether the class is meant to select the device (a ResourceSlice device)."""
     kind = device["attributes"]["type"]["string"]
@@ -661,6 +665,8 @@ def meant_for(class_name: str, device: dict[str, Any]) -> bool:
         return kind == "gpu" and device["attributes"]["sharing"]["string"] != "memory-shares"
     if class_name == "mig.gpu.tessera.dev":
         return kind == "mig"
+    if class_name in VM_CLASSES:
+        return kind == VM_CLASSES[class_name]
     return (
         kind == "gpu" and device["attributes"]["productName"]["string"] in GENERATIONS[class_name]
     )
@@ -680,6 +686,9 @@ SELECTED_AT_DEFAULTS = {
     "hopper.gpu.tessera.dev": (0, 8, 8, 0, 0),
     "ampere.gpu.tessera.dev": (0, 0, 0, 0, 2),
     "ada.gpu.tessera.dev": (0, 0, 0, 4, 2),
+    # no VM devices without --virtualization (tests/deploy/test_vm_classes.py: with it)
+    "vfio.gpu.tessera.dev": (0, 0, 0, 0, 0),
+    "vgpu.gpu.tessera.dev": (0, 0, 0, 0, 0),
 }
 
 
@@ -814,18 +823,33 @@ def attribute_table() -> dict[str, str]:
 @pytest.mark.parametrize("model", model_names())
 def test_attribute_table_says_which_devices_carry_each_attribute(model: str, mig_mode: str) -> None:
     advertised, _ = published(Node(model, mig_mode))
-    wanted: dict[str, Callable[[AdvertisedDevice], bool]] = {
-        "all": lambda d: True,
-        "all (MIG: the parent's)": lambda d: True,
-        "whole GPUs": lambda d: d.kind == "gpu",
-        "MIG": lambda d: d.kind == "mig",
-        "GPUs, static MIG": lambda d: d.kind == "gpu" or d.uuid is not None,
-    }
+    check_attribute_table(advertised)
+
+
+CARRIED_ON: dict[str, Callable[[AdvertisedDevice], bool]] = {
+    "all": lambda d: True,
+    "all (MIG, VM devices: the GPU's)": lambda d: True,
+    "all but vGPUs": lambda d: d.kind != "vgpu",
+    "whole GPUs": lambda d: d.kind == "gpu",
+    "GPUs, MIG": lambda d: d.kind in ("gpu", "mig"),
+    "MIG": lambda d: d.kind == "mig",
+    "MIG, vGPUs": lambda d: d.kind in ("mig", "vgpu"),
+    "GPUs, static MIG, vfio": lambda d: d.kind in ("gpu", "vfio") or d.uuid is not None,
+    "vfio": lambda d: d.kind == "vfio",
+    "vGPUs": lambda d: d.kind == "vgpu",
+}
+"""The cookbook's "on" column: which devices carry an attribute (conditional rows, "GPUs with
+NVLink", are not here)."""
+
+
+def check_attribute_table(advertised: DeviceModel) -> None:
+    """Each attribute of the cookbook's table is on exactly the devices its row says."""
     table = attribute_table()
     assert "nvlinkLinks" in table and "pcieRoot" not in table  # qualified names stay whole
+    assert "vgpuType" in table and "iommuGroup" in table
     for name, on in table.items():
-        if on not in wanted:
-            continue  # conditional rows ("GPUs with NVLink")
+        if on not in CARRIED_ON:
+            continue  # conditional rows ("GPUs with NVLink"), other tables' rows
         for d in advertised.devices:
             carried = {k.removeprefix(f"{DOMAIN}/") for k, _ in d.attributes}
-            assert (name in carried) == wanted[on](d), (name, on, d.name)
+            assert (name in carried) == CARRIED_ON[on](d), (name, on, d.name)
