@@ -46,6 +46,7 @@ from agent.nvml.types import (
     PowerLimits,
     SystemInfo,
 )
+from agent.pcihost.vm_types import VgpuType
 from dra_driver.device_attributes import (
     int_value,
     parent_attributes,
@@ -162,6 +163,12 @@ class AdvertisedDevice:
     power_limits: PowerLimits | None = None
     """A whole GPU's power-limit range and default in milliwatts, exactly as NVML reports them
     (the attributes round them to watts); None for MIG devices and GPUs without one."""
+    bus_id: str | None = None
+    """The GPU's PCI bus id (sysfs BDF): vfio and vgpu devices."""
+    iommu_group: int | None = None
+    """The GPU's IOMMU group: vfio devices."""
+    vgpu_type: VgpuType | None = None
+    """The vGPU type a vgpu device makes."""
 
     def api(self) -> dict[str, object]:
         """The v1 Device object as the API server stores it."""
