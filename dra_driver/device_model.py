@@ -86,6 +86,8 @@ class DevicePolicy:
     """memory-shares: the smallest share, in bytes (the request policy's min and default)."""
     memory_share_step: int = GIB
     """memory-shares: shares are a multiple of this many bytes (the request policy's step)."""
+    virtualization: str = "none"
+    """``none``, ``passthrough`` or ``vgpu``: how GPUs are handed to virtual machines."""
 
 
 @dataclass(frozen=True)
