@@ -92,6 +92,11 @@ class VmSteps:
         Idempotent; raises SharingError (the claim keeps its record and its GPU)."""
         if d.kind == VFIO and d.vfio_functions:
             self._passthrough(d.device).give_back(d.device, d.pci_bus_id or "", d.vfio_functions)
+        elif d.kind == VFIO and d.pci_bus_id and self._tools and self._tools.passthrough:
+            # no functions recorded (a claim rebuilt from its CDI spec): a GPU bound to
+            # vfio-pci through its override is this claim's doing (no other claim can hold it)
+            if self._tools.passthrough.stray(d.pci_bus_id):
+                self._tools.passthrough.release_stray(d.pci_bus_id)
         elif d.kind == VGPU and d.pci_bus_id is not None:
             self._vgpu(d.device).remove(d.device, d.pci_bus_id, d.mdev_uuid)
 
