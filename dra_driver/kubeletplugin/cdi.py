@@ -239,6 +239,12 @@ class CdiWriter:
             return {"path": path, "hostPath": str(under(host, path))}
         raise AssertionError("unreachable: the last root makes the node or raises")
 
+    def _vfio_node(self, path: str) -> dict[str, Any]:
+        """A VFIO node: under the dev root where it is there (the simulator's), else the host's."""
+        here = under(self.dev_root, path).exists()
+        root = self.host_dev_root if here else self.caps_fallback_root
+        return {"path": path, "hostPath": str(under(root, path))}
+
     def build_base_spec(self) -> dict[str, Any]:
         """The base spec: the driver's files and the control device nodes. Pure apart from
         reading the driver root (at construction)."""
@@ -304,7 +310,7 @@ class CdiWriter:
                 raise CdiError(f"device {req.device_name!r}: negative GPU minor {req.gpu_minor}")
             nodes = [self.node(f"/dev/nvidia{req.gpu_minor}")]
             if req.vfio_group is not None:  # a VM's: VFIO's container and the group's node
-                nodes = [self.node(p) for p in ("/dev/vfio/vfio", f"/dev/vfio/{req.vfio_group}")]
+                nodes = [self._vfio_node(f"/dev/vfio/{n}") for n in ("vfio", req.vfio_group)]
             elif req.gpu_instance_id is not None or req.compute_instance_id is not None:
                 nodes += self._mig_nodes(req)
             cdi_devices.append({"name": name, "containerEdits": {"deviceNodes": nodes}})
