@@ -64,32 +64,31 @@ class VgpuMaker:
             gpu = self._gpu(bus_id)
             existing = self._host.vgpus(bus_id)
             other = [v for v in existing if v.type_id != type_id]
-            if other and not gpu.heterogeneous:
-                raise SharingError(
-                    f"{device}: GPU {bus_id} hosts vGPUs of type {other[0].type_id} (on"
-                    f" {other[0].function}) and its vGPUs must all have one type; type"
-                    f" {type_id} can only be made once they are gone",
-                    "vgpu_type_conflict",
-                )
-            for function in gpu.vgpu_functions:
-                if function in taken or type_id not in self._host.creatable(function):
-                    continue
-                if gpu.vgpu_interface == VGPU_VF:
-                    if self._host.current_type(function) == 0:
-                        return function, None
-                else:
-                    return function, self._new_uuid()
+            free = [
+                f
+                for f in gpu.vgpu_functions
+                if f not in taken
+                and type_id in self._host.creatable(f)
+                and (gpu.vgpu_interface != VGPU_VF or self._host.current_type(f) == 0)
+            ]
         except (TesseraError, OSError) as exc:
-            if isinstance(exc, SharingError):
-                raise
             raise SharingError(
                 f"{device}: cannot read GPU {bus_id}'s vGPUs: {exc}", "vgpu_error"
             ) from exc
-        raise SharingError(
-            f"{device}: GPU {bus_id} has no function left that can make vGPU type {type_id}"
-            f" ({len(existing)} vGPU(s) there)",
-            "vgpu_unavailable",
-        )
+        if other and not gpu.heterogeneous:
+            raise SharingError(
+                f"{device}: GPU {bus_id} hosts vGPUs of type {other[0].type_id} (on"
+                f" {other[0].function}) and its vGPUs must all have one type; type {type_id} can"
+                " only be made once they are gone",
+                "vgpu_type_conflict",
+            )
+        if not free:
+            raise SharingError(
+                f"{device}: GPU {bus_id} has no function left that can make vGPU type"
+                f" {type_id} ({len(existing)} vGPU(s) there)",
+                "vgpu_unavailable",
+            )
+        return free[0], None if gpu.vgpu_interface == VGPU_VF else self._new_uuid()
 
     def make(self, device: str, function: str, type_id: int, mdev_uuid: str | None) -> int:
         """Give VF ``function`` type ``type_id``, or create mdev ``mdev_uuid`` of that type on
