@@ -63,6 +63,9 @@ MPS_STEPS = frozenset({"after-mps-start"})
 """Reached only when a claim's MPS daemon is started (MPS and memory shares)."""
 POWER_STEPS = frozenset({"after-power-recorded", "after-power-limit"})
 """Reached only when a claim caps a GPU's power (``powerLimit``)."""
+VM_STEPS = frozenset({"after-vfio-unbind", "after-vfio-bind", "after-vgpu-create"})
+"""Reached only when a GPU is handed to a virtual machine (``--virtualization``): no mode here
+has one yet; the VM modes come with the simulator's VFIO and vGPU models (issue 24)."""
 
 BATCH_OCCURRENCE = 2
 """A batch crashes the second time its point is reached."""
@@ -138,7 +141,7 @@ MODES = (
         (),
         single=(Claim("w0", ("gpu-0",)),),
         batch=(Claim("w1", ("gpu-1",)), Claim("w2", ("gpu-2", "gpu-3")), Claim("w4", ("gpu-4",))),
-        unreachable=POWER_STEPS | MIG_STEPS | TIMESLICE_STEPS | MPS_STEPS,
+        unreachable=POWER_STEPS | MIG_STEPS | TIMESLICE_STEPS | MPS_STEPS | VM_STEPS,
     ),
     Mode(
         "static-mig",
@@ -150,7 +153,7 @@ MODES = (
             Claim("s2", ("gpu-0-mig-2g10gb-14-0",)),
             Claim("s3", ("gpu-1-mig-3g20gb-9-4", "gpu-2-mig-3g20gb-9-4")),
         ),
-        unreachable=POWER_STEPS | MIG_STEPS | TIMESLICE_STEPS | MPS_STEPS,
+        unreachable=POWER_STEPS | MIG_STEPS | TIMESLICE_STEPS | MPS_STEPS | VM_STEPS,
     ),
     Mode(
         "dynamic-mig",
@@ -163,7 +166,7 @@ MODES = (
             Claim("d3", ("gpu-1-mig-3g40gb-9-4",)),
             Claim("d4", ("gpu-2",)),  # a whole GPU in dynamic mode: freed of MIG, nothing made
         ),
-        unreachable=POWER_STEPS | TIMESLICE_STEPS | MPS_STEPS,
+        unreachable=POWER_STEPS | TIMESLICE_STEPS | MPS_STEPS | VM_STEPS,
     ),
     Mode(
         "time-slicing",
@@ -175,7 +178,7 @@ MODES = (
             Claim("t2", ("gpu-2",), _slice("Long")),  # two claims take turns on one GPU
             Claim("t3", ("gpu-3",), _slice("Medium")),
         ),
-        unreachable=POWER_STEPS | MIG_STEPS | MPS_STEPS,
+        unreachable=POWER_STEPS | MIG_STEPS | MPS_STEPS | VM_STEPS,
     ),
     Mode(
         "mps",
@@ -187,7 +190,7 @@ MODES = (
             Claim("m2", ("gpu-6",), _mps(pinnedMemoryLimit="4Gi")),
             Claim("m3", ("gpu-7",), _mps()),
         ),
-        unreachable=POWER_STEPS | MIG_STEPS | TIMESLICE_STEPS,
+        unreachable=POWER_STEPS | MIG_STEPS | TIMESLICE_STEPS | VM_STEPS,
     ),
     Mode(
         "memory-share",
@@ -195,7 +198,8 @@ MODES = (
         ("--sharing", "memory-shares", "--memory-share-min", "10Gi"),
         single=(Claim("q0", ("gpu-6",), memory="20Gi"),),
         batch=tuple(Claim(f"q{i}", ("gpu-7",), memory="20Gi") for i in (1, 2, 3)),
-        unreachable=POWER_STEPS | MIG_STEPS | TIMESLICE_STEPS,  # each share has its own MPS daemon
+        # each share has its own MPS daemon
+        unreachable=POWER_STEPS | MIG_STEPS | TIMESLICE_STEPS | VM_STEPS,
     ),
     Mode(
         "power-limit",
@@ -207,7 +211,7 @@ MODES = (
             Claim("p2", ("gpu-2", "gpu-3"), _power("0.5kW")),  # two GPUs, one cap
             Claim("p4", ("gpu-4",)),  # no cap: its GPU keeps its own limit
         ),
-        unreachable=MIG_STEPS | TIMESLICE_STEPS | MPS_STEPS,
+        unreachable=MIG_STEPS | TIMESLICE_STEPS | MPS_STEPS | VM_STEPS,
     ),
 )
 BY_NAME = {m.name: m for m in MODES}

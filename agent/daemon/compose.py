@@ -26,6 +26,7 @@ from agent.daemon.node_owner import NodeOwner
 from agent.daemon.paths import DEFAULT_STATE_DIR, agent_paths, take_state_dir
 from agent.daemon.readiness import AgentChecks, ClaimChecks, SocketChecks
 from agent.daemon.sampling import Sampling
+from agent.daemon.vm_wiring import vm_tools
 from agent.daemon.wiring import (
     agent_status,
     cdi_writer,
@@ -150,6 +151,7 @@ def _build(
     taints_dropped: Relay[None] = Relay("on_taints_dropped")
     devices_changed: Relay[DevicesChanged] = Relay("on_devices_changed")
     mig_changed: Relay[int] = Relay("on_mig_changed")  # a prepare made or destroyed MIG devices
+    gpu_rebound: Relay[str] = Relay("on_gpu_rebound")  # a GPU back on nvidia from a VM (its BDF)
     devices_changed.subscribe(devices_event(node_events))
     publisher = Publisher(
         store,
@@ -179,6 +181,14 @@ def _build(
         claim_status = ClaimUsageStatusWriter(
             kube, driver_name, usage, log.getChild("claim-usage-status")
         )
+    vm = vm_tools(
+        config.driver.device_policy().virtualization,
+        source,
+        kernel_write=None,  # merge: the node source's (the simulator's under --simulate)
+        rebound=gpu_rebound,
+        log=prepare_log.getChild("vm"),
+        crash=crash,
+    )
     preparer = Preparer(
         driver_name=driver_name,
         pool=source.hostname,
@@ -201,7 +211,7 @@ def _build(
         devices=devices.get,
         log=prepare_log,
         effects=sharing_effects(
-            config, source, state_dir, devices, prepare_log, crash, mig_changed, kube
+            config, source, state_dir, devices, prepare_log, crash, mig_changed, kube, vm=vm
         ),
         sharing=config.driver.sharing_policy(),
         crash_hook=crash,
@@ -293,6 +303,9 @@ def _build(
         mig_changed=mig_changed,
         health_published=health_event(node_events),
     )
+    # a GPU back on nvidia from a VM: NVML's indexes shift, so the whole node is read again and
+    # the GPU advertised for containers again before the unprepare answers
+    gpu_rebound.subscribe(lambda bus_id: node_devices.rediscover(frozenset({bus_id})))
     gone = GoneClaims(
         preparer, lambda: node_devices.inventory, node_events, log.getChild("gone-devices")
     )

@@ -47,6 +47,7 @@ from dra_driver.sharing.mps_launch import LocalLauncher, MpsLauncher
 from dra_driver.sharing.node_tools import Tools, find_tool, tool_env
 from dra_driver.sharing.power_cap import GpuPower
 from dra_driver.sharing.timeslice import GpuSettings
+from dra_driver.vm.tools import VmTools
 
 if TYPE_CHECKING:  # imported where kube mode starts (build_agent)
     from dra_driver.cluster.kube import KubeClient
@@ -259,12 +260,14 @@ def sharing_effects(
     crash: Callable[[str], None],
     mig_changed: Callable[[int], None],
     kube: KubeClient | None = None,
+    vm: VmTools | None = None,
 ) -> Effects:
     """The tools prepare shares devices and makes partitions with: nvidia-smi and
     nvidia-cuda-mps-control from the driver root (the simulator's stand-ins with --simulate),
     MPS daemons under --mps-root (run by :func:`mps_launcher`), and dynamic MIG through NVML
     when --mig-mode is dynamic (``mig_changed``: told the index of each GPU whose MIG devices
-    it changed)."""
+    it changed), and ``vm`` to hand GPUs to virtual machines (:mod:`agent.daemon.vm_wiring`;
+    None with --virtualization none)."""
     tools_ = config.sharing
     tools = Tools(
         nvidia_smi=find_tool("nvidia-smi", source.driver_root, tools_.nvidia_smi),
@@ -296,6 +299,7 @@ def sharing_effects(
         log=log,
         crash_hook=crash,
         power=GpuPower(PowerControl(source.nvml), log.getChild("power")),
+        vm=vm,
     )
 
 

@@ -259,6 +259,11 @@ class NvmlApi(Protocol):
         """Milliwatts; root only; kept until the driver unloads (reboot, driver reload)."""
         ...
 
+    def nvmlDeviceSetPersistenceMode(self, handle: DeviceHandle, mode: int) -> None:
+        """NVML_FEATURE_DISABLED (0) or NVML_FEATURE_ENABLED (1); root only, Linux only
+        (NOT_SUPPORTED elsewhere)."""
+        ...
+
     def nvmlDeviceGetTemperature(self, handle: DeviceHandle, sensor: int) -> int:
         """Degrees C."""
         ...

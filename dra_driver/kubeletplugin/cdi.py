@@ -14,6 +14,7 @@ Container Toolkit's generated specs do (``nvidia-ctk cdi generate``, ``pkg/nvcdi
 
     devices:        <claimUID>-<deviceName>: /dev/nvidia<minor>
                                              + for MIG /dev/nvidia-caps/nvidia-cap<GI>, ...<CI>
+                    (a VM's device: /dev/vfio/vfio and /dev/vfio/<group>, no base spec)
     containerEdits: env TESSERA_CLAIM_UID, TESSERA_DEVICES (device names, comma-separated);
                     with MPS: env CUDA_MPS_PIPE_DIRECTORY=/run/tessera/mps and bind mounts of
                     the claim's daemon's pipe directory there and its shm directory at /dev/shm
@@ -238,6 +239,12 @@ class CdiWriter:
             return {"path": path, "hostPath": str(under(host, path))}
         raise AssertionError("unreachable: the last root makes the node or raises")
 
+    def _vfio_node(self, path: str) -> dict[str, Any]:
+        """A VFIO node: under the dev root where it is there (the simulator's), else the host's."""
+        here = under(self.dev_root, path).exists()
+        root = self.host_dev_root if here else self.caps_fallback_root
+        return {"path": path, "hostPath": str(under(root, path))}
+
     def build_base_spec(self) -> dict[str, Any]:
         """The base spec: the driver's files and the control device nodes. Pure apart from
         reading the driver root (at construction)."""
@@ -302,7 +309,9 @@ class CdiWriter:
             if req.gpu_minor < 0:
                 raise CdiError(f"device {req.device_name!r}: negative GPU minor {req.gpu_minor}")
             nodes = [self.node(f"/dev/nvidia{req.gpu_minor}")]
-            if req.gpu_instance_id is not None or req.compute_instance_id is not None:
+            if req.vfio_group is not None:  # a VM's: VFIO's container and the group's node
+                nodes = [self._vfio_node(f"/dev/vfio/{n}") for n in ("vfio", req.vfio_group)]
+            elif req.gpu_instance_id is not None or req.compute_instance_id is not None:
                 nodes += self._mig_nodes(req)
             cdi_devices.append({"name": name, "containerEdits": {"deviceNodes": nodes}})
             names.append(req.device_name)

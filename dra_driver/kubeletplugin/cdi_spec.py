@@ -119,6 +119,10 @@ class CdiRequest:
     gpu_instance_id: int | None = None
     """MIG only, with ``compute_instance_id``."""
     compute_instance_id: int | None = None
+    vfio_group: int | None = None
+    """A device for a virtual machine (vfio, vgpu): its IOMMU group. Its nodes are then
+    ``/dev/vfio/vfio`` and ``/dev/vfio/<group>`` alone (no NVIDIA node: the host driver no
+    longer has the GPU, or a vGPU is a function of its own)."""
 
 
 def check_claim_uid(claim_uid: str) -> str:

@@ -32,7 +32,11 @@ Version 2 adds optional fields for sharing and dynamic MIG (``placement``, ``sha
 adds a device's power limit (``powerLimitMilliwatts``: what the claim asked;
 ``powerRestoreMilliwatts``: the GPU's limit before, to set back). A file is version 3 only while a
 claim caps a GPU, so that a build that does not know power limits refuses it (``CheckpointTooNew``)
-rather than reading it and never restoring the GPU's limit.
+rather than reading it and never restoring the GPU's limit. Version 4 adds the device kinds
+``vfio`` and ``vgpu`` (a GPU handed to a virtual machine) and their fields (``pciBusID``,
+``iommuGroup``, ``vfioFunctions``: ``[[BDF, driver it had], ...]``, ``vgpuTypeID``, ``mdevUUID``);
+a file is version 4 only while a claim holds such a device, for the same reason (a build that
+does not know them would call the kind corrupt and never bind the GPU back).
 
 Crash safety: ``save`` replaces the file atomically (temp file, fsync, rename, fsync the
 directory). ``load`` never loses a file it cannot read: a corrupt file is moved aside to
@@ -65,8 +69,12 @@ from agent.errors import DecodeError, TesseraError
 from agent.fsutil import atomic_write, holds, move_aside
 from agent.logs import fields_
 from dra_driver.errors import CheckpointCorrupt, CheckpointError, CheckpointTooNew
+from dra_driver.kubeletplugin.checkpoint_devices import device_from, device_json
 from dra_driver.kubeletplugin.checkpoint_migrations import MIGRATIONS
 from dra_driver.kubeletplugin.checkpoint_records import (
+    VFIO,
+    VGPU,
+    VM_KINDS,
     Checkpoint,
     ClaimEntry,
     MpsRecord,
@@ -80,6 +88,9 @@ __all__ = [  # the records are defined in checkpoint_records.py and used from he
     "MIGRATIONS",
     "PREPARE_COMPLETED",
     "PREPARE_STARTED",
+    "VFIO",
+    "VGPU",
+    "VM_KINDS",
     "Checkpoint",
     "CheckpointStore",
     "ClaimEntry",
@@ -92,16 +103,16 @@ __all__ = [  # the records are defined in checkpoint_records.py and used from he
     "to_json",
 ]
 
-CHECKPOINT_VERSION = 3
+CHECKPOINT_VERSION = 4
 """The newest format this build reads and writes. A checkpoint is written at the lowest version
 that holds its content: version 1 while no claim uses sharing or dynamic MIG (so an older build
-still reads it), version 2 once one does, version 3 while one caps a GPU's power."""
+still reads it), version 2 once one does, version 3 while one caps a GPU's power, version 4
+while one holds a GPU handed to a virtual machine."""
 API_VERSION = "tessera.dev/v1"
 KIND = "Checkpoint"
 PREPARE_STARTED = "PrepareStarted"
 PREPARE_COMPLETED = "PrepareCompleted"
 STATES = (PREPARE_STARTED, PREPARE_COMPLETED)
-DEVICE_KINDS = ("gpu", "mig")
 CHECKSUM_PREFIX = "sha256:"
 FILE_MODE = 0o600
 LOWEST_WRITTEN_VERSION = 1
@@ -144,33 +155,6 @@ def checksum_of(obj: Mapping[str, Any]) -> str:
     return CHECKSUM_PREFIX + hashlib.sha256(_canonical(body)).hexdigest()
 
 
-def _device_json(d: PreparedDevice) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "requestNames": list(d.request_names),
-        "pool": d.pool,
-        "device": d.device,
-        "cdiDeviceIDs": list(d.cdi_device_ids),
-        "kind": d.kind,
-        "gpuUUID": d.gpu_uuid,
-        "gpuMinor": d.gpu_minor,
-        "migUUID": d.mig_uuid,
-        "gpuInstanceID": d.gpu_instance_id,
-        "computeInstanceID": d.compute_instance_id,
-    }
-    v2 = {
-        "placement": list(d.placement) if d.placement is not None else None,
-        "sharing": d.sharing,
-        "interval": d.interval,
-        "shareID": d.share_id,
-        "memoryBytes": d.memory_bytes,
-        "powerLimitMilliwatts": d.power_limit_mw,
-        "powerRestoreMilliwatts": d.power_restore_mw,
-        "deviceClass": d.device_class or None,
-    }
-    out.update({k: v for k, v in v2.items() if v is not None})
-    return out
-
-
 def _mps_json(m: MpsRecord) -> dict[str, Any]:
     return {
         "pid": m.pid,
@@ -190,7 +174,7 @@ def _claim_json(c: ClaimEntry) -> dict[str, Any]:
         "namespace": c.namespace,
         "name": c.name,
         "state": c.state,
-        "devices": [_device_json(d) for d in c.devices],
+        "devices": [device_json(d) for d in c.devices],
         "updatedAt": c.updated_at,
     }
     if c.recovered:  # written only when set: older builds read the file as before
@@ -206,6 +190,8 @@ def _claim_json(c: ClaimEntry) -> dict[str, Any]:
 
 def _version(cp: Checkpoint) -> int:
     """The lowest version that holds ``cp`` (see ``CHECKPOINT_VERSION``)."""
+    if any(c.needs_v4 for c in cp.claims.values()):
+        return 4
     if any(c.needs_v3 for c in cp.claims.values()):
         return 3
     return 2 if any(c.needs_v2 for c in cp.claims.values()) else 1
@@ -231,48 +217,6 @@ def encode(cp: Checkpoint) -> bytes:
 
 
 # --- decoding (pure): agent.decode.fields, unknown fields ignored ------------------------------
-
-
-def _device(obj: Mapping[str, Any], where: str) -> PreparedDevice:
-    g = obj.get
-    return PreparedDevice(
-        request_names=fields.texts(g("requestNames"), f"{where}.requestNames", required=True),
-        pool=fields.text(g("pool"), f"{where}.pool"),
-        device=fields.text(g("device"), f"{where}.device"),
-        cdi_device_ids=fields.texts(g("cdiDeviceIDs"), f"{where}.cdiDeviceIDs", required=True),
-        kind=fields.one_of(g("kind"), f"{where}.kind", DEVICE_KINDS),
-        gpu_uuid=fields.text(g("gpuUUID"), f"{where}.gpuUUID"),
-        gpu_minor=fields.integer(g("gpuMinor"), f"{where}.gpuMinor"),
-        mig_uuid=fields.opt_text(g("migUUID"), f"{where}.migUUID"),
-        gpu_instance_id=fields.opt_integer(g("gpuInstanceID"), f"{where}.gpuInstanceID"),
-        compute_instance_id=fields.opt_integer(
-            g("computeInstanceID"), f"{where}.computeInstanceID"
-        ),
-        placement=_placement(g("placement"), f"{where}.placement"),
-        sharing=fields.opt_text(g("sharing"), f"{where}.sharing"),
-        interval=fields.opt_text(g("interval"), f"{where}.interval"),
-        share_id=fields.opt_text(g("shareID"), f"{where}.shareID"),
-        memory_bytes=fields.opt_integer(g("memoryBytes"), f"{where}.memoryBytes"),
-        power_limit_mw=fields.opt_integer(
-            g("powerLimitMilliwatts"), f"{where}.powerLimitMilliwatts"
-        ),
-        power_restore_mw=fields.opt_integer(
-            g("powerRestoreMilliwatts"), f"{where}.powerRestoreMilliwatts"
-        ),
-        device_class=fields.opt_text(g("deviceClass"), f"{where}.deviceClass") or "",
-    )
-
-
-def _placement(v: Any, where: str) -> tuple[int, int, int] | None:
-    if v is None:
-        return None
-    if (
-        not isinstance(v, list)
-        or len(v) != 3
-        or not all(isinstance(x, int) and not isinstance(x, bool) for x in v)
-    ):
-        raise fields.FieldError(where, f"expected [profile id, start, size], got {fields.got(v)}")
-    return (v[0], v[1], v[2])
 
 
 def _mps(value: Any, where: str) -> MpsRecord | None:
@@ -311,7 +255,7 @@ def _claim(uid: str, value: Any, where: str) -> ClaimEntry:
         name=fields.text(g("name"), f"{where}.name"),
         state=fields.one_of(g("state"), f"{where}.state", STATES),
         devices=tuple(
-            _device(d, f"{where}.devices[{i}]")
+            device_from(d, f"{where}.devices[{i}]")
             for i, d in enumerate(fields.objects(g("devices"), f"{where}.devices", required=True))
         ),
         updated_at=fields.number(g("updatedAt"), f"{where}.updatedAt"),

@@ -68,9 +68,15 @@ def _v2_to_v3(obj: dict[str, Any]) -> dict[str, Any]:
     return {**obj, "version": 3}
 
 
+def _v3_to_v4(obj: dict[str, Any]) -> dict[str, Any]:
+    """Version 4 only adds optional fields and device kinds (GPUs handed to VMs). Pure."""
+    return {**obj, "version": 4}
+
+
 MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {
     0: _v0_to_v1,
     1: _v1_to_v2,
     2: _v2_to_v3,
+    3: _v3_to_v4,
 }
 """Format version N -> a version N+1 object (no checksum needed: it is checked on the input)."""

@@ -9,6 +9,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+VFIO, VGPU = "vfio", "vgpu"
+VM_KINDS = (VFIO, VGPU)
+"""The kinds of device a virtual machine gets (version 4)."""
+
 
 @dataclass(frozen=True)
 class PreparedDevice:
@@ -20,7 +24,7 @@ class PreparedDevice:
     """Device name in the pool: ``gpu-0`` or ``gpu-0-mig-1g5gb-19-0``."""
     cdi_device_ids: tuple[str, ...]
     kind: str
-    """``gpu`` or ``mig``."""
+    """``gpu``, ``mig``, ``vfio`` (a whole GPU handed to a VM) or ``vgpu`` (version 4)."""
     gpu_uuid: str
     gpu_minor: int
     mig_uuid: str | None = None
@@ -48,13 +52,27 @@ class PreparedDevice:
     """The DeviceClass its request named (labels its usage); "" when not known, as in every
     checkpoint written before it was recorded. Written only when known; readers of any version
     ignore fields they do not know, so it needs no version of its own."""
-    vgpu_type_id: int | None = None
+    # -- version 4: a GPU handed to a virtual machine (kinds ``vfio`` and ``vgpu``) --------------
     pci_bus_id: str | None = None
+    """vfio: the GPU's BDF; a vGPU on a virtual function: the VF's BDF; an mdev vGPU: its
+    parent's BDF (recorded durably BEFORE the VF is given its type)."""
+    iommu_group: int | None = None
+    """The group whose ``/dev/vfio/<group>`` the VM gets (the GPU's, the VF's, the mdev's)."""
+    vfio_functions: tuple[tuple[str, str], ...] = ()
+    """vfio: (BDF, the driver it had, "" for none) of every function of the GPU's IOMMU group
+    that prepare binds to vfio-pci, recorded durably BEFORE the first unbind: what unprepare, a
+    rollback and the start's reconcile bind each back to."""
+    vgpu_type_id: int | None = None
+    """vgpu: NVML's vGPU type id made."""
     mdev_uuid: str | None = None
+    """An mdev vGPU: the UUID it is created with, recorded durably BEFORE it is created."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "request_names", tuple(self.request_names))
         object.__setattr__(self, "cdi_device_ids", tuple(self.cdi_device_ids))
+        object.__setattr__(
+            self, "vfio_functions", tuple((str(b), str(d)) for b, d in self.vfio_functions)
+        )
 
     @property
     def needs_v2(self) -> bool:
@@ -75,6 +93,12 @@ class PreparedDevice:
     @property
     def needs_v3(self) -> bool:
         return self.power_limit_mw is not None or self.power_restore_mw is not None
+
+    @property
+    def needs_v4(self) -> bool:
+        """A VM device: a build that does not know them must refuse the file, never read it and
+        leave a GPU bound to vfio-pci (or a vGPU) that nothing undoes."""
+        return self.kind in VM_KINDS
 
 
 @dataclass(frozen=True)
@@ -135,6 +159,10 @@ class ClaimEntry:
     @property
     def needs_v3(self) -> bool:
         return any(d.needs_v3 for d in self.devices)
+
+    @property
+    def needs_v4(self) -> bool:
+        return any(d.needs_v4 for d in self.devices)
 
 
 def _empty_claims() -> Mapping[str, ClaimEntry]:

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 CRASH_POINTS = (
     "after-started",
+    "after-vfio-unbind",
+    "after-vfio-bind",
+    "after-vgpu-create",
     "after-gi-create",
     "after-ci-create",
     "after-compute-policy",

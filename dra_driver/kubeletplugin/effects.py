@@ -19,6 +19,11 @@ Order at prepare (each after the claim is recorded as ``PrepareStarted`` with it
    between the two leaves a started record whose undo sets the limit found (a no-op); a crash
    after the cap, before the claim completes, is rolled back the same way at the next start.
 
+A virtual machine's device (kinds ``vfio``, ``vgpu``) is made first, by
+:class:`dra_driver.kubeletplugin.vm_steps.VmSteps` with the same pattern (what it will change
+recorded durably first; crash points ``after-vfio-unbind``, ``after-vfio-bind``,
+``after-vgpu-create``), undone, swept and restored with the rest.
+
 Undo (unprepare, rollback): the MPS daemon is stopped (its record, else found by its directory),
 compute mode back to DEFAULT on a whole GPU no other MPS claim holds, the interval back to
 Default on a GPU no other claim time-slices, a capped GPU's power limit set back to the one
@@ -49,6 +54,7 @@ from dra_driver.errors import SharingError
 from dra_driver.kubeletplugin.cdi_spec import MpsEdits
 from dra_driver.kubeletplugin.checkpoint import (
     PREPARE_COMPLETED,
+    VM_KINDS,
     Checkpoint,
     ClaimEntry,
     MpsRecord,
@@ -63,10 +69,13 @@ from dra_driver.kubeletplugin.plan import (
     PlannedDevice,
     limits,
 )
+from dra_driver.kubeletplugin.sweep import sweep_mig, sweep_mps
+from dra_driver.kubeletplugin.vm_steps import VmSteps
 from dra_driver.sharing.dynamic_mig import DynamicMig
 from dra_driver.sharing.mps import MpsControl, MpsDaemon, MpsSettings
 from dra_driver.sharing.power_cap import GpuPower
 from dra_driver.sharing.timeslice import GpuSettings
+from dra_driver.vm.tools import VmTools
 
 T = TypeVar("T")
 CrashHook = Callable[[str], None]
@@ -102,12 +111,14 @@ class Effects:
         log: logging.Logger,
         crash_hook: CrashHook = lambda point: None,
         power: GpuPower | None = None,
+        vm: VmTools | None = None,
     ) -> None:
         """``mig`` is None in static MIG mode (nothing is created or destroyed); ``settings``
         and ``mps`` are None where sharing is not available (their claims are refused);
         ``devices`` is what the node advertises now (where each GPU is, by UUID, and the
         placements of dynamic MIG); ``power`` sets GPUs' power limits (None: claims with
-        ``powerLimit`` are refused)."""
+        ``powerLimit`` are refused); ``vm`` hands GPUs to virtual machines (None: their claims
+        are refused)."""
         self.mig = mig
         self.settings = settings
         self.mps = mps
@@ -115,10 +126,11 @@ class Effects:
         self.devices = devices
         self.log = log
         self.crash = crash_hook
+        self.vm = VmSteps(vm, devices, log.getChild("vm"))
 
     def gpus(self) -> dict[str, int]:
         """Every GPU's UUID and NVML index, as the node advertises them now."""
-        return {d.parent_uuid: d.gpu_index for d in self.devices().devices}
+        return {d.parent_uuid: d.gpu_index for d in self.devices().devices if d.gpu_index >= 0}
 
     # -- prepare -----------------------------------------------------------------------------
     def changes_node(self, plan: ClaimPlan) -> bool:
@@ -126,6 +138,8 @@ class Effects:
         GPU's MIG mode, compute mode or time-slice set, an MPS daemon started): its start must
         then be recorded durably before, so that a crash can be undone."""
         for p in plan.devices:
+            if p.device.kind in VM_KINDS:
+                return True
             if p.dynamic or p.uses_mps or (p.sharing == TIME_SLICING and p.interval is not None):
                 return True
             if p.power_limit_mw is not None:
@@ -139,7 +153,10 @@ class Effects:
         """Whether ``undo`` of a recorded claim may change anything on the node (the claims of
         one GPU that do are undone one after the other)."""
         return entry.mps is not None or any(
-            d.placement is not None or d.sharing is not None or d.power_restore_mw is not None
+            d.placement is not None
+            or d.sharing is not None
+            or d.power_restore_mw is not None
+            or d.kind in VM_KINDS
             for d in entry.devices
         )
 
@@ -153,8 +170,15 @@ class Effects:
         """Make the claim's side effects (the records say what is already done); raises
         SharingError. The caller rolls back with ``undo`` when this fails."""
         by_name = {r.device: r for r in records}
+
+        def keep(d: PreparedDevice) -> None:
+            by_name[d.device] = d
+            save(tuple(by_name[r.device] for r in records), None)
+
         for p in plan.devices:
-            if p.dynamic:
+            if p.device.kind in VM_KINDS:
+                by_name[p.device.name] = self.vm.apply(p, by_name[p.device.name], keep)
+            elif p.dynamic:
                 mig = self._need(self.mig, p, "dynamic MIG (--mig-mode dynamic)")
                 inst = mig.ensure(p.device)
                 by_name[p.device.name] = replace(
@@ -269,6 +293,8 @@ class Effects:
         others = [d for e in remaining.claims.values() if e.uid != entry.uid for d in e.devices]
         self.stop_mps(entry)
         for d in entry.devices:
+            if d.kind in VM_KINDS:
+                self.vm.undo(d)
             mps_users = [
                 o for o in others if o.gpu_uuid == d.gpu_uuid and o.sharing in (MPS, MEMORY_SHARE)
             ]
@@ -344,40 +370,13 @@ class Effects:
 
     # -- start -------------------------------------------------------------------------------
     def sweep(self, cp: Checkpoint) -> None:
-        """Destroy what no claim of ``cp`` owns: dynamic MIG instances (dynamic mode only) and
-        MPS daemons (by directory)."""
+        """Destroy what no claim of ``cp`` owns: dynamic MIG instances (dynamic mode only), MPS
+        daemons (by directory), GPUs bound to vfio-pci and vGPUs (``VmSteps.sweep``)."""
         if self.mig is not None:
-            owned: dict[str, set[tuple[int, int]]] = {}
-            for entry in cp.claims.values():
-                for d in entry.devices:
-                    if d.placement is not None:
-                        owned.setdefault(d.gpu_uuid, set()).add((d.placement[0], d.placement[1]))
-            for uuid, index in sorted(self.gpus().items(), key=lambda kv: kv[1]):
-                for gi, profile, start in self.mig.strays(index, owned.get(uuid, set())):
-                    try:
-                        self.mig.release(f"gpu {index} instance {gi}", index, profile, start)
-                    except SharingError as exc:  # in use by a process outside Kubernetes?
-                        self.log.error(
-                            "cannot destroy a MIG instance no claim owns; its placement stays"
-                            " taken until it is destroyed",
-                            extra=fields_(gpu=index, profile=profile, placement_start=start,
-                                          error=str(exc)),
-                        )  # fmt: skip
-                        continue
-                    self.log.warning(
-                        "destroyed a MIG instance no claim owns",
-                        extra=fields_(gpu=index, profile=profile, placement_start=start),
-                    )
+            sweep_mig(self.mig, self.gpus(), cp, self.log)
         if self.mps is not None:
-            for key in sorted(self.mps.keys_on_disk() - set(cp.claims)):
-                daemon = self.mps.found(key)
-                if daemon is not None:
-                    self.mps.stop(daemon)
-                self.mps.remove(key)
-                self.log.warning(
-                    "removed an MPS daemon no claim owns",
-                    extra=fields_(claim_uid=key, was_running=daemon is not None),
-                )
+            sweep_mps(self.mps, cp, self.log)
+        self.vm.sweep(cp)
 
     def restore(self, entry: ClaimEntry) -> ClaimEntry:
         """Make a completed claim's partitions, settings and daemon what its record says (after
@@ -385,7 +384,7 @@ class Effects:
         device made again has new ids, a daemon started again a new PID)."""
         if entry.state != PREPARE_COMPLETED:
             return entry
-        devices = tuple(self._restore_mig(d) for d in entry.devices)
+        devices = tuple(self._restore_mig(self.vm.restore(d)) for d in entry.devices)
         moved = devices != entry.devices
         entry = replace(entry, devices=tuple(self._recap(d) for d in devices))
         for d in entry.devices:

@@ -50,6 +50,7 @@ from dra_driver.errors import ClaimError, ParamsError
 from dra_driver.kubeletplugin import params
 from dra_driver.kubeletplugin.checkpoint import Checkpoint, ClaimEntry, PreparedDevice
 from dra_driver.kubeletplugin.claims import Allocation, ClaimKey, OpaqueConfig, shown
+from dra_driver.kubeletplugin.vm_conflicts import vm_or_containers
 
 TIME_SLICING, MPS, MEMORY_SHARE = "TimeSlicing", "MPS", "MemoryShare"
 
@@ -391,7 +392,8 @@ def conflicts(
       this one included, fit the GPU's memory;
     - a whole GPU and a MIG device of the same GPU are never held by two claims at once, nor two
       dynamic MIG placements whose slices overlap (the scheduler's counters keep them apart;
-      this keeps prepare safe regardless).
+      this keeps prepare safe regardless);
+    - a GPU serves virtual machines or containers, never both (``device_in_use``).
     """
     others = _holders(cp, claim)
     for p in planned:
@@ -437,6 +439,7 @@ def conflicts(
                     "device_busy",
                 )
         _overlap(others, claim, pool, p)
+        vm_or_containers(others, claim, pool, p.device)
         mixed = [
             (e, d)
             for e, d in others

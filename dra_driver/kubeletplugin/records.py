@@ -11,7 +11,13 @@ from collections.abc import Iterable, Sequence
 
 from dra_driver.kubeletplugin.cdi import CdiWriter
 from dra_driver.kubeletplugin.cdi_spec import CdiRequest
-from dra_driver.kubeletplugin.checkpoint import ClaimEntry, MpsRecord, PreparedDevice
+from dra_driver.kubeletplugin.checkpoint import (
+    VFIO,
+    VM_KINDS,
+    ClaimEntry,
+    MpsRecord,
+    PreparedDevice,
+)
 from dra_driver.kubeletplugin.claims import ClaimKey
 from dra_driver.kubeletplugin.effects import mps_edits
 from dra_driver.kubeletplugin.plan import PlannedDevice
@@ -25,6 +31,7 @@ def cdi_requests(devices: Sequence[PreparedDevice]) -> list[CdiRequest]:
             gpu_minor=d.gpu_minor,
             gpu_instance_id=d.gpu_instance_id,
             compute_instance_id=d.compute_instance_id,
+            vfio_group=d.iommu_group if d.kind in VM_KINDS else None,
         )
         for d in devices
     ]
@@ -66,16 +73,20 @@ class Records:
 
     def device(self, uid: str, p: PlannedDevice) -> PreparedDevice:
         """The checkpoint's record of planned device ``p`` for claim ``uid`` (a dynamic MIG
-        device's UUID and instance ids are added once it is created)."""
+        device's UUID and instance ids are added once it is created; a VM's device gets its
+        functions, VF or mdev as prepare chooses them, and only its own CDI device: the base
+        spec's NVIDIA nodes and driver files are not for a virtual machine)."""
         d = p.device
         placement = None
         if p.dynamic and d.mig_profile_id is not None and d.mig_placement_start is not None:
             placement = (d.mig_profile_id, d.mig_placement_start, d.mig_placement_size or 0)
+        vm = d.kind in VM_KINDS
+        own = self._cdi.device_id(uid, d.name)
         return PreparedDevice(
             request_names=p.request_names,
             pool=self._pool,
             device=d.name,
-            cdi_device_ids=(self._cdi.device_id(uid, d.name), self._cdi.base_device_id),
+            cdi_device_ids=(own,) if vm else (own, self._cdi.base_device_id),
             kind=d.kind,
             gpu_uuid=d.parent_uuid,
             gpu_minor=d.gpu_minor,
@@ -89,6 +100,9 @@ class Records:
             memory_bytes=p.memory_bytes,
             power_limit_mw=p.power_limit_mw,
             device_class=p.device_class,
+            pci_bus_id=d.bus_id if d.kind == VFIO else None,
+            iommu_group=d.iommu_group if d.kind == VFIO else None,
+            vgpu_type_id=d.vgpu_type.type_id if d.vgpu_type is not None else None,
         )
 
     def write_spec(self, entry: ClaimEntry) -> None:

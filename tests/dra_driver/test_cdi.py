@@ -499,3 +499,27 @@ def test_removing_a_spec_on_a_read_only_file_system(
     monkeypatch.undo()
     assert writer.remove_many([UID, "other-uid"]) == {}
     assert not writer.path(UID).exists()
+
+
+def test_a_vm_device_gets_vfio_nodes_only_from_the_hosts_dev_unless_the_dev_root_has_them(
+    tmp_path: Path, version: str
+) -> None:
+    """A GPU handed to a VM (or a vGPU) is VFIO's container and its IOMMU group's node, never
+    /dev/nvidia<minor>; the nodes are the kernel's in the host's /dev, unless the dev root has
+    them (the simulator's dev tree)."""
+    root = tmp_path / "driver"
+    write_driver_root(load_model("dgx-h100"), root)
+    w = CdiWriter(tmp_path / "cdi", DRIVER, root, version, host_driver_root=Path("/run/drv"))
+    spec = w.build_spec(UID, [CdiRequest("gpu-0-vfio", 0, vfio_group=12)])  # schema-checked
+    (device,) = spec["devices"]
+    assert device["containerEdits"]["deviceNodes"] == [
+        {"path": "/dev/vfio/vfio", "hostPath": "/dev/vfio/vfio"},
+        {"path": "/dev/vfio/12", "hostPath": "/dev/vfio/12"},
+    ]
+    (root / "dev" / "vfio").mkdir()
+    (root / "dev" / "vfio" / "12").write_text("")
+    (device,) = w.build_spec(UID, [CdiRequest("gpu-0-vfio", 0, vfio_group=12)])["devices"]
+    assert device["containerEdits"]["deviceNodes"][1] == {
+        "path": "/dev/vfio/12",
+        "hostPath": "/run/drv/dev/vfio/12",
+    }

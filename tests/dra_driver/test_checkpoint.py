@@ -513,3 +513,50 @@ def test_a_devices_class_is_kept_and_an_older_checkpoint_reads_it_as_unknown(
     assert path.read_text().count('"deviceClass"') == 1  # written only when known
     loaded = store.load().checkpoint.claims[UID_A].devices
     assert [d.device_class for d in loaded] == ["gpu.tessera.dev", ""]
+
+
+def test_vm_devices_are_written_as_version_4_and_read_back(
+    store: CheckpointStore, path: Path
+) -> None:
+    """A GPU handed to a VM (its group's functions with the drivers they had) and a vGPU (its VF
+    or mdev UUID) need version 4: a build that does not know them must refuse the file (it would
+    call the kind corrupt, move the file aside and never bind the GPU back); a version 3 file
+    (a capped GPU) is still read, and once no claim holds a VM device the file is the lowest
+    version again."""
+    vfio = dataclasses.replace(
+        gpu_device("gpu-0-vfio", 0), kind="vfio", pci_bus_id="0000:1b:00.0", iommu_group=12,
+        vfio_functions=(("0000:1b:00.0", "nvidia"), ("0000:1b:00.1", "snd_hda_intel")),
+    )  # fmt: skip
+    mdev = dataclasses.replace(
+        gpu_device("gpu-1-vgpu-230-0", 1), kind="vgpu", pci_bus_id="0000:3c:00.0",
+        iommu_group=101, vgpu_type_id=230, mdev_uuid="00000000-0000-4000-8000-000000000001",
+    )  # fmt: skip
+    entry = dataclasses.replace(claim_a(), devices=(vfio, mdev))
+    store.save(Checkpoint(BOOT, {entry.uid: entry}))
+    obj = json.loads(path.read_text())
+    assert obj["version"] == 4
+    device = obj["claims"][entry.uid]["devices"][0]
+    assert device["vfioFunctions"] == [
+        ["0000:1b:00.0", "nvidia"],
+        ["0000:1b:00.1", "snd_hda_intel"],
+    ]
+    result = store.load()
+    assert result.checkpoint.claims[entry.uid] == entry and result.migrated_from is None
+    assert "version 4" in str(CheckpointTooNew(str(path), 4, 3))  # what a version-3 build says
+    capped = dataclasses.replace(gpu_device("gpu-2", 2), power_limit_mw=350_000)
+    store.save(Checkpoint(BOOT, {UID_A: dataclasses.replace(claim_a(), devices=(capped,))}))
+    assert json.loads(path.read_text())["version"] == 3
+    assert store.load().checkpoint.claims[UID_A].devices == (capped,)
+    store.save(Checkpoint(BOOT, {}))
+    assert json.loads(path.read_text())["version"] == 1
+
+
+def test_a_malformed_vfio_function_list_is_corrupt() -> None:
+    vfio = dataclasses.replace(gpu_device("gpu-0-vfio"), kind="vfio", vfio_functions=(("a", "b"),))
+    obj = json.loads(
+        encode(Checkpoint(BOOT, {UID_A: dataclasses.replace(claim_a(), devices=(vfio,))}))
+    )
+    obj["claims"][UID_A]["devices"][0]["vfioFunctions"] = [["0000:1b:00.0"]]
+    obj["checksum"] = checksum_of(obj)
+    with pytest.raises(CheckpointCorrupt, match="vfioFunctions"):
+        decode(json.dumps(obj).encode())
