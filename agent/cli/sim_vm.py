@@ -1,0 +1,196 @@
+"""``tessera sim fault`` actions about GPUs for virtual machines (the tree is in
+:mod:`agent.cli.sim`)::
+
+    tessera sim fault --state-dir DIR iommu-off | iommu-on
+    tessera sim fault --state-dir DIR vfio-unloaded | vfio-loaded
+    tessera sim fault --state-dir DIR foreign-in-group --gpu N
+    tessera sim fault --state-dir DIR hold-gpu --gpu N
+
+``iommu-off`` is a node booted without an IOMMU (``kernel/iommu_groups`` empty, no
+``iommu_group`` links, no ``/dev/vfio/<N>``); ``vfio-unloaded`` is ``modprobe -r vfio-pci``
+(``bus/pci/drivers/vfio-pci`` and ``/dev/vfio`` gone); both are refused, as the kernel refuses
+``rmmod`` of a module in use, while a function is bound to vfio-pci. ``foreign-in-group`` puts a
+function that is not the GPU's (an NVMe drive at ``<GPU bus>:1f.0``, bound to ``nvme``) into the
+GPU's IOMMU group, as a board without ACS isolation would. ``hold-gpu`` starts a sleeping process
+with the GPU's ``/dev/nvidia<minor>`` (under the simulated driver root) open and prints its pid:
+the NVIDIA unbind lock is not taken while it lives and the simulated ``/proc`` shows its ``fd/0``
+link to ``/dev/nvidia<minor>``; end it with ``kill PID``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from agent.cli.framework import Command, Invocation, Uses
+from agent.config import REQUIRED, non_negative_int, setting
+from agent.errors import ConfigError
+
+if TYPE_CHECKING:
+    from agent.sim.model import GpuSlot
+    from agent.sim.nvml import FakeNvml
+    from agent.sim.pcikernel import SimPciKernel
+    from agent.sim.vmstate import VmState
+
+
+@dataclass(frozen=True, kw_only=True)
+class VmGpuOptions:
+    gpu: int = setting(
+        REQUIRED,
+        "GPU index in the node model (its /dev/nvidia<minor>; NVML's index while every GPU is on"
+        " the nvidia driver).",
+        metavar="N",
+        parse=non_negative_int,
+    )
+
+
+def _node(inv: Invocation) -> tuple[FakeNvml, SimPciKernel]:
+    """The simulator and its kernel (which rewrites the trees that exist)."""
+    from agent.cli.sim import open_simulator
+    from agent.sim.pcikernel import SimPciKernel
+
+    fake: FakeNvml = open_simulator(inv)
+    return fake, SimPciKernel(fake, fake.state_dir / "sys", fake.state_dir / "driver-root")
+
+
+def _rewrite(kernel: SimPciKernel) -> None:
+    if kernel.sysfs_root.is_dir():
+        kernel.rewrite_sysfs()
+    if kernel.driver_root.is_dir():
+        kernel.rewrite_driver_root()
+
+
+def _on_vfio(state: VmState) -> list[str]:
+    return [f.bus for f in state.functions if f.driver == "vfio-pci"] + [
+        m.uuid for m in state.mdevs
+    ]
+
+
+def _set_iommu(inv: Invocation, on: bool) -> int:
+    fake, kernel = _node(inv)
+
+    def change(s: VmState) -> tuple[VmState, None]:
+        if not on and _on_vfio(s):
+            raise ConfigError(
+                f"cannot turn the IOMMU off: {', '.join(_on_vfio(s))} use VFIO;"
+                " unbind them from vfio-pci (remove the mdevs) first"
+            )
+        return replace(s, iommu=on), None
+
+    fake.update_vm(change)
+    _rewrite(kernel)
+    inv.out.write(f"IOMMU {'on' if on else 'off'}\n")
+    return 0
+
+
+def fault_iommu_off(inv: Invocation) -> int:
+    return _set_iommu(inv, False)
+
+
+def fault_iommu_on(inv: Invocation) -> int:
+    return _set_iommu(inv, True)
+
+
+def _set_vfio(inv: Invocation, loaded: bool) -> int:
+    fake, kernel = _node(inv)
+
+    def change(s: VmState) -> tuple[VmState, None]:
+        bound = [f.bus for f in s.functions if f.driver == "vfio-pci"]
+        if not loaded and bound:
+            raise ConfigError(
+                f"cannot unload vfio-pci: it is in use by {', '.join(bound)} (as rmmod refuses);"
+                " unbind them first"
+            )
+        return replace(s, vfio_loaded=loaded), None
+
+    fake.update_vm(change)
+    _rewrite(kernel)
+    inv.out.write(f"vfio-pci {'loaded' if loaded else 'unloaded'}\n")
+    return 0
+
+
+def fault_vfio_unloaded(inv: Invocation) -> int:
+    return _set_vfio(inv, False)
+
+
+def fault_vfio_loaded(inv: Invocation) -> int:
+    return _set_vfio(inv, True)
+
+
+def _gpu(fake: FakeNvml, index: int) -> GpuSlot:
+    if index >= len(fake.model.gpus):
+        raise ConfigError(
+            f"GPU index {index} does not exist; model {fake.model.name} has GPUs"
+            f" 0..{len(fake.model.gpus) - 1}"
+        )
+    return fake.model.gpus[index]
+
+
+def fault_foreign_in_group(inv: Invocation) -> int:
+    from agent.sim.vmstate import FOREIGN_DRIVER, FunctionState, foreign_bus
+
+    fake, kernel = _node(inv)
+    gpu = _gpu(fake, inv.get(VmGpuOptions).gpu)
+    bus = foreign_bus(gpu.bus)
+
+    def change(s: VmState) -> tuple[VmState, None]:
+        if s.function(bus) is not None:
+            return s, None
+        s = s.with_function(FunctionState(bus, FOREIGN_DRIVER))
+        return replace(s, foreign=(*s.foreign, (bus, gpu.bus))), None
+
+    fake.update_vm(change)
+    _rewrite(kernel)
+    inv.out.write(f"NVMe drive {bus} (nvme) is in the IOMMU group of GPU {gpu.bus}\n")
+    return 0
+
+
+def fault_hold_gpu(inv: Invocation) -> int:
+    from agent.sim.vmstate import Holder
+
+    fake, _ = _node(inv)
+    gpu = _gpu(fake, inv.get(VmGpuOptions).gpu)
+    node = fake.state_dir / "driver-root" / "dev" / f"nvidia{gpu.index}"
+    if not node.is_file():
+        raise ConfigError(f"no device node {node} (start the simulated node first)")
+    # posix_spawn, not subprocess: the sleeper outlives this command (a Popen object would
+    # warn that its child still runs); its stdin is the node (one open descriptor, as a CUDA
+    # process keeps one), its stdout/stderr /dev/null so no caller waits on our pipes
+    pid = os.posix_spawnp(
+        "sleep",
+        ["sleep", "infinity"],
+        os.environ,
+        file_actions=[
+            (os.POSIX_SPAWN_OPEN, 0, str(node), os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
+            (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0),
+        ],
+        setsid=True,
+    )
+    holder = Holder(pid, gpu.index)
+    fake.update_vm(lambda s: (replace(s, holders=(*s.holders, holder)), None))
+    fake.refresh_proc()
+    inv.out.write(f"{pid}\n")
+    inv.err.write(f"process {pid} holds /dev/nvidia{gpu.index} (end it: kill {pid})\n")
+    return 0
+
+
+VM_FAULTS = (
+    Command("iommu-off", "the node has no IOMMU (no IOMMU groups, no VFIO)", fault_iommu_off),
+    Command("iommu-on", "the IOMMU is back (undo iommu-off)", fault_iommu_on),
+    Command("vfio-unloaded", "unload vfio-pci (refused while in use)", fault_vfio_unloaded),
+    Command("vfio-loaded", "load vfio-pci again", fault_vfio_loaded),
+    Command(
+        "foreign-in-group",
+        "put an NVMe drive into a GPU's IOMMU group",
+        fault_foreign_in_group,
+        (Uses(VmGpuOptions),),
+    ),
+    Command(
+        "hold-gpu",
+        "start a process holding a GPU's /dev/nvidia<minor> open (its PID is printed)",
+        fault_hold_gpu,
+        (Uses(VmGpuOptions),),
+    ),
+)
