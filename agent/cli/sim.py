@@ -213,9 +213,9 @@ class ProcessStopOptions:
 
 
 def cmd_models(inv: Invocation) -> int:
-    from agent.sim.model import load_model, model_names
+    from agent.sim.model import all_model_names, load_model
 
-    for name in model_names():
+    for name in all_model_names():
         inv.out.write(f"{name:<12} {load_model(name).description}\n")
     return 0
 
