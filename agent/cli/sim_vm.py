@@ -20,6 +20,7 @@ link to ``/dev/nvidia<minor>``; end it with ``kill PID``.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -45,20 +46,18 @@ class VmGpuOptions:
     )
 
 
-def _node(inv: Invocation) -> tuple[FakeNvml, SimPciKernel]:
-    """The simulator and its kernel (which rewrites the trees that exist)."""
+def _kernel(inv: Invocation) -> SimPciKernel:
+    """The simulated node's kernel (its ``fake`` is the simulator)."""
     from agent.cli.sim import open_simulator
     from agent.sim.pcikernel import SimPciKernel
 
     fake: FakeNvml = open_simulator(inv)
-    return fake, SimPciKernel(fake, fake.state_dir / "sys", fake.state_dir / "driver-root")
+    return SimPciKernel(fake, fake.state_dir / "sys", fake.state_dir / "driver-root")
 
 
-def _rewrite(kernel: SimPciKernel) -> None:
-    if kernel.sysfs_root.is_dir():
-        kernel.rewrite_sysfs()
-    if kernel.driver_root.is_dir():
-        kernel.rewrite_driver_root()
+def _change(kernel: SimPciKernel, change: Callable[[VmState], VmState]) -> None:
+    """One state update and the rewrite of the trees, as the simulated kernel makes them."""
+    kernel.apply(lambda s: (change(s), []))
 
 
 def _on_vfio(state: VmState) -> list[str]:
@@ -68,18 +67,17 @@ def _on_vfio(state: VmState) -> list[str]:
 
 
 def _set_iommu(inv: Invocation, on: bool) -> int:
-    fake, kernel = _node(inv)
+    kernel = _kernel(inv)
 
-    def change(s: VmState) -> tuple[VmState, None]:
+    def change(s: VmState) -> VmState:
         if not on and _on_vfio(s):
             raise ConfigError(
                 f"cannot turn the IOMMU off: {', '.join(_on_vfio(s))} use VFIO;"
                 " unbind them from vfio-pci (remove the mdevs) first"
             )
-        return replace(s, iommu=on), None
+        return replace(s, iommu=on)
 
-    fake.update_vm(change)
-    _rewrite(kernel)
+    _change(kernel, change)
     inv.out.write(f"IOMMU {'on' if on else 'off'}\n")
     return 0
 
@@ -93,19 +91,18 @@ def fault_iommu_on(inv: Invocation) -> int:
 
 
 def _set_vfio(inv: Invocation, loaded: bool) -> int:
-    fake, kernel = _node(inv)
+    kernel = _kernel(inv)
 
-    def change(s: VmState) -> tuple[VmState, None]:
+    def change(s: VmState) -> VmState:
         bound = [f.bus for f in s.functions if f.driver == "vfio-pci"]
         if not loaded and bound:
             raise ConfigError(
                 f"cannot unload vfio-pci: it is in use by {', '.join(bound)} (as rmmod refuses);"
                 " unbind them first"
             )
-        return replace(s, vfio_loaded=loaded), None
+        return replace(s, vfio_loaded=loaded)
 
-    fake.update_vm(change)
-    _rewrite(kernel)
+    _change(kernel, change)
     inv.out.write(f"vfio-pci {'loaded' if loaded else 'unloaded'}\n")
     return 0
 
@@ -130,28 +127,31 @@ def _gpu(fake: FakeNvml, index: int) -> GpuSlot:
 def fault_foreign_in_group(inv: Invocation) -> int:
     from agent.sim.vmstate import FOREIGN_DRIVER, FunctionState, foreign_bus
 
-    fake, kernel = _node(inv)
-    gpu = _gpu(fake, inv.get(VmGpuOptions).gpu)
+    kernel = _kernel(inv)
+    gpu = _gpu(kernel.fake, inv.get(VmGpuOptions).gpu)
     bus = foreign_bus(gpu.bus)
 
-    def change(s: VmState) -> tuple[VmState, None]:
+    def change(s: VmState) -> VmState:
         if s.function(bus) is not None:
-            return s, None
+            return s
         s = s.with_function(FunctionState(bus, FOREIGN_DRIVER))
-        return replace(s, foreign=(*s.foreign, (bus, gpu.bus))), None
+        return replace(s, foreign=(*s.foreign, (bus, gpu.bus)))
 
-    fake.update_vm(change)
-    _rewrite(kernel)
+    _change(kernel, change)
     inv.out.write(f"NVMe drive {bus} (nvme) is in the IOMMU group of GPU {gpu.bus}\n")
     return 0
 
 
 def fault_hold_gpu(inv: Invocation) -> int:
+    from agent.sim.procfs import process_alive
     from agent.sim.vmstate import Holder
 
-    fake, _ = _node(inv)
-    gpu = _gpu(fake, inv.get(VmGpuOptions).gpu)
-    node = fake.state_dir / "driver-root" / "dev" / f"nvidia{gpu.index}"
+    def alive(holders: tuple[Holder, ...]) -> tuple[Holder, ...]:
+        return tuple(h for h in holders if process_alive(h.pid))
+
+    kernel = _kernel(inv)
+    gpu = _gpu(kernel.fake, inv.get(VmGpuOptions).gpu)
+    node = kernel.driver_root / "dev" / f"nvidia{gpu.index}"
     if not node.is_file():
         raise ConfigError(f"no device node {node} (start the simulated node first)")
     # posix_spawn, not subprocess: the sleeper outlives this command (a Popen object would
@@ -169,8 +169,9 @@ def fault_hold_gpu(inv: Invocation) -> int:
         setsid=True,
     )
     holder = Holder(pid, gpu.index)
-    fake.update_vm(lambda s: (replace(s, holders=(*s.holders, holder)), None))
-    fake.refresh_proc()
+    # the records of holders that ended go (their pids may come again for other processes)
+    _change(kernel, lambda s: replace(s, holders=(*alive(s.holders), holder)))
+    kernel.fake.refresh_proc()
     inv.out.write(f"{pid}\n")
     inv.err.write(f"process {pid} holds /dev/nvidia{gpu.index} (end it: kill {pid})\n")
     return 0

@@ -42,16 +42,19 @@ the uevents the kernel sends for a driver's unbind/bind go to the simulated udev
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import os
 import uuid as uuidlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
 from agent.sim.model import GpuSlot
 from agent.sim.nvml import FakeNvml
 from agent.sim.pcifunction import SimFunction
+from agent.sim.procfs import process_alive
 from agent.sim.sysfs import pci_functions, write_sysfs
 from agent.sim.sysfs_vm import UUID_RE, iommu_groups, next_group, vm_functions, write_vm_driver_root
 from agent.sim.udev import emit_events, removed_buses
@@ -70,6 +73,7 @@ from agent.sim.vmstate import (
     vfs_of,
 )
 
+TREE_LOCK = "vm-tree.lock"
 Change = Callable[[VmState], tuple[VmState, list[tuple[str, str, str]]]]
 """A pure change of the VM state, returning the uevents it causes: (action, bus, driver)."""
 
@@ -107,11 +111,24 @@ class SimPciKernel:
         write_vm_driver_root(self.driver_root, self.model, state, self.groups(state))
 
     def apply(self, change: Change) -> None:
-        """One atomic state update, then the trees and the uevents it causes."""
-        events = self.fake.update_vm(change)
-        self.rewrite()
+        """One atomic state update, then the trees and the uevents it causes; under
+        ``<sim dir>/vm-tree.lock`` so that the trees of concurrent writers end as the last
+        state (the state's own lock covers only the update)."""
+        with self._tree_lock():
+            events = self.fake.update_vm(change)
+            self.rewrite()
         if events:
             emit_events(self.fake.state_dir, [self._uevent(*e) for e in events])
+
+    @contextlib.contextmanager
+    def _tree_lock(self) -> Iterator[None]:
+        self.fake.state_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.fake.state_dir / TREE_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor releases the flock
 
     def _uevent(self, action: str, bus: str, driver: str) -> dict[str, str]:
         fn = self._function(bus)
@@ -279,7 +296,7 @@ class SimPciKernel:
     def held(self, s: VmState, gpu: GpuSlot) -> bool:
         """Whether a live process holds ``/dev/nvidia<minor>`` of ``gpu`` (the simulator gives
         GPU ``i`` minor ``i``)."""
-        return any(h.minor == gpu.index and Path(f"/proc/{h.pid}").exists() for h in s.holders)
+        return any(h.minor == gpu.index and process_alive(h.pid) for h in s.holders)
 
     # -- SR-IOV and vGPUs -----------------------------------------------------------------------
     def _disable_vfs(self, s: VmState, gpu: GpuSlot) -> VmState:

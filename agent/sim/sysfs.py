@@ -236,7 +236,7 @@ def _write_tree(model: NodeModel, root: Path, removed: frozenset[str], vm: VmSta
         put(node_dir / f"node{node}" / "cpulist", f"{cpulist}\n")
 
     static = [f.bus for f in pci_functions(model)]  # group numbers stay when a GPU leaves
-    write_vm_sysfs(root, model, vm, functions, iommu_groups(model, vm, static))
+    write_vm_sysfs(root, model, vm, functions, iommu_groups(model, vm, static), fresh)
     if fresh:
         return
     # What an earlier write (of another model) left behind goes; readers never see a gap.

@@ -90,6 +90,33 @@ def next_group(model: NodeModel, state: VmState, static: Sequence[str]) -> int:
     return max([top, *(m.group + 1 for m in state.mdevs)])
 
 
+class _Out:
+    """How entries are written: into an empty tree (``fresh``) each is made once, directly;
+    else atomically and only when changed (:func:`agent.sim.tree.write_text`, ``symlink``),
+    so a concurrent reader never sees a gap."""
+
+    def __init__(self, fresh: bool) -> None:
+        self.fresh = fresh
+        self._dirs: set[Path] = set()
+
+    def _parent(self, path: Path) -> None:
+        if path.parent not in self._dirs:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._dirs.add(path.parent)
+
+    def text(self, path: Path, text: str) -> None:
+        if not self.fresh:
+            return write_text(path, text)
+        self._parent(path)
+        path.write_text(text)
+
+    def link(self, path: Path, target: str) -> None:
+        if not self.fresh:
+            return symlink(path, target)
+        self._parent(path)
+        path.symlink_to(target)
+
+
 def _rel(target: Path, link: Path) -> str:
     return os.path.relpath(target, link.parent)
 
@@ -107,24 +134,34 @@ def write_vm_sysfs(
     state: VmState,
     functions: Sequence[SimFunction],
     groups: Mapping[str, int],
+    fresh: bool = False,
 ) -> None:
     """Write the VFIO/vGPU entries for ``functions`` (every function present, VFs included) under
-    the sysfs ``root``, and remove those the state no longer has."""
+    the sysfs ``root``, and remove those the state no longer has. Only the GPUs, their VFs and
+    the functions put into their groups get ``iommu_group`` links (the others' groups are
+    numbered, not written: nothing reads them, and each entry costs a file operation).
+    ``fresh``: ``root`` held nothing before this write."""
+    out = _Out(fresh)
     devices = root / "devices"
+    managed = {f.bus for f in state.functions}
     by_bus = {f.bus: f for f in functions}
-    _write_groups(root, state, functions, groups)
-    _write_drivers(root, state, by_bus)
+    _write_groups(out, root, state, [f for f in functions if f.bus in managed], groups)
+    _write_drivers(out, root, state, by_bus)
     for g in model.gpus:
         if g.bus in by_bus:
             d = devices / by_bus[g.bus].rel_path
             if sriov_total(model, g):
-                _write_sriov(d, model, state, g)
+                _write_sriov(out, d, model, state, g)
     if model.vgpu_interface == "mdev":
-        _write_mdevs(root, model, state, by_bus, groups)
+        _write_mdevs(out, root, model, state, by_bus)
 
 
 def _write_groups(
-    root: Path, state: VmState, functions: Sequence[SimFunction], groups: Mapping[str, int]
+    out: _Out,
+    root: Path,
+    state: VmState,
+    functions: Sequence[SimFunction],
+    groups: Mapping[str, int],
 ) -> None:
     groups_dir = root / "kernel" / "iommu_groups"
     groups_dir.mkdir(parents=True, exist_ok=True)
@@ -136,9 +173,9 @@ def _write_groups(
             continue
         g = str(groups[fn.bus])
         members.setdefault(g, set()).add(fn.bus)
-        symlink(d / "iommu_group", _rel(groups_dir / g, d / "iommu_group"))
+        out.link(d / "iommu_group", _rel(groups_dir / g, d / "iommu_group"))
         link = groups_dir / g / "devices" / fn.bus
-        symlink(link, _rel(d, link))
+        out.link(link, _rel(d, link))
     if state.iommu:
         for m in state.mdevs:
             parent = next((f for f in functions if f.bus == m.parent), None)
@@ -147,69 +184,67 @@ def _write_groups(
             d = root / "devices" / parent.rel_path / m.uuid
             g = str(m.group)
             members.setdefault(g, set()).add(m.uuid)
-            symlink(d / "iommu_group", _rel(groups_dir / g, d / "iommu_group"))
+            out.link(d / "iommu_group", _rel(groups_dir / g, d / "iommu_group"))
             link = groups_dir / g / "devices" / m.uuid
-            symlink(link, _rel(d, link))
+            out.link(link, _rel(d, link))
     _prune(groups_dir, set(members))
     for g, buses in members.items():
         _prune(groups_dir / g / "devices", buses)
 
 
-def _write_drivers(root: Path, state: VmState, by_bus: Mapping[str, SimFunction]) -> None:
+def _write_drivers(
+    out: _Out, root: Path, state: VmState, by_bus: Mapping[str, SimFunction]
+) -> None:
     drivers = root / "bus" / "pci" / "drivers"
     loaded = {NVIDIA_DRIVER} | ({VFIO_DRIVER} if state.vfio_loaded else set())
     loaded |= {f.driver for f in state.functions if f.driver is not None}
     if state.foreign:
         loaded.add(FOREIGN_DRIVER)
     bound: dict[str, set[str]] = {d: set() for d in loaded}
-    write_text(root / "bus" / "pci" / "drivers_probe", "")
+    out.text(root / "bus" / "pci" / "drivers_probe", "")
     for drv in loaded:
         for name in DRIVER_FILES:
-            write_text(drivers / drv / name, "")
+            out.text(drivers / drv / name, "")
     for fn in state.functions:
         if fn.bus not in by_bus:
             continue
         d = root / "devices" / by_bus[fn.bus].rel_path
-        write_text(d / "driver_override", f"{fn.override or '(null)'}\n")
+        out.text(d / "driver_override", f"{fn.override or '(null)'}\n")
         if fn.driver is None:
             remove(d / "driver")
             continue
         bound[fn.driver].add(fn.bus)
-        symlink(d / "driver", _rel(drivers / fn.driver, d / "driver"))
+        out.link(d / "driver", _rel(drivers / fn.driver, d / "driver"))
         link = drivers / fn.driver / fn.bus
-        symlink(link, _rel(d, link))
+        out.link(link, _rel(d, link))
     _prune(drivers, loaded)
     for drv, buses in bound.items():
         _prune(drivers / drv, buses | DRIVER_FILES)
 
 
-def _write_sriov(d: Path, model: NodeModel, state: VmState, g: GpuSlot) -> None:
+def _write_sriov(out: _Out, d: Path, model: NodeModel, state: VmState, g: GpuSlot) -> None:
     """A PF's SR-IOV files and links, and each enabled VF's ``physfn`` and ``nvidia/`` files."""
     vfs = vfs_of(model, state, g)
-    write_text(d / "sriov_totalvfs", f"{sriov_total(model, g)}\n")
-    write_text(d / "sriov_numvfs", f"{len(vfs)}\n")
+    out.text(d / "sriov_totalvfs", f"{sriov_total(model, g)}\n")
+    out.text(d / "sriov_numvfs", f"{len(vfs)}\n")
     for n, vf in enumerate(vfs):
-        symlink(d / f"virtfn{n}", f"../{vf}")
+        out.link(d / f"virtfn{n}", f"../{vf}")
         vd = d.parent / vf
-        symlink(vd / "physfn", f"../{g.bus}")
+        out.link(vd / "physfn", f"../{g.bus}")
         fn = state.function(vf)
         if fn is None or fn.driver != NVIDIA_DRIVER:
             remove(vd / "nvidia")  # the vGPU host driver's files come with its binding
             continue
         lines = "".join(f"{t.type_id} : {t.name}\n" for t in creatable(model, state, vf))
-        write_text(vd / "nvidia" / "creatable_vgpu_types", lines)
-        write_text(vd / "nvidia" / "current_vgpu_type", f"{fn.vgpu_type}\n")
+        out.text(vd / "nvidia" / "creatable_vgpu_types", lines)
+        out.text(vd / "nvidia" / "current_vgpu_type", f"{fn.vgpu_type}\n")
     for entry in d.iterdir() if d.is_dir() else ():
         if entry.name.startswith("virtfn") and int(entry.name[6:]) >= len(vfs):
             remove(entry)
 
 
 def _write_mdevs(
-    root: Path,
-    model: NodeModel,
-    state: VmState,
-    by_bus: Mapping[str, SimFunction],
-    groups: Mapping[str, int],
+    out: _Out, root: Path, model: NodeModel, state: VmState, by_bus: Mapping[str, SimFunction]
 ) -> None:
     """mdev parents' type directories, the mediated devices, ``bus/mdev`` and
     ``class/mdev_bus`` (sysfs-bus-vfio-mdev ABI; the description as NVIDIA's driver writes it)."""
@@ -228,26 +263,26 @@ def _write_mdevs(
             remove(d / "mdev_supported_types")
             continue
         parents.add(g.bus)
-        symlink(class_dir / g.bus, _rel(d, class_dir / g.bus))
+        out.link(class_dir / g.bus, _rel(d, class_dir / g.bus))
         types = d / "mdev_supported_types"
         for t in g.spec.vgpu_types:
             td = types / f"nvidia-{t.type_id}"
-            write_text(td / "name", f"{t.name}\n")
-            write_text(td / "available_instances", f"{available(model, state, g, t)}\n")
-            write_text(td / "device_api", "vfio-pci\n")
-            write_text(
+            out.text(td / "name", f"{t.name}\n")
+            out.text(td / "available_instances", f"{available(model, state, g, t)}\n")
+            out.text(td / "device_api", "vfio-pci\n")
+            out.text(
                 td / "description",
                 f"num_heads=1, frl_config=60, framebuffer={t.framebuffer_mib}M,"
                 f" max_resolution=4096x2160, max_instance={t.max_instances}\n",
             )
-            write_text(td / "create", "")
+            out.text(td / "create", "")
         _prune(types, {f"nvidia-{t.type_id}" for t in g.spec.vgpu_types})
         mine = {m.uuid: m for m in state.mdevs if m.parent == g.bus}
         for uuid, m in mine.items():
             md = d / uuid
-            symlink(md / "mdev_type", f"../mdev_supported_types/nvidia-{m.type_id}")
-            write_text(md / "remove", "")
-            symlink(bus_dir / uuid, _rel(md, bus_dir / uuid))
+            out.link(md / "mdev_type", f"../mdev_supported_types/nvidia-{m.type_id}")
+            out.text(md / "remove", "")
+            out.link(bus_dir / uuid, _rel(md, bus_dir / uuid))
             if not state.iommu:
                 remove(md / "iommu_group")
         uuids |= set(mine)
