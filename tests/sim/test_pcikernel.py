@@ -263,3 +263,18 @@ def test_nvml_gives_the_vgpu_types_of_a_vgpu_host(tmp_path: Path, model, types, 
         h35 = found[2]
         assert (h35.type_id, h35.name, h35.max_instances) == (1430, "NVIDIA H200X-35C", 4)
         assert h35.framebuffer_bytes == 33378 * 1024 * 1024
+
+
+def test_a_node_opened_again_has_the_tree_of_its_state(node: NodeSource, tmp_path: Path):
+    """The state is the truth (one atomic update per write); a restarted agent (or one killed
+    between the update and the tree's rewrite) reads the tree written from it."""
+    gpu = node.sim.model.gpus[3]
+    drivers = node.sysfs_root / "bus" / "pci" / "drivers"
+    write(node, node.driver_root / f"proc/driver/nvidia/gpus/{gpu.bus}/unbindLock", "1")
+    write(node, drivers / "nvidia" / "unbind", gpu.bus)
+    (fn_dir(node, gpu.bus) / "driver_override").write_text("stale\n")  # a torn rewrite
+    again = simulated_node("l40s-pcie", tmp_path)
+    with again.nvml as nvml:
+        assert nvml.device_count() == 3
+    assert driver_of(again, gpu.bus) is None
+    assert read(fn_dir(again, gpu.bus) / "driver_override") == "(null)"
