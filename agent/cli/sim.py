@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.cli.framework import Command, Invocation, Uses
-from agent.cli.sim_vm import VM_FAULTS
+from agent.cli.sim_vm import vm_faults
 from agent.config import (
     REQUIRED,
     fraction,
@@ -449,7 +449,7 @@ FAULT = Command(
             fault_mig_layout,
             (Uses(MigLayoutOptions),),
         ),
-        *VM_FAULTS,
+        *vm_faults(open_simulator),
     ),
 )
 

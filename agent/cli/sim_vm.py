@@ -19,6 +19,7 @@ link to ``/dev/nvidia<minor>``; end it with ``kill PID``.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -46,12 +47,15 @@ class VmGpuOptions:
     )
 
 
-def _kernel(inv: Invocation) -> SimPciKernel:
+OpenSimulator = Callable[[Invocation], "FakeNvml"]
+"""How a command opens the simulator of its ``--state-dir`` (``agent.cli.sim``'s)."""
+
+
+def _kernel(open_sim: OpenSimulator, inv: Invocation) -> SimPciKernel:
     """The simulated node's kernel (its ``fake`` is the simulator)."""
-    from agent.cli.sim import open_simulator
     from agent.sim.pcikernel import SimPciKernel
 
-    fake: FakeNvml = open_simulator(inv)
+    fake = open_sim(inv)
     return SimPciKernel(fake, fake.state_dir / "sys", fake.state_dir / "driver-root")
 
 
@@ -66,8 +70,8 @@ def _on_vfio(state: VmState) -> list[str]:
     ]
 
 
-def _set_iommu(inv: Invocation, on: bool) -> int:
-    kernel = _kernel(inv)
+def _set_iommu(open_sim: OpenSimulator, inv: Invocation, on: bool) -> int:
+    kernel = _kernel(open_sim, inv)
 
     def change(s: VmState) -> VmState:
         if not on and _on_vfio(s):
@@ -82,16 +86,16 @@ def _set_iommu(inv: Invocation, on: bool) -> int:
     return 0
 
 
-def fault_iommu_off(inv: Invocation) -> int:
-    return _set_iommu(inv, False)
+def fault_iommu_off(open_sim: OpenSimulator, inv: Invocation) -> int:
+    return _set_iommu(open_sim, inv, False)
 
 
-def fault_iommu_on(inv: Invocation) -> int:
-    return _set_iommu(inv, True)
+def fault_iommu_on(open_sim: OpenSimulator, inv: Invocation) -> int:
+    return _set_iommu(open_sim, inv, True)
 
 
-def _set_vfio(inv: Invocation, loaded: bool) -> int:
-    kernel = _kernel(inv)
+def _set_vfio(open_sim: OpenSimulator, inv: Invocation, loaded: bool) -> int:
+    kernel = _kernel(open_sim, inv)
 
     def change(s: VmState) -> VmState:
         bound = [f.bus for f in s.functions if f.driver == "vfio-pci"]
@@ -107,12 +111,12 @@ def _set_vfio(inv: Invocation, loaded: bool) -> int:
     return 0
 
 
-def fault_vfio_unloaded(inv: Invocation) -> int:
-    return _set_vfio(inv, False)
+def fault_vfio_unloaded(open_sim: OpenSimulator, inv: Invocation) -> int:
+    return _set_vfio(open_sim, inv, False)
 
 
-def fault_vfio_loaded(inv: Invocation) -> int:
-    return _set_vfio(inv, True)
+def fault_vfio_loaded(open_sim: OpenSimulator, inv: Invocation) -> int:
+    return _set_vfio(open_sim, inv, True)
 
 
 def _gpu(fake: FakeNvml, index: int) -> GpuSlot:
@@ -124,10 +128,10 @@ def _gpu(fake: FakeNvml, index: int) -> GpuSlot:
     return fake.model.gpus[index]
 
 
-def fault_foreign_in_group(inv: Invocation) -> int:
+def fault_foreign_in_group(open_sim: OpenSimulator, inv: Invocation) -> int:
     from agent.sim.vmstate import FOREIGN_DRIVER, FunctionState, foreign_bus
 
-    kernel = _kernel(inv)
+    kernel = _kernel(open_sim, inv)
     gpu = _gpu(kernel.fake, inv.get(VmGpuOptions).gpu)
     bus = foreign_bus(gpu.bus)
 
@@ -142,14 +146,14 @@ def fault_foreign_in_group(inv: Invocation) -> int:
     return 0
 
 
-def fault_hold_gpu(inv: Invocation) -> int:
+def fault_hold_gpu(open_sim: OpenSimulator, inv: Invocation) -> int:
     from agent.sim.procfs import process_alive
     from agent.sim.vmstate import Holder
 
     def alive(holders: tuple[Holder, ...]) -> tuple[Holder, ...]:
         return tuple(h for h in holders if process_alive(h.pid))
 
-    kernel = _kernel(inv)
+    kernel = _kernel(open_sim, inv)
     gpu = _gpu(kernel.fake, inv.get(VmGpuOptions).gpu)
     node = kernel.driver_root / "dev" / f"nvidia{gpu.index}"
     if not node.is_file():
@@ -177,21 +181,24 @@ def fault_hold_gpu(inv: Invocation) -> int:
     return 0
 
 
-VM_FAULTS = (
-    Command("iommu-off", "the node has no IOMMU (no IOMMU groups, no VFIO)", fault_iommu_off),
-    Command("iommu-on", "the IOMMU is back (undo iommu-off)", fault_iommu_on),
-    Command("vfio-unloaded", "unload vfio-pci (refused while in use)", fault_vfio_unloaded),
-    Command("vfio-loaded", "load vfio-pci again", fault_vfio_loaded),
-    Command(
-        "foreign-in-group",
-        "put an NVMe drive into a GPU's IOMMU group",
-        fault_foreign_in_group,
-        (Uses(VmGpuOptions),),
-    ),
-    Command(
-        "hold-gpu",
-        "start a process holding a GPU's /dev/nvidia<minor> open (its PID is printed)",
-        fault_hold_gpu,
-        (Uses(VmGpuOptions),),
-    ),
-)
+def vm_faults(open_sim: OpenSimulator) -> tuple[Command, ...]:
+    """The VM fault commands, opening the simulator with ``open_sim`` (given, not imported:
+    ``agent.cli.sim`` imports this module)."""
+
+    def run(handler: Callable[[OpenSimulator, Invocation], int]) -> Callable[[Invocation], int]:
+        return functools.partial(handler, open_sim)
+
+    gpu = (Uses(VmGpuOptions),)
+    return (
+        Command("iommu-off", "the node has no IOMMU (no IOMMU groups, no VFIO)",
+                run(fault_iommu_off)),
+        Command("iommu-on", "the IOMMU is back (undo iommu-off)", run(fault_iommu_on)),
+        Command("vfio-unloaded", "unload vfio-pci (refused while in use)",
+                run(fault_vfio_unloaded)),
+        Command("vfio-loaded", "load vfio-pci again", run(fault_vfio_loaded)),
+        Command("foreign-in-group", "put an NVMe drive into a GPU's IOMMU group",
+                run(fault_foreign_in_group), gpu),
+        Command("hold-gpu",
+                "start a process holding a GPU's /dev/nvidia<minor> open (its PID is printed)",
+                run(fault_hold_gpu), gpu),
+    )  # fmt: skip

@@ -199,7 +199,7 @@ class SimPciKernel:
         loaded = {NVIDIA_DRIVER} | ({VFIO_DRIVER} if state.vfio_loaded else set())
         return loaded | ({FOREIGN_DRIVER} if state.foreign else set())
 
-    def _matches(self, fn: FunctionState, driver: str) -> bool:
+    def _matches(self, s: VmState, fn: FunctionState, driver: str) -> bool:
         if fn.override is not None:
             return fn.override == driver
         if driver == NVIDIA_DRIVER:
@@ -207,7 +207,7 @@ class SimPciKernel:
                 fn.bus in {g.bus for g in self.model.gpus}
                 or parent_of_vf(self.model, fn.bus) is not None
             )
-        return driver == FOREIGN_DRIVER and fn.bus in {b for b, _ in self._state().foreign}
+        return driver == FOREIGN_DRIVER and fn.bus in {b for b, _ in s.foreign}
 
     def _state(self) -> VmState:
         return self.fake.vm_state
@@ -232,7 +232,7 @@ class SimPciKernel:
         self, s: VmState, path: Path, driver: str, bus: str
     ) -> tuple[VmState, list[tuple[str, str, str]]]:
         fn = self._present(s, bus)
-        if fn is None or not self._matches(fn, driver):
+        if fn is None or not self._matches(s, fn, driver):
             raise _fail(errno.ENODEV, path, f"no device {bus!r} that {driver} matches")
         if fn.driver is not None:
             raise _fail(errno.EBUSY, path, f"{bus} is bound to {fn.driver}")
@@ -261,7 +261,7 @@ class SimPciKernel:
             if fn.driver is not None:
                 return s, []
             for driver in sorted(self._loaded(s)):
-                if self._matches(fn, driver):
+                if self._matches(s, fn, driver):
                     return s.with_function(replace(fn, driver=driver)), [("bind", bus, driver)]
             return s, []
 

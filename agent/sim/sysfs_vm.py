@@ -31,7 +31,7 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from agent.sim.model import GpuSlot, NodeModel
+from agent.sim.model import NVIDIA_VENDOR, GpuSlot, NodeModel
 from agent.sim.pcifunction import SimFunction
 from agent.sim.tree import remove, symlink, write_text
 from agent.sim.vmstate import (
@@ -47,6 +47,8 @@ from agent.sim.vmstate import (
     vfs_of,
 )
 
+CLASS_3D = 0x030200
+"""A VF's class: the PF's (3D controller)."""
 UUID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 DRIVER_FILES = {"bind", "unbind"}
 UNBIND_LOCK = "proc/driver/nvidia/gpus"
@@ -62,7 +64,7 @@ def vm_functions(
             continue
         device = g.spec.pci_device_id >> 16  # the VF's own device id: unverified; the PF's
         for vf in vfs_of(model, state, g):
-            out.append(SimFunction(vf, g.parent, g.numa, 0x10DE, device, 0x030200))
+            out.append(SimFunction(vf, g.parent, g.numa, NVIDIA_VENDOR, device, CLASS_3D))
         for bus, gpu in state.foreign:
             if gpu == g.bus:
                 vendor, dev, cls = FOREIGN_ID
