@@ -21,6 +21,7 @@ from agent.nvml.errors import NvmlGpuLost, NvmlInvalidArgument, NvmlNotFound
 from agent.nvml.facade import Nvml
 from agent.nvml.loader import NvmlLibrary, open_real_nvml
 from agent.nvml.types import GpuDevice
+from agent.pcihost.vm_types import KernelWrite
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,11 @@ class NodeSource:
     runtime reads them there). None: the same as ``driver_root``."""
     nvml_library: NvmlLibrary | None = None
     """Which ``libnvidia-ml.so.1`` NVML uses and why (None: not decided yet)."""
+    pci_write: KernelWrite | None = None
+    """How sysfs attributes are written (driver bind/unbind, ``driver_override``, vGPU types,
+    mdevs, the NVIDIA unbind lock): the simulator's kernel (:class:`agent.sim.pcikernel.
+    SimPciKernel`) on a simulated node; None on this machine, where the composition root uses
+    the real one (``agent.pcihost.kernel.write_attribute``)."""
 
     @property
     def host_root(self) -> Path:

@@ -14,6 +14,8 @@
     tessera sim fault --state-dir DIR add-gpu --gpu N
     tessera sim fault --state-dir DIR rebind --gpu N
     tessera sim fault --state-dir DIR mig-layout --gpu N --layout all-1g
+    tessera sim fault --state-dir DIR iommu-off|iommu-on|vfio-unloaded|vfio-loaded
+    tessera sim fault --state-dir DIR foreign-in-group|hold-gpu --gpu N   (agent/cli/sim_vm.py)
     tessera sim process --state-dir DIR start --gpu N [--pid P] [--pod-uid UID]
                         [--sm-utilization U] [--memory-mib M] [--gi G [--ci C]]
     tessera sim process --state-dir DIR stop --gpu N --pid P
@@ -43,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.cli.framework import Command, Invocation, Uses
+from agent.cli.sim_vm import vm_faults
 from agent.config import (
     REQUIRED,
     fraction,
@@ -210,9 +213,9 @@ class ProcessStopOptions:
 
 
 def cmd_models(inv: Invocation) -> int:
-    from agent.sim.model import load_model, model_names
+    from agent.sim.model import all_model_names, load_model
 
-    for name in model_names():
+    for name in all_model_names():
         inv.out.write(f"{name:<12} {load_model(name).description}\n")
     return 0
 
@@ -267,7 +270,7 @@ def _model_name(sim_dir: Path) -> str:
         ) from exc
 
 
-def _simulator(inv: Invocation) -> Any:
+def open_simulator(inv: Invocation) -> Any:
     from agent.sim.model import load_model
     from agent.sim.nvml import FakeNvml
 
@@ -278,7 +281,7 @@ def _simulator(inv: Invocation) -> Any:
 
 def fault_xid(inv: Invocation) -> int:
     opts = inv.get(XidOptions)
-    _simulator(inv).inject_xid(opts.gpu, opts.xid, opts.gi, opts.ci)
+    open_simulator(inv).inject_xid(opts.gpu, opts.xid, opts.gi, opts.ci)
     where = "" if opts.gi is None else f" (GPU instance {opts.gi}, compute instance {opts.ci})"
     inv.out.write(f"injected XID {opts.xid} on GPU {opts.gpu}{where}\n")
     if opts.xid == 79:
@@ -288,20 +291,20 @@ def fault_xid(inv: Invocation) -> int:
 
 def fault_gpu_lost(inv: Invocation) -> int:
     gpu = inv.get(GpuOptions).gpu
-    _simulator(inv).lose_gpu(gpu)
+    open_simulator(inv).lose_gpu(gpu)
     inv.out.write(f"GPU {gpu} fell off the bus (XID 79); its NVML calls now fail\n")
     return 0
 
 
 def fault_recover(inv: Invocation) -> int:
     gpu = inv.get(GpuOptions).gpu
-    _simulator(inv).recover_gpu(gpu)
+    open_simulator(inv).recover_gpu(gpu)
     inv.out.write(f"GPU {gpu} recovered\n")
     return 0
 
 
 def fault_driver_reload(inv: Invocation) -> int:
-    _simulator(inv).reload_driver()
+    open_simulator(inv).reload_driver()
     inv.out.write("driver reloaded: energy and error counters restart at 0, processes ended\n")
     return 0
 
@@ -309,7 +312,7 @@ def fault_driver_reload(inv: Invocation) -> int:
 def fault_load(inv: Invocation) -> int:
     opts = inv.get(LoadOptions)
     memory = None if opts.memory_mib is None else opts.memory_mib * MIB
-    _simulator(inv).set_load(opts.gpu, opts.utilization, memory)
+    open_simulator(inv).set_load(opts.gpu, opts.utilization, memory)
     used = "" if memory is None else f", {opts.memory_mib} MiB in use"
     inv.out.write(f"GPU {opts.gpu} load set to utilization {opts.utilization:g}{used}\n")
     return 0
@@ -318,7 +321,7 @@ def fault_load(inv: Invocation) -> int:
 def fault_fail_call(inv: Invocation) -> int:
     opts = inv.get(FailCallOptions)
     times = None if opts.times == 0 else opts.times
-    _simulator(inv).fail_call(opts.call, gpu=opts.gpu, code=opts.code, times=times)
+    open_simulator(inv).fail_call(opts.call, gpu=opts.gpu, code=opts.code, times=times)
     on = "any GPU" if opts.gpu is None else f"GPU {opts.gpu}"
     count = "every call" if times is None else f"the next {times} call(s)"
     inv.out.write(f"{opts.call} on {on} fails with NVML error {opts.code} for {count}\n")
@@ -329,7 +332,7 @@ def fault_remove_gpu(inv: Invocation) -> int:
     from agent.sim.udev import remove_gpu
 
     gpu = inv.get(GpuOptions).gpu
-    done = remove_gpu(_simulator(inv), gpu)
+    done = remove_gpu(open_simulator(inv), gpu)
     inv.out.write(
         f"GPU {gpu} removed from the PCI bus\n" if done else f"GPU {gpu} was already removed\n"
     )
@@ -340,7 +343,7 @@ def fault_rebind(inv: Invocation) -> int:
     from agent.sim.udev import rebind_gpu
 
     gpu = inv.get(GpuOptions).gpu
-    if not rebind_gpu(_simulator(inv), gpu):
+    if not rebind_gpu(open_simulator(inv), gpu):
         raise ConfigError(f"GPU {gpu} is not on the PCI bus (add it back with add-gpu first)")
     inv.out.write(f"GPU {gpu} unbound from the driver and bound again (udev: unbind, bind)\n")
     return 0
@@ -350,7 +353,7 @@ def fault_add_gpu(inv: Invocation) -> int:
     from agent.sim.udev import add_gpu
 
     gpu = inv.get(GpuOptions).gpu
-    done = add_gpu(_simulator(inv), gpu)
+    done = add_gpu(open_simulator(inv), gpu)
     inv.out.write(
         f"GPU {gpu} added to the PCI bus\n" if done else f"GPU {gpu} is on the bus already\n"
     )
@@ -361,14 +364,14 @@ def fault_mig_layout(inv: Invocation) -> int:
     from agent.sim.udev import set_mig_layout
 
     opts = inv.get(MigLayoutOptions)
-    set_mig_layout(_simulator(inv), opts.gpu, opts.layout)
+    set_mig_layout(open_simulator(inv), opts.gpu, opts.layout)
     inv.out.write(f"GPU {opts.gpu}: MIG layout {opts.layout} created\n")
     return 0
 
 
 def process_start(inv: Invocation) -> int:
     opts = inv.get(ProcessStartOptions)
-    fake = _simulator(inv)
+    fake = open_simulator(inv)
     pid = opts.pid if opts.pid is not None else fake.free_pid()
     fake.add_process(
         opts.gpu, pid, opts.memory_mib * MIB, opts.gi, opts.ci, opts.sm_utilization, opts.pod_uid
@@ -384,7 +387,7 @@ def process_start(inv: Invocation) -> int:
 
 def process_stop(inv: Invocation) -> int:
     opts = inv.get(ProcessStopOptions)
-    _simulator(inv).remove_process(opts.gpu, opts.pid)
+    open_simulator(inv).remove_process(opts.gpu, opts.pid)
     inv.out.write(f"process {opts.pid} on GPU {opts.gpu} ended\n")
     return 0
 
@@ -393,7 +396,7 @@ def process_stop(inv: Invocation) -> int:
 
 FAULT = Command(
     "fault",
-    "inject XIDs, lost GPUs, driver reloads, load, call failures, hot-plug or MIG changes",
+    "inject XIDs, lost GPUs, driver reloads, load, call failures, hot-plug, MIG or VFIO changes",
     uses=(Uses(FaultOptions),),
     description="Inject faults and load into a running simulated node from another process:"
     " the agent sees them at its next NVML call.",
@@ -446,6 +449,7 @@ FAULT = Command(
             fault_mig_layout,
             (Uses(MigLayoutOptions),),
         ),
+        *vm_faults(open_simulator),
     ),
 )
 

@@ -235,6 +235,31 @@ class NvmlApi(Protocol):
         """NVML_NVLINK_DEVICE_TYPE_GPU (0), _IBMNPU (1), _SWITCH (2)."""
         ...
 
+    # -- vGPU host (NVIDIA's vGPU host driver; NOT_SUPPORTED elsewhere) ----------------------------
+    def nvmlDeviceGetVirtualizationMode(self, handle: DeviceHandle) -> int:
+        """An ``NVML_GPU_VIRTUALIZATION_MODE_*`` value (3: HOST_VGPU)."""
+        ...
+
+    def nvmlDeviceGetHostVgpuMode(self, handle: DeviceHandle) -> int:
+        """``NVML_HOST_VGPU_MODE_NON_SRIOV`` (0) or ``NVML_HOST_VGPU_MODE_SRIOV`` (1)."""
+        ...
+
+    def nvmlDeviceGetSupportedVgpus(self, handle: DeviceHandle) -> list[int]:
+        """vGPU type ids."""
+        ...
+
+    def nvmlVgpuTypeGetName(self, vgpuTypeId: int) -> str: ...
+
+    def nvmlVgpuTypeGetFramebufferSize(self, vgpuTypeId: int) -> int:
+        """Bytes."""
+        ...
+
+    def nvmlVgpuTypeGetMaxInstances(self, handle: DeviceHandle, vgpuTypeId: int) -> int: ...
+
+    def nvmlDeviceGetVgpuHeterogeneousMode(self, handle: DeviceHandle) -> int:
+        """1: vGPUs of different types may share the GPU; 0: homogeneous."""
+        ...
+
     # -- telemetry ---------------------------------------------------------------------------------
     def nvmlDeviceGetUtilizationRates(self, handle: DeviceHandle) -> Utilization: ...
 

@@ -18,6 +18,7 @@ import ctypes
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
+from agent.nvml import vgpu
 from agent.nvml.api import NvmlApi
 from agent.nvml.api_types import DeviceHandle
 from agent.nvml.errors import (
@@ -41,6 +42,7 @@ from agent.nvml.types import (
     PowerLimits,
     SystemInfo,
 )
+from agent.pcihost.vm_types import VgpuType
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -282,6 +284,19 @@ class Nvml:
         except NvmlNotSupported:
             m = api.nvmlDeviceGetMemoryInfo(handle)
             return MemoryInfo(m.total, m.free, m.used)
+
+    # -- vGPU host ---------------------------------------------------------------------------
+    def vgpu_types(self, index: int) -> tuple[VgpuType, ...]:
+        """The vGPU types GPU ``index`` supports; empty when it is not in vGPU host mode."""
+        return vgpu.vgpu_types(self.api(str(index)), self.handle(index))
+
+    def vgpu_heterogeneous(self, index: int) -> bool:
+        """Whether vGPUs of different types may share GPU ``index``."""
+        return vgpu.heterogeneous(self.api(str(index)), self.handle(index))
+
+    def vgpu_sriov(self, index: int) -> bool | None:
+        """GPU ``index``'s vGPUs are SR-IOV VFs (True), mdevs on it (False); None: no vGPUs."""
+        return vgpu.sriov(self.api(str(index)), self.handle(index))
 
     # -- MIG -------------------------------------------------------------------------------
     def mig_mode(self, index: int) -> MigMode | None:

@@ -116,8 +116,9 @@ _PLACEHOLDER = (
 )
 _ELF32 = b"\x7fELF\x01\x01\x01" + b"\x00" * 9
 """The start of a 32-bit little-endian ELF file: enough for readers that check the class."""
-KEEP = ("dev/nvidia-caps/",)
-"""Paths a rewrite leaves alone: the MIG capability nodes made since (as on a real node)."""
+KEEP = ("dev/nvidia-caps/", "dev/vfio/", "proc/driver/nvidia/gpus/")
+"""Paths a rewrite leaves alone: the MIG capability nodes made since (as on a real node), the
+VFIO nodes and NVIDIA unbind locks, which follow the VM state (:mod:`agent.sim.sysfs_vm`)."""
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,11 @@ ROOT_RE = re.compile(r"^pci[0-9a-f]{4}:[0-9a-f]{2}$")
 NIC_DEVICE_IDS = {"ConnectX-6": 0x101B, "ConnectX-6 Dx": 0x101D, "ConnectX-7": 0x1021}
 MELLANOX_VENDOR = 0x15B3
 NVIDIA_VENDOR = 0x10DE
+VGPU_INTERFACES = ("vf", "mdev")
+VM_MODELS = "vm"
+"""The folder (under ``models/``) of the models of hosts for virtual machines (vGPU host
+drivers): listed by :func:`vm_model_names`, not by :func:`model_names`, so that the tests and
+tables that go over every container model stay as they are."""
 
 
 def _parent(value: str, where: str) -> tuple[str, ...]:
@@ -113,6 +118,10 @@ class NodeModel:
     gpus: tuple[GpuSlot, ...]
     nics: tuple[NicSlot, ...]
     nvswitches: tuple[SwitchSlot, ...]
+    vgpu_interface: str | None = None
+    """The host driver is NVIDIA's vGPU host driver offering vGPUs this way: ``vf`` (SR-IOV VFs
+    with ``nvidia/current_vgpu_type``, Ada/Hopper and newer, vGPU 17+) or ``mdev`` (mediated
+    devices on the GPU, before Ampere); None: the ordinary (bare-metal) driver."""
 
     def gpu_by_bus(self, bus: str) -> GpuSlot:
         for g in self.gpus:
@@ -206,6 +215,15 @@ def _read_model(raw: Mapping[str, Any], specs: Mapping[str, GpuSpec] | None) -> 
             )
         )
     switch_id = nv.get("switchDeviceId")
+    vgpu = F.obj(raw.get("vgpu", {}), "vgpu")
+    interface = F.one_of(vgpu.get("interface"), "vgpu.interface", VGPU_INTERFACES) if vgpu else None
+    for i, g in enumerate(gpus):
+        if interface is not None and not g.spec.vgpu_types:
+            raise ModelError(f"gpus[{i}]: product {g.spec.key} has no vgpuTypes in gpus.yaml")
+        if interface == "vf" and g.spec.sriov_total_vfs < max(
+            t.max_instances for t in g.spec.vgpu_types
+        ):
+            raise ModelError(f"gpus[{i}]: product {g.spec.key} has too few SR-IOV VFs for vGPUs")
     numa_nodes = F.obj(raw.get("numaNodes"), "numaNodes")
     if not numa_nodes:
         raise F.FieldError("numaNodes", "missing; expected {node: cpu list}, e.g. {0: '0-23'}")
@@ -230,6 +248,7 @@ def _read_model(raw: Mapping[str, Any], specs: Mapping[str, GpuSpec] | None) -> 
         gpus=tuple(gpus),
         nics=tuple(nics),
         nvswitches=tuple(switches),
+        vgpu_interface=interface,
     )
 
 
@@ -257,10 +276,24 @@ def parse_model(
     return model
 
 
-def model_names() -> list[str]:
-    """Names of the bundled models, sorted."""
-    files = resources.files("agent.sim").joinpath("models").iterdir()
+def _yaml_names(*folder: str) -> list[str]:
+    files = resources.files("agent.sim").joinpath("models", *folder).iterdir()
     return sorted(f.name.removesuffix(".yaml") for f in files if f.name.endswith(".yaml"))
+
+
+def model_names() -> list[str]:
+    """Names of the bundled node models, sorted (the hosts for VMs are :func:`vm_model_names`)."""
+    return _yaml_names()
+
+
+def vm_model_names() -> list[str]:
+    """Names of the bundled models of hosts running NVIDIA's vGPU host driver, sorted."""
+    return _yaml_names(VM_MODELS)
+
+
+def all_model_names() -> list[str]:
+    """Every bundled model: :func:`model_names` then :func:`vm_model_names`."""
+    return [*model_names(), *vm_model_names()]
 
 
 def load_model(name: str) -> NodeModel:
@@ -275,11 +308,13 @@ def load_model(name: str) -> NodeModel:
             raise ModelError(f"node model file {name!r} is not UTF-8 text: {exc.reason}") from exc
         source = name
     else:
-        if name not in model_names():
+        if name not in all_model_names():
             raise ModelError(
-                f"unknown simulated node model {name!r}; choose one of: {', '.join(model_names())}"
+                f"unknown simulated node model {name!r}; choose one of:"
+                f" {', '.join(all_model_names())}"
             )
-        text = resources.files("agent.sim").joinpath("models", f"{name}.yaml").read_text()
+        folder = (VM_MODELS,) if name in vm_model_names() else ()
+        text = resources.files("agent.sim").joinpath("models", *folder, f"{name}.yaml").read_text()
         source = f"{name}.yaml"
     try:
         raw = yaml.load(text, Loader=YamlLoader)  # libyaml: a model loads in 1/8 the time

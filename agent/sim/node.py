@@ -16,6 +16,7 @@ from agent.nvml.loader import NvmlLibrary, find_nvml
 from agent.sim.driverroot import layout_of, write_driver_root
 from agent.sim.model import load_model
 from agent.sim.nvml import FakeNvml
+from agent.sim.pcikernel import SimPciKernel
 from agent.sim.sysfs import write_sysfs
 from agent.sim.udev import removed_buses
 
@@ -38,20 +39,24 @@ def simulated_node(
     simulator's (``<state_dir>/sim/proc``) unless given. The host sees the driver root at
     ``host_driver_root``, by default where the layout's host has it (``/``, or
     ``/run/nvidia/driver`` for the containerized driver): never where the simulator wrote it,
-    so every CDI path is translated as on a real node."""
+    so every CDI path is translated as on a real node. ``pci_write`` is the simulator's kernel
+    (:class:`agent.sim.pcikernel.SimPciKernel`): writes to the tree's driver, SR-IOV and vGPU
+    attributes change the node as Linux would."""
     model = load_model(model_name)
     sim_dir = state_dir / "sim"
     fake = FakeNvml(model, sim_dir, mig_layout=mig_layout)
     if sysfs_root is None:
         sysfs_root = sim_dir / "sys"
-        write_sysfs(model, sysfs_root, removed_buses(fake))
+        write_sysfs(model, sysfs_root, removed_buses(fake), fake.vm_state)
     api: NvmlApi = fake  # mypy proves that the simulator has the NVML surface the agent uses
     layout = layout_of(driver_layout)
+    kernel = SimPciKernel(fake, sysfs_root, driver_root or sim_dir / "driver-root")
     if driver_root is None:
         driver_root = sim_dir / "driver-root"
         write_driver_root(
             model, driver_root, state_dir=sim_dir, model_ref=model_name, layout=layout.name
         )
+        kernel.rewrite_driver_root()
     nvml_file = find_nvml(driver_root)
     return NodeSource(
         nvml=Nvml(api),
@@ -64,6 +69,7 @@ def simulated_node(
         sim=fake,
         proc_root=proc_root or fake.proc_root,
         host_driver_root=host_driver_root or Path(layout.host_root),
+        pci_write=kernel.write,
         nvml_library=NvmlLibrary(
             None,  # nothing is loaded: the simulator answers NVML
             f"simulated node: NVML is the simulator; the driver root's file, {nvml_file}, is"

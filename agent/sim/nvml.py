@@ -23,12 +23,14 @@ shapes; the pynvml structs it fills are untyped and cast to those shapes, which
 is a method here with pynvml's signature (that test compares them) plus its line in ``NvmlApi``.
 
 Simulator controls (not pynvml functions): ``reset_gpu(index)``, ``apply_mig_layout(name)``,
-``state``, ``state_dir`` (see :class:`agent.sim.nvml_core.NvmlCore`); compute modes, time-slices
-and MPS daemons (``sharing_state``, ``set_timeslice``, ``record_mps_daemon``, …, see
+``state``, ``state_dir``, ``vm_state``, ``update_vm`` (see
+:class:`agent.sim.nvml_core.NvmlCore`); compute modes, time-slices and MPS daemons
+(``sharing_state``, ``set_timeslice``, ``record_mps_daemon``, …, see
 :class:`agent.sim.nvml_sharing.SharingCalls`); the load and faults
 (``set_load``, ``add_process``, ``inject_xid``, ``lose_gpu``, ``reload_driver``, …, see
 :class:`agent.sim.telemetry_base.TelemetryBase`), driven by the ``clock`` keyword (default
-``time.monotonic``). MIG calls are in :mod:`agent.sim.nvml_mig`; telemetry calls in
+``time.monotonic``). MIG calls are in :mod:`agent.sim.nvml_mig`; vGPU host calls in
+:mod:`agent.sim.nvml_vgpu`; telemetry calls in
 :mod:`agent.sim.telemetry_calls`; events and GPM in :mod:`agent.sim.telemetry_events`. The MIG
 state lives in ``<state_dir>/nvml-state.json``, the load, counters and faults in
 ``<state_dir>/telemetry-state.json``, the sharing settings in ``<state_dir>/sharing-state.json``,
@@ -52,6 +54,7 @@ from agent.sim.nvlink import LinkEnd, nvlink_table
 from agent.sim.nvml_core import pci_info, pynvml_constants
 from agent.sim.nvml_mig import MigCalls
 from agent.sim.nvml_sharing import SharingCalls
+from agent.sim.nvml_vgpu import VgpuCalls
 from agent.sim.specs import MIB
 from agent.sim.state import SimState
 from agent.sim.telemetry_calls import TelemetryCalls
@@ -76,7 +79,7 @@ def mig_uuid(parent_uuid: str, gi_id: int, ci_id: int) -> str:
     return "MIG-" + str(uuidlib.uuid5(uuidlib.NAMESPACE_URL, f"{parent_uuid}/gi{gi_id}/ci{ci_id}"))
 
 
-class FakeNvml(TelemetryCalls, EventCalls, GpmCalls, MigCalls, SharingCalls):
+class FakeNvml(TelemetryCalls, EventCalls, GpmCalls, MigCalls, SharingCalls, VgpuCalls):
     """The simulated pynvml module for one node model (see the module docstring)."""
 
     # pynvml's constants and types that agent.nvml.api.NvmlApi names, declared so that mypy

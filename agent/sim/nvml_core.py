@@ -32,6 +32,7 @@ from agent.sim.state import (
     StateStore,
     initial_state,
 )
+from agent.sim.vmstate import VmState, VmStore, initial_vm_state, nvidia_bound
 
 T = TypeVar("T")
 
@@ -113,6 +114,8 @@ class NvmlCore:
         self._store.open(init)
         self._sharing = SharingStore(Path(state_dir), model)
         self._sharing.open(lambda stored: stored if stored is not None else initial_sharing(model))
+        self._vm = VmStore(Path(state_dir), model)
+        self._vm.open(lambda stored: stored if stored is not None else initial_vm_state(model))
 
     # -- simulator controls (not pynvml functions) -------------------------------------------
     @property
@@ -133,12 +136,27 @@ class NvmlCore:
             )
         self._store.update(lambda s: (s.with_gpu(mig.reset(s.gpus[index])), None))
 
+    @property
+    def vm_state(self) -> VmState:
+        """Bound drivers, VFs, vGPUs, IOMMU (:mod:`agent.sim.vmstate`), reloaded when changed."""
+        return self._vm.read()
+
+    def update_vm(self, change: Callable[[VmState], tuple[VmState, T]]) -> T:
+        """Lock, reload, apply ``change`` to the VM state, save (one atomic step)."""
+        return self._vm.update(change)
+
     def present(self) -> list[GpuSlot]:
-        """The GPUs on the bus (not hot-removed), in NVML's enumeration order (the model's, which
-        is PCI bus order): a GPU's NVML index is its place here, so indexes after a removed GPU
-        shift down by one, as a fresh enumeration numbers them."""
+        """The GPUs NVML enumerates: on the bus (not hot-removed) and bound to ``nvidia`` (one
+        on vfio-pci or unbound is not NVIDIA's driver's), in NVML's enumeration order (the
+        model's, which is PCI bus order): a GPU's NVML index is its place here, so indexes after
+        a missing GPU shift down by one, as a fresh enumeration numbers them."""
         state = self._store.read()
-        return [g for g in self.model.gpus if not state.gpus[g.index].removed]
+        vm = self._vm.read()
+        return [
+            g
+            for g in self.model.gpus
+            if not state.gpus[g.index].removed and nvidia_bound(vm, g.bus)
+        ]
 
     def removed(self) -> list[int]:
         """The model indexes of the hot-removed GPUs."""
@@ -197,6 +215,10 @@ class NvmlCore:
             )
         if self._store.read().gpus[ref.gpu].removed:
             raise nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST, f"GPU {ref.gpu} left the PCI bus")
+        if not nvidia_bound(self._vm.read(), self._slots[ref.gpu].bus):
+            raise nvml_error(
+                pynvml.NVML_ERROR_GPU_IS_LOST, f"GPU {ref.gpu} is not bound to the nvidia driver"
+            )
         if ref.kind not in kinds:
             if ref.kind == handles.KIND_MIG:
                 raise nvml_error(

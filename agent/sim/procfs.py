@@ -15,6 +15,10 @@ it, as for a PID it cannot see). The tree follows the telemetry state: :func:`sy
 the directories of the processes that have a pod and removes every other PID's, so a process
 that ends (``remove_process``, a driver reload) disappears from it.
 
+A process that holds a GPU's device node (``tessera sim fault hold-gpu``) gets ``fd/0`` linking
+to ``/dev/nvidia<minor>``, ``comm`` and ``stat``, so a holder scan (``/proc/<pid>/fd``, as
+``fuser`` does it) finds it.
+
 ``cgroup_line``, ``stat_line`` and ``container_id`` are pure; ``sync_proc`` does the I/O.
 """
 
@@ -25,7 +29,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from agent.sim.telemetry_state import SimProcess
-from agent.sim.tree import remove, write_text, write_tree
+from agent.sim.tree import remove, symlink, write_text, write_tree
+from agent.sim.vmstate import Holder
 
 CLK_TCK = 100
 """Clock ticks per second of ``stat``'s start time (``getconf CLK_TCK`` on Linux)."""
@@ -57,15 +62,33 @@ def stat_line(pid: int, start_time: int, comm: str = COMM) -> str:
     return " ".join(fields) + "\n"
 
 
-def sync_proc(root: Path, processes: Iterable[SimProcess]) -> None:
-    """Make ``root`` hold exactly the directories of ``processes`` that run in a pod."""
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this machine (a zombie, ended but not yet reaped, does
+    not): the real ``/proc/<pid>/stat``'s state field."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
+
+
+def sync_proc(root: Path, processes: Iterable[SimProcess], held: Iterable[Holder] = ()) -> None:
+    """Make ``root`` hold exactly the directories of ``processes`` that run in a pod, and of the
+    live processes of ``held``: their ``fd/0`` link to ``/dev/nvidia<minor>`` (as the host names
+    it; what ``fuser`` reads), ``comm`` and ``stat``."""
     want = {p.pid: p for p in processes if p.pod_uid is not None}
+    holders = {h.pid: f"/dev/nvidia{h.minor}" for h in held if process_alive(h.pid)}
 
     def write(root: Path) -> None:
         root.mkdir(parents=True, exist_ok=True)
         for entry in root.iterdir():
-            if entry.name.isdigit() and int(entry.name) not in want:
+            if entry.name.isdigit() and int(entry.name) not in want | holders.keys():
                 remove(entry)
+        for pid, node in sorted(holders.items()):
+            if pid not in want:
+                write_text(root / str(pid) / "comm", "sleep\n")
+                write_text(root / str(pid) / "stat", stat_line(pid, 0, "sleep"))
+            symlink(root / str(pid) / "fd" / "0", node)
         for pid, p in sorted(want.items()):
             assert p.pod_uid is not None
             # the cgroup first: a reader that sees the new start time sees the new cgroup too

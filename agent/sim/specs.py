@@ -48,6 +48,17 @@ class MigProfileSpec:
 
 
 @dataclass(frozen=True)
+class VgpuTypeSpec:
+    """One vGPU type of a product as the vGPU host driver offers it (NVML's view)."""
+
+    type_id: int
+    name: str
+    """With the driver's prefix: ``NVIDIA H200X-35C``, ``GRID T4-4Q``."""
+    framebuffer_mib: int
+    max_instances: int
+
+
+@dataclass(frozen=True)
 class GpuSpec:
     """A GPU product: identity, sizes and its MIG profile table (empty when not MIG-capable)."""
 
@@ -63,6 +74,10 @@ class GpuSpec:
     power_limit_w: int
     mig_hopper_style: bool
     mig_profiles: tuple[MigProfileSpec, ...]
+    vgpu_types: tuple[VgpuTypeSpec, ...] = ()
+    """The vGPU types the vGPU host driver offers on this product (empty: none known)."""
+    sriov_total_vfs: int = 0
+    """``sriov_totalvfs`` of the GPU under the vGPU host driver (0: no SR-IOV)."""
 
     @property
     def mig_capable(self) -> bool:
@@ -118,6 +133,11 @@ def _profile(row: list[Any]) -> MigProfileSpec:
     )
 
 
+def _vgpu_type(row: list[Any]) -> VgpuTypeSpec:
+    type_id, name, mib, max_n = row
+    return VgpuTypeSpec(int(type_id), str(name), int(mib), int(max_n))
+
+
 @cache
 def gpu_specs() -> Mapping[str, GpuSpec]:
     """All known products, keyed by the name node models use (``H100-SXM5-80GB``)."""
@@ -159,6 +179,8 @@ def parse_gpu_specs(text: str, source: str) -> Mapping[str, GpuSpec]:
                 power_limit_w=int(d["powerLimitW"]),
                 mig_hopper_style=bool(d.get("migHopperStyle", False)),
                 mig_profiles=tuple(_profile(r) for r in d.get("migProfiles", [])),
+                vgpu_types=tuple(_vgpu_type(r) for r in d.get("vgpuTypes", [])),
+                sriov_total_vfs=int(d.get("sriovTotalVfs", 0)),
             )
     except yaml.YAMLError as exc:
         raise ModelError(f"{source} is not valid YAML: {' '.join(str(exc).split())}") from exc

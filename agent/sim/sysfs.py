@@ -23,12 +23,14 @@ from __future__ import annotations
 import math
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from agent.sim.errors import ModelError
 from agent.sim.model import BDF_RE, MELLANOX_VENDOR, NVIDIA_VENDOR, ROOT_RE, NodeModel
+from agent.sim.pcifunction import SimFunction
+from agent.sim.sysfs_vm import iommu_groups, vm_functions, write_vm_sysfs
 from agent.sim.tree import remove, symlink, write_text, write_tree
+from agent.sim.vmstate import VmState, initial_vm_state
 
 CLASS_3D_CONTROLLER = 0x030200
 CLASS_NVSWITCH = 0x068000
@@ -41,24 +43,6 @@ SWITCH_PORT_ID = (0x1000, 0xC030)
 """vendor, device of a PCIe switch port: Broadcom PEX890xx Gen 5 switch."""
 ARPHRD = {"InfiniBand": 32, "Ethernet": 1}
 """``net/<netdev>/type`` per link layer (ARPHRD_INFINIBAND, ARPHRD_ETHER)."""
-
-
-@dataclass(frozen=True)
-class SimFunction:
-    """One PCI function the simulated tree contains (endpoint or bridge)."""
-
-    bus: str
-    parent: tuple[str, ...]
-    """Root complex, then every bridge above this function."""
-    numa: int
-    vendor: int
-    device: int
-    pci_class: int
-
-    @property
-    def rel_path(self) -> str:
-        """Path below ``devices/``: ``pci0000:16/0000:16:01.0/…/0000:1b:00.0``."""
-        return "/".join((*self.parent, self.bus))
 
 
 def parse_cpulist(cpulist: str) -> list[int]:
@@ -196,13 +180,14 @@ def _write_function(
     )
 
 
-def _write_tree(model: NodeModel, root: Path, removed: frozenset[str]) -> None:
+def _write_tree(model: NodeModel, root: Path, removed: frozenset[str], vm: VmState | None) -> None:
     # a first write, into an empty root, makes each entry once: no comparison, temporary name
     # or pruning (a rewrite keeps every entry readable while it changes the tree)
     fresh = not root.exists() or not any(root.iterdir())
     put, link = (_new_text, _new_link) if fresh else (write_text, symlink)
     devices = root / "devices"
-    functions = pci_functions(model, removed)
+    vm = vm if vm is not None else initial_vm_state(model)
+    functions = (*pci_functions(model, removed), *vm_functions(model, vm, removed))
     nr_cpus = max((max(parse_cpulist(c), default=0) for c in model.numa_nodes.values()), default=0)
     nr_cpus += 1
     by_bus = {f.bus: f for f in functions}
@@ -250,6 +235,8 @@ def _write_tree(model: NodeModel, root: Path, removed: frozenset[str]) -> None:
         (node_dir / f"node{node}").mkdir(exist_ok=True)
         put(node_dir / f"node{node}" / "cpulist", f"{cpulist}\n")
 
+    static = [f.bus for f in pci_functions(model)]  # group numbers stay when a GPU leaves
+    write_vm_sysfs(root, model, vm, functions, iommu_groups(model, vm, static), fresh)
     if fresh:
         return
     # What an earlier write (of another model) left behind goes; readers never see a gap.
@@ -264,9 +251,16 @@ def _write_tree(model: NodeModel, root: Path, removed: frozenset[str]) -> None:
         _prune(devices / fn.rel_path / "net", netdevs)
 
 
-def write_sysfs(model: NodeModel, root: Path, removed: frozenset[str] = frozenset()) -> None:
+def write_sysfs(
+    model: NodeModel,
+    root: Path,
+    removed: frozenset[str] = frozenset(),
+    vm: VmState | None = None,
+) -> None:
     """Write (or rewrite) the sysfs tree of ``model`` under ``root``, without the GPUs at the bus
-    ids in ``removed`` (hot-removed: their device directories and ``bus/pci/devices`` links go).
+    ids in ``removed`` (hot-removed: their device directories and ``bus/pci/devices`` links go),
+    with the IOMMU groups, bound drivers, SR-IOV VFs, vGPU files and mediated devices of ``vm``
+    (:mod:`agent.sim.sysfs_vm`; default: the model's freshly booted state).
 
     Idempotent: rewriting the same root leaves unchanged files untouched, replaces changed files
     and links atomically, then removes what the model no longer has (devices, NICs, NUMA nodes),
@@ -274,4 +268,4 @@ def write_sysfs(model: NodeModel, root: Path, removed: frozenset[str] = frozense
     Raises ConfigError for ``/sys`` itself or when the tree cannot be written, ModelError when
     the model's PCIe paths are inconsistent.
     """
-    write_tree(root, "/sys", "sysfs tree", lambda r: _write_tree(model, r, removed))
+    write_tree(root, "/sys", "sysfs tree", lambda r: _write_tree(model, r, removed, vm))

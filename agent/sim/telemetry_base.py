@@ -439,8 +439,14 @@ class TelemetryBase(NvmlCore):
         self._telemetry.update(whole)
 
     def _sync_proc(self) -> None:
-        """The simulated ``/proc`` follows the processes (:func:`agent.sim.procfs.sync_proc`)."""
-        sync_proc(self.proc_root, (p for g in self.telemetry_state.gpus for p in g.processes))
+        """The simulated ``/proc`` follows the processes and the device node holders
+        (:func:`agent.sim.procfs.sync_proc`)."""
+        processes = (p for g in self.telemetry_state.gpus for p in g.processes)
+        sync_proc(self.proc_root, processes, self.vm_state.holders)
+
+    def refresh_proc(self) -> None:
+        """Rewrite the simulated ``/proc`` now (after a device node holder came or went)."""
+        self._sync_proc()
 
     def _ref(self, handle: object, pointer_type: Any, kinds: tuple[int, ...]) -> Ref:
         """As NvmlCore's, but every handle of a lost GPU raises GpuIsLost."""

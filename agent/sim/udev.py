@@ -61,7 +61,7 @@ def _uevent(fake: FakeNvml, index: int, action: str) -> dict[str, str]:
     }
 
 
-def _emit(sim_dir: Path, events: Sequence[dict[str, str]]) -> None:
+def emit_events(sim_dir: Path, events: Sequence[dict[str, str]]) -> None:
     """Append udev events to the event log (one JSON object a line, one write)."""
     ensure_dir(sim_dir)
     data = "".join(json.dumps(e, sort_keys=True) + "\n" for e in events).encode()
@@ -75,7 +75,7 @@ def _emit(sim_dir: Path, events: Sequence[dict[str, str]]) -> None:
 def _rewrite_sysfs(fake: FakeNvml, sysfs_root: Path | None) -> None:
     root = sysfs_root if sysfs_root is not None else fake.state_dir / "sys"
     if root.is_dir():
-        write_sysfs(fake.model, root, removed_buses(fake))
+        write_sysfs(fake.model, root, removed_buses(fake), fake.vm_state)
 
 
 def remove_gpu(fake: FakeNvml, index: int, sysfs_root: Path | None = None) -> bool:
@@ -85,7 +85,7 @@ def remove_gpu(fake: FakeNvml, index: int, sysfs_root: Path | None = None) -> bo
     if not fake.set_removed(index, True):
         return False
     _rewrite_sysfs(fake, sysfs_root)
-    _emit(fake.state_dir, [_uevent(fake, index, "unbind"), _uevent(fake, index, "remove")])
+    emit_events(fake.state_dir, [_uevent(fake, index, "unbind"), _uevent(fake, index, "remove")])
     return True
 
 
@@ -94,7 +94,7 @@ def add_gpu(fake: FakeNvml, index: int, sysfs_root: Path | None = None) -> bool:
     if not fake.set_removed(index, False):
         return False
     _rewrite_sysfs(fake, sysfs_root)
-    _emit(fake.state_dir, [_uevent(fake, index, "add"), _uevent(fake, index, "bind")])
+    emit_events(fake.state_dir, [_uevent(fake, index, "add"), _uevent(fake, index, "bind")])
     return True
 
 
@@ -105,7 +105,7 @@ def rebind_gpu(fake: FakeNvml, index: int) -> bool:
     if index in fake.removed():
         return False
     fake.recover_gpu(index)
-    _emit(fake.state_dir, [_uevent(fake, index, "unbind"), _uevent(fake, index, "bind")])
+    emit_events(fake.state_dir, [_uevent(fake, index, "unbind"), _uevent(fake, index, "bind")])
     return True
 
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from agent.cli import main
-from agent.sim.model import model_names
+from agent.sim.model import all_model_names, model_names
 from tests.hardware import needs_no_driver
 from tests.k8sschema import validate as validate_k8s
 
@@ -92,8 +92,9 @@ def test_topo_matrix_and_dot():
 def test_sim_models_lists_every_model_with_a_description():
     code, out, _ = run(["sim", "models"])
     lines = out.splitlines()
-    assert code == 0 and [line.split()[0] for line in lines] == model_names()
+    assert code == 0 and [line.split()[0] for line in lines] == all_model_names()
     assert all(len(line.split(None, 1)) == 2 for line in lines)
+    assert all_model_names()[-2:] == ["vgpu-h200", "vgpu-t4"]  # the hosts for VMs, listed too
 
 
 def test_simulate_from_environment():

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from agent.sim.errors import ModelError
-from agent.sim.model import load_model, model_names, parse_model
+from agent.sim.model import all_model_names, load_model, model_names, parse_model, vm_model_names
 from agent.sim.specs import gpu_specs, profile_name
 
 MIB = 1024 * 1024
@@ -173,3 +173,43 @@ def test_a_malformed_model_file_is_reported_by_field(tmp_path):
     with pytest.raises(ModelError) as e:
         load_model(str(p))
     assert str(e.value) == f"{p}: name: missing"
+
+
+def test_the_hosts_for_vms_are_listed_apart_and_load():
+    """vgpu-h200 and vgpu-t4 live in models/vm/: the tests that go over every container model
+    (model_names) stay as they are; load_model and `tessera sim models` find them."""
+    assert vm_model_names() == ["vgpu-h200", "vgpu-t4"]
+    assert all_model_names() == [*model_names(), *vm_model_names()]
+    h200, t4 = load_model("vgpu-h200"), load_model("vgpu-t4")
+    assert (h200.vgpu_interface, t4.vgpu_interface) == ("vf", "mdev")
+    assert [g.spec.key for g in h200.gpus] == ["H200-SXM5-141GB"] * 2
+    assert [g.spec.key for g in t4.gpus] == ["T4"] * 2
+    assert all(load_model(m).vgpu_interface is None for m in model_names())
+
+
+def test_vgpu_types_follow_nvidias_tables():
+    """Names and instance counts of NVIDIA's vGPU types reference (agent/sim/gpus.yaml)."""
+    h200 = {t.name: (t.type_id, t.max_instances) for t in gpu_specs()["H200-SXM5-141GB"].vgpu_types}
+    assert h200 == {
+        "NVIDIA H200X-141C": (1428, 1),
+        "NVIDIA H200X-70C": (1429, 2),
+        "NVIDIA H200X-35C": (1430, 4),
+        "NVIDIA H200X-17C": (1431, 8),
+    }
+    t4 = gpu_specs()["T4"]
+    assert {t.name: t.max_instances for t in t4.vgpu_types}["GRID T4-2Q"] == 8
+    assert {t.name: t.framebuffer_mib for t in t4.vgpu_types}["GRID T4-16Q"] == 15268
+    h200 = gpu_specs()["H200-SXM5-141GB"]  # every type fits the GPU in full, read as 10^9 bytes
+    assert all(t.max_instances * t.framebuffer_mib <= h200.memory_mib for t in h200.vgpu_types)
+
+
+@pytest.mark.parametrize(
+    ("vgpu", "product", "message"),
+    [({"interface": "grid"}, "L4", "vgpu.interface"),
+     ({"interface": "mdev"}, "L4", "product L4 has no vgpuTypes")],
+)  # fmt: skip
+def test_a_bad_vgpu_host_is_refused(vgpu, product, message):
+    raw = _doc(vgpu=vgpu, nvlink={"kind": "none"})
+    raw["gpus"] = [{"bus": "0000:3d:00.0", "product": product, "numa": 0, "parent": "pci0000:3a"}]
+    with pytest.raises(ModelError, match=message):
+        parse_model(raw, "test.yaml")
