@@ -33,9 +33,8 @@ from agent.cli.framework import (
     invoke,
 )
 from agent.cli.framework import build_parser as build_tree_parser
-from agent.cli.node_commands import node_session, published_slices
+from agent.cli.node_commands import discover_node, node_session, published_slices
 from agent.config import Config, host_port, seconds, setting
-from agent.node import discover
 from agent.tls import TlsFiles
 
 __all__ = ["EXIT_ERROR", "NO_DRIVER_HINT", "build_parser", "main"]
@@ -144,7 +143,7 @@ def cmd_discover(inv: Invocation) -> int:
     from agent.discovery.export import inventory_to_dict
 
     with node_session(inv.get(Config)) as source:
-        node = discover(source)
+        node = discover_node(inv.get(Config), source)
     data = inventory_to_dict(node)
     output = inv.get(DiscoverOptions).output
     if output == "json":
@@ -162,7 +161,7 @@ def cmd_topo(inv: Invocation) -> int:
     from agent.discovery.render import render_dot, render_matrix
 
     with node_session(inv.get(Config)) as source:
-        node = discover(source)
+        node = discover_node(inv.get(Config), source)
     dot = inv.get(TopoOptions).format == "dot"
     inv.out.write(render_dot(node) if dot else render_matrix(node))
     return 0

@@ -73,6 +73,7 @@ def cmd_doctor(inv: Invocation) -> int:
             plugins_dir=paths.plugins_dir,
             cdi_root=paths.cdi_root,
             mig_mode=config.driver.mig_mode,
+            virtualization=config.driver.virtualization,
             connect=None
             if config.cluster.no_kube
             else lambda: KubeClient.from_config(config.cluster.kubeconfig),

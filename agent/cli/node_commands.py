@@ -31,11 +31,28 @@ def node_session(config: Config) -> Iterator[NodeSource]:
             yield source
 
 
+def discover_node(config: Config, source: NodeSource) -> NodeInventory:
+    """The node's inventory as the daemon under this Config discovers it: with
+    ``--virtualization``, each GPU's VM facts, and a GPU lent to a VM kept from the daemon's
+    cache in its state directory (``tessera run``'s default one when none is given)."""
+    import logging
+
+    from agent.discovery.vm import vm_discovery
+
+    state_dir = config.node.state_dir
+    if state_dir is None and not config.simulator.simulate:
+        state_dir = Path("/var/lib/tessera")
+    vm = vm_discovery(
+        config.driver.virtualization, state_dir, source.nvml, logging.getLogger("tessera.discovery")
+    )
+    return discover(source, vm)
+
+
 def advertised(config: Config) -> tuple[str, DeviceModel]:
     """The node's name and the devices the driver would advertise for it (``tessera run`` with
     this Config advertises the same)."""
     with node_session(config) as source:
-        inventory = discover(source)
+        inventory = discover_node(config, source)
     return source.hostname, advertise(config, inventory)
 
 

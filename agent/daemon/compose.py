@@ -27,6 +27,7 @@ from agent.daemon.paths import DEFAULT_STATE_DIR, agent_paths, take_state_dir
 from agent.daemon.readiness import AgentChecks, ClaimChecks, SocketChecks
 from agent.daemon.sampling import Sampling
 from agent.daemon.vm_wiring import vm_tools
+from agent.discovery.vm import vm_discovery
 from agent.daemon.wiring import (
     agent_status,
     cdi_writer,
@@ -184,7 +185,7 @@ def _build(
     vm = vm_tools(
         config.driver.device_policy().virtualization,
         source,
-        kernel_write=None,  # merge: the node source's (the simulator's under --simulate)
+        kernel_write=source.pci_write,  # the simulator's kernel under --simulate, else None
         rebound=gpu_rebound,
         log=prepare_log.getChild("vm"),
         crash=crash,
@@ -286,6 +287,9 @@ def _build(
     faults = FaultStore(state_dir, source.boot_id, log.getChild("health"))
     node_devices = NodeDevices(
         source=source,
+        vm=vm_discovery(
+            config.driver.virtualization, state_dir, source.nvml, log.getChild("discovery")
+        ),
         policy=config.driver.device_policy(),
         device_taints=config.publishing.device_taints,
         devices=devices,

@@ -18,7 +18,7 @@ import ctypes
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
-from agent.nvml import vgpu
+from agent.nvml import vgpu_types as vgpu
 from agent.nvml.api import NvmlApi
 from agent.nvml.api_types import DeviceHandle
 from agent.nvml.errors import (

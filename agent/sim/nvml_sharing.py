@@ -20,7 +20,8 @@ from agent.sim.sharing import COMPUTE_MODES, TIMESLICES, MpsDaemon, SharingState
 
 
 class SharingCalls(NvmlCore):
-    """nvmlDeviceGetComputeMode / nvmlDeviceSetComputeMode, time-slices and MPS daemons."""
+    """nvmlDeviceGetComputeMode / nvmlDeviceSetComputeMode, nvmlDeviceSetPersistenceMode,
+    time-slices and MPS daemons."""
 
     # -- pynvml calls ----------------------------------------------------------------------------
     def nvmlDeviceGetComputeMode(self, handle: api.DeviceHandle) -> int:
@@ -38,6 +39,18 @@ class SharingCalls(NvmlCore):
             )
         self._sharing.update(
             lambda s: (s.with_gpu(replace(s.gpus[slot.index], compute_mode=mode)), None)
+        )
+
+    def nvmlDeviceSetPersistenceMode(self, handle: api.DeviceHandle, mode: int) -> None:
+        """NVML_FEATURE_DISABLED (0) or NVML_FEATURE_ENABLED (1) on a whole GPU (Linux only, root
+        only on a real node; the simulator does not model permissions)."""
+        slot = self._gpu(handle)
+        if mode not in (pynvml.NVML_FEATURE_DISABLED, pynvml.NVML_FEATURE_ENABLED):
+            raise nvml_error(
+                pynvml.NVML_ERROR_INVALID_ARGUMENT, f"persistence mode {mode!r}; allowed: 0, 1"
+            )
+        self._sharing.update(
+            lambda s: (s.with_gpu(replace(s.gpus[slot.index], persistence_mode=mode)), None)
         )
 
     # -- simulator controls (not pynvml functions) -------------------------------------------

@@ -55,6 +55,9 @@ class GpuSharing:
     uuid: str
     compute_mode: int = COMPUTE_MODE_DEFAULT
     timeslice: int = 0
+    persistence_mode: int = 1
+    """``NVML_FEATURE_ENABLED`` (1) as nvidia-persistenced leaves a data-centre GPU (the
+    simulated driver root runs it), 0 once turned off (``nvmlDeviceSetPersistenceMode``)."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,7 @@ def sharing_to_json(state: SharingState) -> dict[str, Any]:
                 "uuid": g.uuid,
                 "computeMode": g.compute_mode,
                 "timeslice": g.timeslice,
+                "persistenceMode": g.persistence_mode,
             }
             for g in state.gpus
         ],
@@ -196,6 +200,8 @@ def sharing_from_json(raw: object) -> SharingState:
                 uuid=_str(g, "uuid"),
                 compute_mode=_int(g, "computeMode"),
                 timeslice=_int(g, "timeslice"),
+                # absent in a state written before the simulator kept it: the boot default
+                persistence_mode=_int(g, "persistenceMode") if "persistenceMode" in g else 1,
             )
             for g in raw["gpus"]
         )

@@ -36,7 +36,7 @@ from agent.errors import TesseraError
 from agent.logs import fields_
 from agent.pcihost.vm_types import NVIDIA, VFIO_PCI
 from dra_driver.errors import SharingError
-from dra_driver.vm.host import Binding, FindHolders
+from dra_driver.vm.host_tools import Binding, FindHolders
 
 CrashHook = Callable[[str], None]
 

@@ -27,7 +27,7 @@ from agent.errors import TesseraError
 from agent.logs import fields_
 from agent.pcihost.vm_types import VGPU_VF, GpuVirtualization, Vgpu
 from dra_driver.errors import SharingError
-from dra_driver.vm.host import Binding, VgpuSysfs
+from dra_driver.vm.host_tools import Binding, VgpuSysfs
 
 CrashHook = Callable[[str], None]
 

@@ -2,12 +2,12 @@
 
 Kubernetes' Go kubelet-plugin helper writes it for Go drivers (``EnableDeviceMetadata``); this
 package writes the same bytes (``documents``, ``gojson``) and files (``writer``) for the devices
-that need it (``vm_devices``). docs/virtualization.md, "What the VM's launcher reads: device
+that need it (``selection``). docs/virtualization.md, "What the VM's launcher reads: device
 metadata"; docs/gpu-facts.md, "KEP-5304, DRA device metadata".
 """
 
 from dra_driver.kubeletplugin.device_metadata.documents import MetadataDevice
-from dra_driver.kubeletplugin.device_metadata.vm_devices import (
+from dra_driver.kubeletplugin.device_metadata.selection import (
     VM_KINDS,
     pod_claim_name,
     prepare_metadata,
