@@ -85,7 +85,7 @@ class DeviceTaint:
         }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AdvertisedDevice:
     name: str
     kind: str
@@ -95,12 +95,13 @@ class AdvertisedDevice:
     parent_uuid: str
     uuid: str | None
     """None for dynamic MIG placements and vGPUs (they do not exist yet)."""
-    mig_profile_id: int | None
-    mig_placement_start: int | None
-    mig_placement_size: int | None
-    gpu_instance_id: int | None
+    mig_profile_id: int | None = None
+    """MIG devices only (the MIG fields are None for every other kind)."""
+    mig_placement_start: int | None = None
+    mig_placement_size: int | None = None
+    gpu_instance_id: int | None = None
     """Static MIG only."""
-    compute_instance_id: int | None
+    compute_instance_id: int | None = None
     attributes: tuple[Attribute, ...]
     """(qualified name, {"string"|"int"|"bool"|"version": value}), sorted by name."""
     capacity: Quantities
