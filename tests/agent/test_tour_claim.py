@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from agent.cli import main
-from agent.sim.model import model_names
+from agent.sim.model import all_model_names
 from agent.statelock import StateLock
 from dra_driver.kubeletplugin.claims import ClaimKey, parse_allocation
 from dra_driver.testkubelet.calls import ClaimRef
@@ -53,7 +53,7 @@ def advertised(model: str) -> dict[tuple[str, str], str]:
     }
 
 
-@pytest.mark.parametrize("model", model_names())
+@pytest.mark.parametrize("model", all_model_names())
 def test_the_tour_claim_is_allocated_on_every_model(tmp_path, model):
     claim = allocate(tmp_path, model)
     (result,) = claim["status"]["allocation"]["devices"]["results"]
