@@ -90,16 +90,23 @@ class VmNode:
         bus: str = self.source.sim.model.gpus[index].bus
         return bus
 
-    def tools(self, crash: Any) -> VmTools | None:
-        tools = vm_tools(
+    def tools(self, crash: Any, reread: Any = lambda bus: None) -> VmTools | None:
+        """The daemon's VM tools; ``reread(bus)`` is told what the daemon rediscovers after: a
+        GPU back on nvidia, a vGPU made or removed."""
+
+        def rebound(bus: str) -> None:
+            self.rebound.append(bus)
+            reread(bus)
+
+        return vm_tools(
             self.mode,
             self.source,
             kernel_write=self.source.pci_write,
-            rebound=self.rebound.append,
+            rebound=rebound,
             log=LOG,
             crash=crash,
+            vgpus_changed=reread,
         )
-        return tools
 
     def devices(self) -> DeviceModel:
         """What the agent advertises now, from its own discovery of the node."""
@@ -167,7 +174,9 @@ class Claims:
 
 class Agent:
     """A preparer on ``node`` (``vm=False``: ``--virtualization none``); ``crash_at`` arms one
-    crash point. Each start discovers the node and advertises what it finds, as the daemon."""
+    crash point. Each start discovers the node and advertises what it finds, and so does each
+    rediscovery the VM tools ask for (a GPU back on nvidia, a vGPU made or removed), as the
+    daemon does."""
 
     def __init__(self, node: VmNode, claims: Claims, vm: bool = True) -> None:
         self.node, self.claims, self.vm = node, claims, vm
@@ -181,10 +190,10 @@ class Agent:
 
     def _start(self) -> Preparer:
         node = self.node
-        model = node.devices()
+        self.model = node.devices()
         effects = Effects(
-            mig=None, settings=None, mps=None, devices=lambda: model, log=LOG,
-            crash_hook=self._hook, vm=node.tools(self._hook) if self.vm else None,
+            mig=None, settings=None, mps=None, devices=self.devices, log=LOG,
+            crash_hook=self._hook, vm=node.tools(self._hook, self._reread) if self.vm else None,
         )  # fmt: skip
         preparer = Preparer(
             driver_name=DRIVER,
@@ -198,7 +207,7 @@ class Agent:
                 node.source.nvml.system().driver_version,
                 host_driver_root=node.source.host_root,
             ),
-            devices=lambda: model,
+            devices=self.devices,
             log=LOG,
             effects=effects,
             crash_hook=self._hook,
@@ -206,6 +215,14 @@ class Agent:
         node.preparers.append(preparer)
         preparer.reconcile_on_start()
         return preparer
+
+    def devices(self) -> DeviceModel:
+        """What the agent advertises now."""
+        return self.model
+
+    def _reread(self, bus: str) -> None:
+        """As the daemon's rediscovery after a GPU came back or a vGPU changed."""
+        self.model = self.node.devices()
 
     def restart(self) -> None:
         self.preparer.close(0)

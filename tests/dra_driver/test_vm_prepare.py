@@ -228,15 +228,39 @@ def test_a_vgpu_on_a_free_vf_is_made_and_cleared(nodes: dict[str, VmNode]) -> No
     assert node.state() == node.free
 
 
-def test_a_homogeneous_gpu_refuses_a_second_vgpu_type(nodes: dict[str, VmNode]) -> None:
+def test_a_homogeneous_gpu_offers_and_takes_one_vgpu_type_at_a_time(
+    nodes: dict[str, VmNode],
+) -> None:
+    """Once a vGPU exists on a GPU, the agent advertises only its type there (read again at
+    once, not at the next periodic rediscovery), and every type again once it is gone; a claim
+    the scheduler allocated from the slice before is refused, naming the type there."""
     node = nodes["vf"]
     claims = Claims(node.source.hostname)
     agent = Agent(node, claims)
-    assert agent.prepare(claims.add("a", f"gpu-0-vgpu-{H200_35C}-0")).error == ""
-    before = node.state()
-    result = agent.prepare(claims.add("b", f"gpu-0-vgpu-{H200_70C}-0"))
+
+    def offered() -> set[int]:
+        return {
+            d.vgpu_type.type_id
+            for d in agent.devices().devices
+            if d.vgpu_type is not None and d.bus_id == node.bus(0)
+        }
+
+    every = offered()
+    assert {H200_35C, H200_70C} <= every
+    before_any = agent.model
+    a = claims.add("a", f"gpu-0-vgpu-{H200_35C}-0")
+    b = claims.add("b", f"gpu-0-vgpu-{H200_70C}-0")
+    assert agent.prepare(a).error == ""
+    assert offered() == {H200_35C}
+    state = node.state()
+    assert "is not advertised" in agent.prepare(b).error
+    agent.model = before_any  # the slice the scheduler allocated ``b`` from
+    result = agent.prepare(b)
     assert f"type {H200_35C}" in result.error and "one type" in result.error
-    assert node.state() == before
+    assert node.state() == state
+    assert agent.unprepare(a).error == ""
+    assert offered() == every
+    assert agent.prepare(b).error == ""
 
 
 def test_an_mdev_vgpu_is_created_with_a_recorded_uuid_and_removed(
