@@ -12,12 +12,14 @@ checkpoint says it must be."""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agent.cli import main
 from agent.daemon.vm_wiring import vm_tools
 from agent.discovery.vm import vm_discovery
 from agent.node import NodeSource, discover
@@ -44,6 +46,22 @@ VF_MODEL = "vgpu-h200"
 """2x H200 under the vGPU 17+ host driver: SR-IOV VFs, a vGPU type per VF."""
 MDEV_MODEL = "vgpu-t4"
 """2x T4 under an older vGPU host driver: mediated devices on the GPU."""
+NODES = {
+    "passthrough": (PASSTHROUGH_MODEL, "passthrough", "all-7g"),
+    "vf": (VF_MODEL, "vgpu", None),
+    "mdev": (MDEV_MODEL, "vgpu", None),
+}
+"""The kinds of VM node the tests use: (model, --virtualization, MIG layout)."""
+
+
+def fault(state_dir: Path, *args: str) -> str:
+    """``tessera sim fault`` on the simulated node whose state is under ``state_dir`` (as
+    ``simulated_node`` was given it); its standard output. AssertionError with its error
+    output when it fails."""
+    out, err = io.StringIO(), io.StringIO()
+    code = main(["sim", "fault", "--state-dir", str(state_dir), *args], {}, out, err)
+    assert code == 0, err.getvalue()
+    return out.getvalue()
 
 
 class Crash(BaseException):
@@ -74,6 +92,12 @@ class VmNode:
         self.preparers: list[Preparer] = []
         """Every preparer started on this node (closed by :meth:`close`)."""
 
+    @classmethod
+    def of(cls, tmp: Path, kind: str) -> VmNode:
+        """A node of ``kind`` (:data:`NODES`) under ``tmp/<kind>``."""
+        model, mode, layout = NODES[kind]
+        return cls(tmp / kind, model, mode, mig_layout=layout)
+
     @property
     def write(self) -> KernelWrite:
         assert self.source.pci_write is not None
@@ -84,6 +108,10 @@ class VmNode:
 
     def vgpu_host(self) -> VgpuHost:
         return VgpuHost(self.source.sysfs_root, self.write)
+
+    def fault(self, *args: str) -> str:
+        """``tessera sim fault`` on this node; its standard output."""
+        return fault(self.tmp / "node", *args)
 
     def bus(self, index: int) -> str:
         """The BDF of the model's GPU ``index``."""

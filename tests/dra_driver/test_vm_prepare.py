@@ -7,7 +7,6 @@ crash point repaired by the next start."""
 from __future__ import annotations
 
 import functools
-import io
 import logging
 import os
 import signal
@@ -16,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli import main
 from agent.pcihost.holders import holders
 from agent.pcihost.vm_types import NVIDIA, VFIO_PCI
 from agent.sim.vmstate import vf_bus
@@ -26,27 +24,13 @@ from tests.fakeclock import FakeClock
 from tests.integration.daemon import DRIVER
 from tests.pcihost.sysfstree import FakeKernel, SysTree
 from tests.simnode import sharing
-from tests.vmnode import (
-    MDEV_MODEL,
-    PASSTHROUGH_MODEL,
-    VF_MODEL,
-    Agent,
-    Claims,
-    Crash,
-    VmNode,
-    expected,
-)
+from tests.vmnode import PASSTHROUGH_MODEL, Agent, Claims, Crash, VmNode, expected
 
 L4 = 2
 """The model's index (and minor) of the first L4 of the passthrough node: a whole GPU for
 containers (``gpu-2``) or a VM (``gpu-2-vfio``); the A100s are MIG devices (``all-7g``)."""
 H200_35C, H200_70C = 1430, 1429
 T4_1Q = 230
-NODES = {
-    "passthrough": (PASSTHROUGH_MODEL, "passthrough", "all-7g"),
-    "vf": (VF_MODEL, "vgpu", None),
-    "mdev": (MDEV_MODEL, "vgpu", None),
-}
 NODE_OF = {"gpu-2-vfio": "passthrough", "gpu-0-vgpu-1430-0": "vf", "gpu-0-vgpu-230-0": "mdev"}
 
 
@@ -57,8 +41,7 @@ def nodes(tmp_path: Path) -> Iterator[dict[str, VmNode]]:
 
     class Lazy(dict[str, VmNode]):
         def __missing__(self, kind: str) -> VmNode:
-            model, mode, layout = NODES[kind]
-            opened[kind] = VmNode(tmp_path / kind, model, mode, mig_layout=layout)
+            opened[kind] = VmNode.of(tmp_path, kind)
             return opened[kind]
 
     yield Lazy()
@@ -69,14 +52,6 @@ def nodes(tmp_path: Path) -> Iterator[dict[str, VmNode]]:
 def spec_nodes(agent: Agent, key: object) -> list[str]:
     (device,) = agent.spec(key)["devices"]  # type: ignore[arg-type]
     return [n["path"] for n in device["containerEdits"]["deviceNodes"]]
-
-
-def fault(node: VmNode, *args: str) -> str:
-    """``tessera sim fault`` on the node; its standard output."""
-    out, err = io.StringIO(), io.StringIO()
-    code = main(["sim", "fault", "--state-dir", str(node.tmp / "node"), *args], {}, out, err)
-    assert code == 0, err.getvalue()
-    return out.getvalue()
 
 
 # -- passthrough -------------------------------------------------------------------------------
@@ -146,7 +121,7 @@ def test_passthrough_binds_every_function_of_the_gpu_and_gives_each_its_driver(
 
 def test_passthrough_is_refused_while_a_process_holds_the_gpu(nodes: dict[str, VmNode]) -> None:
     node = nodes["passthrough"]
-    pid = int(fault(node, "hold-gpu", "--gpu", str(L4)))
+    pid = int(node.fault("hold-gpu", "--gpu", str(L4)))
     try:
         claims = Claims(node.source.hostname)
         agent = Agent(node, claims)
@@ -161,7 +136,7 @@ def test_passthrough_is_refused_while_a_process_holds_the_gpu(nodes: dict[str, V
 
 def test_a_group_with_a_foreign_function_is_refused_naming_it(nodes: dict[str, VmNode]) -> None:
     node = nodes["passthrough"]
-    fault(node, "foreign-in-group", "--gpu", str(L4))  # an NVMe drive in the GPU's group
+    node.fault("foreign-in-group", "--gpu", str(L4))  # an NVMe drive in the GPU's group
     (nvme,) = set(node.state().functions) - set(node.free.functions)
     before = node.state()
     claims = Claims(node.source.hostname)

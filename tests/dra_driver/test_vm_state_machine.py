@@ -1,8 +1,8 @@
 """Random sequences of prepare, unprepare, restarts and crashes at every point, mixing container
 claims (whole GPUs, MIG devices), GPUs handed to VMs through VFIO and vGPUs (SR-IOV VFs and
-mediated devices) on simulated nodes (tests/vmnode.py), each with its own agent: a passthrough
-node (``mixed`` under ``all-7g``), a vGPU 17+ node (``vgpu-h200``) and an older vGPU node
-(``vgpu-t4``). After every step each node is what its checkpoint says: the simulator's state
+mediated devices) on simulated nodes (tests/vmnode.py, ``NODES``), each with its own agent: a
+passthrough node (``mixed`` under ``all-7g``), a vGPU 17+ node (``vgpu-h200``) and an older vGPU
+node (``vgpu-t4``). After every step each node is what its checkpoint says: the simulator's state
 (each function's driver, ``driver_override`` and vGPU type, the mediated devices) equals the
 records, NVML lists exactly the GPUs bound to nvidia, the checkpoint holds exactly the claims
 prepared, and a GPU never serves a VM and containers at once."""
@@ -22,30 +22,17 @@ from agent.pcihost.vm_types import NVIDIA
 from dra_driver.kubeletplugin.checkpoint import PREPARE_COMPLETED
 from dra_driver.kubeletplugin.claims import ClaimKey
 from dra_driver.kubeletplugin.crash_points import CRASH_POINTS
-from tests.vmnode import (
-    MDEV_MODEL,
-    PASSTHROUGH_MODEL,
-    VF_MODEL,
-    Agent,
-    Claims,
-    Crash,
-    VmNode,
-    expected,
-)
+from tests import vmnode
+from tests.vmnode import VmNode
 
 UNPREPARE_POINTS = tuple(p for p in CRASH_POINTS if p.startswith("after-unprepare-"))
 PREPARE_POINTS = tuple(p for p in CRASH_POINTS if p not in UNPREPARE_POINTS)
-NODES = {
-    "pt": (PASSTHROUGH_MODEL, "passthrough", "all-7g"),
-    "vf": (VF_MODEL, "vgpu", None),
-    "mdev": (MDEV_MODEL, "vgpu", None),
-}
 CLAIMS = {
-    "m0": ("pt", "gpu-0-mig-7g80gb-0-0", 0, "containers", None),
-    "c2": ("pt", "gpu-2", 2, "containers", None),
-    "v2": ("pt", "gpu-2-vfio", 2, "vm", None),
-    "c3": ("pt", "gpu-3", 3, "containers", None),
-    "v3": ("pt", "gpu-3-vfio", 3, "vm", None),
+    "m0": ("passthrough", "gpu-0-mig-7g80gb-0-0", 0, "containers", None),
+    "c2": ("passthrough", "gpu-2", 2, "containers", None),
+    "v2": ("passthrough", "gpu-2-vfio", 2, "vm", None),
+    "c3": ("passthrough", "gpu-3", 3, "containers", None),
+    "v3": ("passthrough", "gpu-3-vfio", 3, "vm", None),
     "f35a": ("vf", "gpu-0-vgpu-1430-0", 0, "vm", 1430),
     "f35b": ("vf", "gpu-0-vgpu-1430-1", 0, "vm", 1430),
     "f70": ("vf", "gpu-0-vgpu-1429-0", 0, "vm", 1429),
@@ -77,24 +64,23 @@ class VmMachine(RuleBasedStateMachine):
         super().__init__()
         self.tmp = Path(tempfile.mkdtemp(prefix="vm-machine-"))
         self.nodes: dict[str, VmNode] = {}
-        self.agents: dict[str, Agent] = {}
-        self.claims: dict[str, Claims] = {}
+        self.agents: dict[str, vmnode.Agent] = {}
+        self.claims: dict[str, vmnode.Claims] = {}
         self.prepared: set[str] = set()
 
-    def _agent(self, name: str) -> Agent:
+    def _agent(self, name: str) -> vmnode.Agent:
         """The agent of claim ``name``'s node, the node opened (and the agent started) on first
         use: a game touches only the nodes its claims are on."""
         kind = CLAIMS[name][0]
         if kind not in self.agents:
-            model, mode, layout = NODES[kind]
-            node = VmNode(self.tmp / kind, model, mode, mig_layout=layout)
+            node = VmNode.of(self.tmp, kind)
             self.nodes[kind] = node
-            claims = Claims(node.source.hostname)
+            claims = vmnode.Claims(node.source.hostname)
             for n, (k, device, *_) in CLAIMS.items():
                 if k == kind:
                     claims.add(n, device)
             self.claims[kind] = claims
-            self.agents[kind] = Agent(node, claims)
+            self.agents[kind] = vmnode.Agent(node, claims)
         return self.agents[kind]
 
     def _key(self, name: str) -> ClaimKey:
@@ -127,7 +113,7 @@ class VmMachine(RuleBasedStateMachine):
         agent.crash_at = point
         try:
             result = agent.prepare(self._key(name))
-        except Crash:
+        except vmnode.Crash:
             if point == "after-completed":
                 self.prepared.add(name)
             else:
@@ -145,7 +131,7 @@ class VmMachine(RuleBasedStateMachine):
         agent.crash_at = point
         try:
             agent.unprepare(self._key(name))
-        except Crash:
+        except vmnode.Crash:
             if point == "after-unprepare-commit":
                 self.prepared.discard(name)
         else:
@@ -162,7 +148,7 @@ class VmMachine(RuleBasedStateMachine):
             assert {e.name for e in cp.claims.values()} == mine
             assert all(e.state == PREPARE_COMPLETED for e in cp.claims.values())
             state = node.state()
-            assert state == expected(node, cp)
+            assert state == vmnode.expected(node, cp)
             gpus = {node.bus(i) for i in range(len(node.source.sim.model.gpus))}
             on_nvidia = {b for b in gpus if state.functions[b][0] == NVIDIA}
             assert node.nvml_buses() == on_nvidia  # NVML lost exactly the GPUs lent to VMs
