@@ -1,177 +1,198 @@
-"""A hand-built node for VM prepare tests: the sysfs tree of tests/vmhost.py with a passthrough
-GPU (and its audio function), a vGPU GPU with SR-IOV VFs, an mdev vGPU GPU and the devices the
-node advertises for them, and a preparer on it (``Agent``) with one armed crash point."""
+"""A simulated node whose agent hands GPUs to virtual machines, for the VM prepare tests and the
+VM state machine: the simulator's node (``agent.sim.node.simulated_node``: its sysfs tree, its
+kernel ``SimPciKernel`` behind ``NodeSource.pci_write``, its NVML that loses a GPU bound away from
+nvidia and finds it again), the agent's own VM tools over it as the daemon builds them
+(``agent.daemon.vm_wiring.vm_tools``: ``PciBinding``, ``VgpuHost``, ``holders``), the devices the
+agent advertises from its own discovery (``discover`` with ``vm_discovery``, then
+``advertised_devices``), and a preparer on it (:class:`Agent`) with one armed crash point.
+
+:meth:`VmNode.state` is the simulated node's truth (the simulator's VM state: every function's
+driver, ``driver_override`` and vGPU type, the mediated devices); :func:`expected` is what a
+checkpoint says it must be."""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.pcihost.vm_types import NVIDIA, VFIO_PCI, VgpuType
-from dra_driver.device_model import AdvertisedDevice, DeviceModel
+from agent.cli import main
+from agent.daemon.vm_wiring import vm_tools
+from agent.discovery.vm import vm_discovery
+from agent.node import NodeSource, discover
+from agent.nvml.vfio import index_of
+from agent.pcihost.binding import PciBinding
+from agent.pcihost.vgpu_host import VgpuHost
+from agent.pcihost.vm_types import NVIDIA, VFIO_PCI, KernelWrite
+from agent.sim.node import simulated_node
+from dra_driver.device_model import DeviceModel, advertised_devices
+from dra_driver.device_types import DevicePolicy
 from dra_driver.kubeletplugin.cdi import CdiWriter
 from dra_driver.kubeletplugin.checkpoint import Checkpoint, CheckpointStore
 from dra_driver.kubeletplugin.claims import ClaimKey
 from dra_driver.kubeletplugin.effects import Effects
 from dra_driver.kubeletplugin.prepare import Preparer
-from dra_driver.vm.passthrough import Passthrough
 from dra_driver.vm.tools import VmTools
-from dra_driver.vm.vgpu import VgpuMaker
 from tests.integration.daemon import DRIVER, claim_manifest
-from tests.vmhost import Binding, Tree, VgpuHost
 
-POOL = "node-a"
-GPU0, AUDIO0 = "0000:1b:00.0", "0000:1b:00.1"  # passthrough GPU with its audio function
-GPU1 = "0000:2a:00.0"  # vGPU GPU, SR-IOV VFs with per-VF vGPU types
-VF1 = ("0000:2a:00.4", "0000:2a:00.5")
-GPU2 = "0000:3c:00.0"  # vGPU GPU, mdev on the GPU itself
-H200_35C = VgpuType(62, "NVIDIA H200X-35C", 35 * 2**30, 4)
-H200_70C = VgpuType(63, "NVIDIA H200X-70C", 70 * 2**30, 2)
-T4_4Q = VgpuType(230, "GRID T4-4Q", 4 * 2**30, 4)
+LOG = logging.getLogger("tessera.test.vm")
+PASSTHROUGH_MODEL = "mixed"
+"""2x A100 (MIG-capable: under ``all-7g`` each is one MIG device for containers) and 2x L4
+(whole GPUs for containers, or for one VM each through VFIO); the smallest such model."""
+VF_MODEL = "vgpu-h200"
+"""2x H200 under the vGPU 17+ host driver: SR-IOV VFs, a vGPU type per VF."""
+MDEV_MODEL = "vgpu-t4"
+"""2x T4 under an older vGPU host driver: mediated devices on the GPU."""
+NODES = {
+    "passthrough": (PASSTHROUGH_MODEL, "passthrough", "all-7g"),
+    "vf": (VF_MODEL, "vgpu", None),
+    "mdev": (MDEV_MODEL, "vgpu", None),
+}
+"""The kinds of VM node the tests use: (model, --virtualization, MIG layout)."""
+
+
+def fault(state_dir: Path, *args: str) -> str:
+    """``tessera sim fault`` on the simulated node whose state is under ``state_dir`` (as
+    ``simulated_node`` was given it); its standard output. AssertionError with its error
+    output when it fails."""
+    out, err = io.StringIO(), io.StringIO()
+    code = main(["sim", "fault", "--state-dir", str(state_dir), *args], {}, out, err)
+    assert code == 0, err.getvalue()
+    return out.getvalue()
 
 
 class Crash(BaseException):
     """The agent dies here (nothing in the preparer may catch it)."""
 
 
-def advertised(
-    name: str, kind: str, minor: int, uuid: str, bus_id: str | None = None, **extra: Any
-) -> AdvertisedDevice:
-    fields: dict[str, Any] = dict(
-        name=name, kind=kind, gpu_index=minor, gpu_minor=minor, parent_uuid=uuid, uuid=uuid,
-        mig_profile_id=None, mig_placement_start=None, mig_placement_size=None,
-        gpu_instance_id=None, compute_instance_id=None, attributes=(), capacity=(),
-        bus_id=bus_id,
-    )  # fmt: skip
-    return AdvertisedDevice(**{**fields, **extra})
+@dataclass(frozen=True)
+class NodeState:
+    """What the simulated node has: (driver, driver_override, vGPU type) per managed function
+    (GPUs, VFs, foreign functions), and the mediated devices (uuid, parent, type)."""
+
+    functions: dict[str, tuple[str | None, str | None, int]]
+    mdevs: frozenset[tuple[str, str, int]]
 
 
-MODEL = DeviceModel(
-    (
-        advertised("gpu-0", "gpu", 0, "GPU-0"),
-        advertised("gpu-0-vfio", "vfio", 0, "GPU-0", GPU0, iommu_group=12),
-        advertised("gpu-1-vgpu-62-0", "vgpu", 1, "GPU-1", GPU1, vgpu_type=H200_35C),
-        advertised("gpu-1-vgpu-62-1", "vgpu", 1, "GPU-1", GPU1, vgpu_type=H200_35C),
-        advertised("gpu-1-vgpu-63-0", "vgpu", 1, "GPU-1", GPU1, vgpu_type=H200_70C),
-        advertised("gpu-2-vgpu-230-0", "vgpu", 2, "GPU-2", GPU2, vgpu_type=T4_4Q),
-    ),
-    (),
-)
+class VmNode:
+    """One simulated node of ``model`` whose agent runs ``--virtualization mode``."""
 
-
-@dataclass
-class Holders:
-    """``holders(proc_root, paths)``: the processes a test says hold each device node."""
-
-    by_path: dict[Path, list[tuple[int, str]]] = field(default_factory=dict)
-
-    def __call__(self, proc_root: Path, paths: Any) -> list[Any]:
-        @dataclass(frozen=True)
-        class Holder:
-            pid: int
-            name: str
-
-        return [Holder(pid, name) for p in paths for pid, name in self.by_path.get(p, [])]
-
-
-class Node:
-    """The hand-built node: sysfs, its fake kernel, and what NVML sees."""
-
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, model: str, mode: str, *, mig_layout: str | None = None) -> None:
         self.tmp = tmp
-        self.tree = Tree(tmp / "sys")
-        self.tree.function(GPU0, NVIDIA, 12)
-        self.tree.function(AUDIO0, "snd_hda_intel", 12)
-        self.tree.function(GPU1, NVIDIA, 20)
-        for n, vf in enumerate(VF1):
-            self.tree.vf(GPU1, n, vf, 21 + n, {62: H200_35C.name, 63: H200_70C.name})
-        self.tree.function(GPU2, NVIDIA, 30)
-        self.tree.mdev_types(GPU2, {230: (T4_4Q.name, 4)})
-        # a static MIG device of GPU 0 (gpu-0-mig): its capability files and nodes
-        caps = tmp / "root" / "proc" / "driver" / "nvidia" / "capabilities" / "gpu0" / "mig"
-        (caps / "gi1" / "ci0").mkdir(parents=True)
-        (caps / "gi1" / "access").write_text("DeviceFileMinor: 21\n")
-        (caps / "gi1" / "ci0" / "access").write_text("DeviceFileMinor: 22\n")
-        (tmp / "root" / "dev" / "nvidia-caps").mkdir(parents=True)
-        for minor in (21, 22):
-            (tmp / "root" / "dev" / "nvidia-caps" / f"nvidia-cap{minor}").write_text("")
-        self.holders = Holders()
+        self.mode = mode
+        self.source: NodeSource = simulated_node(model, tmp / "node", mig_layout=mig_layout)
+        self.source.nvml.init()
+        self.free = self.state()
+        """The node as it booted: every GPU on nvidia, no vGPU."""
         self.rebound: list[str] = []
-        self.persistence: list[str] = []
-        self.uuids = iter(f"00000000-0000-4000-8000-{i:012d}" for i in range(1, 100))
+        """BDFs the agent was told are back on nvidia (the inventory is read again)."""
         self.preparers: list[Preparer] = []
-        """Every preparer started on this node (closed when the test ends)."""
+        """Every preparer started on this node (closed by :meth:`close`)."""
 
-    def visible(self, bus_id: str) -> bool:
-        return self.tree.driver(bus_id) == NVIDIA  # NVML lists only GPUs bound to nvidia
+    @classmethod
+    def of(cls, tmp: Path, kind: str) -> VmNode:
+        """A node of ``kind`` (:data:`NODES`) under ``tmp/<kind>``."""
+        model, mode, layout = NODES[kind]
+        return cls(tmp / kind, model, mode, mig_layout=layout)
 
-    def tools(self, crash: Any) -> VmTools:
-        binding = Binding(self.tree)
-        host = VgpuHost(self.tree)
-        log = logging.getLogger("test.vm")
-        return VmTools(
-            passthrough=Passthrough(
-                binding=binding, holders=self.holders, proc_root=self.tmp / "proc",
-                dev_root=self.tmp / "root", sys_root=self.tree.root,
-                persistence_off=self.persistence.append, visible=self.visible,
-                rebound=self.rebound.append, log=log, crash_hook=crash,
-                sleep=lambda s: None,
-            ),
-            vgpu=VgpuMaker(
-                host=host, binding=binding, gpu=host.gpu, log=log, crash_hook=crash,
-                new_uuid=lambda: next(self.uuids),
-            ),
-        )  # fmt: skip
+    @property
+    def write(self) -> KernelWrite:
+        assert self.source.pci_write is not None
+        return self.source.pci_write
 
-    def state(self) -> dict[str, Any]:
-        """What the node has now: each function's driver and override, the vGPUs."""
-        functions = (GPU0, AUDIO0, GPU1, *VF1, GPU2)
-        host = VgpuHost(self.tree)
-        return {
-            "drivers": {f: (self.tree.driver(f), self.tree.override(f)) for f in functions},
-            "vgpus": sorted((v.function, v.type_id) for g in (GPU1, GPU2) for v in host.vgpus(g)),
-            "mdevs": sorted(v.mdev_uuid or "" for v in host.vgpus(GPU2)),
-        }
+    def binding(self) -> PciBinding:
+        return PciBinding(self.source.sysfs_root, self.source.driver_root, self.write)
+
+    def vgpu_host(self) -> VgpuHost:
+        return VgpuHost(self.source.sysfs_root, self.write)
+
+    def fault(self, *args: str) -> str:
+        """``tessera sim fault`` on this node; its standard output."""
+        return fault(self.tmp / "node", *args)
+
+    def bus(self, index: int) -> str:
+        """The BDF of the model's GPU ``index``."""
+        bus: str = self.source.sim.model.gpus[index].bus
+        return bus
+
+    def tools(self, crash: Any, reread: Any = lambda bus: None) -> VmTools | None:
+        """The daemon's VM tools; ``reread(bus)`` is told what the daemon rediscovers after: a
+        GPU back on nvidia, a vGPU made or removed."""
+
+        def rebound(bus: str) -> None:
+            self.rebound.append(bus)
+            reread(bus)
+
+        return vm_tools(
+            self.mode,
+            self.source,
+            kernel_write=self.source.pci_write,
+            rebound=rebound,
+            log=LOG,
+            crash=crash,
+            vgpus_changed=reread,
+        )
+
+    def devices(self) -> DeviceModel:
+        """What the agent advertises now, from its own discovery of the node."""
+        vm = vm_discovery(self.mode, self.tmp / "state", self.source.nvml, LOG)
+        inventory = discover(self.source, vm)
+        return advertised_devices(inventory, DevicePolicy(virtualization=self.mode))
+
+    def state(self) -> NodeState:
+        vm = self.source.sim.vm_state
+        return NodeState(
+            functions={f.bus: (f.driver, f.override, f.vgpu_type) for f in vm.functions},
+            mdevs=frozenset((m.uuid, m.parent, m.type_id) for m in vm.mdevs),
+        )
+
+    def nvml_buses(self) -> set[str]:
+        """The GPUs NVML enumerates now (by BDF), looked up as the agent looks them up."""
+        gpus = [self.bus(i) for i in range(len(self.source.sim.model.gpus))]
+        return {bus for bus in gpus if index_of(self.source.nvml, bus) is not None}
+
+    def close(self) -> None:
+        for preparer in self.preparers:
+            preparer.close(0)
+        self.source.nvml.shutdown()
 
 
-FREE = {
-    "drivers": {
-        GPU0: (NVIDIA, "(null)"), AUDIO0: ("snd_hda_intel", "(null)"), GPU1: (NVIDIA, "(null)"),
-        VF1[0]: (NVIDIA, "(null)"), VF1[1]: (NVIDIA, "(null)"), GPU2: (NVIDIA, "(null)"),
-    },
-    "vgpus": [],
-    "mdevs": [],
-}  # fmt: skip
-
-
-def expected(cp: Checkpoint) -> dict[str, Any]:
-    """The node the checkpoint says there is: FREE, with what each recorded VM device holds."""
-    state: dict[str, Any] = json.loads(json.dumps(FREE))
-    state["drivers"] = {k: tuple(v) for k, v in state["drivers"].items()}
+def expected(node: VmNode, cp: Checkpoint) -> NodeState:
+    """The node the checkpoint says there is: as it booted, with what each recorded VM device
+    holds (a GPU's group on vfio-pci through its override, a VF's type, an mdev)."""
+    functions = dict(node.free.functions)
+    mdevs = set(node.free.mdevs)
     for entry in cp.claims.values():
         for d in entry.devices:
             if d.kind == "vfio":
                 for bdf, _ in d.vfio_functions:
-                    state["drivers"][bdf] = (VFIO_PCI, VFIO_PCI)
-            elif d.kind == "vgpu" and d.pci_bus_id is not None:
-                state["vgpus"].append((d.pci_bus_id, d.vgpu_type_id))
+                    functions[bdf] = (VFIO_PCI, VFIO_PCI, 0)
+            elif d.kind == "vgpu" and d.pci_bus_id is not None and d.vgpu_type_id is not None:
                 if d.mdev_uuid:
-                    state["mdevs"].append(d.mdev_uuid)
-    state["vgpus"].sort()
-    state["mdevs"].sort()
-    return state
+                    mdevs.add((d.mdev_uuid, d.pci_bus_id, d.vgpu_type_id))
+                else:
+                    functions[d.pci_bus_id] = (NVIDIA, None, d.vgpu_type_id)
+    return NodeState(functions, frozenset(mdevs))
+
+
+def lent(state: NodeState) -> set[str]:
+    """The functions of ``state`` not on nvidia."""
+    return {bus for bus, (driver, _, _) in state.functions.items() if driver != NVIDIA}
 
 
 class Claims:
-    def __init__(self) -> None:
+    """The API server's ResourceClaims as the preparer reads them (allocated on ``pool``)."""
+
+    def __init__(self, pool: str) -> None:
+        self.pool = pool
         self.objects: dict[str, dict[str, Any]] = {}
 
     def add(self, name: str, *devices: str) -> ClaimKey:
         self.objects[name] = claim_manifest(
-            name, f"uid-{name}", [("gpu", d) for d in devices], POOL
+            name, f"uid-{name}", [("gpu", d) for d in devices], self.pool
         )
         return ClaimKey("default", name, f"uid-{name}")
 
@@ -180,13 +201,13 @@ class Claims:
 
 
 class Agent:
-    """A preparer on the node; ``crash_at`` arms one crash point; ``model`` is what the node
-    advertises."""
+    """A preparer on ``node`` (``vm=False``: ``--virtualization none``); ``crash_at`` arms one
+    crash point. Each start discovers the node and advertises what it finds, and so does each
+    rediscovery the VM tools ask for (a GPU back on nvidia, a vGPU made or removed), as the
+    daemon does."""
 
-    def __init__(
-        self, node: Node, claims: Claims, vm: bool = True, model: DeviceModel = MODEL
-    ) -> None:
-        self.node, self.claims, self.vm, self.model = node, claims, vm, model
+    def __init__(self, node: VmNode, claims: Claims, vm: bool = True) -> None:
+        self.node, self.claims, self.vm = node, claims, vm
         self.crash_at: str | None = None
         self.preparer = self._start()
 
@@ -196,26 +217,40 @@ class Agent:
             raise Crash(point)
 
     def _start(self) -> Preparer:
-        log = logging.getLogger("test.vm")
-        tmp = self.node.tmp
+        node = self.node
+        self.model = node.devices()
         effects = Effects(
-            mig=None, settings=None, mps=None, devices=lambda: self.model, log=log,
-            crash_hook=self._hook, vm=self.node.tools(self._hook) if self.vm else None,
+            mig=None, settings=None, mps=None, devices=self.devices, log=LOG,
+            crash_hook=self._hook, vm=node.tools(self._hook, self._reread) if self.vm else None,
         )  # fmt: skip
         preparer = Preparer(
             driver_name=DRIVER,
-            pool=POOL,
+            pool=self.claims.pool,
             claims=self.claims,
-            store=CheckpointStore(tmp / "checkpoint.json", "boot"),
-            cdi=CdiWriter(tmp / "cdi", DRIVER, tmp / "root", "550.90.07"),
-            devices=lambda: self.model,
-            log=log,
+            store=CheckpointStore(node.tmp / "checkpoint.json", node.source.boot_id),
+            cdi=CdiWriter(
+                node.tmp / "cdi",
+                DRIVER,
+                node.source.driver_root,
+                node.source.nvml.system().driver_version,
+                host_driver_root=node.source.host_root,
+            ),
+            devices=self.devices,
+            log=LOG,
             effects=effects,
             crash_hook=self._hook,
         )
-        self.node.preparers.append(preparer)
+        node.preparers.append(preparer)
         preparer.reconcile_on_start()
         return preparer
+
+    def devices(self) -> DeviceModel:
+        """What the agent advertises now."""
+        return self.model
+
+    def _reread(self, bus: str) -> None:
+        """As the daemon's rediscovery after a GPU came back or a vGPU changed."""
+        self.model = self.node.devices()
 
     def restart(self) -> None:
         self.preparer.close(0)

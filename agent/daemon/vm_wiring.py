@@ -28,11 +28,13 @@ def vm_tools(
     rebound: Callable[[str], None],
     log: logging.Logger,
     crash: Callable[[str], None],
+    vgpus_changed: Callable[[str], None] = lambda function: None,
 ) -> VmTools | None:
     """None for ``--virtualization none`` (VM claims are refused, saying so). ``kernel_write``
     is the node's: the simulator's under ``--simulate`` (it does what Linux does), None for the
     real one (:func:`agent.pcihost.kernel.write_attribute`). ``rebound`` is told the BDF of a
-    GPU given back to nvidia."""
+    GPU given back to nvidia; ``vgpus_changed`` the VF or mdev parent of each vGPU made or
+    removed (the advertised vGPU devices depend on them)."""
     if virtualization == "none":
         return None
     # the host layer is loaded only on a node that hands GPUs to VMs
@@ -74,6 +76,7 @@ def vm_tools(
             gpu=gpu,
             log=log.getChild("vgpu"),
             crash_hook=crash,
+            changed=vgpus_changed,
         )
         if virtualization == "vgpu"
         else None,

@@ -16,8 +16,12 @@ the directories of the processes that have a pod and removes every other PID's, 
 that ends (``remove_process``, a driver reload) disappears from it.
 
 A process that holds a GPU's device node (``tessera sim fault hold-gpu``) gets ``fd/0`` linking
-to ``/dev/nvidia<minor>``, ``comm`` and ``stat``, so a holder scan (``/proc/<pid>/fd``, as
-``fuser`` does it) finds it.
+to the node it holds (the simulated node under the driver root, which the real process has open:
+read from its real ``/proc/<pid>/fd/0``; ``/dev/nvidia<minor>`` when that cannot be read),
+``comm`` and ``stat``, so a holder scan (``/proc/<pid>/fd``, as ``fuser`` does it;
+``agent.pcihost.holders`` stats each link's target) finds it: a link to the host's
+``/dev/nvidia<minor>`` would name a file that does not exist on a machine without GPUs, or a real
+GPU's node on one with them, never the simulated node the process holds.
 
 ``cgroup_line``, ``stat_line`` and ``container_id`` are pure; ``sync_proc`` does the I/O.
 """
@@ -25,6 +29,7 @@ to ``/dev/nvidia<minor>``, ``comm`` and ``stat``, so a holder scan (``/proc/<pid
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -72,12 +77,20 @@ def process_alive(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
+def _held_node(holder: Holder) -> str:
+    """The path of the node the (real) holding process has open on its fd 0."""
+    try:
+        return os.readlink(f"/proc/{holder.pid}/fd/0")
+    except OSError:  # gone meanwhile, or not ours to read
+        return f"/dev/nvidia{holder.minor}"
+
+
 def sync_proc(root: Path, processes: Iterable[SimProcess], held: Iterable[Holder] = ()) -> None:
     """Make ``root`` hold exactly the directories of ``processes`` that run in a pod, and of the
     live processes of ``held``: their ``fd/0`` link to ``/dev/nvidia<minor>`` (as the host names
     it; what ``fuser`` reads), ``comm`` and ``stat``."""
     want = {p.pid: p for p in processes if p.pod_uid is not None}
-    holders = {h.pid: f"/dev/nvidia{h.minor}" for h in held if process_alive(h.pid)}
+    holders = {h.pid: _held_node(h) for h in held if process_alive(h.pid)}
 
     def write(root: Path) -> None:
         root.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,10 @@ Prepare (the kubelet plugin's ``effects`` drives it):
    mdev that exists, is left); crash point ``after-vgpu-create``; the IOMMU group the VM gets.
 
 Unprepare and rollback (``remove``): the VF's type cleared / the mdev removed (idempotent).
+
+After each vGPU made or removed, ``changed`` is told the function: on a homogeneous GPU the
+devices advertised depend on the vGPUs there (only the type in use while one exists), so the
+agent reads its inventory again at once rather than at its next periodic rediscovery.
 The start: a vGPU on a GPU of the node's vgpu devices that no claim records is removed
 (``strays``).
 """
@@ -44,15 +48,18 @@ class VgpuMaker:
         log: logging.Logger,
         crash_hook: CrashHook = lambda point: None,
         new_uuid: Callable[[], str] = lambda: str(uuids.uuid4()),
+        changed: Callable[[str], None] = lambda function: None,
     ) -> None:
         """``gpu(bus_id)`` reads a GPU's vGPU interface and functions now (sysfs) with NVML's
-        heterogeneous mode; ``binding`` gives a VF's IOMMU group."""
+        heterogeneous mode; ``binding`` gives a VF's IOMMU group; ``changed(function)`` is told
+        each VF or mdev parent whose vGPU was made or removed (module docstring)."""
         self._host = host
         self._binding = binding
         self._gpu = gpu
         self._log = log
         self._crash = crash_hook
         self._new_uuid = new_uuid
+        self._changed = changed
 
     def choose(
         self, device: str, bus_id: str, type_id: int, taken: Collection[str] = ()
@@ -98,6 +105,7 @@ class VgpuMaker:
                 self._host.set_type(function, type_id)
             else:
                 self._host.create_mdev(function, type_id, mdev_uuid)
+            self._tell(function)
             self._crash("after-vgpu-create")
             group = (
                 self._binding.iommu_group(function)
@@ -130,6 +138,13 @@ class VgpuMaker:
             raise SharingError(
                 f"{device}: cannot remove the vGPU on {function}: {exc}", "vgpu_error"
             ) from exc
+        self._tell(function)
+
+    def _tell(self, function: str) -> None:
+        try:
+            self._changed(function)
+        except Exception:  # the vGPU is made or gone; the next rediscovery reads it
+            self._log.exception("telling a vGPU change failed", extra=fields_(function=function))
 
     def strays(self, bus_id: str, functions: Collection[str], mdevs: Collection[str]) -> list[Vgpu]:
         """The vGPUs on GPU ``bus_id`` no claim records (``functions``: the VFs claims hold,

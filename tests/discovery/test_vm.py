@@ -2,15 +2,14 @@
 (bound to vfio-pci, which NVML does not enumerate) kept from its cached facts, index -1, never
 reported gone by rediscovery or hot-plug.
 
-The simulated node gives NVML and the sysfs tree; the VM binding is laid into that tree by hand as
-issue 24's design section 1 has it (``driver`` and ``iommu_group`` links), and NVML stops
-enumerating the GPU as it does for a GPU the nvidia driver let go (the simulator's
-``set_removed``). NVML's vGPU facts come from a stand-in with the facade's two methods."""
+The simulated node gives NVML, the sysfs tree (IOMMU groups included) and its kernel: a GPU is
+lent to a VM as prepare lends it, through ``PciBinding`` writing to the simulator's kernel
+(``NodeSource.pci_write``), and the simulator's NVML stops enumerating a GPU the nvidia driver
+let go. NVML's vGPU facts come from a stand-in with the facade's two methods."""
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,9 +21,10 @@ from agent.discovery.vm_cache import CACHE_NAME, decode, load
 from agent.errors import ConfigError
 from agent.hotplug import inventory_change
 from agent.node import NodeSource, discover, rediscover
+from agent.pcihost.binding import PciBinding
 from agent.pcihost.vm_types import NVIDIA, VFIO_PCI, VgpuType
 from agent.sim.node import simulated_node
-from agent.sim.sysfs import write_sysfs
+from agent.sim.udev import remove_gpu
 
 LOG = logging.getLogger("tessera.test.discovery.vm")
 H200_35C = VgpuType(
@@ -48,35 +48,16 @@ class VgpuStandIn:
         return index in self.heterogeneous
 
 
-def function_dir(source: NodeSource, bdf: str) -> Path:
-    return Path(os.path.realpath(source.sysfs_root / "bus" / "pci" / "devices" / bdf))
-
-
-def set_driver(source: NodeSource, bdf: str, driver: str | None) -> None:
-    link = function_dir(source, bdf) / "driver"
-    if link.is_symlink():
-        link.unlink()
-    if driver is not None:
-        drivers = source.sysfs_root / "bus" / "pci" / "drivers" / driver
-        drivers.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(os.path.relpath(drivers, link.parent))
-
-
-def set_group(source: NodeSource, bdf: str, group: int) -> None:
-    g = source.sysfs_root / "kernel" / "iommu_groups" / str(group)
-    (g / "devices").mkdir(parents=True, exist_ok=True)
-    fn = function_dir(source, bdf)
-    (fn / "iommu_group").symlink_to(os.path.relpath(g, fn))
-    (g / "devices" / bdf).symlink_to(os.path.relpath(fn, g / "devices"))
+def binding(source: NodeSource) -> PciBinding:
+    """What prepare binds with: the real ``PciBinding`` over the simulator's kernel."""
+    assert source.pci_write is not None
+    return PciBinding(source.sysfs_root, source.driver_root, source.pci_write)
 
 
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[NodeSource]:
     source = simulated_node("dgx-h100", tmp_path)
     source.nvml.init()
-    for i, g in enumerate(source.sim.model.gpus):
-        set_driver(source, g.bus, NVIDIA)
-        set_group(source, g.bus, 10 + i)
     yield source
     source.nvml.shutdown()
 
@@ -88,11 +69,13 @@ def vm_of(tmp_path: Path, vgpu: VgpuStandIn | None = None) -> VmDiscovery:
 
 
 def lend_to_vm(source: NodeSource, index: int) -> str:
-    """GPU ``index`` of the model goes to vfio-pci: NVML stops enumerating it."""
+    """GPU ``index`` of the model goes to vfio-pci as prepare sends it (unbind lock, unbind,
+    ``driver_override``, bind): NVML stops enumerating it."""
     bus: str = source.sim.model.gpus[index].bus
-    set_driver(source, bus, None)
-    set_driver(source, bus, VFIO_PCI)
-    source.sim.set_removed(index, True)
+    b = binding(source)
+    b.unbind(bus)
+    b.bind(bus, VFIO_PCI)
+    assert b.driver(bus) == VFIO_PCI
     return bus
 
 
@@ -119,7 +102,10 @@ def test_every_gpu_gets_its_iommu_group_driver_and_nvmls_vgpu_facts(
     assert all(g.virtualization is not None for g in inv.gpus)
     first, second = inv.gpus[0].virtualization, inv.gpus[1].virtualization
     assert first is not None and second is not None
-    assert (first.bus_id, first.driver, first.iommu_group) == (inv.gpus[0].pcie.bus_id, NVIDIA, 10)
+    assert (first.bus_id, first.driver) == (inv.gpus[0].pcie.bus_id, NVIDIA)
+    groups = [g.virtualization.iommu_group for g in inv.gpus if g.virtualization is not None]
+    assert None not in groups and len(set(groups)) == len(inv.gpus)  # a group per GPU
+    assert first.iommu_group == binding(node).iommu_group(first.bus_id)
     assert first.group_members == (inv.gpus[0].pcie.bus_id,)
     assert first.vendor_id == 0x10DE and first.vgpu_types == () and not first.heterogeneous
     assert second.vgpu_types == (H200_35C,) and second.heterogeneous
@@ -142,7 +128,8 @@ def test_a_gpu_lent_to_a_vm_stays_with_its_facts_and_is_not_gone(
     assert kept[0].device.uuid == lent.device.uuid and kept[0].device.minor == lent.device.minor
     assert kept[0].device.mig_profiles == lent.device.mig_profiles
     assert kept[0].virtualization is not None and kept[0].virtualization.driver == VFIO_PCI
-    assert kept[0].virtualization.iommu_group == 13
+    assert lent.virtualization is not None and lent.virtualization.iommu_group is not None
+    assert kept[0].virtualization.iommu_group == lent.virtualization.iommu_group
     assert after.gpus[-1] is kept[0]  # NVML's GPUs first, by index
     assert [g.index for g in after.gpus[:-1]] == list(range(len(before.gpus) - 1))
     change = inventory_change(before, after, (), ())
@@ -184,16 +171,17 @@ def test_back_on_nvidia_it_is_nvmls_again_and_hot_removed_it_is_forgotten(
     before = discover(node, vm)
     bus = lend_to_vm(node, 2)
     lent = rediscover(node, before, vm).inventory
-    set_driver(node, bus, None)
-    set_driver(node, bus, NVIDIA)
-    node.sim.set_removed(2, False)
+    b = binding(node)
+    b.unbind(bus)
+    b.release_override(bus)
+    b.bind(bus, NVIDIA)
     back = rediscover(node, lent, vm).inventory
     assert by_bus(back) == by_bus(before)
     assert inventory_change(lent, back, (), ()).removed_gpus == ()
 
     bus = lend_to_vm(node, 2)
     lent = rediscover(node, back, vm).inventory
-    write_sysfs(node.sim.model, node.sysfs_root, frozenset({bus}))  # pulled from the node
+    assert remove_gpu(node.sim, 2, node.sysfs_root)  # pulled from the node
     gone = rediscover(node, lent, vm)
     assert bus not in by_bus(gone.inventory)
     assert vm.cache is not None and bus not in load(vm.cache)
@@ -206,8 +194,7 @@ def test_an_unbound_gpu_halfway_to_vfio_pci_is_kept(node: NodeSource, tmp_path: 
     vm = vm_of(tmp_path)
     before = discover(node, vm)
     bus = before.gpus[1].pcie.bus_id
-    set_driver(node, bus, None)
-    node.sim.set_removed(1, True)
+    binding(node).unbind(bus)
     kept = next(g for g in rediscover(node, before, vm).inventory.gpus if g.pcie.bus_id == bus)
     assert kept.index == -1 and kept.virtualization is not None
     assert kept.virtualization.driver is None

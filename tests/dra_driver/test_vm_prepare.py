@@ -1,185 +1,271 @@
 """GPUs for virtual machines prepared and unprepared through the preparer (Transactions, Effects,
-the checkpoint and CDI) on a hand-built sysfs tree whose fake kernel does what Linux does
-(tests/vmhost.py): the binding before and after, the CDI result, the exclusion of containers and
-VMs on one GPU, and every new crash point repaired by the next start."""
+the checkpoint and CDI) on simulated nodes (tests/vmnode.py: the simulator's sysfs, kernel and
+NVML; the agent's own VM tools, discovery and advertised devices): the binding before and after,
+what NVML sees, the CDI result, the exclusion of containers and VMs on one GPU, and every new
+crash point repaired by the next start."""
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from agent.pcihost.holders import holders
 from agent.pcihost.vm_types import NVIDIA, VFIO_PCI
-from dra_driver.device_model import DeviceModel
+from agent.sim.vmstate import vf_bus
 from dra_driver.kubeletplugin.checkpoint import PREPARE_COMPLETED
 from dra_driver.vm.passthrough import Passthrough
 from tests.fakeclock import FakeClock
 from tests.integration.daemon import DRIVER
-from tests.vmhost import Binding, VgpuHost
-from tests.vmnode import (
-    AUDIO0,
-    FREE,
-    GPU0,
-    GPU2,
-    MODEL,
-    VF1,
-    Agent,
-    Claims,
-    Crash,
-    Node,
-    advertised,
-    expected,
-)
+from tests.pcihost.sysfstree import FakeKernel, SysTree
+from tests.simnode import sharing
+from tests.vmnode import PASSTHROUGH_MODEL, Agent, Claims, Crash, VmNode, expected
+
+L4 = 2
+"""The model's index (and minor) of the first L4 of the passthrough node: a whole GPU for
+containers (``gpu-2``) or a VM (``gpu-2-vfio``); the A100s are MIG devices (``all-7g``)."""
+H200_35C, H200_70C = 1430, 1429
+T4_1Q = 230
+NODE_OF = {"gpu-2-vfio": "passthrough", "gpu-0-vgpu-1430-0": "vf", "gpu-0-vgpu-230-0": "mdev"}
 
 
 @pytest.fixture
-def node(tmp_path: Path) -> Iterator[Node]:
-    n = Node(tmp_path)
-    yield n
-    for preparer in n.preparers:
-        preparer.close(0)
+def nodes(tmp_path: Path) -> Iterator[dict[str, VmNode]]:
+    """Simulated nodes, opened on first use."""
+    opened: dict[str, VmNode] = {}
+
+    class Lazy(dict[str, VmNode]):
+        def __missing__(self, kind: str) -> VmNode:
+            opened[kind] = VmNode.of(tmp_path, kind)
+            return opened[kind]
+
+    yield Lazy()
+    for node in opened.values():
+        node.close()
+
+
+def spec_nodes(agent: Agent, key: object) -> list[str]:
+    (device,) = agent.spec(key)["devices"]  # type: ignore[arg-type]
+    return [n["path"] for n in device["containerEdits"]["deviceNodes"]]
 
 
 # -- passthrough -------------------------------------------------------------------------------
-def test_passthrough_binds_the_whole_group_to_vfio_and_gives_it_back(node: Node) -> None:
-    claims = Claims()
+def test_passthrough_binds_the_gpu_to_vfio_and_gives_it_back(nodes: dict[str, VmNode]) -> None:
+    node = nodes["passthrough"]
+    gpu = node.bus(L4)
+    group = node.binding().iommu_group(gpu)
+    claims = Claims(node.source.hostname)
     agent = Agent(node, claims)
-    key = claims.add("vm", "gpu-0-vfio")
-    assert node.state() == FREE
+    key = claims.add("vm", "gpu-2-vfio")
+    assert gpu in node.nvml_buses()
     result = agent.prepare(key)
     assert result.error == ""
-    assert node.state()["drivers"][GPU0] == (VFIO_PCI, VFIO_PCI)
-    assert node.state()["drivers"][AUDIO0] == (VFIO_PCI, VFIO_PCI)  # the audio function too
-    assert node.persistence == [GPU0]
+    assert node.state().functions[gpu] == (VFIO_PCI, VFIO_PCI, 0)
+    assert node.binding().driver(gpu) == VFIO_PCI  # sysfs, read as production reads it
+    assert gpu not in node.nvml_buses()  # NVML lost the GPU
     (d,) = result.devices
-    assert d.kind == "vfio" and d.pci_bus_id == GPU0 and d.iommu_group == 12
-    assert d.vfio_functions == ((GPU0, NVIDIA), (AUDIO0, "snd_hda_intel"))
+    assert d.kind == "vfio" and d.pci_bus_id == gpu and d.iommu_group == group is not None
+    assert d.vfio_functions == ((gpu, NVIDIA),)
     # no NVIDIA node, no driver files: the VM gets VFIO's container and the group's node
-    assert d.cdi_device_ids == (f"k8s.{DRIVER}/claim=uid-vm-gpu-0-vfio",)
-    (spec_device,) = agent.spec(key)["devices"]
-    nodes = [n["path"] for n in spec_device["containerEdits"]["deviceNodes"]]
-    assert nodes == ["/dev/vfio/vfio", "/dev/vfio/12"]
+    assert d.cdi_device_ids == (f"k8s.{DRIVER}/claim=uid-vm-gpu-2-vfio",)
+    assert spec_nodes(agent, key) == ["/dev/vfio/vfio", f"/dev/vfio/{group}"]
+    assert (node.source.driver_root / "dev" / "vfio" / str(group)).exists()
     assert agent.preparer.checkpoint.claims["uid-vm"].devices == (d,)
 
     assert agent.unprepare(key).error == ""
-    assert node.state() == FREE  # each function back to the driver it had, overrides cleared
-    assert node.rebound == [GPU0]  # the inventory is read again: advertised for containers
+    assert node.state() == node.free  # back on nvidia, its override cleared
+    assert gpu in node.nvml_buses()  # NVML sees it again
+    assert node.rebound == [gpu]  # the inventory is read again: advertised for containers
+    modes = sharing(node.source.sim.state_dir, PASSTHROUGH_MODEL).gpus
+    assert modes[L4].persistence_mode == 0  # turned off for the VM
 
 
-def test_passthrough_is_refused_while_a_process_holds_the_gpu(node: Node) -> None:
-    node.holders.by_path[node.tmp / "root" / "dev" / "nvidia0"] = [(4242, "python3")]
-    claims = Claims()
+def test_passthrough_binds_every_function_of_the_gpu_and_gives_each_its_driver(
+    tmp_path: Path,
+) -> None:
+    """A GPU with an audio function (``.1``) in its IOMMU group: both go to vfio-pci and each
+    back to the driver it had. The simulated boards have no audio function, so this one runs
+    on the hand-built tree and fake kernel of tests/pcihost."""
+    from agent.pcihost.binding import PciBinding
+
+    gpu, audio = "0000:1b:00.0", "0000:1b:00.1"
+    tree = SysTree(tmp_path)
+    tree.add_driver(VFIO_PCI)
+    tree.add_function(gpu, group=12)
+    tree.add_function(audio, device=0x22BA, driver="snd_hda_intel", group=12)
+    binding = PciBinding(tree.sys, tree.driver_root, FakeKernel(tree).write)
+    off: list[str] = []
+    tool = Passthrough(
+        binding=binding, holders=holders, proc_root=tmp_path / "proc", dev_root=tmp_path,
+        sys_root=tree.sys, persistence_off=off.append, visible=lambda b: True,
+        rebound=lambda b: None, log=logging.getLogger("test.vm"),
+    )  # fmt: skip
+    functions = tool.functions("gpu-0-vfio", gpu, 0)
+    assert functions == ((gpu, NVIDIA), (audio, "snd_hda_intel"))
+    tool.take("gpu-0-vfio", gpu, functions)
+    assert [(tree.driver_of(f), tree.override_of(f)) for f in (gpu, audio)] == [
+        (VFIO_PCI, VFIO_PCI)
+    ] * 2
+    assert off == [gpu]
+    tool.give_back("gpu-0-vfio", gpu, functions)
+    assert [(tree.driver_of(f), tree.override_of(f)) for f in (gpu, audio)] == [
+        (NVIDIA, "(null)"),
+        ("snd_hda_intel", "(null)"),
+    ]
+
+
+def test_passthrough_is_refused_while_a_process_holds_the_gpu(nodes: dict[str, VmNode]) -> None:
+    node = nodes["passthrough"]
+    pid = int(node.fault("hold-gpu", "--gpu", str(L4)))
+    try:
+        claims = Claims(node.source.hostname)
+        agent = Agent(node, claims)
+        result = agent.prepare(claims.add("vm", "gpu-2-vfio"))
+        assert f"pid {pid} (sleep)" in result.error and f"/dev/nvidia{L4}" in result.error
+        assert node.state() == node.free
+        assert agent.preparer.checkpoint.claims == {}
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+def test_a_group_with_a_foreign_function_is_refused_naming_it(nodes: dict[str, VmNode]) -> None:
+    node = nodes["passthrough"]
+    node.fault("foreign-in-group", "--gpu", str(L4))  # an NVMe drive in the GPU's group
+    (nvme,) = set(node.state().functions) - set(node.free.functions)
+    before = node.state()
+    claims = Claims(node.source.hostname)
     agent = Agent(node, claims)
-    result = agent.prepare(claims.add("vm", "gpu-0-vfio"))
-    assert "pid 4242 (python3)" in result.error and "/dev/nvidia0" in result.error
-    assert node.state() == FREE
-    assert agent.preparer.checkpoint.claims == {}
+    result = agent.prepare(claims.add("vm", "gpu-2-vfio"))
+    group = node.binding().iommu_group(node.bus(L4))
+    assert nvme in result.error and f"IOMMU group {group}" in result.error
+    assert node.binding().driver(nvme) == "nvme"
+    assert node.state() == before
 
 
-def test_a_group_with_a_foreign_function_is_refused_naming_it(node: Node) -> None:
-    node.tree.function("0000:1c:00.0", "nvme", 12)  # an NVMe drive in the GPU's group
-    claims = Claims()
-    agent = Agent(node, claims)
-    result = agent.prepare(claims.add("vm", "gpu-0-vfio"))
-    assert "0000:1c:00.0" in result.error and "IOMMU group 12" in result.error
-    assert node.tree.driver("0000:1c:00.0") == "nvme"
-    assert node.state() == FREE
-
-
-def test_unprepare_waits_bounded_until_nvml_sees_the_gpu(node: Node) -> None:
+def test_unprepare_waits_bounded_until_nvml_sees_the_gpu(nodes: dict[str, VmNode]) -> None:
     """The GPU bound back to nvidia is polled until NVML lists it, on an injected clock; never
     seen, the unprepare fails saying so and keeps the claim (the kubelet retries)."""
+    node = nodes["passthrough"]
+    gpu = node.bus(L4)
     seen = iter([False, False, True])
     clock, sleeps = FakeClock(step=1.0), list[float]()
-    binding = Binding(node.tree)
-    tool = Passthrough(
-        binding=binding, holders=node.holders, proc_root=node.tmp, dev_root=node.tmp,
-        sys_root=node.tree.root, persistence_off=lambda b: None, visible=lambda b: next(seen),
-        rebound=node.rebound.append, log=logging.getLogger("test.vm"), clock=clock,
-        sleep=sleeps.append, timeout_s=10.0, poll_s=0.5,
+    passthrough = functools.partial(
+        Passthrough,
+        binding=node.binding(), holders=holders, proc_root=node.source.proc_root,
+        dev_root=node.source.driver_root, sys_root=node.source.sysfs_root,
+        persistence_off=lambda b: None, rebound=node.rebound.append,
+        log=logging.getLogger("test.vm"), timeout_s=10.0,
     )  # fmt: skip
-    functions = tool.functions("gpu-0-vfio", GPU0, 0)
-    tool.take("gpu-0-vfio", GPU0, functions)
-    tool.give_back("gpu-0-vfio", GPU0, functions)
+    tool = passthrough(visible=lambda b: next(seen), clock=clock, sleep=sleeps.append, poll_s=0.5)
+    functions = tool.functions("gpu-2-vfio", gpu, L4)
+    tool.take("gpu-2-vfio", gpu, functions)
+    tool.give_back("gpu-2-vfio", gpu, functions)
     assert sleeps == [0.5, 0.5]
-    tool.take("gpu-0-vfio", GPU0, functions)
-    never = Passthrough(
-        binding=binding, holders=node.holders, proc_root=node.tmp, dev_root=node.tmp,
-        sys_root=node.tree.root, persistence_off=lambda b: None, visible=lambda b: False,
-        rebound=node.rebound.append, log=logging.getLogger("test.vm"), clock=FakeClock(step=1.0),
-        sleep=lambda s: None, timeout_s=10.0,
-    )  # fmt: skip
+    tool.take("gpu-2-vfio", gpu, functions)
+    never = passthrough(visible=lambda b: False, clock=FakeClock(step=1.0), sleep=lambda s: None)
     with pytest.raises(Exception, match="NVML does not see it after 10 s") as info:
-        never.give_back("gpu-0-vfio", GPU0, functions)
+        never.give_back("gpu-2-vfio", gpu, functions)
     assert getattr(info.value, "reason", "") == "gpu_not_back"
 
 
-def test_a_vm_claim_is_refused_clearly_without_virtualization(node: Node) -> None:
-    claims = Claims()
+def test_a_vm_claim_is_refused_clearly_without_virtualization(nodes: dict[str, VmNode]) -> None:
+    node = nodes["passthrough"]
+    claims = Claims(node.source.hostname)
     agent = Agent(node, claims, vm=False)
-    result = agent.prepare(claims.add("vm", "gpu-0-vfio"))
+    result = agent.prepare(claims.add("vm", "gpu-2-vfio"))
     assert "--virtualization passthrough" in result.error
-    assert node.state() == FREE
+    assert node.state() == node.free
 
 
 # -- vGPU --------------------------------------------------------------------------------------
-def test_a_vgpu_on_a_free_vf_is_made_and_cleared(node: Node) -> None:
-    claims = Claims()
+def test_a_vgpu_on_a_free_vf_is_made_and_cleared(nodes: dict[str, VmNode]) -> None:
+    node = nodes["vf"]
+    claims = Claims(node.source.hostname)
     agent = Agent(node, claims)
-    a, b = claims.add("a", "gpu-1-vgpu-62-0"), claims.add("b", "gpu-1-vgpu-62-1")
+    a = claims.add("a", f"gpu-0-vgpu-{H200_35C}-0")
+    b = claims.add("b", f"gpu-0-vgpu-{H200_35C}-1")
     ra, rb = agent.prepare(a), agent.prepare(b)
     assert ra.error == rb.error == ""
-    assert [d.pci_bus_id for d in (*ra.devices, *rb.devices)] == list(VF1)  # one VF each
-    assert node.state()["vgpus"] == [(VF1[0], 62), (VF1[1], 62)]
-    (spec_device,) = agent.spec(a)["devices"]
-    nodes = [n["path"] for n in spec_device["containerEdits"]["deviceNodes"]]
-    assert nodes == ["/dev/vfio/vfio", "/dev/vfio/21"]  # the VF's group
+    vfs = [vf_bus(node.bus(0), n) for n in (0, 1)]
+    assert [d.pci_bus_id for d in (*ra.devices, *rb.devices)] == vfs  # one VF each
+    state = node.state()
+    assert [state.functions[vf] for vf in vfs] == [(NVIDIA, None, H200_35C)] * 2
+    assert [node.vgpu_host().current_type(vf) for vf in vfs] == [H200_35C] * 2  # sysfs
+    group = node.binding().iommu_group(vfs[0])
+    assert spec_nodes(agent, a) == ["/dev/vfio/vfio", f"/dev/vfio/{group}"]  # the VF's group
     assert agent.unprepare(a).error == agent.unprepare(b).error == ""
-    assert node.state() == FREE
+    assert node.state() == node.free
 
 
-def test_a_homogeneous_gpu_refuses_a_second_vgpu_type(node: Node) -> None:
-    claims = Claims()
+def test_a_homogeneous_gpu_offers_and_takes_one_vgpu_type_at_a_time(
+    nodes: dict[str, VmNode],
+) -> None:
+    """Once a vGPU exists on a GPU, the agent advertises only its type there (read again at
+    once, not at the next periodic rediscovery), and every type again once it is gone; a claim
+    the scheduler allocated from the slice before is refused, naming the type there."""
+    node = nodes["vf"]
+    claims = Claims(node.source.hostname)
     agent = Agent(node, claims)
-    assert agent.prepare(claims.add("a", "gpu-1-vgpu-62-0")).error == ""
-    result = agent.prepare(claims.add("b", "gpu-1-vgpu-63-0"))
-    assert "type 62" in result.error and "one type" in result.error
-    assert node.state()["vgpus"] == [(VF1[0], 62)]
+
+    def offered() -> set[int]:
+        return {
+            d.vgpu_type.type_id
+            for d in agent.devices().devices
+            if d.vgpu_type is not None and d.bus_id == node.bus(0)
+        }
+
+    every = offered()
+    assert {H200_35C, H200_70C} <= every
+    before_any = agent.model
+    a = claims.add("a", f"gpu-0-vgpu-{H200_35C}-0")
+    b = claims.add("b", f"gpu-0-vgpu-{H200_70C}-0")
+    assert agent.prepare(a).error == ""
+    assert offered() == {H200_35C}
+    state = node.state()
+    assert "is not advertised" in agent.prepare(b).error
+    agent.model = before_any  # the slice the scheduler allocated ``b`` from
+    result = agent.prepare(b)
+    assert f"type {H200_35C}" in result.error and "one type" in result.error
+    assert node.state() == state
+    assert agent.unprepare(a).error == ""
+    assert offered() == every
+    assert agent.prepare(b).error == ""
 
 
-def test_an_mdev_vgpu_is_created_with_a_recorded_uuid_and_removed(node: Node) -> None:
-    claims = Claims()
+def test_an_mdev_vgpu_is_created_with_a_recorded_uuid_and_removed(
+    nodes: dict[str, VmNode],
+) -> None:
+    node = nodes["mdev"]
+    claims = Claims(node.source.hostname)
     agent = Agent(node, claims)
-    key = claims.add("t4", "gpu-2-vgpu-230-0")
+    key = claims.add("t4", f"gpu-0-vgpu-{T4_1Q}-0")
     result = agent.prepare(key)
     assert result.error == ""
     (d,) = result.devices
-    assert d.mdev_uuid == "00000000-0000-4000-8000-000000000001" and d.pci_bus_id == GPU2
-    assert node.state()["mdevs"] == [d.mdev_uuid]
-    (spec_device,) = agent.spec(key)["devices"]
-    nodes = [n["path"] for n in spec_device["containerEdits"]["deviceNodes"]]
-    assert nodes == ["/dev/vfio/vfio", f"/dev/vfio/{d.iommu_group}"]
+    assert d.mdev_uuid is not None and d.pci_bus_id == node.bus(0)
+    assert node.state().mdevs == {(d.mdev_uuid, node.bus(0), T4_1Q)}
+    group = node.vgpu_host().mdev_group(d.mdev_uuid)
+    assert d.iommu_group == group is not None
+    assert spec_nodes(agent, key) == ["/dev/vfio/vfio", f"/dev/vfio/{group}"]
     assert agent.unprepare(key).error == ""
-    assert node.state() == FREE
+    assert node.state() == node.free
 
 
 # -- containers and VMs never share a GPU ------------------------------------------------------
-@pytest.mark.parametrize(
-    ("first", "second"),
-    [("gpu-0", "gpu-0-vfio"), ("gpu-0-vfio", "gpu-0"), ("gpu-1-vgpu-62-0", "gpu-1-vfio-like")],
-)
+@pytest.mark.parametrize(("first", "second"), [("gpu-2", "gpu-2-vfio"), ("gpu-2-vfio", "gpu-2")])
 def test_a_gpu_serves_vms_or_containers_whatever_the_order(
-    node: Node, first: str, second: str
+    nodes: dict[str, VmNode], first: str, second: str
 ) -> None:
-    claims = Claims()
+    """(A vGPU node advertises no whole GPU for containers: tests/dra_driver/test_vm_devices.)"""
+    node = nodes["passthrough"]
+    claims = Claims(node.source.hostname)
     agent = Agent(node, claims)
-    if second == "gpu-1-vfio-like":  # a vGPU's GPU is not a container's either
-        first, second = "gpu-1-vgpu-62-0", "gpu-1"
-        model = DeviceModel((*MODEL.devices, advertised("gpu-1", "gpu", 1, "GPU-1")), ())
-        agent.preparer.close(0)
-        agent = Agent(node, claims, model=model)
     assert agent.prepare(claims.add("one", first)).error == ""
     before = node.state()
     result = agent.prepare(claims.add("two", second))
@@ -193,21 +279,22 @@ def test_a_gpu_serves_vms_or_containers_whatever_the_order(
 @pytest.mark.parametrize(
     ("device", "point"),
     [
-        ("gpu-0-vfio", "after-started"),
-        ("gpu-0-vfio", "after-vfio-unbind"),
-        ("gpu-0-vfio", "after-vfio-bind"),
-        ("gpu-0-vfio", "after-cdi"),
-        ("gpu-0-vfio", "after-completed"),
-        ("gpu-1-vgpu-62-0", "after-vgpu-create"),
-        ("gpu-1-vgpu-62-0", "after-cdi"),
-        ("gpu-2-vgpu-230-0", "after-vgpu-create"),
-        ("gpu-2-vgpu-230-0", "after-completed"),
+        ("gpu-2-vfio", "after-started"),
+        ("gpu-2-vfio", "after-vfio-unbind"),
+        ("gpu-2-vfio", "after-vfio-bind"),
+        ("gpu-2-vfio", "after-cdi"),
+        ("gpu-2-vfio", "after-completed"),
+        ("gpu-0-vgpu-1430-0", "after-vgpu-create"),
+        ("gpu-0-vgpu-1430-0", "after-cdi"),
+        ("gpu-0-vgpu-230-0", "after-vgpu-create"),
+        ("gpu-0-vgpu-230-0", "after-completed"),
     ],
 )
 def test_a_crash_in_prepare_leaves_the_node_equal_to_the_checkpoint_after_the_start(
-    node: Node, device: str, point: str
+    nodes: dict[str, VmNode], device: str, point: str
 ) -> None:
-    claims = Claims()
+    node = nodes[NODE_OF[device]]
+    claims = Claims(node.source.hostname)
     agent = Agent(node, claims)
     key = claims.add("vm", device)
     agent.crash_at = point
@@ -215,21 +302,22 @@ def test_a_crash_in_prepare_leaves_the_node_equal_to_the_checkpoint_after_the_st
         agent.prepare(key)
     agent.restart()
     cp = agent.preparer.checkpoint
-    assert node.state() == expected(cp)
+    assert node.state() == expected(node, cp)
     completed = point == "after-completed"
     assert (key.uid in cp.claims) == completed  # a started claim is rolled back
     assert agent.prepare(key).error == ""  # the kubelet's retry
-    assert node.state() == expected(agent.preparer.checkpoint) != FREE
+    assert node.state() == expected(node, agent.preparer.checkpoint) != node.free
     assert agent.unprepare(key).error == ""
-    assert node.state() == FREE
+    assert node.state() == node.free
 
 
-@pytest.mark.parametrize("device", ["gpu-0-vfio", "gpu-1-vgpu-62-0", "gpu-2-vgpu-230-0"])
+@pytest.mark.parametrize("device", sorted(NODE_OF))
 @pytest.mark.parametrize("point", ["after-unprepare-undo", "after-unprepare-commit"])
 def test_a_crash_in_unprepare_is_repaired_by_the_start_and_the_retry(
-    node: Node, device: str, point: str
+    nodes: dict[str, VmNode], device: str, point: str
 ) -> None:
-    claims = Claims()
+    node = nodes[NODE_OF[device]]
+    claims = Claims(node.source.hostname)
     agent = Agent(node, claims)
     key = claims.add("vm", device)
     assert agent.prepare(key).error == ""
@@ -237,36 +325,44 @@ def test_a_crash_in_unprepare_is_repaired_by_the_start_and_the_retry(
     with pytest.raises(Crash):
         agent.unprepare(key)
     agent.restart()  # after the undo, still recorded: made whole again until the retry
-    assert node.state() == expected(agent.preparer.checkpoint)
+    assert node.state() == expected(node, agent.preparer.checkpoint)
     assert agent.unprepare(key).error == ""
-    assert node.state() == FREE
+    assert node.state() == node.free
 
 
-def test_the_start_gives_back_what_no_claim_records(node: Node) -> None:
-    """A GPU bound to vfio-pci through its override and a vGPU, with no claim (a lost
-    checkpoint): the start gives them back; a GPU an administrator bound to vfio-pci without an
-    override is left alone."""
-    binding, host = Binding(node.tree), VgpuHost(node.tree)
-    binding.unbind(GPU0)
-    binding.bind(GPU0, VFIO_PCI)
-    host.set_type(VF1[1], 63)
-    host.create_mdev(GPU2, 230, "00000000-0000-4000-8000-00000000beef")
-    claims = Claims()
-    Agent(node, claims)
-    assert node.state() == FREE
-    binding.unbind(GPU0)
-    binding.bind(GPU0, VFIO_PCI)
-    binding.release_override(GPU0)  # bound by hand, not by a prepare
-    Agent(node, claims)
-    assert node.tree.driver(GPU0) == VFIO_PCI
+def test_the_start_gives_back_what_no_claim_records(nodes: dict[str, VmNode]) -> None:
+    """A GPU bound to vfio-pci through its override and vGPUs (a VF's type, an mdev), with no
+    claim (a lost checkpoint): the start gives them back; a GPU an administrator bound to
+    vfio-pci without an override is left alone. The agent ran on each node before (so its
+    discovery's cache knows the GPU NVML no longer lists)."""
+    pt, vf, mdev = nodes["passthrough"], nodes["vf"], nodes["mdev"]
+    for node in (pt, vf, mdev):
+        Agent(node, Claims(node.source.hostname)).preparer.close(0)
+    binding, gpu = pt.binding(), pt.bus(L4)
+    binding.unbind(gpu)
+    binding.bind(gpu, VFIO_PCI)
+    vf.vgpu_host().set_type(vf_bus(vf.bus(1), 3), H200_70C)
+    mdev.vgpu_host().create_mdev(mdev.bus(1), T4_1Q, "00000000-0000-4000-8000-00000000beef")
+    for node in (pt, vf, mdev):
+        assert node.state() != node.free
+        Agent(node, Claims(node.source.hostname))
+        assert node.state() == node.free
+    binding.unbind(gpu)
+    binding.bind(gpu, VFIO_PCI)
+    binding.release_override(gpu)  # bound by hand, not by a prepare
+    Agent(pt, Claims(pt.source.hostname))
+    assert pt.binding().driver(gpu) == VFIO_PCI
 
 
-def test_a_completed_claim_is_bound_again_at_start_if_its_gpu_was_taken_back(node: Node) -> None:
-    claims = Claims()
+def test_a_completed_claim_is_bound_again_at_start_if_its_gpu_was_taken_back(
+    nodes: dict[str, VmNode],
+) -> None:
+    node = nodes["passthrough"]
+    claims = Claims(node.source.hostname)
     agent = Agent(node, claims)
-    key = claims.add("vm", "gpu-0-vfio")
+    key = claims.add("vm", "gpu-2-vfio")
     assert agent.prepare(key).error == ""
-    Binding(node.tree).unbind(GPU0)  # behind the agent's back
+    node.binding().unbind(node.bus(L4))  # behind the agent's back
     agent.restart()
     assert agent.preparer.checkpoint.claims[key.uid].state == PREPARE_COMPLETED
-    assert node.state() == expected(agent.preparer.checkpoint)
+    assert node.state() == expected(node, agent.preparer.checkpoint)

@@ -1,9 +1,13 @@
-"""Hand-built sysfs trees laid out as issue 24's design, section 1, and a fake kernel.
+"""Hand-built sysfs trees laid out as issue 24's design, section 1, and a small fake kernel: the
+tests' one stand-in for the simulator (``agent.sim.node.simulated_node``, whose ``pci_write`` is
+the simulator's kernel), kept for what no simulated board has: a GPU's audio function in its
+IOMMU group, SR-IOV without the vGPU host driver, mdevs on Ampere VFs, and a driver's probe that
+fails (``refuse_bind``).
 
-``SysTree`` writes PCI functions, drivers, IOMMU groups, SR-IOV VFs and vGPU files under a tmp
-root; ``FakeKernel.write`` is a :data:`KernelWrite` that does to that tree what Linux does on the
-same write (moves the ``driver`` link, sets ``driver_override``, makes and removes mdevs), so the
-code under test sees the kernel's effect, not just a file holding what it wrote."""
+``SysTree`` writes PCI functions, drivers, IOMMU groups, SR-IOV VFs and mdev types under a tmp
+root; ``FakeKernel.write`` is a :data:`KernelWrite` that does to that tree what Linux does on a
+binding write (moves the ``driver`` link, sets ``driver_override``, takes the unbind lock), so
+the code under test sees the kernel's effect, not just a file holding what it wrote."""
 
 from __future__ import annotations
 
@@ -77,18 +81,12 @@ class SysTree:
         _link(self.fn(bdf) / "iommu_group", g)
         _link(g / "devices" / bdf, self.fn(bdf))
 
-    def add_vf(self, pf: str, n: int, vf: str, *, vgpu_type: int | None = None) -> Path:
-        """VF ``n`` of ``pf``; ``vgpu_type`` gives it ``nvidia/current_vgpu_type`` (vGPU 17+)."""
+    def add_vf(self, pf: str, n: int, vf: str) -> Path:
+        """VF ``n`` of ``pf``, without the vGPU host driver's files."""
         fn = self.add_function(vf, driver="nvidia", unbind_lock=False)
         (self.fn(pf) / "sriov_totalvfs").write_text("16\n")
         _link(self.fn(pf) / f"virtfn{n}", fn)
         _link(fn / "physfn", self.fn(pf))
-        if vgpu_type is not None:
-            (fn / "nvidia").mkdir()
-            (fn / "nvidia" / "current_vgpu_type").write_text(f"{vgpu_type}\n")
-            (fn / "nvidia" / "creatable_vgpu_types").write_text(
-                "1428 : NVIDIA H200X-141C\n1414 : NVIDIA H200X-1-18C\n"
-            )
         (self.fn(pf) / "sriov_numvfs").write_text(f"{n + 1}\n")
         return fn
 
@@ -112,39 +110,25 @@ class SysTree:
 
 @dataclass
 class FakeKernel:
-    """Acts on writes as Linux does (design section 1); records every write."""
+    """Acts on binding writes as Linux does (design section 1); records every write."""
 
     tree: SysTree
-    busy_gpus: set[str] = field(default_factory=set)
-    """GPUs whose unbind lock is refused (a process holds them)."""
     refuse_bind: set[str] = field(default_factory=set)
     """Functions whose probe fails (the bind write answers ENODEV)."""
     writes: list[tuple[str, str]] = field(default_factory=list)
-    next_group: int = 100
 
     def write(self, path: Path, value: str) -> None:
-        rel = path.relative_to(path.anchor)
         self.writes.append((str(path), value))
         if not path.exists():
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
-        parts = rel.parts
-        if path.name in ("bind", "unbind") and "drivers" in parts:
+        if path.name in ("bind", "unbind") and "drivers" in path.parts:
             self._bind(path.parent.name, value, path.name == "bind")
         elif path.name == "driver_override":
             path.write_text((value.rstrip("\n") or "(null)") + "\n")
         elif path.name == "unbindLock":
-            path.write_text("0\n" if path.parent.name in self.busy_gpus else value + "\n")
-        elif path.name == "current_vgpu_type":
-            creatable = (path.parent / "creatable_vgpu_types").read_text()
-            if value != "0" and f"{value} :" not in creatable:
-                raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), str(path))
             path.write_text(value + "\n")
-        elif path.name == "create":
-            self._create_mdev(path.parent, value)
-        elif path.name == "remove":
-            self._remove_mdev(path.parent.name)
         else:
-            path.write_text(value)
+            raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(path))
 
     def _fail(self, code: int, path: str) -> OSError:
         return OSError(code, os.strerror(code), path)
@@ -169,30 +153,3 @@ class FakeKernel:
         if bdf in self.refuse_bind:
             raise self._fail(errno.ENODEV, bdf)
         _link(fn / "driver", tree.sys / "bus" / "pci" / "drivers" / driver)
-
-    def _create_mdev(self, type_dir: Path, uuid: str) -> None:
-        available = int((type_dir / "available_instances").read_text())
-        if available < 1:
-            raise self._fail(errno.EDQUOT, str(type_dir / "create"))
-        (type_dir / "available_instances").write_text(f"{available - 1}\n")
-        parent = type_dir.parent.parent
-        mdev = parent / uuid
-        mdev.mkdir()
-        _link(mdev / "mdev_type", type_dir)
-        (mdev / "remove").touch()
-        group = self.tree.sys / "kernel" / "iommu_groups" / str(self.next_group)
-        (group / "devices").mkdir(parents=True)
-        _link(mdev / "iommu_group", group)
-        self.next_group += 1
-        _link(self.tree.sys / "bus" / "mdev" / "devices" / uuid, mdev)
-
-    def _remove_mdev(self, uuid: str) -> None:
-        link = self.tree.sys / "bus" / "mdev" / "devices" / uuid
-        mdev = Path(os.path.realpath(link))
-        type_dir = Path(os.path.realpath(mdev / "mdev_type"))
-        available = int((type_dir / "available_instances").read_text())
-        (type_dir / "available_instances").write_text(f"{available + 1}\n")
-        for f in mdev.iterdir():
-            f.unlink()
-        mdev.rmdir()
-        link.unlink()

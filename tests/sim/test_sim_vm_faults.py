@@ -15,6 +15,7 @@ import pytest
 
 from agent.cli import main
 from agent.node import NodeSource
+from agent.pcihost.holders import holders
 from agent.sim.node import simulated_node
 
 
@@ -99,7 +100,9 @@ def test_a_process_holding_the_gpu_keeps_the_unbind_lock_free(node):
         assert code == 0
         node0 = source.driver_root / "dev" / "nvidia0"
         assert os.readlink(f"/proc/{pid}/fd/0") == str(node0)  # the real process holds it
-        assert os.readlink(source.proc_root / str(pid) / "fd" / "0") == "/dev/nvidia0"
+        # the simulated /proc names the node the process holds, so a holder scan finds it
+        assert os.readlink(source.proc_root / str(pid) / "fd" / "0") == str(node0)
+        assert [h.pid for h in holders(source.proc_root, [node0])] == [pid]
         lock = source.driver_root / f"proc/driver/nvidia/gpus/{source.sim.model.gpus[0].bus}"
         write(source, lock / "unbindLock", "1")
         assert (lock / "unbindLock").read_text() == "0\n"
