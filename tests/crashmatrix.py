@@ -44,6 +44,7 @@ from dra_driver.kubeletplugin.crash_points import CRASH_POINTS
 from dra_driver.testkubelet.calls import ClaimRef
 from dra_driver.testkubelet.client import KubeletClient
 from tests.crashnode import MigLayout, leftovers, load_checkpoint, mig_layout, node_violations
+from tests.crashnode_vm import gpu_drivers
 from tests.integration.daemon import Daemon, claim_manifest, write_claims
 from tests.integration.test_sharing import sharing_config
 from tests.reliability.report import results_dir
@@ -63,9 +64,17 @@ MPS_STEPS = frozenset({"after-mps-start"})
 """Reached only when a claim's MPS daemon is started (MPS and memory shares)."""
 POWER_STEPS = frozenset({"after-power-recorded", "after-power-limit"})
 """Reached only when a claim caps a GPU's power (``powerLimit``)."""
-VM_STEPS = frozenset({"after-vfio-unbind", "after-vfio-bind", "after-vgpu-create"})
-"""Reached only when a GPU is handed to a virtual machine (``--virtualization``): no mode here
-has one yet; the VM modes come with the simulator's VFIO and vGPU models (issue 24)."""
+VFIO_STEPS = frozenset({"after-vfio-unbind", "after-vfio-bind", "after-unprepare-vfio-unbind"})
+"""Reached only when a whole GPU is handed to a virtual machine (``--virtualization
+passthrough``): each function of its IOMMU group unbound, then bound to vfio-pci; at unprepare
+unbound from vfio-pci, then bound to the driver it had."""
+VGPU_STEPS = frozenset({"after-vgpu-create"})
+"""Reached only when a vGPU is made (``--virtualization vgpu``): a VF given its type, or an
+mdev created."""
+VM_STEPS = VFIO_STEPS | VGPU_STEPS
+"""Reached only when a GPU is handed to a virtual machine (``--virtualization``)."""
+CONTAINER_STEPS = POWER_STEPS | MIG_STEPS | TIMESLICE_STEPS | MPS_STEPS
+"""What a VM device never reaches: it is made by the VM steps alone."""
 
 BATCH_OCCURRENCE = 2
 """A batch crashes the second time its point is reached."""
@@ -213,6 +222,42 @@ MODES = (
         ),
         unreachable=MIG_STEPS | TIMESLICE_STEPS | MPS_STEPS | VM_STEPS,
     ),
+    Mode(
+        "passthrough",
+        "dgx-h100",  # every GPU in its own IOMMU group, vfio-pci loaded
+        ("--virtualization", "passthrough"),
+        single=(Claim("v0", ("gpu-0-vfio",)),),
+        batch=(
+            Claim("v1", ("gpu-1-vfio",)),
+            Claim("v2", ("gpu-2-vfio", "gpu-3-vfio")),  # one VM, two GPUs
+            Claim("v4", ("gpu-4-vfio",)),
+        ),
+        unreachable=CONTAINER_STEPS | VGPU_STEPS,
+    ),
+    Mode(
+        "vgpu-vf",
+        "vgpu-h200",  # SR-IOV: a vGPU is a VF given its type (nvidia/current_vgpu_type)
+        ("--virtualization", "vgpu"),
+        single=(Claim("f0", ("gpu-0-vgpu-1431-0",)),),
+        batch=(
+            Claim("f1", ("gpu-0-vgpu-1431-0",)),
+            Claim("f2", ("gpu-0-vgpu-1431-1", "gpu-1-vgpu-1430-0")),  # two GPUs, two types
+            Claim("f3", ("gpu-1-vgpu-1430-1",)),
+        ),
+        unreachable=CONTAINER_STEPS | VFIO_STEPS,
+    ),
+    Mode(
+        "vgpu-mdev",
+        "vgpu-t4",  # mediated devices made on the GPU itself (mdev_supported_types)
+        ("--virtualization", "vgpu"),
+        single=(Claim("e0", ("gpu-0-vgpu-230-0",)),),
+        batch=(
+            Claim("e1", ("gpu-0-vgpu-230-0",)),
+            Claim("e2", ("gpu-0-vgpu-230-1", "gpu-1-vgpu-231-0")),  # two GPUs, two types
+            Claim("e3", ("gpu-1-vgpu-231-1",)),
+        ),
+        unreachable=CONTAINER_STEPS | VFIO_STEPS,
+    ),
 )
 BY_NAME = {m.name: m for m in MODES}
 
@@ -243,6 +288,9 @@ class Outcome:
     once_per_call: bool = False
     """The batch reached the point only once (armed again as ``POINT``)."""
     crashes: int = 0
+    drivers_at_crash: dict[str, str | None] = field(default_factory=dict)
+    """The driver each GPU was bound to as the daemon died (None: unbound), read from the
+    simulated sysfs before the restart repaired anything."""
     lost: list[str] = field(default_factory=list)
     """Broken invariants: anything leaked, held twice, or a checkpoint that does not decode."""
     failures: list[str] = field(default_factory=list)
@@ -327,6 +375,7 @@ def _run(
                 if code != -9:
                     out.failures.append(f"the daemon died under {op} with {code}, not -9")
                 out.fired_in, out.crashes = op, out.crashes + 1
+                out.drivers_at_crash = gpu_drivers(d)
                 d.start()  # unarmed: the kubelet's plugin is back
                 _check(out, d, baseline, f"after the crash in {op} and the restart")
                 answer = _call(d, op, refs)  # the kubelet retries the same claims

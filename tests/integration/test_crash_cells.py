@@ -1,7 +1,9 @@
 """The fast slice of the crash matrix (tests/crashmatrix.py; the whole matrix runs in `make
 reliability`): a crash inside a batch of whole GPUs and one inside a batch of dynamic MIG
-devices (a GPU instance made, its compute instance not), and in a batch of power-capped GPUs on
-either side of the cap, each restarted, retried and checked."""
+devices (a GPU instance made, its compute instance not), in a batch of power-capped GPUs on
+either side of the cap, in a batch of GPUs handed to VMs (one unbound from nvidia, not yet on
+vfio-pci) and in a batch of vGPUs (one made, its claim not completed), each restarted, retried
+and checked."""
 
 from __future__ import annotations
 
@@ -27,6 +29,29 @@ def test_a_crash_inside_a_batch_leaves_a_node_the_retries_make_whole(
     out = run_cell(short_tmp, BY_NAME[mode], point, "batch")
     assert out.problems == [], "\n".join(out.problems)
     assert out.fired_in == "prepare" and out.crashes == 1
+
+
+def test_a_gpu_left_between_its_drivers_by_a_crash_goes_back_to_nvidia(short_tmp: Path) -> None:
+    """A batch of passthrough claims killed at the second unbind: the second claim's GPU is
+    bound to no driver (NVIDIA's let go of it, vfio-pci not yet bound). The start rolls that
+    claim back, giving the GPU back to nvidia; the retry hands it to the VM again; at the end
+    every GPU is on nvidia with no driver_override (tests/crashnode_vm.py)."""
+    out = run_cell(short_tmp, BY_NAME["passthrough"], "after-vfio-unbind", "batch")
+    assert out.problems == [], "\n".join(out.problems)
+    assert out.fired_in == "prepare" and out.crashes == 1
+    unbound = [bus for bus, driver in out.drivers_at_crash.items() if driver is None]
+    on_vfio = [bus for bus, driver in out.drivers_at_crash.items() if driver == "vfio-pci"]
+    assert len(unbound) == 1 and len(on_vfio) == 1, out.drivers_at_crash
+
+
+def test_a_vgpu_made_before_a_crash_is_removed_or_kept_as_recorded(short_tmp: Path) -> None:
+    """A batch of vGPU claims (SR-IOV VFs) killed after its second vGPU was made, its claim not
+    yet completed: the start removes it with the claim's rollback (nothing holds a VF no claim
+    records), the retry makes it again, and the unprepare leaves no vGPU."""
+    out = run_cell(short_tmp, BY_NAME["vgpu-vf"], "after-vgpu-create", "batch")
+    assert out.problems == [], "\n".join(out.problems)
+    assert out.fired_in == "prepare" and out.crashes == 1
+    assert set(out.drivers_at_crash.values()) == {"nvidia"}, out.drivers_at_crash
 
 
 def test_the_matrix_covers_every_point_in_every_mode() -> None:
