@@ -49,7 +49,7 @@ from tests.integration.daemon import Daemon, claim_manifest, write_claims
 from tests.integration.test_sharing import sharing_config
 from tests.reliability.report import results_dir
 from tests.sim.tools_helpers import wait_for
-from tests.simnode import reap_mps_daemons
+from tests.simnode import node_model, reap_mps_daemons
 
 POINTS: tuple[str, ...] = tuple(
     dict.fromkeys([*CRASH_POINTS, *getattr(effects_module, "CRASH_POINTS", ())])
@@ -376,6 +376,7 @@ def _run(
                     out.failures.append(f"the daemon died under {op} with {code}, not -9")
                 out.fired_in, out.crashes = op, out.crashes + 1
                 out.drivers_at_crash = gpu_drivers(d)
+                out.failures += _lost_bystanders(d, claims)
                 d.start()  # unarmed: the kubelet's plugin is back
                 _check(out, d, baseline, f"after the crash in {op} and the restart")
                 answer = _call(d, op, refs)  # the kubelet retries the same claims
@@ -396,6 +397,7 @@ def _run(
         passes += _passes(d, point)
         out.lost += [f"at the end: {p}" for p in leftovers(d, baseline)]
         code = d.stop()
+        out.failures += _lost_bystanders(d, claims)
         if code != 0:
             out.failures.append(f"the daemon stopped with {code}, not 0")
         out.lost += usage_violations(d, started)
@@ -403,6 +405,32 @@ def _run(
         d.kill()
         reap_mps_daemons(d.state / "sim", d.model)
     return passes
+
+
+def _lost_bystanders(d: Daemon, claims: tuple[Claim, ...]) -> list[str]:
+    """A GPU no claim of the cell hands to a VM that the daemon (its logs since its start)
+    reported lost: a GPU that left NVML (a VM's) shifts the NVML indexes of the others, and a
+    reader that kept the old ones reads the wrong GPU, or none."""
+    vm_minors = {
+        int(name.split("-")[1]) for c in claims for name in c.devices if name.endswith("-vfio")
+    }
+    bystanders = {g.uuid: g.index for g in node_model(d.model).gpus if g.index not in vm_minors}
+    lost = sorted(
+        {
+            bystanders[r["uuid"]]
+            for r in list(d.logs)
+            if r.get("msg") == "GPU health changed"
+            and r.get("healthy") is False
+            and r.get("uuid") in bystanders
+        }
+    )
+    return [f"GPU {i} (no VM's) reported unhealthy: {_health_log(d, i)}" for i in lost]
+
+
+def _health_log(d: Daemon, minor: int) -> str:
+    uuid = node_model(d.model).gpus[minor].uuid
+    found = [r for r in list(d.logs) if r.get("uuid") == uuid and r.get("level") == "warning"]
+    return "; ".join(f"{r.get('msg')}: {r.get('error') or r.get('cause')}" for r in found[:2])
 
 
 def _counted(d: Daemon, uids: list[str], *, released: bool = False) -> None:

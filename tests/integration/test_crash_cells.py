@@ -66,3 +66,14 @@ def test_the_matrix_covers_every_point_in_every_mode() -> None:
             assert ((m.name, point, "single") in run) == (point not in m.unreachable)
         assert len(m.batch) >= 3 and len(m.single) == 1
     assert set(BY_NAME) == {m.name for m in MODES} and SHAPES == ("single", "batch")
+
+
+def test_a_vm_claim_bound_again_at_start_leaves_the_other_gpus_readable(short_tmp: Path) -> None:
+    """An unprepare killed after it gave the GPU back to nvidia, its claim still recorded: the
+    start binds the GPU to vfio-pci again (the claim is the kubelet's until it retries), so NVML
+    loses it and the other GPUs' indexes shift. No other GPU may be reported lost for it (the
+    node is read again after the start's repair); the retry gives the GPU back."""
+    out = run_cell(short_tmp, BY_NAME["passthrough"], "after-unprepare-undo", "single")
+    assert out.problems == [], "\n".join(out.problems)
+    assert out.fired_in == "unprepare" and out.crashes == 1
+    assert set(out.drivers_at_crash.values()) == {"nvidia"}, out.drivers_at_crash
