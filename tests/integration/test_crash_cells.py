@@ -32,16 +32,18 @@ def test_a_crash_inside_a_batch_leaves_a_node_the_retries_make_whole(
 
 
 def test_a_gpu_left_between_its_drivers_by_a_crash_goes_back_to_nvidia(short_tmp: Path) -> None:
-    """A batch of passthrough claims killed at the second unbind: the second claim's GPU is
-    bound to no driver (NVIDIA's let go of it, vfio-pci not yet bound). The start rolls that
-    claim back, giving the GPU back to nvidia; the retry hands it to the VM again; at the end
-    every GPU is on nvidia with no driver_override (tests/crashnode_vm.py)."""
+    """A batch of passthrough claims killed at the second unbind (the claims of other GPUs are
+    prepared side by side, so others may be on vfio-pci or unbound too): a GPU is bound to no
+    driver (NVIDIA's let go of it, vfio-pci not yet bound). The start rolls its claim back,
+    giving the GPU back to nvidia; the retry hands it to the VM again; at the end every GPU is
+    on nvidia with no driver_override (tests/crashnode_vm.py)."""
     out = run_cell(short_tmp, BY_NAME["passthrough"], "after-vfio-unbind", "batch")
     assert out.problems == [], "\n".join(out.problems)
     assert out.fired_in == "prepare" and out.crashes == 1
-    unbound = [bus for bus, driver in out.drivers_at_crash.items() if driver is None]
-    on_vfio = [bus for bus, driver in out.drivers_at_crash.items() if driver == "vfio-pci"]
-    assert len(unbound) == 1 and len(on_vfio) == 1, out.drivers_at_crash
+    drivers = out.drivers_at_crash
+    assert None in drivers.values() and set(drivers.values()) <= {"nvidia", "vfio-pci", None}, (
+        drivers
+    )
 
 
 def test_a_vgpu_made_before_a_crash_is_removed_or_kept_as_recorded(short_tmp: Path) -> None:
