@@ -2,8 +2,8 @@
 reliability`): a crash inside a batch of whole GPUs and one inside a batch of dynamic MIG
 devices (a GPU instance made, its compute instance not), in a batch of power-capped GPUs on
 either side of the cap, in a batch of GPUs handed to VMs (one unbound from nvidia, not yet on
-vfio-pci) and in a batch of vGPUs (one made, its claim not completed), each restarted, retried
-and checked."""
+vfio-pci), in a batch of vGPUs (one made, its claim not completed) and in a VM claim's unprepare
+(its GPU back on nvidia, the claim still recorded), each restarted, retried and checked."""
 
 from __future__ import annotations
 
