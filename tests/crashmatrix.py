@@ -44,11 +44,12 @@ from dra_driver.kubeletplugin.crash_points import CRASH_POINTS
 from dra_driver.testkubelet.calls import ClaimRef
 from dra_driver.testkubelet.client import KubeletClient
 from tests.crashnode import MigLayout, leftovers, load_checkpoint, mig_layout, node_violations
+from tests.crashnode_vm import gpu_drivers
 from tests.integration.daemon import Daemon, claim_manifest, write_claims
 from tests.integration.test_sharing import sharing_config
 from tests.reliability.report import results_dir
 from tests.sim.tools_helpers import wait_for
-from tests.simnode import reap_mps_daemons
+from tests.simnode import node_model, reap_mps_daemons
 
 POINTS: tuple[str, ...] = tuple(
     dict.fromkeys([*CRASH_POINTS, *getattr(effects_module, "CRASH_POINTS", ())])
@@ -63,9 +64,17 @@ MPS_STEPS = frozenset({"after-mps-start"})
 """Reached only when a claim's MPS daemon is started (MPS and memory shares)."""
 POWER_STEPS = frozenset({"after-power-recorded", "after-power-limit"})
 """Reached only when a claim caps a GPU's power (``powerLimit``)."""
-VM_STEPS = frozenset({"after-vfio-unbind", "after-vfio-bind", "after-vgpu-create"})
-"""Reached only when a GPU is handed to a virtual machine (``--virtualization``): no mode here
-has one yet; the VM modes come with the simulator's VFIO and vGPU models (issue 24)."""
+VFIO_STEPS = frozenset({"after-vfio-unbind", "after-vfio-bind", "after-unprepare-vfio-unbind"})
+"""Reached only when a whole GPU is handed to a virtual machine (``--virtualization
+passthrough``): each function of its IOMMU group unbound, then bound to vfio-pci; at unprepare
+unbound from vfio-pci, then bound to the driver it had."""
+VGPU_STEPS = frozenset({"after-vgpu-create"})
+"""Reached only when a vGPU is made (``--virtualization vgpu``): a VF given its type, or an
+mdev created."""
+VM_STEPS = VFIO_STEPS | VGPU_STEPS
+"""Reached only when a GPU is handed to a virtual machine (``--virtualization``)."""
+CONTAINER_STEPS = POWER_STEPS | MIG_STEPS | TIMESLICE_STEPS | MPS_STEPS
+"""What a VM device never reaches: it is made by the VM steps alone."""
 
 BATCH_OCCURRENCE = 2
 """A batch crashes the second time its point is reached."""
@@ -213,6 +222,42 @@ MODES = (
         ),
         unreachable=MIG_STEPS | TIMESLICE_STEPS | MPS_STEPS | VM_STEPS,
     ),
+    Mode(
+        "passthrough",
+        "dgx-h100",  # every GPU in its own IOMMU group, vfio-pci loaded
+        ("--virtualization", "passthrough"),
+        single=(Claim("v0", ("gpu-0-vfio",)),),
+        batch=(
+            Claim("v1", ("gpu-1-vfio",)),
+            Claim("v2", ("gpu-2-vfio", "gpu-3-vfio")),  # one VM, two GPUs
+            Claim("v4", ("gpu-4-vfio",)),
+        ),
+        unreachable=CONTAINER_STEPS | VGPU_STEPS,
+    ),
+    Mode(
+        "vgpu-vf",
+        "vgpu-h200",  # SR-IOV: a vGPU is a VF given its type (nvidia/current_vgpu_type)
+        ("--virtualization", "vgpu"),
+        single=(Claim("f0", ("gpu-0-vgpu-1431-0",)),),
+        batch=(
+            Claim("f1", ("gpu-0-vgpu-1431-0",)),
+            Claim("f2", ("gpu-0-vgpu-1431-1", "gpu-1-vgpu-1430-0")),  # two GPUs, two types
+            Claim("f3", ("gpu-1-vgpu-1430-1",)),
+        ),
+        unreachable=CONTAINER_STEPS | VFIO_STEPS,
+    ),
+    Mode(
+        "vgpu-mdev",
+        "vgpu-t4",  # mediated devices made on the GPU itself (mdev_supported_types)
+        ("--virtualization", "vgpu"),
+        single=(Claim("e0", ("gpu-0-vgpu-230-0",)),),
+        batch=(
+            Claim("e1", ("gpu-0-vgpu-230-0",)),
+            Claim("e2", ("gpu-0-vgpu-230-1", "gpu-1-vgpu-231-0")),  # two GPUs, two types
+            Claim("e3", ("gpu-1-vgpu-231-1",)),
+        ),
+        unreachable=CONTAINER_STEPS | VFIO_STEPS,
+    ),
 )
 BY_NAME = {m.name: m for m in MODES}
 
@@ -243,6 +288,9 @@ class Outcome:
     once_per_call: bool = False
     """The batch reached the point only once (armed again as ``POINT``)."""
     crashes: int = 0
+    drivers_at_crash: dict[str, str | None] = field(default_factory=dict)
+    """The driver each GPU was bound to as the daemon died (None: unbound), read from the
+    simulated sysfs before the restart repaired anything."""
     lost: list[str] = field(default_factory=list)
     """Broken invariants: anything leaked, held twice, or a checkpoint that does not decode."""
     failures: list[str] = field(default_factory=list)
@@ -327,6 +375,8 @@ def _run(
                 if code != -9:
                     out.failures.append(f"the daemon died under {op} with {code}, not -9")
                 out.fired_in, out.crashes = op, out.crashes + 1
+                out.drivers_at_crash = gpu_drivers(d)
+                out.failures += _lost_bystanders(d, claims)
                 d.start()  # unarmed: the kubelet's plugin is back
                 _check(out, d, baseline, f"after the crash in {op} and the restart")
                 answer = _call(d, op, refs)  # the kubelet retries the same claims
@@ -347,6 +397,7 @@ def _run(
         passes += _passes(d, point)
         out.lost += [f"at the end: {p}" for p in leftovers(d, baseline)]
         code = d.stop()
+        out.failures += _lost_bystanders(d, claims)
         if code != 0:
             out.failures.append(f"the daemon stopped with {code}, not 0")
         out.lost += usage_violations(d, started)
@@ -354,6 +405,32 @@ def _run(
         d.kill()
         reap_mps_daemons(d.state / "sim", d.model)
     return passes
+
+
+def _lost_bystanders(d: Daemon, claims: tuple[Claim, ...]) -> list[str]:
+    """A GPU no claim of the cell hands to a VM that the daemon (its logs since its start)
+    reported lost: a GPU that left NVML (a VM's) shifts the NVML indexes of the others, and a
+    reader that kept the old ones reads the wrong GPU, or none."""
+    vm_minors = {
+        int(name.split("-")[1]) for c in claims for name in c.devices if name.endswith("-vfio")
+    }
+    bystanders = {g.uuid: g.index for g in node_model(d.model).gpus if g.index not in vm_minors}
+    lost = sorted(
+        {
+            bystanders[r["uuid"]]
+            for r in list(d.logs)
+            if r.get("msg") == "GPU health changed"
+            and r.get("healthy") is False
+            and r.get("uuid") in bystanders
+        }
+    )
+    return [f"GPU {i} (no VM's) reported unhealthy: {_health_log(d, i)}" for i in lost]
+
+
+def _health_log(d: Daemon, minor: int) -> str:
+    uuid = node_model(d.model).gpus[minor].uuid
+    found = [r for r in list(d.logs) if r.get("uuid") == uuid and r.get("level") == "warning"]
+    return "; ".join(f"{r.get('msg')}: {r.get('error') or r.get('cause')}" for r in found[:2])
 
 
 def _counted(d: Daemon, uids: list[str], *, released: bool = False) -> None:

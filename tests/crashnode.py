@@ -1,7 +1,8 @@
 """What a crash of the agent must never leave behind, read from a simulated node between calls:
-the checkpoint, the CDI specs, the MIG instances, the MPS daemons and the GPUs' compute modes and
-time-slices. The crash suites (tests/reliability/test_crash_storm.py, test_crash_matrix.py and
-the fast slice in tests/integration/test_crash_cells.py) check these after every restart."""
+the checkpoint, the CDI specs, the MIG instances, the MPS daemons, the GPUs' compute modes and
+time-slices, and the GPUs handed to virtual machines (tests/crashnode_vm.py). The crash suites
+(tests/reliability/test_crash_storm.py, test_crash_matrix.py and the fast slice in
+tests/integration/test_crash_cells.py) check these after every restart."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dra_driver.kubeletplugin.cdi_spec import validate_spec
 from dra_driver.kubeletplugin.checkpoint import PREPARE_COMPLETED, Checkpoint, ClaimEntry, decode
 from dra_driver.kubeletplugin.params import INTERVALS
 from dra_driver.kubeletplugin.plan import MEMORY_SHARE, MPS, TIME_SLICING
+from tests.crashnode_vm import metadata_violations, vm_violations
 from tests.integration.daemon import DRIVER, Daemon
 from tests.simnode import mps_daemons, node_model, sharing
 
@@ -34,12 +36,20 @@ def spec_uids(d: Daemon) -> set[str]:
     return {name.split("claim_", 1)[1].removesuffix(".json") for name in d.cdi_files()}
 
 
+def nvml_indexes(fake: FakeNvml) -> dict[int, int]:
+    """The model's index -> NVML's index of every GPU NVML enumerates now (one bound to
+    vfio-pci, or unbound, is not NVIDIA's driver's: NVML does not list it, and the indexes after
+    it shift)."""
+    return {gpu.index: n for n, gpu in enumerate(fake.present())}
+
+
 def mig_instances(d: Daemon) -> dict[int, tuple[MigInstance, ...]]:
-    """The MIG devices of every GPU of the simulated node now, as NVML reports them."""
-    nvml = Nvml(FakeNvml(node_model(d.model), d.state / "sim"))
+    """The MIG devices of every GPU NVML sees on the simulated node now, by the model's index."""
+    fake = FakeNvml(node_model(d.model), d.state / "sim")
+    nvml = Nvml(fake)
     nvml.init()
     try:
-        return {gpu.index: nvml.mig_instances(gpu.index) for gpu in node_model(d.model).gpus}
+        return {model: nvml.mig_instances(n) for model, n in nvml_indexes(fake).items()}
     finally:
         nvml.shutdown()
 
@@ -80,7 +90,9 @@ def node_violations(d: Daemon, baseline: MigLayout) -> list[str]:
     - each GPU's time-slice is its time-slicing claims' interval (else the default), its compute
       mode EXCLUSIVE_PROCESS exactly while a claim shares the whole GPU through MPS;
     - each GPU's power limit is its claim's cap while a claim caps it, else the default (the
-      limit the simulated GPUs start with), and a capped claim recorded that limit to set back.
+      limit the simulated GPUs start with), and a capped claim recorded that limit to set back;
+    - the GPUs bound to vfio-pci and the vGPUs are exactly the recorded ones, and the KEP-5304
+      device metadata is that of the completed VM claims (tests/crashnode_vm.py).
     """
     try:
         cp = load_checkpoint(d)
@@ -99,6 +111,8 @@ def node_violations(d: Daemon, baseline: MigLayout) -> list[str]:
     out += _mps_violations(d, claims)
     out += _gpu_setting_violations(d, claims)
     out += _power_violations(d, claims)
+    out += vm_violations(d, node_model(d.model), claims)
+    out += metadata_violations(d, claims)
     return out
 
 
@@ -113,8 +127,11 @@ def _power_violations(d: Daemon, claims: Mapping[str, ClaimEntry]) -> list[str]:
     fake.nvmlInit()
     out = []
     try:
+        seen = nvml_indexes(fake)
         for gpu in node_model(d.model).gpus:
-            h = fake.nvmlDeviceGetHandleByIndex(gpu.index)
+            if gpu.index not in seen:
+                continue  # a VM's (vfio-pci): the host cannot read it (vm_violations)
+            h = fake.nvmlDeviceGetHandleByIndex(seen[gpu.index])
             now = fake.nvmlDeviceGetPowerManagementLimit(h)
             default = fake.nvmlDeviceGetPowerManagementDefaultLimit(h)
             uid, dev = caps.get(gpu.uuid, (None, None))
@@ -140,7 +157,8 @@ def _cdi_violations(d: Daemon, claims: Mapping[str, ClaimEntry]) -> list[str]:
         out.append(f"CDI specs {sorted(have)} != completed claims {sorted(want)}")
     expected_files = {f"k8s.{DRIVER}-driver.json", *(f"k8s.{DRIVER}-claim_{u}.json" for u in have)}
     others = sorted(p.name for p in d.cdi_dir.iterdir()) if d.cdi_dir.exists() else []
-    extra = [n for n in others if n not in expected_files]
+    metadata = f"{DRIVER}_metadata_"  # KEP-5304's specs: metadata_violations
+    extra = [n for n in others if n not in expected_files and not n.startswith(metadata)]
     if extra:
         out.append(f"other files in the CDI root: {extra}")
     temps = sorted(p.name for p in d.state.glob(".checkpoint.json.*.tmp"))
@@ -271,7 +289,8 @@ def _gpu_setting_violations(d: Daemon, claims: Mapping[str, ClaimEntry]) -> list
 
 def leftovers(d: Daemon, baseline: MigLayout) -> list[str]:
     """After every claim was unprepared: nothing may be left (no claim, CDI claim spec, MIG
-    instance beyond ``baseline``, MPS daemon or directory, time-slice, compute mode)."""
+    instance beyond ``baseline``, MPS daemon or directory, time-slice, compute mode, GPU off
+    nvidia, vGPU, device metadata)."""
     out = node_violations(d, baseline)
     try:
         claims = load_checkpoint(d).claims

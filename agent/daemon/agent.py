@@ -102,6 +102,12 @@ class Agent:
         self.owner.read()  # the Node's uid: the slices' owner and the events' subject
         self.node.apply_inventory(inventory)
         self.preparer.reconcile_on_start()
+        if self.node.vm is not None:
+            # the start's repair may have moved GPUs between nvidia and vfio-pci (a VM's claim
+            # bound again, one rolled back): NVML's indexes shift, and the kernel's events for
+            # those rebindings came before the rediscovery loop listens. Read the node again
+            # before the sampler reads GPUs by stale indexes (it would report a bystander lost)
+            self.node.rediscover()
         self.gone.observe()
         self._say_if_degraded()
         self.plugin.start()

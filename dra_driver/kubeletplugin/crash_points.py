@@ -19,6 +19,7 @@ CRASH_POINTS = (
     "after-power-limit",
     "after-cdi",
     "after-completed",
+    "after-unprepare-vfio-unbind",
     "after-unprepare-undo",
     "after-unprepare-commit",
 )

@@ -22,7 +22,8 @@ Order at prepare (each after the claim is recorded as ``PrepareStarted`` with it
 A virtual machine's device (kinds ``vfio``, ``vgpu``) is made first, by
 :class:`dra_driver.kubeletplugin.vm_steps.VmSteps` with the same pattern (what it will change
 recorded durably first; crash points ``after-vfio-unbind``, ``after-vfio-bind``,
-``after-vgpu-create``), undone, swept and restored with the rest.
+``after-vgpu-create``), undone (``after-unprepare-vfio-unbind``: a function off vfio-pci, not yet
+back on its driver), swept and restored with the rest.
 
 Undo (unprepare, rollback): the MPS daemon is stopped (its record, else found by its directory),
 compute mode back to DEFAULT on a whole GPU no other MPS claim holds, the interval back to

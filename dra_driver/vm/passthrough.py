@@ -15,7 +15,8 @@ Prepare (the kubelet plugin's ``effects`` drives it):
    through its ``driver_override`` (crash point ``after-vfio-bind``). Each step is idempotent and
    readable again from sysfs, so a crash anywhere is repaired by ``give_back`` from the record.
 
-Unprepare and rollback (``give_back``): each function back to the driver it had, its override
+Unprepare and rollback (``give_back``): each function back to the driver it had (unbound from
+vfio-pci: crash point ``after-unprepare-vfio-unbind``, the function on no driver), its override
 cleared; then the GPU must be seen by NVML again (polled, bounded by ``timeout_s``, on an
 injected clock and sleep), and ``rebound`` is told its BDF so that the inventory is read again
 and the GPU advertised for containers again.
@@ -163,6 +164,7 @@ class Passthrough:
                 if now != (had or None):
                     if now is not None:
                         self._binding.unbind(bdf)
+                        self._crash("after-unprepare-vfio-unbind")
                     if had:
                         self._binding.bind(bdf, had)
                 self._binding.release_override(bdf)  # also one a crash inside bind left

@@ -1,5 +1,6 @@
 """The crash matrix (`make reliability`): every crash point x every mode (whole GPU, static MIG,
-dynamic MIG, time-slicing, MPS, memory shares) x one claim and a batch; see tests/crashmatrix.py.
+dynamic MIG, time-slicing, MPS, memory shares, power limits, VFIO passthrough, vGPUs on VFs and
+as mdevs) x one claim and a batch; see tests/crashmatrix.py.
 Each cell is its own test, so pytest-xdist spreads them (``-n 2``)."""
 
 from __future__ import annotations
