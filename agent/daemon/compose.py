@@ -27,7 +27,6 @@ from agent.daemon.paths import DEFAULT_STATE_DIR, agent_paths, take_state_dir
 from agent.daemon.readiness import AgentChecks, ClaimChecks, SocketChecks
 from agent.daemon.sampling import Sampling
 from agent.daemon.vm_wiring import vm_tools
-from agent.discovery.vm import vm_discovery
 from agent.daemon.wiring import (
     agent_status,
     cdi_writer,
@@ -39,6 +38,7 @@ from agent.daemon.wiring import (
     log_nvml_library,
     sharing_effects,
 )
+from agent.discovery.vm import vm_discovery
 from agent.driverfiles.discover import make_char_device
 from agent.hotplug import DevicesChanged, EventSource, Rediscovery
 from agent.http import HttpEndpoint, HttpLimits, Readiness
@@ -153,6 +153,8 @@ def _build(
     devices_changed: Relay[DevicesChanged] = Relay("on_devices_changed")
     mig_changed: Relay[int] = Relay("on_mig_changed")  # a prepare made or destroyed MIG devices
     gpu_rebound: Relay[str] = Relay("on_gpu_rebound")  # a GPU back on nvidia from a VM (its BDF)
+    gpu_handing: Relay[str] = Relay("on_gpu_handing")  # a GPU about to leave nvidia for a VM
+    gpu_handed: Relay[str] = Relay("on_gpu_handed")  # a GPU now on vfio-pci for a VM
     devices_changed.subscribe(devices_event(node_events))
     publisher = Publisher(
         store,
@@ -187,6 +189,8 @@ def _build(
         source,
         kernel_write=source.pci_write,  # the simulator's kernel under --simulate, else None
         rebound=gpu_rebound,
+        handing=gpu_handing,
+        handed=gpu_handed,
         log=prepare_log.getChild("vm"),
         crash=crash,
     )
@@ -310,6 +314,11 @@ def _build(
     # a GPU back on nvidia from a VM: NVML's indexes shift, so the whole node is read again and
     # the GPU advertised for containers again before the unprepare answers
     gpu_rebound.subscribe(lambda bus_id: node_devices.rediscover(frozenset({bus_id})))
+    gpu_rebound.subscribe(sampler.handed_back)
+    # a GPU handed to a VM: not read from before its unbind (its reads fail, and that is no
+    # loss) until the inventory, read again at once after the binding, says it is handed over
+    gpu_handing.subscribe(sampler.hand_over)
+    gpu_handed.subscribe(lambda _: node_devices.rediscover())
     gone = GoneClaims(
         preparer, lambda: node_devices.inventory, node_events, log.getChild("gone-devices")
     )

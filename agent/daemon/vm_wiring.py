@@ -26,13 +26,16 @@ def vm_tools(
     *,
     kernel_write: KernelWrite | None,
     rebound: Callable[[str], None],
+    handing: Callable[[str], None],
+    handed: Callable[[str], None],
     log: logging.Logger,
     crash: Callable[[str], None],
 ) -> VmTools | None:
     """None for ``--virtualization none`` (VM claims are refused, saying so). ``kernel_write``
     is the node's: the simulator's under ``--simulate`` (it does what Linux does), None for the
     real one (:func:`agent.pcihost.kernel.write_attribute`). ``rebound`` is told the BDF of a
-    GPU given back to nvidia."""
+    GPU given back to nvidia, ``handing`` that of a GPU about to leave nvidia for vfio-pci,
+    ``handed`` that of a GPU now on vfio-pci (:class:`Passthrough`)."""
     if virtualization == "none":
         return None
     # the host layer is loaded only on a node that hands GPUs to VMs
@@ -63,6 +66,8 @@ def vm_tools(
             persistence_off=partial(_persistence_off, source, log),
             visible=lambda bus_id: index_of(nvml, bus_id) is not None,
             rebound=rebound,
+            handing=handing,
+            handed=handed,
             log=log.getChild("passthrough"),
             crash_hook=crash,
         )
