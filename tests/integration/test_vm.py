@@ -4,6 +4,7 @@ through the test kubelet over its unix sockets; the simulated node's sysfs, NVML
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,7 +22,9 @@ from tests.integration.vm import (
     metadata_id,
     prepare,
     published,
+    sysfs,
     unprepare,
+    validated,
 )
 from tests.tmproot import short_tmp_dir
 
@@ -82,7 +85,7 @@ def health_changes(d: Daemon, uuid: str) -> list[dict[str, Any]]:
 def test_passthrough_binds_the_gpu_to_vfio_and_gives_it_back(passthrough, api):
     d = passthrough
     wait_for("slices published", lambda: "gpu-3-vfio" in published(d))
-    vfio = published(d)["gpu-3-vfio"]
+    vfio = validated(d)["gpu-3-vfio"]
     bdf, uuid = attr(vfio, "resource.kubernetes.io/pciBusID"), attr(vfio, "uuid")
     iommu = group(d, bdf)
     assert attr(vfio, "type") == "vfio" and attr(vfio, "iommuGroup") == iommu
@@ -102,7 +105,7 @@ def test_passthrough_binds_the_gpu_to_vfio_and_gives_it_back(passthrough, api):
     assert binding(d, bdf) == (VFIO, VFIO)
     # NVML lost it: discovery keeps it from its last facts (index -1), still advertised
     wait_for("the GPU seen handed over", lambda: index_of(d, "gpu-3") == -1)
-    assert "gpu-3-vfio" in published(d)
+    assert "gpu-3-vfio" in validated(d)
     wait_for(
         "only the passthrough series",
         lambda: gpu_series(d, uuid) == {"tessera_gpu_passthrough": 1.0},
@@ -113,6 +116,149 @@ def test_passthrough_binds_the_gpu_to_vfio_and_gives_it_back(passthrough, api):
     assert binding(d, bdf) == (NVIDIA, "(null)")
     assert d.cdi_files() == []
     wait_for("advertised as read again", lambda: index_of(d, "gpu-3") == 3)
+    assert "gpu-3-vfio" in validated(d)
     wait_for("sampled again", lambda: "tessera_gpu_power_watts" in gpu_series(d, uuid))
     assert gpu_series(d, uuid)["tessera_gpu_passthrough"] == 0
     assert health_changes(d, uuid) == []
+
+
+@pytest.fixture(scope="module")
+def shared_vgpu_h200() -> Iterator[SharedDaemon]:
+    yield from shared("vgpu-h200", "--virtualization", "vgpu")
+
+
+@pytest.fixture(scope="module")
+def shared_vgpu_t4() -> Iterator[SharedDaemon]:
+    yield from shared("vgpu-t4", "--virtualization", "vgpu")
+
+
+@pytest.fixture
+def vgpu_h200(shared_vgpu_h200: SharedDaemon, request: pytest.FixtureRequest) -> Iterator[Daemon]:
+    with shared_vgpu_h200.lend(request.node.nodeid) as d:
+        yield d
+
+
+@pytest.fixture
+def vgpu_t4(shared_vgpu_t4: SharedDaemon, request: pytest.FixtureRequest) -> Iterator[Daemon]:
+    with shared_vgpu_t4.lend(request.node.nodeid) as d:
+        yield d
+
+
+def first_vgpu(d: Daemon) -> tuple[str, dict[str, Any]]:
+    wait_for("slices published", lambda: any("-vgpu-" in n for n in published(d)))
+    name = min(n for n in published(d) if n.startswith("gpu-0-vgpu-"))
+    return name, validated(d)[name]
+
+
+def test_a_vgpu_on_an_sr_iov_vf_gets_its_type_and_loses_it(vgpu_h200):
+    d = vgpu_h200
+    name, dev = first_vgpu(d)
+    assert attr(dev, "type") == "vgpu"
+    assert "gpu-0" not in published(d)  # the vGPU host runs no CUDA: no whole GPU for containers
+    parent, type_id = attr(dev, "parentPciBusID"), attr(dev, "vgpuTypeID")
+    vfs = sorted(p.name for p in sysfs(d, parent).glob("virtfn*"))
+    assert vfs and all(current_type(d, parent, vf) == 0 for vf in vfs)
+
+    ref = claim(d, "vgpu", name)
+    res = prepare(d, ref)
+    assert res["error"] == ""
+    assert res["devices"][0]["cdiDeviceIds"][1] == metadata_id("uid-vgpu")
+    (used,) = [vf for vf in vfs if current_type(d, parent, vf) != 0]
+    assert current_type(d, parent, used) == type_id
+    vf_bdf = os.path.basename(os.readlink(sysfs(d, parent) / used))
+    meta = metadata(d, "vgpu")
+    assert meta["resource.kubernetes.io/pciBusID"] == vf_bdf and "mdevUUID" not in meta
+    assert meta["vgpuTypeID"] == type_id and meta["parentPciBusID"] == parent
+    assert cdi_nodes(d, "uid-vgpu") == ["/dev/vfio/vfio", f"/dev/vfio/{group(d, vf_bdf)}"]
+    assert binding(d, parent)[0] == NVIDIA  # the GPU itself stays on the host driver
+
+    assert unprepare(d, ref) == ""
+    assert all(current_type(d, parent, vf) == 0 for vf in vfs)
+
+
+def test_a_vgpu_of_a_mediated_device_is_made_and_removed(vgpu_t4):
+    d = vgpu_t4
+    name, dev = first_vgpu(d)
+    parent, type_id = attr(dev, "parentPciBusID"), attr(dev, "vgpuTypeID")
+    mdevs = d.state / "sim" / "sys" / "bus" / "mdev" / "devices"
+    assert mdev_list(d) == []
+
+    ref = claim(d, "mdev", name)
+    res = prepare(d, ref)
+    assert res["error"] == ""
+    (uuid,) = mdev_list(d)
+    made = mdevs / uuid
+    assert os.path.basename(os.readlink(made / "mdev_type")) == f"nvidia-{type_id}"
+    assert made.resolve().parent == sysfs(d, parent).resolve()  # made under its parent GPU
+    meta = metadata(d, "mdev")
+    assert meta["mdevUUID"] == uuid
+    mdev_group = int(os.path.basename(os.readlink(made / "iommu_group")))
+    assert cdi_nodes(d, "uid-mdev") == ["/dev/vfio/vfio", f"/dev/vfio/{mdev_group}"]
+
+    assert unprepare(d, ref) == ""
+    assert mdev_list(d) == []
+
+
+def current_type(d: Daemon, parent: str, virtfn: str) -> int:
+    return int((sysfs(d, parent) / virtfn / "nvidia" / "current_vgpu_type").read_text())
+
+
+def mdev_list(d: Daemon) -> list[str]:
+    mdevs = d.state / "sim" / "sys" / "bus" / "mdev" / "devices"
+    return sorted(p.name for p in mdevs.iterdir()) if mdevs.exists() else []
+
+
+@pytest.fixture(scope="module")
+def shared_dynamic_mig() -> Iterator[SharedDaemon]:
+    yield from shared("dgx-h100", "--virtualization", "passthrough", "--mig-mode", "dynamic")
+
+
+@pytest.fixture
+def dynamic_mig(
+    shared_dynamic_mig: SharedDaemon, request: pytest.FixtureRequest
+) -> Iterator[Daemon]:
+    with shared_dynamic_mig.lend(request.node.nodeid) as d:
+        yield d
+
+
+def assert_refused(d: Daemon, ref: Any, device: str, holder: str) -> None:
+    """``ref``'s prepare is refused: the GPU is in use by claim ``holder``'s ``device``; the
+    reason ``device_in_use`` is logged and counted."""
+    res = prepare(d, ref)
+    assert res["devices"] == []
+    assert f"{device} is prepared for" in res["error"]
+    assert f"by claim default/{holder} (uid-{holder})" in res["error"]
+    rec = d.wait_log("prepare failed")
+    assert rec["reason"] == "device_in_use" and rec["claim"].startswith(f"default/{ref.name}")
+    assert d.cdi_files() == [f"k8s.{DRIVER}-claim_uid-{holder}.json"]
+
+
+@pytest.mark.parametrize("first", ["vm", "containers"])
+def test_a_gpu_serves_a_vm_or_containers_whatever_came_first(passthrough, first):
+    d = passthrough
+    wait_for("slices published", lambda: "gpu-2-vfio" in published(d))
+    bdf = attr(validated(d)["gpu-2-vfio"], "resource.kubernetes.io/pciBusID")
+    vm, ctr = claim(d, "vm", "gpu-2-vfio"), claim(d, "ctr", "gpu-2")
+    held, refused = (vm, ctr) if first == "vm" else (ctr, vm)
+    held_device = "gpu-2-vfio" if first == "vm" else "gpu-2"
+    assert prepare(d, held)["error"] == ""
+    assert_refused(d, refused, held_device, held.name)
+    assert binding(d, bdf)[0] == (VFIO if first == "vm" else NVIDIA)
+    assert unprepare(d, held) == ""
+    assert prepare(d, refused)["error"] == ""  # free once the holder is gone
+    assert unprepare(d, refused) == ""
+
+
+@pytest.mark.parametrize("first", ["vm", "mig"])
+def test_a_dynamic_mig_device_and_a_vm_exclude_each_other(dynamic_mig, first):
+    d = dynamic_mig
+    wait_for("slices published", lambda: "gpu-1-vfio" in published(d))
+    mig = min(n for n in validated(d) if n.startswith("gpu-1-mig-"))
+    vm, part = claim(d, "vm", "gpu-1-vfio"), claim(d, "part", mig)
+    held, refused = (vm, part) if first == "vm" else (part, vm)
+    held_device = "gpu-1-vfio" if first == "vm" else mig
+    assert prepare(d, held)["error"] == ""
+    assert_refused(d, refused, held_device, held.name)
+    assert unprepare(d, held) == ""
+    assert prepare(d, refused)["error"] == ""
+    assert unprepare(d, refused) == ""

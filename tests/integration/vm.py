@@ -8,10 +8,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from dra_driver.testkubelet.calls import ClaimRef
 from dra_driver.testkubelet.client import KubeletClient
 from tests.integration.daemon import DRIVER, Daemon, claim_manifest, write_claims
-from tests.integration.test_rediscovery import slices
 from tests.k8sschema import VERSIONS, validate
 
 CLASSES = {"vfio": "vfio.gpu.tessera.dev", "vgpu": "vgpu.gpu.tessera.dev", "gpu": DRIVER}
@@ -46,16 +47,41 @@ def unprepare(d: Daemon, ref: ClaimRef, api: str = "v1") -> str:
     return error
 
 
-def published(d: Daemon) -> dict[str, dict[str, Any]]:
-    """The devices of the newest complete generation of the daemon's slices, by name; every
-    slice checked against the schemas."""
+def slices(d: Daemon) -> list[dict[str, Any]]:
+    """The slice files the standalone daemon published, parsed with libyaml (a dynamic MIG
+    node's slices take seconds to parse in pure Python); empty when one was replaced while
+    read."""
+    out = []
+    for path in sorted((d.state / "resourceslices").glob("*.yaml")):
+        try:
+            out.append(yaml.load(path.read_bytes(), Loader=yaml.CSafeLoader))
+        except (OSError, yaml.YAMLError):  # replaced while read: read again at the next poll
+            return []
+    return out
+
+
+def current_slices(d: Daemon) -> list[dict[str, Any]]:
+    """The newest complete generation of the daemon's slices (empty while none is)."""
     found = [s for s in slices(d) if s]
     if not found:
-        return {}
+        return []
     newest = max(s["spec"]["pool"]["generation"] for s in found)
     current = [s for s in found if s["spec"]["pool"]["generation"] == newest]
     if len(current) != current[0]["spec"]["pool"]["resourceSliceCount"]:
-        return {}  # a generation half written: read again
+        return []  # a generation half written: read again
+    return current
+
+
+def published(d: Daemon) -> dict[str, dict[str, Any]]:
+    """The devices of the newest complete generation of the daemon's slices, by name."""
+    return {dev["name"]: dev for s in current_slices(d) for dev in s["spec"].get("devices", [])}
+
+
+def validated(d: Daemon) -> dict[str, dict[str, Any]]:
+    """:func:`published`, each slice first checked against the schemas (a slice of a dynamic
+    MIG node takes a while: called once per state a test looks at, not in polls)."""
+    current = current_slices(d)
+    assert current, "no complete generation of slices"
     for s in current:
         for version in VERSIONS:
             validate(s, version)
