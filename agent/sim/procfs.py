@@ -15,9 +15,15 @@ it, as for a PID it cannot see). The tree follows the telemetry state: :func:`sy
 the directories of the processes that have a pod and removes every other PID's, so a process
 that ends (``remove_process``, a driver reload) disappears from it.
 
-A process that holds a GPU's device node (``tessera sim fault hold-gpu``) gets ``fd/0`` linking
-to ``/dev/nvidia<minor>``, ``comm`` and ``stat``, so a holder scan (``/proc/<pid>/fd``, as
-``fuser`` does it) finds it.
+A process that holds a GPU's device node (``tessera sim fault hold-gpu``, a real process) gets
+``fd/0``, ``comm`` and ``stat``, so a holder scan (``/proc/<pid>/fd``, as ``fuser`` does it)
+finds it. Its ``fd/0`` links to the real process's own ``/proc/<pid>/fd/0``: a real ``/proc`` fd
+link is a kernel "magic link" that ``stat`` follows to the open file whatever its name, and the
+agent's scan (:func:`agent.pcihost.holders.holders`) matches by that ``stat``, so through it the
+simulated link resolves to the simulated node the process holds while it lives, and to nothing
+once it ended (before the next rewrite removes the directory). A plain link to
+``/dev/nvidia<minor>`` resolved to nothing on a machine without NVIDIA GPUs: the holder was never
+found.
 
 ``cgroup_line``, ``stat_line`` and ``container_id`` are pure; ``sync_proc`` does the I/O.
 """
@@ -74,10 +80,10 @@ def process_alive(pid: int) -> bool:
 
 def sync_proc(root: Path, processes: Iterable[SimProcess], held: Iterable[Holder] = ()) -> None:
     """Make ``root`` hold exactly the directories of ``processes`` that run in a pod, and of the
-    live processes of ``held``: their ``fd/0`` link to ``/dev/nvidia<minor>`` (as the host names
-    it; what ``fuser`` reads), ``comm`` and ``stat``."""
+    live processes of ``held``: their ``fd/0`` (a link to the real process's, see the module
+    docstring; what ``fuser`` reads), ``comm`` and ``stat``."""
     want = {p.pid: p for p in processes if p.pod_uid is not None}
-    holders = {h.pid: f"/dev/nvidia{h.minor}" for h in held if process_alive(h.pid)}
+    holders = {h.pid: f"/proc/{h.pid}/fd/0" for h in held if process_alive(h.pid)}
 
     def write(root: Path) -> None:
         root.mkdir(parents=True, exist_ok=True)

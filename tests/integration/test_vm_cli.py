@@ -72,7 +72,7 @@ def test_doctor_runs_no_vm_check_without_virtualization(tmp_path):
     [
         (["iommu-off"], "iommu", "the IOMMU is off or absent", "intel_iommu=on"),
         (["vfio-unloaded"], "vfio-pci", "vfio-pci", "modprobe vfio-pci"),
-        (["foreign-in-group", "--gpu", "2"], "iommu-group", "0000:52:1f.0", "--virtualization-gpus"),
+        (["foreign-in-group", "--gpu", "2"], "iommu-group", "0000:52:1f.0", "ACS"),
     ],
 )
 def test_each_fault_fails_its_doctor_check_with_a_fix(tmp_path, faults, check, detail, fix):
