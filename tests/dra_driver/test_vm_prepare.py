@@ -6,7 +6,7 @@ VMs on one GPU, and every new crash point repaired by the next start."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -114,6 +114,34 @@ def test_unprepare_waits_bounded_until_nvml_sees_the_gpu(node: Node) -> None:
     with pytest.raises(Exception, match="NVML does not see it after 10 s") as info:
         never.give_back("gpu-0-vfio", GPU0, functions)
     assert getattr(info.value, "reason", "") == "gpu_not_back"
+
+
+def test_telemetry_is_told_before_the_unbind_and_the_inventory_after_the_bind(node: Node) -> None:
+    """``handing`` comes while the GPU is still on nvidia (telemetry stops reading it before
+    its reads fail), ``handed`` once its whole group is on vfio-pci (the inventory is read
+    again), ``rebound`` once it is back on nvidia."""
+    told: list[tuple[str, str, str | None, str | None]] = []
+
+    def tell(what: str) -> Callable[[str], None]:
+        def note(bdf: str) -> None:
+            told.append((what, bdf, node.tree.driver(GPU0), node.tree.driver(AUDIO0)))
+
+        return note
+
+    tool = Passthrough(
+        binding=Binding(node.tree), holders=node.holders, proc_root=node.tmp, dev_root=node.tmp,
+        sys_root=node.tree.root, persistence_off=lambda b: None, visible=lambda b: True,
+        rebound=tell("rebound"), handing=tell("handing"), handed=tell("handed"),
+        log=logging.getLogger("test.vm"), sleep=lambda s: None,
+    )  # fmt: skip
+    functions = tool.functions("gpu-0-vfio", GPU0, 0)
+    tool.take("gpu-0-vfio", GPU0, functions)
+    tool.give_back("gpu-0-vfio", GPU0, functions)
+    assert told == [
+        ("handing", GPU0, NVIDIA, "snd_hda_intel"),
+        ("handed", GPU0, VFIO_PCI, VFIO_PCI),
+        ("rebound", GPU0, NVIDIA, "snd_hda_intel"),
+    ]
 
 
 def test_a_vm_claim_is_refused_clearly_without_virtualization(node: Node) -> None:
