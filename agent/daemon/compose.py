@@ -154,7 +154,8 @@ def _build(
     mig_changed: Relay[int] = Relay("on_mig_changed")  # a prepare made or destroyed MIG devices
     gpu_rebound: Relay[str] = Relay("on_gpu_rebound")  # a GPU back on nvidia from a VM (its BDF)
     gpu_handing: Relay[str] = Relay("on_gpu_handing")  # a GPU about to leave nvidia for a VM
-    gpu_handed: Relay[str] = Relay("on_gpu_handed")  # a GPU now on vfio-pci for a VM
+    # a GPU now on vfio-pci for a VM, or a function a vGPU was made on or removed from
+    vm_changed: Relay[str] = Relay("on_vm_changed")
     devices_changed.subscribe(devices_event(node_events))
     publisher = Publisher(
         store,
@@ -190,7 +191,7 @@ def _build(
         kernel_write=source.pci_write,  # the simulator's kernel under --simulate, else None
         rebound=gpu_rebound,
         handing=gpu_handing,
-        handed=gpu_handed,
+        handed=vm_changed,
         log=prepare_log.getChild("vm"),
         crash=crash,
     )
@@ -318,7 +319,7 @@ def _build(
     # a GPU handed to a VM: not read from before its unbind (its reads fail, and that is no
     # loss) until the inventory, read again at once after the binding, says it is handed over
     gpu_handing.subscribe(sampler.hand_over)
-    gpu_handed.subscribe(lambda _: node_devices.rediscover())
+    vm_changed.subscribe(lambda _: node_devices.rediscover())
     gone = GoneClaims(
         preparer, lambda: node_devices.inventory, node_events, log.getChild("gone-devices")
     )

@@ -35,7 +35,8 @@ def vm_tools(
     is the node's: the simulator's under ``--simulate`` (it does what Linux does), None for the
     real one (:func:`agent.pcihost.kernel.write_attribute`). ``rebound`` is told the BDF of a
     GPU given back to nvidia, ``handing`` that of a GPU about to leave nvidia for vfio-pci,
-    ``handed`` that of a GPU now on vfio-pci (:class:`Passthrough`)."""
+    ``handed`` that of a GPU now on vfio-pci (:class:`Passthrough`) and that of a function a
+    vGPU was made on or removed from (:class:`VgpuMaker`): the inventory is read again."""
     if virtualization == "none":
         return None
     # the host layer is loaded only on a node that hands GPUs to VMs
@@ -79,6 +80,7 @@ def vm_tools(
             gpu=gpu,
             log=log.getChild("vgpu"),
             crash_hook=crash,
+            changed=handed,
         )
         if virtualization == "vgpu"
         else None,

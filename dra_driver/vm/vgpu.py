@@ -10,9 +10,11 @@ Prepare (the kubelet plugin's ``effects`` drives it):
    lists the type (``vf``), or a parent that can create one more (``mdev``) with a new UUID;
 2. the VF, or the parent and the UUID, recorded durably (``PrepareStarted``) BEFORE the write;
 3. ``make``: the VF given its type / the mdev created (both idempotent: a VF that has it, an
-   mdev that exists, is left); crash point ``after-vgpu-create``; the IOMMU group the VM gets.
+   mdev that exists, is left); crash point ``after-vgpu-create``; the IOMMU group the VM gets;
+   ``changed`` told (the inventory is read again: a homogeneous GPU now offers only this type).
 
-Unprepare and rollback (``remove``): the VF's type cleared / the mdev removed (idempotent).
+Unprepare and rollback (``remove``): the VF's type cleared / the mdev removed (idempotent);
+``changed`` told.
 The start: a vGPU on a GPU of the node's vgpu devices that no claim records is removed
 (``strays``).
 """
@@ -44,15 +46,20 @@ class VgpuMaker:
         log: logging.Logger,
         crash_hook: CrashHook = lambda point: None,
         new_uuid: Callable[[], str] = lambda: str(uuids.uuid4()),
+        changed: Callable[[str], None] = lambda function: None,
     ) -> None:
         """``gpu(bus_id)`` reads a GPU's vGPU interface and functions now (sysfs) with NVML's
-        heterogeneous mode; ``binding`` gives a VF's IOMMU group."""
+        heterogeneous mode; ``binding`` gives a VF's IOMMU group; ``changed(function)`` is told
+        the VF or mdev parent a vGPU was made on or removed from (the inventory is read again:
+        a homogeneous GPU advertises only the type it hosts, and every type once it hosts
+        none; nothing else tells the agent, as no udev event comes)."""
         self._host = host
         self._binding = binding
         self._gpu = gpu
         self._log = log
         self._crash = crash_hook
         self._new_uuid = new_uuid
+        self._changed = changed
 
     def choose(
         self, device: str, bus_id: str, type_id: int, taken: Collection[str] = ()
@@ -117,6 +124,7 @@ class VgpuMaker:
             "made a vGPU",
             extra=fields_(device=device, function=function, type_id=type_id, mdev_uuid=mdev_uuid),
         )
+        self._tell(function)
         return group
 
     def remove(self, device: str, function: str, mdev_uuid: str | None) -> None:
@@ -130,6 +138,13 @@ class VgpuMaker:
             raise SharingError(
                 f"{device}: cannot remove the vGPU on {function}: {exc}", "vgpu_error"
             ) from exc
+        self._tell(function)
+
+    def _tell(self, function: str) -> None:
+        try:
+            self._changed(function)
+        except Exception:  # the vGPU is what it is; the next rediscovery reads it
+            self._log.exception("telling a vGPU change failed", extra=fields_(function=function))
 
     def strays(self, bus_id: str, functions: Collection[str], mdevs: Collection[str]) -> list[Vgpu]:
         """The vGPUs on GPU ``bus_id`` no claim records (``functions``: the VFs claims hold,

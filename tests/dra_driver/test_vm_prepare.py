@@ -15,6 +15,7 @@ from agent.pcihost.vm_types import NVIDIA, VFIO_PCI
 from dra_driver.device_model import DeviceModel
 from dra_driver.kubeletplugin.checkpoint import PREPARE_COMPLETED
 from dra_driver.vm.passthrough import Passthrough
+from dra_driver.vm.vgpu import VgpuMaker
 from tests.fakeclock import FakeClock
 from tests.integration.daemon import DRIVER
 from tests.vmhost import Binding, VgpuHost
@@ -22,6 +23,7 @@ from tests.vmnode import (
     AUDIO0,
     FREE,
     GPU0,
+    GPU1,
     GPU2,
     MODEL,
     VF1,
@@ -268,6 +270,25 @@ def test_a_crash_in_unprepare_is_repaired_by_the_start_and_the_retry(
     assert node.state() == expected(agent.preparer.checkpoint)
     assert agent.unprepare(key).error == ""
     assert node.state() == FREE
+
+
+def test_each_vgpu_made_or_removed_is_told(node: Node) -> None:
+    """The inventory is read again after each (a homogeneous GPU then offers only the type it
+    hosts): ``changed`` gets the VF, or the mdev parent, once the vGPU is there / gone."""
+    told: list[tuple[str, list[tuple[str, int]]]] = []
+    host = VgpuHost(node.tree)
+
+    def changed(function: str) -> None:
+        told.append((function, sorted((v.function, v.type_id) for v in host.vgpus(GPU1))))
+
+    maker = VgpuMaker(
+        host=host, binding=Binding(node.tree), gpu=host.gpu, log=logging.getLogger("test.vm"),
+        changed=changed,
+    )  # fmt: skip
+    vf, no_mdev = maker.choose("gpu-1-vgpu-62-0", GPU1, 62)
+    maker.make("gpu-1-vgpu-62-0", vf, 62, no_mdev)
+    maker.remove("gpu-1-vgpu-62-0", vf, no_mdev)
+    assert told == [(VF1[0], [(VF1[0], 62)]), (VF1[0], [])]
 
 
 def test_the_start_gives_back_what_no_claim_records(node: Node) -> None:

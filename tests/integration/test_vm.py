@@ -262,3 +262,57 @@ def test_a_dynamic_mig_device_and_a_vm_exclude_each_other(dynamic_mig, first):
     assert unprepare(d, held) == ""
     assert prepare(d, refused)["error"] == ""
     assert unprepare(d, refused) == ""
+
+
+def vgpu_types(d: Daemon, minor: int) -> dict[int, list[str]]:
+    """The vGPU types GPU ``minor`` advertises now: type id -> its device names."""
+    out: dict[int, list[str]] = {}
+    for name, dev in sorted(published(d).items()):
+        if name.startswith(f"gpu-{minor}-vgpu-"):
+            out.setdefault(attr(dev, "vgpuTypeID"), []).append(name)
+    return out
+
+
+def test_a_homogeneous_gpu_offers_only_the_type_in_use(vgpu_h200):
+    d = vgpu_h200
+    name, dev = first_vgpu(d)
+    every = vgpu_types(d, 0)
+    used = attr(dev, "vgpuTypeID")
+    other = min(n for t, names in every.items() if t != used for n in names)
+    ref = claim(d, "first", name)
+    assert prepare(d, ref)["error"] == ""
+    # read again at once (no udev event says so): the scheduler may place only this type here
+    wait_for("only the type in use on GPU 0", lambda: set(vgpu_types(d, 0)) == {used})
+    assert set(vgpu_types(d, 1)) == set(every)  # the other GPU hosts none: every type
+    res = prepare(d, claim(d, "second", other))
+    assert res["devices"] == [] and f"'{other}' is not advertised" in res["error"], res
+    assert d.wait_log("prepare failed")["reason"] == "unknown_device"
+    assert unprepare(d, ref) == ""
+    wait_for("every type again", lambda: vgpu_types(d, 0) == every)
+
+
+def test_a_gpu_held_by_a_vm_stays_with_it_across_a_restart(short_tmp):
+    d = Daemon(short_tmp, "dgx-h100", "--virtualization", "passthrough").start()
+    try:
+        wait_for("slices published", lambda: "gpu-1-vfio" in published(d))
+        bdf = attr(published(d)["gpu-1-vfio"], "resource.kubernetes.io/pciBusID")
+        uuid = attr(published(d)["gpu-1-vfio"], "uuid")
+        ref = claim(d, "vm", "gpu-1-vfio")
+        assert prepare(d, ref)["error"] == ""
+        assert d.stop() == 0
+        d.start()
+        d.wait_log("agent started")
+        assert binding(d, bdf) == (VFIO, VFIO)  # recorded for its claim: not given back
+        wait_for("advertised handed over", lambda: index_of(d, "gpu-1") == -1)
+        assert "gpu-1-vfio" in validated(d)
+        wait_for(
+            "its passthrough series",
+            lambda: gpu_series(d, uuid) == {"tessera_gpu_passthrough": 1.0},
+        )
+        assert health_changes(d, uuid) == []
+        assert prepare(d, ref)["error"] == ""  # the kubelet's retry: the same answer
+        assert unprepare(d, ref) == ""
+        assert binding(d, bdf) == (NVIDIA, "(null)")
+        wait_for("read again", lambda: index_of(d, "gpu-1") == 1)
+    finally:
+        d.kill()
