@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from dra_driver.testkubelet.client import KubeletClient
 from tests.integration.daemon import DRIVER, Daemon, SharedDaemon
 from tests.integration.test_rediscovery import wait_for
 from tests.integration.vm import (
@@ -70,6 +71,13 @@ def index_of(d: Daemon, device: str) -> int | None:
     return None if found is None else int(attr(found, "index"))
 
 
+def kubelet_health(d: Daemon) -> dict[str, str]:
+    """Each device's health as the kubelet's health stream gives it now."""
+    with KubeletClient(d.dra_socket) as k:
+        (devices,) = list(k.watch_health(max_messages=1, timeout=10))
+    return {x["deviceName"]: x["health"] for x in devices}
+
+
 def health_changes(d: Daemon, uuid: str) -> list[dict[str, Any]]:
     """Health changes and Node events of GPU ``uuid`` logged during the test."""
     health = ("GPU health changed", "GPU health published")
@@ -111,6 +119,7 @@ def test_passthrough_binds_the_gpu_to_vfio_and_gives_it_back(passthrough, api):
         lambda: gpu_series(d, uuid) == {"tessera_gpu_passthrough": 1.0},
     )
     assert health_changes(d, uuid) == []  # a GPU a VM holds is neither lost nor unhealthy
+    assert kubelet_health(d)["gpu-3-vfio"] == "HEALTHY"
 
     assert unprepare(d, ref, api) == ""
     assert binding(d, bdf) == (NVIDIA, "(null)")
@@ -171,6 +180,8 @@ def test_a_vgpu_on_an_sr_iov_vf_gets_its_type_and_loses_it(vgpu_h200):
     assert meta["vgpuTypeID"] == type_id and meta["parentPciBusID"] == parent
     assert cdi_nodes(d, "uid-vgpu") == ["/dev/vfio/vfio", f"/dev/vfio/{group(d, vf_bdf)}"]
     assert binding(d, parent)[0] == NVIDIA  # the GPU itself stays on the host driver
+    series = gpu_series(d, attr(dev, "parentUUID"))  # and is sampled as usual
+    assert series["tessera_gpu_passthrough"] == 0 and "tessera_gpu_power_watts" in series
 
     assert unprepare(d, ref) == ""
     assert all(current_type(d, parent, vf) == 0 for vf in vfs)
