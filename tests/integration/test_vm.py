@@ -20,6 +20,7 @@ from tests.integration.vm import (
     claim,
     group,
     metadata,
+    metadata_files,
     metadata_id,
     prepare,
     published,
@@ -123,7 +124,7 @@ def test_passthrough_binds_the_gpu_to_vfio_and_gives_it_back(passthrough, api):
 
     assert unprepare(d, ref, api) == ""
     assert binding(d, bdf) == (NVIDIA, "(null)")
-    assert d.cdi_files() == []
+    assert d.cdi_files() == [] and metadata_files(d) == []
     wait_for("advertised as read again", lambda: index_of(d, "gpu-3") == 3)
     assert "gpu-3-vfio" in validated(d)
     wait_for("sampled again", lambda: "tessera_gpu_power_watts" in gpu_series(d, uuid))
@@ -185,6 +186,7 @@ def test_a_vgpu_on_an_sr_iov_vf_gets_its_type_and_loses_it(vgpu_h200):
 
     assert unprepare(d, ref) == ""
     assert all(current_type(d, parent, vf) == 0 for vf in vfs)
+    assert metadata_files(d) == []
 
 
 def test_a_vgpu_of_a_mediated_device_is_made_and_removed(vgpu_t4):
@@ -207,7 +209,7 @@ def test_a_vgpu_of_a_mediated_device_is_made_and_removed(vgpu_t4):
     assert cdi_nodes(d, "uid-mdev") == ["/dev/vfio/vfio", f"/dev/vfio/{mdev_group}"]
 
     assert unprepare(d, ref) == ""
-    assert mdev_list(d) == []
+    assert mdev_list(d) == [] and metadata_files(d) == []
 
 
 def current_type(d: Daemon, parent: str, virtfn: str) -> int:

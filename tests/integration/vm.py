@@ -130,5 +130,12 @@ def metadata(d: Daemon, claim_name: str, request: str = "gpu") -> dict[str, Any]
     return {k: next(iter(v.values())) for k, v in dev["attributes"].items()}
 
 
+def metadata_files(d: Daemon) -> list[str]:
+    """What is left of KEP-5304 metadata: the CDI specs and the claims' metadata directories."""
+    specs = sorted(p.name for p in d.cdi_dir.glob(f"{DRIVER}_metadata_*.json"))
+    root = d.state / "kubelet" / "plugins" / DRIVER / "dra-device-metadata"
+    return specs + (sorted(p.name for p in root.iterdir()) if root.is_dir() else [])
+
+
 def metadata_id(uid: str, request: str = "gpu") -> str:
     return f"{DRIVER}/metadata={uid}_{request}"
