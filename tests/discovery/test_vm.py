@@ -2,10 +2,11 @@
 (bound to vfio-pci, which NVML does not enumerate) kept from its cached facts, index -1, never
 reported gone by rediscovery or hot-plug.
 
-The simulated node gives NVML and the sysfs tree; the VM binding is laid into that tree by hand as
-issue 24's design section 1 has it (``driver`` and ``iommu_group`` links), and NVML stops
-enumerating the GPU as it does for a GPU the nvidia driver let go (the simulator's
-``set_removed``). NVML's vGPU facts come from a stand-in with the facade's two methods."""
+The simulated node gives NVML and the sysfs tree with its IOMMU groups (issue 24's design section
+1: ``driver`` and ``iommu_group`` links); the binding to vfio-pci is changed in that tree by
+hand, and NVML stops enumerating the GPU as it does for a GPU the nvidia driver let go (the
+simulator's ``set_removed``). NVML's vGPU facts come from a stand-in with the facade's two
+methods."""
 
 from __future__ import annotations
 
@@ -62,21 +63,15 @@ def set_driver(source: NodeSource, bdf: str, driver: str | None) -> None:
         link.symlink_to(os.path.relpath(drivers, link.parent))
 
 
-def set_group(source: NodeSource, bdf: str, group: int) -> None:
-    g = source.sysfs_root / "kernel" / "iommu_groups" / str(group)
-    (g / "devices").mkdir(parents=True, exist_ok=True)
-    fn = function_dir(source, bdf)
-    (fn / "iommu_group").symlink_to(os.path.relpath(g, fn))
-    (g / "devices" / bdf).symlink_to(os.path.relpath(fn, g / "devices"))
+def group_of(source: NodeSource, bdf: str) -> int:
+    """The GPU's IOMMU group in the simulator's tree."""
+    return int(os.path.basename(os.readlink(function_dir(source, bdf) / "iommu_group")))
 
 
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[NodeSource]:
     source = simulated_node("dgx-h100", tmp_path)
     source.nvml.init()
-    for i, g in enumerate(source.sim.model.gpus):
-        set_driver(source, g.bus, NVIDIA)
-        set_group(source, g.bus, 10 + i)
     yield source
     source.nvml.shutdown()
 
@@ -119,7 +114,8 @@ def test_every_gpu_gets_its_iommu_group_driver_and_nvmls_vgpu_facts(
     assert all(g.virtualization is not None for g in inv.gpus)
     first, second = inv.gpus[0].virtualization, inv.gpus[1].virtualization
     assert first is not None and second is not None
-    assert (first.bus_id, first.driver, first.iommu_group) == (inv.gpus[0].pcie.bus_id, NVIDIA, 10)
+    bus = inv.gpus[0].pcie.bus_id
+    assert (first.bus_id, first.driver, first.iommu_group) == (bus, NVIDIA, group_of(node, bus))
     assert first.group_members == (inv.gpus[0].pcie.bus_id,)
     assert first.vendor_id == 0x10DE and first.vgpu_types == () and not first.heterogeneous
     assert second.vgpu_types == (H200_35C,) and second.heterogeneous
@@ -142,7 +138,7 @@ def test_a_gpu_lent_to_a_vm_stays_with_its_facts_and_is_not_gone(
     assert kept[0].device.uuid == lent.device.uuid and kept[0].device.minor == lent.device.minor
     assert kept[0].device.mig_profiles == lent.device.mig_profiles
     assert kept[0].virtualization is not None and kept[0].virtualization.driver == VFIO_PCI
-    assert kept[0].virtualization.iommu_group == 13
+    assert kept[0].virtualization.iommu_group == group_of(node, bus)
     assert after.gpus[-1] is kept[0]  # NVML's GPUs first, by index
     assert [g.index for g in after.gpus[:-1]] == list(range(len(before.gpus) - 1))
     change = inventory_change(before, after, (), ())
