@@ -120,7 +120,7 @@ class VmNode:
 
     def tools(self, crash: Any, reread: Any = lambda bus: None) -> VmTools | None:
         """The daemon's VM tools; ``reread(bus)`` is told what the daemon rediscovers after: a
-        GPU back on nvidia, a vGPU made or removed."""
+        GPU back on nvidia or now on vfio-pci, a vGPU made or removed."""
 
         def rebound(bus: str) -> None:
             self.rebound.append(bus)
@@ -133,7 +133,8 @@ class VmNode:
             rebound=rebound,
             log=LOG,
             crash=crash,
-            vgpus_changed=reread,
+            handing=lambda bus: None,
+            handed=reread,
         )
 
     def devices(self) -> DeviceModel:

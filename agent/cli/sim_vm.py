@@ -14,7 +14,8 @@ function that is not the GPU's (an NVMe drive at ``<GPU bus>:1f.0``, bound to ``
 GPU's IOMMU group, as a board without ACS isolation would. ``hold-gpu`` starts a sleeping process
 with the GPU's ``/dev/nvidia<minor>`` (under the simulated driver root) open and prints its pid:
 the NVIDIA unbind lock is not taken while it lives and the simulated ``/proc`` shows its ``fd/0``
-link to ``/dev/nvidia<minor>``; end it with ``kill PID``.
+(resolving to the node it holds, as a real ``/proc`` fd link does: :mod:`agent.sim.procfs`), so
+the agent's holder scan names it; end it with ``kill PID``.
 """
 
 from __future__ import annotations

@@ -153,7 +153,9 @@ def _build(
     devices_changed: Relay[DevicesChanged] = Relay("on_devices_changed")
     mig_changed: Relay[int] = Relay("on_mig_changed")  # a prepare made or destroyed MIG devices
     gpu_rebound: Relay[str] = Relay("on_gpu_rebound")  # a GPU back on nvidia from a VM (its BDF)
-    vgpus_changed: Relay[str] = Relay("on_vgpus_changed")  # a vGPU made or removed (its function)
+    gpu_handing: Relay[str] = Relay("on_gpu_handing")  # a GPU about to leave nvidia for a VM
+    # a GPU now on vfio-pci for a VM, or a function a vGPU was made on or removed from
+    vm_changed: Relay[str] = Relay("on_vm_changed")
     devices_changed.subscribe(devices_event(node_events))
     publisher = Publisher(
         store,
@@ -188,7 +190,8 @@ def _build(
         source,
         kernel_write=source.pci_write,  # the simulator's kernel under --simulate, else None
         rebound=gpu_rebound,
-        vgpus_changed=vgpus_changed,
+        handing=gpu_handing,
+        handed=vm_changed,
         log=prepare_log.getChild("vm"),
         crash=crash,
     )
@@ -312,8 +315,11 @@ def _build(
     # a GPU back on nvidia from a VM: NVML's indexes shift, so the whole node is read again and
     # the GPU advertised for containers again before the unprepare answers
     gpu_rebound.subscribe(lambda bus_id: node_devices.rediscover(frozenset({bus_id})))
-    # a homogeneous GPU advertises only the type of its vGPUs while one exists: read again now
-    vgpus_changed.subscribe(lambda function: node_devices.rediscover())
+    gpu_rebound.subscribe(sampler.handed_back)
+    # a GPU handed to a VM: not read from before its unbind (its reads fail, and that is no
+    # loss) until the inventory, read again at once after the binding, says it is handed over
+    gpu_handing.subscribe(sampler.hand_over)
+    vm_changed.subscribe(lambda _: node_devices.rediscover())
     gone = GoneClaims(
         preparer, lambda: node_devices.inventory, node_events, log.getChild("gone-devices")
     )

@@ -26,15 +26,17 @@ def vm_tools(
     *,
     kernel_write: KernelWrite | None,
     rebound: Callable[[str], None],
+    handing: Callable[[str], None],
+    handed: Callable[[str], None],
     log: logging.Logger,
     crash: Callable[[str], None],
-    vgpus_changed: Callable[[str], None] = lambda function: None,
 ) -> VmTools | None:
     """None for ``--virtualization none`` (VM claims are refused, saying so). ``kernel_write``
     is the node's: the simulator's under ``--simulate`` (it does what Linux does), None for the
     real one (:func:`agent.pcihost.kernel.write_attribute`). ``rebound`` is told the BDF of a
-    GPU given back to nvidia; ``vgpus_changed`` the VF or mdev parent of each vGPU made or
-    removed (the advertised vGPU devices depend on them)."""
+    GPU given back to nvidia, ``handing`` that of a GPU about to leave nvidia for vfio-pci,
+    ``handed`` that of a GPU now on vfio-pci (:class:`Passthrough`) and that of a function a
+    vGPU was made on or removed from (:class:`VgpuMaker`): the inventory is read again."""
     if virtualization == "none":
         return None
     # the host layer is loaded only on a node that hands GPUs to VMs
@@ -65,6 +67,8 @@ def vm_tools(
             persistence_off=partial(_persistence_off, source, log),
             visible=lambda bus_id: index_of(nvml, bus_id) is not None,
             rebound=rebound,
+            handing=handing,
+            handed=handed,
             log=log.getChild("passthrough"),
             crash_hook=crash,
         )
@@ -76,7 +80,7 @@ def vm_tools(
             gpu=gpu,
             log=log.getChild("vgpu"),
             crash_hook=crash,
-            changed=vgpus_changed,
+            changed=handed,
         )
         if virtualization == "vgpu"
         else None,

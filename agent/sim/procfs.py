@@ -15,13 +15,15 @@ it, as for a PID it cannot see). The tree follows the telemetry state: :func:`sy
 the directories of the processes that have a pod and removes every other PID's, so a process
 that ends (``remove_process``, a driver reload) disappears from it.
 
-A process that holds a GPU's device node (``tessera sim fault hold-gpu``) gets ``fd/0`` linking
-to the node it holds (the simulated node under the driver root, which the real process has open:
-read from its real ``/proc/<pid>/fd/0``; ``/dev/nvidia<minor>`` when that cannot be read),
-``comm`` and ``stat``, so a holder scan (``/proc/<pid>/fd``, as ``fuser`` does it;
-``agent.pcihost.holders`` stats each link's target) finds it: a link to the host's
-``/dev/nvidia<minor>`` would name a file that does not exist on a machine without GPUs, or a real
-GPU's node on one with them, never the simulated node the process holds.
+A process that holds a GPU's device node (``tessera sim fault hold-gpu``, a real process) gets
+``fd/0``, ``comm`` and ``stat``, so a holder scan (``/proc/<pid>/fd``, as ``fuser`` does it)
+finds it. Its ``fd/0`` links to the real process's own ``/proc/<pid>/fd/0``: a real ``/proc`` fd
+link is a kernel "magic link" that ``stat`` follows to the open file whatever its name, and the
+agent's scan (:func:`agent.pcihost.holders.holders`) matches by that ``stat``, so through it the
+simulated link resolves to the simulated node the process holds while it lives, and to nothing
+once it ended (before the next rewrite removes the directory). A plain link to
+``/dev/nvidia<minor>`` resolved to nothing on a machine without NVIDIA GPUs: the holder was never
+found.
 
 ``cgroup_line``, ``stat_line`` and ``container_id`` are pure; ``sync_proc`` does the I/O.
 """
@@ -29,7 +31,6 @@ GPU's node on one with them, never the simulated node the process holds.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -77,20 +78,12 @@ def process_alive(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
-def _held_node(holder: Holder) -> str:
-    """The path of the node the (real) holding process has open on its fd 0."""
-    try:
-        return os.readlink(f"/proc/{holder.pid}/fd/0")
-    except OSError:  # gone meanwhile, or not ours to read
-        return f"/dev/nvidia{holder.minor}"
-
-
 def sync_proc(root: Path, processes: Iterable[SimProcess], held: Iterable[Holder] = ()) -> None:
     """Make ``root`` hold exactly the directories of ``processes`` that run in a pod, and of the
-    live processes of ``held``: their ``fd/0`` link to ``/dev/nvidia<minor>`` (as the host names
-    it; what ``fuser`` reads), ``comm`` and ``stat``."""
+    live processes of ``held``: their ``fd/0`` (a link to the real process's, see the module
+    docstring; what ``fuser`` reads), ``comm`` and ``stat``."""
     want = {p.pid: p for p in processes if p.pod_uid is not None}
-    holders = {h.pid: _held_node(h) for h in held if process_alive(h.pid)}
+    holders = {h.pid: f"/proc/{h.pid}/fd/0" for h in held if process_alive(h.pid)}
 
     def write(root: Path) -> None:
         root.mkdir(parents=True, exist_ok=True)

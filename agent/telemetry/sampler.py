@@ -26,7 +26,8 @@ holds is neither lost nor faulty for that. The snapshot lists them in ``passthro
 ``tessera_gpu_passthrough`` series) and in none of ``gpus``, so no series of theirs goes stale.
 The accounting gets a sample with nothing in it for each (no energy, no utilization), so the
 claims holding them keep their GPU-seconds. Once the inventory says a GPU is bound to nvidia
-again, it is read from the next tick on.
+again, it is read from the next tick on. A prepare tells the sampler before it unbinds a GPU
+(``hand_over``), so the reads that would fail until the inventory is read again are not made.
 
 **Schedule.** ``run`` ticks at fixed slots ``start + k * interval`` (no drift: the next slot is the
 previous slot plus the interval, whatever the tick took). A tick that starts late records
@@ -42,6 +43,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 from agent.logs import fields_
 from agent.nvml.samples import GpuSample, XidEvent
@@ -161,6 +163,10 @@ class Sampler:
         self._handed: set[str] = set()
         """UUIDs of the GPUs handed to virtual machines at the last tick (logged when it
         changes)."""
+        self._handing: frozenset[str] = frozenset()
+        """PCI bus ids of GPUs a prepare is handing to a virtual machine that the inventory
+        does not show handed over yet (:meth:`hand_over`): not read meanwhile."""
+        self._handing_lock = threading.Lock()
         self._probe_notes: dict[str, str | None] = {}
         self.missed_ticks = 0
         """Schedule slots skipped because a tick overran them."""
@@ -179,7 +185,26 @@ class Sampler:
     def set_gpus(self, gpus: Sequence[GpuInfo]) -> None:
         """The inventory changed (MIG reconfigured, a GPU added or gone): read these from the
         next tick on. XID counts and health stay with the GPU's UUID, whatever its index."""
-        self._gpus = tuple(gpus)
+        with self._handing_lock:
+            self._gpus = tuple(gpus)
+            self._handing -= {g.pci_bus_id for g in gpus if g.passthrough}
+
+    def hand_over(self, pci_bus_id: str) -> None:
+        """A prepare is about to unbind the GPU ``pci_bus_id`` from nvidia for a virtual
+        machine: it is not read from now on, as if the inventory said it is handed over
+        (which the rediscovery after the binding says, :meth:`set_gpus`). Without this its
+        reads fail between the unbind and that rediscovery, and the GPU would be reported lost
+        (unhealthy, its devices withdrawn, a Node event) while a VM gets it. Safe from any
+        thread."""
+        with self._handing_lock:
+            self._handing |= {pci_bus_id}
+
+    def handed_back(self, pci_bus_id: str) -> None:
+        """The GPU ``pci_bus_id`` is bound to nvidia again (an unprepare, or a prepare's
+        rollback): read it again once the inventory says it is not handed over. Safe from any
+        thread."""
+        with self._handing_lock:
+            self._handing -= {pci_bus_id}
 
     def observe_reset(self, uuid: str) -> None:
         """A reset or re-bind of the GPU ``uuid`` was observed (udev, an operator): a fatal XID
@@ -246,7 +271,11 @@ class Sampler:
     def _tick(self, lag: float) -> Snapshot:
         with self._tick_lock:
             started = self._clock()
-            gpus = self._gpus
+            with self._handing_lock:
+                gpus = tuple(
+                    replace(g, passthrough=True) if g.pci_bus_id in self._handing else g
+                    for g in self._gpus
+                )
             read = [g for g in gpus if not g.passthrough]
             handed = [g for g in gpus if g.passthrough]
             self._note_handed(gpus, handed)

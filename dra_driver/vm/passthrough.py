@@ -10,10 +10,13 @@ Prepare (the kubelet plugin's ``effects`` drives it):
    refused (VFIO hands over the whole group);
 2. ``functions``: every function of the group with the driver it has now: the plan recorded
    durably (``PrepareStarted``) BEFORE anything changes;
-3. persistence mode off (NVML), where the driver allows;
+3. persistence mode off (NVML), where the driver allows; ``handing`` told (telemetry stops
+   reading the GPU);
 4. ``take``: each function unbound (crash point ``after-vfio-unbind``) and bound to vfio-pci
    through its ``driver_override`` (crash point ``after-vfio-bind``). Each step is idempotent and
    readable again from sysfs, so a crash anywhere is repaired by ``give_back`` from the record.
+   Then ``handed`` is told (the inventory is read again: the GPU left NVML, whose indexes
+   shifted).
 
 Unprepare and rollback (``give_back``): each function back to the driver it had (unbound from
 vfio-pci: crash point ``after-unprepare-vfio-unbind``, the function on no driver), its override
@@ -64,6 +67,8 @@ class Passthrough:
         rebound: Callable[[str], None],
         log: logging.Logger,
         crash_hook: CrashHook = lambda point: None,
+        handing: Callable[[str], None] = lambda bus_id: None,
+        handed: Callable[[str], None] = lambda bus_id: None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         timeout_s: float = 60.0,
@@ -73,7 +78,10 @@ class Passthrough:
         ``dev_root`` holds ``dev/nvidia<minor>`` as the host's processes open it;
         ``persistence_off(bus_id)`` turns the GPU's persistence mode off (a no-op where the
         driver does not support it); ``visible(bus_id)`` says whether NVML enumerates the GPU;
-        ``rebound(bus_id)`` is told a GPU given back to nvidia (the inventory is read again)."""
+        ``rebound(bus_id)`` is told a GPU given back to nvidia (the inventory is read again);
+        ``handing(bus_id)`` is told before a GPU's functions leave their drivers (telemetry stops
+        reading it: its reads fail from then on, and that is no loss) and ``handed(bus_id)``
+        once they are on vfio-pci (the inventory is read again: NVML's indexes shifted)."""
         self._binding = binding
         self._holders = holders
         self._proc_root = proc_root
@@ -82,6 +90,8 @@ class Passthrough:
         self._persistence_off = persistence_off
         self._visible = visible
         self._rebound = rebound
+        self._handing = handing
+        self._handed = handed
         self._log = log
         self._crash = crash_hook
         self._clock = clock
@@ -135,6 +145,7 @@ class Passthrough:
         (idempotent: a function bound to it already is left). Raises SharingError."""
         try:
             self._persistence_off(bus_id)
+            self._tell(self._handing, bus_id)
             for bdf, _ in functions:
                 if self._binding.driver(bdf) == VFIO_PCI:
                     continue
@@ -146,6 +157,7 @@ class Passthrough:
             raise SharingError(
                 f"{device}: cannot bind GPU {bus_id} to vfio-pci: {exc}", "vfio_error"
             ) from exc
+        self._tell(self._handed, bus_id)
         self._log.info(
             "bound a GPU to vfio-pci for a virtual machine",
             extra=fields_(device=device, bus_id=bus_id, functions=[f for f, _ in functions]),
@@ -174,7 +186,7 @@ class Passthrough:
             ) from exc
         if dict(functions).get(bus_id) == NVIDIA:
             self._wait_visible(device, bus_id)
-        self._tell(bus_id)
+        self._tell(self._rebound, bus_id)
         self._log.info(
             "gave a GPU back to the host from a virtual machine",
             extra=fields_(device=device, bus_id=bus_id),
@@ -197,10 +209,10 @@ class Passthrough:
                 )
             self._sleep(self._poll_s)
 
-    def _tell(self, bus_id: str) -> None:
+    def _tell(self, listener: Callable[[str], None], bus_id: str) -> None:
         try:
-            self._rebound(bus_id)
-        except Exception:  # the binding is back; the next rediscovery reads it
+            listener(bus_id)
+        except Exception:  # the binding is what it is; the next rediscovery reads it
             self._log.exception("telling a GPU's rebinding failed", extra=fields_(bus_id=bus_id))
 
     # -- start -----------------------------------------------------------------------------

@@ -10,13 +10,11 @@ Prepare (the kubelet plugin's ``effects`` drives it):
    lists the type (``vf``), or a parent that can create one more (``mdev``) with a new UUID;
 2. the VF, or the parent and the UUID, recorded durably (``PrepareStarted``) BEFORE the write;
 3. ``make``: the VF given its type / the mdev created (both idempotent: a VF that has it, an
-   mdev that exists, is left); crash point ``after-vgpu-create``; the IOMMU group the VM gets.
+   mdev that exists, is left); crash point ``after-vgpu-create``; the IOMMU group the VM gets;
+   ``changed`` told (the inventory is read again: a homogeneous GPU now offers only this type).
 
-Unprepare and rollback (``remove``): the VF's type cleared / the mdev removed (idempotent).
-
-After each vGPU made or removed, ``changed`` is told the function: on a homogeneous GPU the
-devices advertised depend on the vGPUs there (only the type in use while one exists), so the
-agent reads its inventory again at once rather than at its next periodic rediscovery.
+Unprepare and rollback (``remove``): the VF's type cleared / the mdev removed (idempotent);
+``changed`` told.
 The start: a vGPU on a GPU of the node's vgpu devices that no claim records is removed
 (``strays``).
 """
@@ -52,7 +50,9 @@ class VgpuMaker:
     ) -> None:
         """``gpu(bus_id)`` reads a GPU's vGPU interface and functions now (sysfs) with NVML's
         heterogeneous mode; ``binding`` gives a VF's IOMMU group; ``changed(function)`` is told
-        each VF or mdev parent whose vGPU was made or removed (module docstring)."""
+        the VF or mdev parent a vGPU was made on or removed from (the inventory is read again:
+        a homogeneous GPU advertises only the type it hosts, and every type once it hosts
+        none; nothing else tells the agent, as no udev event comes)."""
         self._host = host
         self._binding = binding
         self._gpu = gpu
@@ -105,7 +105,6 @@ class VgpuMaker:
                 self._host.set_type(function, type_id)
             else:
                 self._host.create_mdev(function, type_id, mdev_uuid)
-            self._tell(function)
             self._crash("after-vgpu-create")
             group = (
                 self._binding.iommu_group(function)
@@ -125,6 +124,7 @@ class VgpuMaker:
             "made a vGPU",
             extra=fields_(device=device, function=function, type_id=type_id, mdev_uuid=mdev_uuid),
         )
+        self._tell(function)
         return group
 
     def remove(self, device: str, function: str, mdev_uuid: str | None) -> None:
@@ -143,7 +143,7 @@ class VgpuMaker:
     def _tell(self, function: str) -> None:
         try:
             self._changed(function)
-        except Exception:  # the vGPU is made or gone; the next rediscovery reads it
+        except Exception:  # the vGPU is what it is; the next rediscovery reads it
             self._log.exception("telling a vGPU change failed", extra=fields_(function=function))
 
     def strays(self, bus_id: str, functions: Collection[str], mdevs: Collection[str]) -> list[Vgpu]:

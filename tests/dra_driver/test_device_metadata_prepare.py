@@ -2,19 +2,22 @@
 device once its files are written, before the claim is recorded as prepared; unprepare and a
 failed prepare remove them; the start removes those of claims the checkpoint does not hold; the
 kubelet's own client sees the id. The VM device is made by hand here (kind ``vfio``, as issue
-24's device model advertises it; its prepare's rebinding is another part's)."""
+24's device model advertises it), its GPU a function of the hand-built sysfs tree of
+tests/vmnode.py that the prepare binds to vfio-pci and back."""
 
 from __future__ import annotations
 
 import logging
 import zlib
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from agent.pcihost.vm_types import NVIDIA, VFIO_PCI
 from dra_driver.device_model import DeviceModel
 from dra_driver.errors import CdiError
 from dra_driver.kubeletplugin.cdi import CdiWriter
@@ -22,6 +25,7 @@ from dra_driver.kubeletplugin.checkpoint import PREPARE_COMPLETED, CheckpointSto
 from dra_driver.kubeletplugin.claim_sources import DirClaimSource
 from dra_driver.kubeletplugin.claims import ClaimKey
 from dra_driver.kubeletplugin.device_metadata import DeviceMetadataWriter
+from dra_driver.kubeletplugin.effects import Effects
 from dra_driver.kubeletplugin.health_stream import HealthBoard
 from dra_driver.kubeletplugin.prepare import Preparer
 from dra_driver.kubeletplugin.server import PluginServer
@@ -29,9 +33,11 @@ from dra_driver.testkubelet.calls import ClaimRef
 from dra_driver.testkubelet.client import KubeletClient
 from tests.dra_driver.test_device_metadata import POOL, VFIO, advertised, read_like_kubevirt
 from tests.k8sschema import VERSIONS, validate
+from tests.vmnode import Node as VmNode
 
 DRIVER = "gpu.tessera.dev"
 GPU = advertised("gpu-1", "gpu", {"type": {"string": "gpu"}})
+VFIO_BUS_ID, VFIO_GROUP = "0000:18:00.0", 19  # as VFIO's attributes say
 ANNOTATION = "resource.kubernetes.io/pod-claim-name"
 
 
@@ -76,6 +82,9 @@ class Node:
         (root / "claims").mkdir(exist_ok=True)
         self.crash_points: list[str] = []
         self.on_crash_point: dict[str, Any] = {}
+        # the host the VM device's GPU is on: its prepare binds it to vfio-pci (vm_steps)
+        self.host = VmNode(root / "host")
+        self.host.tree.function(VFIO_BUS_ID, NVIDIA, VFIO_GROUP)
 
     def add(self, obj: dict[str, Any]) -> None:
         meta = obj["metadata"]
@@ -91,14 +100,26 @@ class Node:
             self.on_crash_point[point]()
 
     def agent(self) -> Preparer:
+        vfio = replace(VFIO, bus_id=VFIO_BUS_ID, iommu_group=VFIO_GROUP)
+        model = DeviceModel((vfio, GPU), ())
+        log = logging.getLogger("test.device-metadata")
         p = Preparer(
             driver_name=DRIVER,
             pool=POOL,
             claims=DirClaimSource(self.root / "claims"),
             store=CheckpointStore(self.root / "checkpoint.json", "boot"),
             cdi=CdiWriter(self.root / "cdi", DRIVER, self.root / "driver", "550.90.07"),
-            devices=lambda: DeviceModel((VFIO, GPU), ()),
-            log=logging.getLogger("test.device-metadata"),
+            devices=lambda: model,
+            log=log,
+            effects=Effects(
+                mig=None,
+                settings=None,
+                mps=None,
+                devices=lambda: model,
+                log=log,
+                crash_hook=self._crash,
+                vm=self.host.tools(self._crash),
+            ),
             crash_hook=self._crash,
             metadata=self.metadata(),
         )
@@ -134,17 +155,17 @@ def test_a_vm_claim_is_answered_with_its_metadata_written_before_it_is_prepared(
 
     node.on_crash_point["after-cdi"] = at_cdi
     (result,) = agent.prepare([key]).values()
-    assert ids(result) == [
-        (f"k8s.{DRIVER}/claim={key.uid}-gpu-0-vfio", f"k8s.{DRIVER}/driver=common", metadata_id)
-    ]
+    # a VM device gets no driver files (the VM runs its own driver): no driver=common device
+    assert ids(result) == [(f"k8s.{DRIVER}/claim={key.uid}-gpu-0-vfio", metadata_id)]
     assert seen == [(True, "PrepareStarted")]
+    assert node.host.tree.driver(VFIO_BUS_ID) == VFIO_PCI
     assert agent.checkpoint.claims[key.uid].state == PREPARE_COMPLETED
     (device,) = read_like_kubevirt(node.root / "cdi", "resourceclaimtemplates", "gpu", "gpu")
     assert device["attributes"]["resource.kubernetes.io/pciBusID"] == {"string": "0000:18:00.0"}
     (again,) = agent.prepare([key]).values()  # the kubelet's retry: the same answer
     assert ids(again) == ids(result)
     (gone,) = agent.unprepare([key]).values()
-    assert gone.error == ""
+    assert gone.error == "" and node.host.tree.driver(VFIO_BUS_ID) == NVIDIA
     assert node.metadata().claim_uids() == set()
     assert not (node.root / "plugins" / DRIVER / "dra-device-metadata" / f"vms_{key.name}").exists()
     agent.close(5)

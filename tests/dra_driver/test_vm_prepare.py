@@ -10,7 +10,7 @@ import functools
 import logging
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -90,7 +90,10 @@ def test_passthrough_binds_every_function_of_the_gpu_and_gives_each_its_driver(
 ) -> None:
     """A GPU with an audio function (``.1``) in its IOMMU group: both go to vfio-pci and each
     back to the driver it had. The simulated boards have no audio function, so this one runs
-    on the hand-built tree and fake kernel of tests/pcihost."""
+    on the hand-built tree and fake kernel of tests/pcihost. The daemon is told ``handing``
+    while the GPU is still on nvidia (telemetry stops reading it before its reads fail),
+    ``handed`` once its whole group is on vfio-pci (the inventory is read again), ``rebound``
+    once it is back on nvidia."""
     from agent.pcihost.binding import PciBinding
 
     gpu, audio = "0000:1b:00.0", "0000:1b:00.1"
@@ -100,10 +103,16 @@ def test_passthrough_binds_every_function_of_the_gpu_and_gives_each_its_driver(
     tree.add_function(audio, device=0x22BA, driver="snd_hda_intel", group=12)
     binding = PciBinding(tree.sys, tree.driver_root, FakeKernel(tree).write)
     off: list[str] = []
+    told: list[tuple[str, str, str | None, str | None]] = []
+
+    def tell(what: str) -> Callable[[str], None]:
+        return lambda bdf: told.append((what, bdf, tree.driver_of(gpu), tree.driver_of(audio)))
+
     tool = Passthrough(
         binding=binding, holders=holders, proc_root=tmp_path / "proc", dev_root=tmp_path,
         sys_root=tree.sys, persistence_off=off.append, visible=lambda b: True,
-        rebound=lambda b: None, log=logging.getLogger("test.vm"),
+        rebound=tell("rebound"), handing=tell("handing"), handed=tell("handed"),
+        log=logging.getLogger("test.vm"),
     )  # fmt: skip
     functions = tool.functions("gpu-0-vfio", gpu, 0)
     assert functions == ((gpu, NVIDIA), (audio, "snd_hda_intel"))
@@ -116,6 +125,11 @@ def test_passthrough_binds_every_function_of_the_gpu_and_gives_each_its_driver(
     assert [(tree.driver_of(f), tree.override_of(f)) for f in (gpu, audio)] == [
         (NVIDIA, "(null)"),
         ("snd_hda_intel", "(null)"),
+    ]
+    assert told == [
+        ("handing", gpu, NVIDIA, "snd_hda_intel"),
+        ("handed", gpu, VFIO_PCI, VFIO_PCI),
+        ("rebound", gpu, NVIDIA, "snd_hda_intel"),
     ]
 
 

@@ -95,7 +95,7 @@ def protocol_mismatches(protocol: type, names: typing.Iterable[str]) -> list[str
 
 
 def test_the_protocol_declares_the_calls():
-    assert len(PROTOCOL_FUNCTIONS) == 69  # 61 + the seven vGPU host calls and persistence mode (issue 24)
+    assert len(PROTOCOL_FUNCTIONS) == 69  # 61 + seven vGPU host calls + persistence mode (issue 24)
     assert {"nvmlInit", "nvmlDeviceGetMemoryInfo", "nvmlGpmMetricsGet"} <= set(PROTOCOL_FUNCTIONS)
 
 

@@ -192,6 +192,40 @@ def test_reads_that_failed_while_the_gpu_was_unbound_for_a_vm_are_no_loss(
     assert [(c.uuid, c.healthy, c.cause) for c in changes[1:]] == [("GPU-1", True, None)]
 
 
+def test_a_gpu_a_prepare_hands_over_is_not_read_before_the_inventory_says_so(
+    tmp_path: Path,
+) -> None:
+    """The prepare tells the sampler before it unbinds the GPU: the reads that would fail until
+    the inventory is read again are not made, so no health change at all (the daemon would
+    otherwise withdraw the vfio device the VM holds and raise a Node event)."""
+    sampler, node, clock, changes = make(tmp_path, [gpu(0, 0), gpu(1, 1)])
+    sampler.tick()
+    sampler.hand_over("0000:02:00.0")
+    node.failing.add(1)  # unbound from nvidia; the inventory does not say so yet
+    node.reads.clear()
+    clock.advance(1.0)
+    snap = sampler.tick()
+    assert node.reads == [0] and [p.uuid for p in snap.passthrough] == ["GPU-1"]
+    sampler.set_gpus([gpu(0, 0), gpu(-1, 1, passthrough=True)])  # the rediscovery
+    sampler.set_gpus([gpu(0, 0), gpu(1, 1)])  # given back, read again
+    node.failing.clear()
+    node.reads.clear()
+    clock.advance(1.0)
+    sampler.tick()
+    assert node.reads == [0, 1] and changes == []
+
+
+def test_a_gpu_whose_hand_over_failed_is_read_again_once_given_back(tmp_path: Path) -> None:
+    sampler, node, clock, changes = make(tmp_path, [gpu(0, 0), gpu(1, 1)])
+    sampler.hand_over("0000:02:00.0")
+    sampler.tick()
+    sampler.handed_back("0000:02:00.0")  # the prepare's rollback bound it to nvidia again
+    node.reads.clear()
+    clock.advance(1.0)
+    sampler.tick()
+    assert node.reads == [0, 1] and changes == []
+
+
 def test_a_fatal_xid_stays_with_a_gpu_handed_to_a_vm(tmp_path: Path) -> None:
     sampler, _, clock, changes = make(tmp_path, [gpu(0, 0), gpu(1, 1)])
     sampler.restore_faults({"GPU-1": (79, 1.7e9)})
