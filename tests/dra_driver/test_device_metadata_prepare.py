@@ -1,16 +1,15 @@
 """KEP-5304 metadata on the prepare path: a VM device's claim is answered with the metadata's CDI
 device once its files are written, before the claim is recorded as prepared; unprepare and a
 failed prepare remove them; the start removes those of claims the checkpoint does not hold; the
-kubelet's own client sees the id. The VM device is made by hand here (kind ``vfio``, as issue
-24's device model advertises it), its GPU a function of the hand-built sysfs tree of
-tests/vmnode.py that the prepare binds to vfio-pci and back."""
+kubelet's own client sees the id. The VM device is a simulated passthrough node's (tests/vmnode.py:
+the agent's own discovery and device model), its GPU bound to vfio-pci and back by the prepare
+through the simulator's kernel."""
 
 from __future__ import annotations
 
 import logging
 import zlib
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,6 @@ import pytest
 import yaml
 
 from agent.pcihost.vm_types import NVIDIA, VFIO_PCI
-from dra_driver.device_model import DeviceModel
 from dra_driver.errors import CdiError
 from dra_driver.kubeletplugin.cdi import CdiWriter
 from dra_driver.kubeletplugin.checkpoint import PREPARE_COMPLETED, CheckpointStore
@@ -31,13 +29,12 @@ from dra_driver.kubeletplugin.prepare import Preparer
 from dra_driver.kubeletplugin.server import PluginServer
 from dra_driver.testkubelet.calls import ClaimRef
 from dra_driver.testkubelet.client import KubeletClient
-from tests.dra_driver.test_device_metadata import POOL, VFIO, advertised, read_like_kubevirt
+from tests.dra_driver.test_device_metadata import POOL, read_like_kubevirt
 from tests.k8sschema import VERSIONS, validate
-from tests.vmnode import Node as VmNode
+from tests.vmnode import VmNode
 
 DRIVER = "gpu.tessera.dev"
-GPU = advertised("gpu-1", "gpu", {"type": {"string": "gpu"}})
-VFIO_BUS_ID, VFIO_GROUP = "0000:18:00.0", 19  # as VFIO's attributes say
+VM_DEVICE, CONTAINER_DEVICE = "gpu-2-vfio", "gpu-3"  # the passthrough node's two L4s
 ANNOTATION = "resource.kubernetes.io/pod-claim-name"
 
 
@@ -83,8 +80,12 @@ class Node:
         self.crash_points: list[str] = []
         self.on_crash_point: dict[str, Any] = {}
         # the host the VM device's GPU is on: its prepare binds it to vfio-pci (vm_steps)
-        self.host = VmNode(root / "host")
-        self.host.tree.function(VFIO_BUS_ID, NVIDIA, VFIO_GROUP)
+        self.host = VmNode.of(root / "host", "passthrough")
+        self.bus_id = self.host.bus(2)
+
+    def driver(self) -> str | None:
+        """The driver the VM device's GPU is bound to now."""
+        return self.host.binding().driver(self.bus_id)
 
     def add(self, obj: dict[str, Any]) -> None:
         meta = obj["metadata"]
@@ -100,8 +101,7 @@ class Node:
             self.on_crash_point[point]()
 
     def agent(self) -> Preparer:
-        vfio = replace(VFIO, bus_id=VFIO_BUS_ID, iommu_group=VFIO_GROUP)
-        model = DeviceModel((vfio, GPU), ())
+        model = self.host.devices()
         log = logging.getLogger("test.device-metadata")
         p = Preparer(
             driver_name=DRIVER,
@@ -133,7 +133,9 @@ class Crash(Exception):
 
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[Node]:
-    yield Node(tmp_path)
+    n = Node(tmp_path)
+    yield n
+    n.host.close()
 
 
 def ids(result: Any) -> list[tuple[str, ...]]:
@@ -142,7 +144,7 @@ def ids(result: Any) -> list[tuple[str, ...]]:
 
 
 def test_a_vm_claim_is_answered_with_its_metadata_written_before_it_is_prepared(node):
-    obj, key = claim("vm-a-gpu-x7k2p", "gpu-0-vfio", pod_claim="gpu")
+    obj, key = claim("vm-a-gpu-x7k2p", VM_DEVICE, pod_claim="gpu")
     node.add(obj)
     agent = node.agent()
     metadata_id = f"{DRIVER}/metadata={key.uid}_gpu"
@@ -156,34 +158,36 @@ def test_a_vm_claim_is_answered_with_its_metadata_written_before_it_is_prepared(
     node.on_crash_point["after-cdi"] = at_cdi
     (result,) = agent.prepare([key]).values()
     # a VM device gets no driver files (the VM runs its own driver): no driver=common device
-    assert ids(result) == [(f"k8s.{DRIVER}/claim={key.uid}-gpu-0-vfio", metadata_id)]
+    assert ids(result) == [(f"k8s.{DRIVER}/claim={key.uid}-{VM_DEVICE}", metadata_id)]
     assert seen == [(True, "PrepareStarted")]
-    assert node.host.tree.driver(VFIO_BUS_ID) == VFIO_PCI
+    assert node.driver() == VFIO_PCI
     assert agent.checkpoint.claims[key.uid].state == PREPARE_COMPLETED
     (device,) = read_like_kubevirt(node.root / "cdi", "resourceclaimtemplates", "gpu", "gpu")
-    assert device["attributes"]["resource.kubernetes.io/pciBusID"] == {"string": "0000:18:00.0"}
+    assert device["attributes"]["resource.kubernetes.io/pciBusID"] == {"string": node.bus_id}
     (again,) = agent.prepare([key]).values()  # the kubelet's retry: the same answer
     assert ids(again) == ids(result)
     (gone,) = agent.unprepare([key]).values()
-    assert gone.error == "" and node.host.tree.driver(VFIO_BUS_ID) == NVIDIA
+    assert gone.error == "" and node.driver() == NVIDIA
     assert node.metadata().claim_uids() == set()
     assert not (node.root / "plugins" / DRIVER / "dra-device-metadata" / f"vms_{key.name}").exists()
     agent.close(5)
 
 
 def test_a_container_claim_gets_no_metadata(node):
-    obj, key = claim("train", "gpu-1")
+    obj, key = claim("train", CONTAINER_DEVICE)
     node.add(obj)
     agent = node.agent()
     (result,) = agent.prepare([key]).values()
-    assert ids(result) == [(f"k8s.{DRIVER}/claim={key.uid}-gpu-1", f"k8s.{DRIVER}/driver=common")]
+    assert ids(result) == [
+        (f"k8s.{DRIVER}/claim={key.uid}-{CONTAINER_DEVICE}", f"k8s.{DRIVER}/driver=common")
+    ]
     assert not (node.root / "plugins").exists()
     assert not list((node.root / "cdi").glob("*_metadata_*"))
     agent.close(5)
 
 
 def test_a_prepare_failing_after_the_metadata_removes_it(node):
-    obj, key = claim("vm-b", "gpu-0-vfio")
+    obj, key = claim("vm-b", VM_DEVICE)
     node.add(obj)
     agent = node.agent()
 
@@ -202,8 +206,8 @@ def test_a_prepare_failing_after_the_metadata_removes_it(node):
 def test_the_start_removes_the_metadata_of_claims_the_checkpoint_does_not_hold(node):
     """A crash after an unprepare was recorded and before its files went: the next start
     removes them, and keeps a prepared claim's."""
-    kept_obj, kept = claim("vm-kept", "gpu-0-vfio")
-    left_obj, left = claim("vm-left", "gpu-0-vfio")
+    kept_obj, kept = claim("vm-kept", VM_DEVICE)
+    left_obj, left = claim("vm-left", VM_DEVICE)
     node.add(kept_obj)
     node.add(left_obj)
     agent = node.agent()
@@ -227,7 +231,7 @@ def test_the_start_removes_the_metadata_of_claims_the_checkpoint_does_not_hold(n
 
 
 def test_the_kubelet_gets_the_metadata_device_over_its_socket(node, short_tmp):
-    obj, key = claim("vm-c", "gpu-0-vfio")
+    obj, key = claim("vm-c", VM_DEVICE)
     node.add(obj)
     agent = node.agent()
     plugin = PluginServer(
