@@ -65,6 +65,8 @@ __all__ = ["APPLICATION_XIDS", "FATAL_XIDS", "Sampler", "Subscription"]
 STALE_INTERVALS = 3
 """``fresh()``: the latest snapshot is younger than this many intervals."""
 UNREAD = "not read: handed to a virtual machine (not bound to nvidia)"
+REBIND_MAX_S = 30.0
+"""The longest a GPU's hand-over to a VM (or back) keeps the sampler from reading by index."""
 """The error of the empty sample the accounting gets for a GPU handed to a VM."""
 
 
@@ -167,6 +169,8 @@ class Sampler:
         """PCI bus ids of GPUs a prepare is handing to a virtual machine that the inventory
         does not show handed over yet (:meth:`hand_over`): not read meanwhile."""
         self._handing_lock = threading.Lock()
+        self._handing_since: dict[str, float] = {}
+        """When each GPU of ``_handing`` began to leave or rejoin nvidia (monotonic clock)."""
         self._probe_notes: dict[str, str | None] = {}
         self.missed_ticks = 0
         """Schedule slots skipped because a tick overran them."""
@@ -189,15 +193,26 @@ class Sampler:
             self._gpus = tuple(gpus)
             self._handing -= {g.pci_bus_id for g in gpus if g.passthrough}
 
+    def _rebinding(self) -> bool:
+        """A GPU is being handed to a VM or given back, within :data:`REBIND_MAX_S` (a prepare
+        that failed half way is rolled back through the same hooks; the bound keeps a hook
+        that never came from stopping the reads for good). Call with ``_handing_lock`` held."""
+        now = self._clock()
+        self._handing_since = {b: t for b, t in self._handing_since.items() if b in self._handing}
+        return any(now - t < REBIND_MAX_S for t in self._handing_since.values())
+
     def hand_over(self, pci_bus_id: str) -> None:
         """A prepare is about to unbind the GPU ``pci_bus_id`` from nvidia for a virtual
         machine: it is not read from now on, as if the inventory said it is handed over
         (which the rediscovery after the binding says, :meth:`set_gpus`). Without this its
         reads fail between the unbind and that rediscovery, and the GPU would be reported lost
-        (unhealthy, its devices withdrawn, a Node event) while a VM gets it. Safe from any
-        thread."""
+        (unhealthy, its devices withdrawn, a Node event) while a VM gets it. Also told before
+        a GPU is given back. Until the inventory is read again no GPU is read at all (the tick
+        keeps the last snapshot): the GPUs after it in PCI order change their NVML index when
+        it leaves or rejoins nvidia. Safe from any thread."""
         with self._handing_lock:
             self._handing |= {pci_bus_id}
+            self._handing_since[pci_bus_id] = self._clock()
 
     def handed_back(self, pci_bus_id: str) -> None:
         """The GPU ``pci_bus_id`` is bound to nvidia again (an unprepare, or a prepare's
@@ -272,10 +287,16 @@ class Sampler:
         with self._tick_lock:
             started = self._clock()
             with self._handing_lock:
+                rebinding = self._rebinding()
                 gpus = tuple(
                     replace(g, passthrough=True) if g.pci_bus_id in self._handing else g
                     for g in self._gpus
                 )
+            if rebinding and self._latest is not None:
+                # a GPU is leaving or joining NVML's enumeration: every GPU after it in PCI
+                # order changes its NVML index until the inventory is read again, so no index
+                # is read now (a read would fail, or read a neighbour, and report it lost)
+                return self._latest
             read = [g for g in gpus if not g.passthrough]
             handed = [g for g in gpus if g.passthrough]
             self._note_handed(gpus, handed)

@@ -170,6 +170,8 @@ class Passthrough:
         SharingError (``vfio_error``; ``gpu_not_back`` when NVML does not see it in time)."""
         if not functions:
             return  # recorded before its functions were: nothing was changed
+        # the GPU comes back into NVML's enumeration: the indexes after it shift (as when it left)
+        self._tell(self._handing, bus_id)
         try:
             for bdf, had in functions:
                 now = self._binding.driver(bdf)

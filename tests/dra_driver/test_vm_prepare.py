@@ -92,8 +92,8 @@ def test_passthrough_binds_every_function_of_the_gpu_and_gives_each_its_driver(
     back to the driver it had. The simulated boards have no audio function, so this one runs
     on the hand-built tree and fake kernel of tests/pcihost. The daemon is told ``handing``
     while the GPU is still on nvidia (telemetry stops reading it before its reads fail),
-    ``handed`` once its whole group is on vfio-pci (the inventory is read again), ``rebound``
-    once it is back on nvidia."""
+    ``handed`` once its whole group is on vfio-pci (the inventory is read again), ``handing``
+    again before it is given back and ``rebound`` once it is back on nvidia."""
     from agent.pcihost.binding import PciBinding
 
     gpu, audio = "0000:1b:00.0", "0000:1b:00.1"
@@ -129,6 +129,7 @@ def test_passthrough_binds_every_function_of_the_gpu_and_gives_each_its_driver(
     assert told == [
         ("handing", gpu, NVIDIA, "snd_hda_intel"),
         ("handed", gpu, VFIO_PCI, VFIO_PCI),
+        ("handing", gpu, VFIO_PCI, VFIO_PCI),  # on its way back: NVML's indexes shift again
         ("rebound", gpu, NVIDIA, "snd_hda_intel"),
     ]
 

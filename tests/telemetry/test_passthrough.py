@@ -20,7 +20,7 @@ from agent.telemetry.energy import EnergyAccounting
 from agent.telemetry.gpu_health import GpuHealth
 from agent.telemetry.gpuinfo import GpuInfo, gpu_info
 from agent.telemetry.metrics import SnapshotCollector
-from agent.telemetry.sampler import Sampler
+from agent.telemetry.sampler import REBIND_MAX_S, Sampler
 from agent.telemetry.snapshot import Snapshot
 from agent.usage.weights import GpuCapacity
 from tests.fakeclock import FakeClock
@@ -195,24 +195,41 @@ def test_reads_that_failed_while_the_gpu_was_unbound_for_a_vm_are_no_loss(
 def test_a_gpu_a_prepare_hands_over_is_not_read_before_the_inventory_says_so(
     tmp_path: Path,
 ) -> None:
-    """The prepare tells the sampler before it unbinds the GPU: the reads that would fail until
-    the inventory is read again are not made, so no health change at all (the daemon would
-    otherwise withdraw the vfio device the VM holds and raise a Node event)."""
+    """The prepare tells the sampler before it unbinds the GPU: until the inventory is read
+    again no GPU is read (every GPU after it in PCI order changes its NVML index: a read would
+    fail or read a neighbour), so no health change at all (the daemon would otherwise withdraw
+    the vfio device the VM holds, or a neighbour's devices, and raise a Node event)."""
     sampler, node, clock, changes = make(tmp_path, [gpu(0, 0), gpu(1, 1)])
-    sampler.tick()
+    before = sampler.tick()
     sampler.hand_over("0000:02:00.0")
     node.failing.add(1)  # unbound from nvidia; the inventory does not say so yet
     node.reads.clear()
     clock.advance(1.0)
+    assert sampler.tick() is before and node.reads == []  # the last snapshot stands
+    sampler.set_gpus([gpu(0, 0), gpu(-1, 1, passthrough=True)])  # the rediscovery
+    clock.advance(1.0)
     snap = sampler.tick()
     assert node.reads == [0] and [p.uuid for p in snap.passthrough] == ["GPU-1"]
-    sampler.set_gpus([gpu(0, 0), gpu(-1, 1, passthrough=True)])  # the rediscovery
     sampler.set_gpus([gpu(0, 0), gpu(1, 1)])  # given back, read again
     node.failing.clear()
     node.reads.clear()
     clock.advance(1.0)
     sampler.tick()
     assert node.reads == [0, 1] and changes == []
+
+
+def test_a_hand_over_that_never_ends_stops_the_reads_for_a_bounded_time(tmp_path: Path) -> None:
+    """A prepare that died between its hooks cannot stop telemetry for good."""
+    sampler, node, clock, changes = make(tmp_path, [gpu(0, 0), gpu(1, 1)])
+    sampler.tick()
+    sampler.hand_over("0000:02:00.0")
+    node.reads.clear()
+    clock.advance(REBIND_MAX_S - 1)
+    sampler.tick()
+    assert node.reads == []
+    clock.advance(2.0)
+    sampler.tick()
+    assert node.reads == [0] and changes == []  # GPU 1 is still taken for handed over
 
 
 def test_a_gpu_whose_hand_over_failed_is_read_again_once_given_back(tmp_path: Path) -> None:
