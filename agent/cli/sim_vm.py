@@ -71,53 +71,68 @@ def _on_vfio(state: VmState) -> list[str]:
     ]
 
 
-def _set_iommu(open_sim: OpenSimulator, inv: Invocation, on: bool) -> int:
+def _switch(
+    open_sim: OpenSimulator,
+    inv: Invocation,
+    turn: Callable[[VmState], VmState],
+    in_use: Callable[[VmState], list[str]],
+    refusal: str,
+    done: str,
+) -> int:
+    """Turn an IOMMU or driver switch of the simulated node, refused (``refusal`` naming what
+    ``in_use`` finds) while something uses what it takes away."""
     kernel = _kernel(open_sim, inv)
 
     def change(s: VmState) -> VmState:
-        if not on and _on_vfio(s):
-            raise ConfigError(
-                f"cannot turn the IOMMU off: {', '.join(_on_vfio(s))} use VFIO;"
-                " unbind them from vfio-pci (remove the mdevs) first"
-            )
-        return replace(s, iommu=on)
+        users = in_use(s)
+        if users:
+            raise ConfigError(refusal.format(users=", ".join(users)))
+        return turn(s)
 
     _change(kernel, change)
-    inv.out.write(f"IOMMU {'on' if on else 'off'}\n")
+    inv.out.write(done + "\n")
     return 0
+
+
+def _none(state: VmState) -> list[str]:
+    return []
+
+
+def _vfio_bound(state: VmState) -> list[str]:
+    return [f.bus for f in state.functions if f.driver == "vfio-pci"]
 
 
 def fault_iommu_off(open_sim: OpenSimulator, inv: Invocation) -> int:
-    return _set_iommu(open_sim, inv, False)
+    return _switch(
+        open_sim,
+        inv,
+        lambda s: replace(s, iommu=False),
+        _on_vfio,
+        "cannot turn the IOMMU off: {users} use VFIO; unbind them from vfio-pci (remove the"
+        " mdevs) first",
+        "IOMMU off",
+    )
 
 
 def fault_iommu_on(open_sim: OpenSimulator, inv: Invocation) -> int:
-    return _set_iommu(open_sim, inv, True)
-
-
-def _set_vfio(open_sim: OpenSimulator, inv: Invocation, loaded: bool) -> int:
-    kernel = _kernel(open_sim, inv)
-
-    def change(s: VmState) -> VmState:
-        bound = [f.bus for f in s.functions if f.driver == "vfio-pci"]
-        if not loaded and bound:
-            raise ConfigError(
-                f"cannot unload vfio-pci: it is in use by {', '.join(bound)} (as rmmod refuses);"
-                " unbind them first"
-            )
-        return replace(s, vfio_loaded=loaded)
-
-    _change(kernel, change)
-    inv.out.write(f"vfio-pci {'loaded' if loaded else 'unloaded'}\n")
-    return 0
+    return _switch(open_sim, inv, lambda s: replace(s, iommu=True), _none, "", "IOMMU on")
 
 
 def fault_vfio_unloaded(open_sim: OpenSimulator, inv: Invocation) -> int:
-    return _set_vfio(open_sim, inv, False)
+    return _switch(
+        open_sim,
+        inv,
+        lambda s: replace(s, vfio_loaded=False),
+        _vfio_bound,
+        "cannot unload vfio-pci: it is in use by {users} (as rmmod refuses); unbind them first",
+        "vfio-pci unloaded",
+    )
 
 
 def fault_vfio_loaded(open_sim: OpenSimulator, inv: Invocation) -> int:
-    return _set_vfio(open_sim, inv, True)
+    return _switch(
+        open_sim, inv, lambda s: replace(s, vfio_loaded=True), _none, "", "vfio-pci loaded"
+    )
 
 
 def _gpu(fake: FakeNvml, index: int) -> GpuSlot:
