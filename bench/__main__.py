@@ -26,6 +26,7 @@ from bench import (
     explain,
     prepare,
     rss,
+    scale_model,
     sharing,
     slices,
     telemetry,
@@ -45,6 +46,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "explain": explain.run,
     "budgets": budgets.run,
     "usage_report": usage_report.run,
+    "scale_model": scale_model.run,
 }
 RESULTS_JSON = Path(__file__).resolve().parent / "results.json"
 

@@ -1,0 +1,71 @@
+"""The 10,000-node arithmetic (bench/scale_math.py) on hand-made slices, with exact numbers:
+pool bytes, managedFields, one node's figures at cluster scale, and the writes of NVIDIA's slice
+controller (its syncPool rules) for a change."""
+
+from __future__ import annotations
+
+from bench.scale_math import (
+    ETCD_QUOTA,
+    NodeFigures,
+    cluster,
+    managed_fields,
+    nvidia_sync,
+    pool_bytes,
+    with_managed_fields,
+)
+
+
+def test_pool_bytes_are_the_compact_json_of_every_slice() -> None:
+    assert pool_bytes([{"a": 1}, {"b": "x"}]) == len('{"a":1}') + len('{"b":"x"}') == 16
+    assert pool_bytes([{"n": "é"}]) == len('{"n":"é"}'.encode()) == 10  # UTF-8 bytes
+    assert pool_bytes([]) == 0
+
+
+def test_managed_fields_own_what_the_client_set_with_atomic_lists() -> None:
+    obj = {
+        "apiVersion": "resource.k8s.io/v1",
+        "metadata": {
+            "name": "s",
+            "labels": {"a": "b"},
+            "ownerReferences": [{"kind": "Node", "uid": "u1"}],
+        },
+        "spec": {"driver": "d", "pool": {"name": "p"}, "devices": [{"name": "x"}]},
+    }
+    (entry,) = managed_fields(obj, "tessera")
+    assert entry["manager"] == "tessera" and entry["operation"] == "Update"
+    assert entry["fieldsV1"] == {
+        "f:metadata": {
+            "f:labels": {".": {}, "f:a": {}},
+            "f:ownerReferences": {'k:{"uid":"u1"}': {".": {}, "f:kind": {}, "f:uid": {}}, ".": {}},
+        },
+        "f:spec": {"f:driver": {}, "f:pool": {".": {}, "f:name": {}}, "f:devices": {}},
+    }
+    stored = with_managed_fields(obj, "tessera")
+    assert stored["metadata"]["managedFields"] == [entry] and "managedFields" not in obj["metadata"]
+
+
+def test_one_nodes_figures_at_cluster_scale() -> None:
+    node = NodeFigures(
+        stored_bytes=100, change_writes=2, change_bytes=50, restart_writes=3, restart_bytes=70
+    )
+    c = cluster(node, 1.0, nodes=10, churn_per_node_hour=6, watchers=2)
+    assert c.etcd_bytes == 1000
+    assert c.quota_share == 1000 / ETCD_QUOTA
+    assert c.change_watch_bytes == 150  # two cluster watchers and the node's own watch
+    assert c.restart_watch_bytes == 210
+    assert c.steady_writes_per_min == 10
+    assert c.churn_writes_per_min == 12  # (1 + 2 writes x 6 changes / 60 min) x 10 nodes
+
+
+def test_nvidia_sync_rewrites_one_slice_or_bumps_the_generation() -> None:
+    a, b, c = {"devices": [1]}, {"devices": [2]}, {"devices": [3]}
+    same = nvidia_sync([a, b, c], [a, b, c])
+    assert (same.writes, same.written) == (0, ())
+    one = nvidia_sync([a, b, c], [a, {"devices": [9]}, c])
+    assert (one.updates, one.creates, one.deletes, one.written) == (1, 0, 0, (1,))
+    two = nvidia_sync([a, b, c], [{"devices": [8]}, {"devices": [9]}, c])
+    assert (two.updates, two.written) == (3, (0, 1, 2))  # generation bumped: all of them
+    fewer = nvidia_sync([a, b, c], [a, b])  # the count in every slice's pool changes
+    assert (fewer.updates, fewer.deletes, fewer.writes) == (2, 1, 3)
+    more = nvidia_sync([a, b], [a, b, c])
+    assert (more.updates, more.creates, more.written) == (2, 1, (0, 1, 2))
