@@ -11,6 +11,7 @@ from bench.scale_math import (
     managed_fields,
     nvidia_sync,
     pool_bytes,
+    protobuf_bytes,
     with_managed_fields,
 )
 
@@ -46,10 +47,15 @@ def test_managed_fields_own_what_the_client_set_with_atomic_lists() -> None:
 
 def test_one_nodes_figures_at_cluster_scale() -> None:
     node = NodeFigures(
-        stored_bytes=100, change_writes=2, change_bytes=50, restart_writes=3, restart_bytes=70
+        stored_bytes=100,
+        change_writes=2,
+        change_bytes=50,
+        restart_writes=3,
+        restart_bytes=70,
+        stored_protobuf=80,
     )
     c = cluster(node, 1.0, nodes=10, churn_per_node_hour=6, watchers=2)
-    assert c.etcd_bytes == 1000
+    assert (c.etcd_bytes, c.etcd_protobuf_bytes) == (1000, 800)
     assert c.quota_share == 1000 / ETCD_QUOTA
     assert c.change_watch_bytes == 150  # two cluster watchers and the node's own watch
     assert c.restart_watch_bytes == 210
@@ -69,3 +75,21 @@ def test_nvidia_sync_rewrites_one_slice_or_bumps_the_generation() -> None:
     assert (fewer.updates, fewer.deletes, fewer.writes) == (2, 1, 3)
     more = nvidia_sync([a, b], [a, b, c])
     assert (more.updates, more.creates, more.written) == (2, 1, (0, 1, 2))
+
+
+def test_the_protobuf_estimate_follows_the_encoding_rules_byte_for_byte() -> None:
+    obj = {
+        "apiVersion": "v1",
+        "kind": "K",
+        "metadata": {"name": "ab"},
+        "spec": {"n": 5, "capacity": {"m": {"value": "14"}}},
+    }
+    type_meta = (1 + 1 + 2) + (1 + 1 + 1)  # apiVersion, kind: tag, length, bytes
+    metadata = 1 + 1 + (1 + 1 + 2)  # a message holding name
+    capacity = 1 + 1 + (1 + 1 + 2)  # DeviceCapacity {value: Quantity {string: "14"}}
+    entry = 1 + 1 + ((1 + 1 + 1) + (1 + 1 + capacity))  # map entry {1: "m", 2: capacity}
+    spec = 1 + 1 + ((1 + 1) + entry)  # n: tag + varint; capacity: one tag per entry
+    body = metadata + spec
+    envelope = 4 + (1 + 1 + type_meta) + (1 + 1 + body) + 2 + 2
+    key = len("/registry/resource.k8s.io/resourceslices/ab")
+    assert protobuf_bytes(obj) == envelope + key == 85
