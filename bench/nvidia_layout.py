@@ -303,3 +303,24 @@ def nvidia_slices(
             }
         )
     return out
+
+
+def tainted(specs: list[Obj], minor: int) -> list[Obj]:
+    """``specs`` with every device of GPU ``minor`` tainted as its health monitor does for an
+    Xid (``device_health.go`` ``healthEventToTaint``: key ``gpu.nvidia.com/xid``, the Xid as
+    value, NoSchedule; the API server stamps ``timeAdded``)."""
+    taint = {
+        "key": f"{DRIVER}/xid",
+        "value": "79",
+        "effect": "NoSchedule",
+        "timeAdded": "2026-01-01T00:00:00Z",
+    }
+    mine = (f"gpu-{minor}", f"gpu-{minor}-")
+
+    def mark(dev: Obj) -> Obj:
+        hit = dev["name"] == mine[0] or str(dev["name"]).startswith(mine[1])
+        return {**dev, "taints": [taint]} if hit else dev
+
+    return [
+        {**s, "devices": [mark(d) for d in s["devices"]]} if "devices" in s else s for s in specs
+    ]

@@ -109,6 +109,9 @@ class NodeFigures:
     restart_bytes: int
     stored_protobuf: int = 0
     """The pool as etcd holds it, estimated (:func:`protobuf_bytes`)."""
+    taint_writes: int = 0
+    """API writes when one GPU's devices are tainted (health; Tessera with --device-taints)."""
+    taint_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from agent.discovery.inventory import NodeInventory
 from agent.sim.apiserver import ApiServer
 from agent.sim.model import all_model_names, vm_model_names
 from bench.common import report, simulated_inventory
-from bench.nvidia_layout import NVIDIA_COMMIT, nvidia_slices, slice_specs
+from bench.nvidia_layout import NVIDIA_COMMIT, nvidia_slices, slice_specs, tainted
 from bench.scale_daemon import DaemonWrites, measure
 from bench.scale_math import (
     ETCD_QUOTA,
@@ -49,6 +49,7 @@ from bench.table import Figure, below, measured, ratio_at_most
 from dra_driver.advertise.publisher import Publisher
 from dra_driver.advertise.slice_stores import KubeSliceStore
 from dra_driver.advertise.slices import SlicePolicy
+from dra_driver.advertise.taints import UnhealthyGpu, with_health
 from dra_driver.cluster.kube import KubeClient
 from dra_driver.device_model import DeviceModel
 
@@ -134,6 +135,14 @@ def tessera_node(model: DeviceModel) -> tuple[NodeFigures, int, int]:
             again.step(1.0)
             change_writes = server.writes("resourceslices")
             change = _rewritten(server, before)
+            again.set_devices(model)
+            again.step(2.0)
+            server.clear_log()
+            before = _versions(server)
+            again.set_devices(with_health(model, _unhealthy(model, gone), **TAINTS))
+            again.step(3.0)
+            taint_writes = server.writes("resourceslices")
+            taint = _rewritten(server, before)
         finally:
             kube.close()
     full = [with_managed_fields(o, "tessera") for o in stored]
@@ -144,8 +153,18 @@ def tessera_node(model: DeviceModel) -> tuple[NodeFigures, int, int]:
         change_bytes=pool_bytes([with_managed_fields(o, "tessera") for o in change]),
         restart_writes=restart_writes,
         restart_bytes=pool_bytes([with_managed_fields(o, "tessera") for o in restart]),
+        taint_writes=taint_writes,
+        taint_bytes=pool_bytes([with_managed_fields(o, "tessera") for o in taint]),
     )
     return figures, sent, len(stored)
+
+
+TAINTS: dict[str, Any] = {"taints": True, "driver_name": DRIVER}
+
+
+def _unhealthy(model: DeviceModel, minor: int) -> dict[str, UnhealthyGpu]:
+    uuid = next(d.parent_uuid for d in model.devices if d.gpu_minor == minor)
+    return {uuid: UnhealthyGpu(uuid, "xid-79", since=1_767_225_600.0)}
 
 
 def _sent_meta(stored: Obj) -> Obj:
@@ -164,6 +183,11 @@ def _stored(objs: list[Obj]) -> list[Obj]:
     ]
 
 
+def _named(objs: list[Obj], specs: list[Obj]) -> list[Obj]:
+    """``objs`` with their contents replaced by ``specs`` (same order)."""
+    return [{**o, "spec": {**o["spec"], **s}} for o, s in zip(objs, specs, strict=True)]
+
+
 def nvidia_node(inv: NodeInventory, mode: str) -> tuple[NodeFigures, int, int, int]:
     """NVIDIA's figures for the same node: its slices stored by the emulator; a restart and a
     change by its controller's rules (:func:`bench.scale_math.nvidia_sync`)."""
@@ -175,6 +199,8 @@ def nvidia_node(inv: NodeInventory, mode: str) -> tuple[NodeFigures, int, int, i
     change = nvidia_sync(old, new)
     after = _stored(nvidia_slices(fewer, mode, NODE, "node-uid", generation=2))
     restart = nvidia_sync(old, old)
+    taint = nvidia_sync(old, tainted(old, gone))
+    marked = _stored(_named(built, tainted(old, gone)))
     figures = NodeFigures(
         stored_bytes=pool_bytes(stored),
         stored_protobuf=sum(protobuf_bytes(o) for o in stored),
@@ -182,6 +208,8 @@ def nvidia_node(inv: NodeInventory, mode: str) -> tuple[NodeFigures, int, int, i
         change_bytes=sum(compact(after[i]) for i in change.written),
         restart_writes=restart.writes,
         restart_bytes=0,
+        taint_writes=taint.writes,
+        taint_bytes=sum(compact(marked[i]) for i in taint.written),
     )
     devices = sum(len(s["spec"].get("devices", [])) for s in built)
     return figures, pool_bytes(built), len(built), devices
@@ -277,6 +305,7 @@ def _row(e: dict[str, Any]) -> tuple[str, str]:
         f" as protobuf ~{c['etcd_protobuf_bytes'] / GIB:.2f} GiB);"
         f" change {n['change_writes']} writes, watch {_mib(c['change_watch_bytes'])};"
         f" restart {n['restart_writes']} writes;"
+        f" a GPU tainted {n['taint_writes']} writes, {_mib(n['taint_bytes'])};"
         f" writes/min steady {c['steady_writes_per_min']:,.0f},"
         f" churn {c['churn_writes_per_min']:,.0f}",
     )  # fmt: skip

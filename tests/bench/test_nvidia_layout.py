@@ -19,6 +19,7 @@ from bench.nvidia_layout import (
     nvidia_slices,
     semver,
     slice_specs,
+    tainted,
 )
 from tests.k8sschema import validate
 
@@ -154,6 +155,16 @@ def test_the_slices_are_valid_for_the_versions_they_are_published_to(
                 assert obj["metadata"]["generateName"] == f"{i:05x}-gpu.nvidia.com-node-a-"
                 for version in versions:
                     validate(named, version)
+
+
+def test_a_health_taint_marks_every_device_of_the_gpu_in_its_one_slice(h100: NodeInventory) -> None:
+    specs = slice_specs(h100, "dynamic-mig")
+    after = tainted(specs, 1)
+    changed = [i for i, (a, b) in enumerate(zip(specs, after, strict=True)) if a != b]
+    assert changed == [2]  # the counters slice, GPU 0's slice, then GPU 1's
+    taints = {d["name"]: d.get("taints") for d in after[2]["devices"]}
+    assert all(t and t[0]["key"] == "gpu.nvidia.com/xid" for t in taints.values())
+    assert "gpu-1" in taints and "gpu-10" not in taints
 
 
 def test_a_bad_mode_is_refused_with_the_modes_allowed(h100: NodeInventory) -> None:

@@ -28,6 +28,7 @@ def test_nvidia_rewrites_every_slice_when_a_gpu_goes_in_dynamic_mig() -> None:
     assert slices == 1 + len(inv.gpus)  # counters, then a slice per GPU
     assert node.change_writes == slices  # count changes: generation bumped, last deleted
     assert node.restart_writes == 0  # an unchanged slice is not written
+    assert node.taint_writes == 1  # one GPU's slice changed: the generation is kept
     assert devices > len(inv.gpus) and whole_slices == 1 and whole.change_writes == 1
 
 
