@@ -123,6 +123,7 @@ class ClusterFigures:
     change_watch_bytes: int
     """One device change delivered: to every cluster watcher, plus the node's own watch."""
     restart_watch_bytes: int
+    taint_watch_bytes: int
     steady_writes_per_min: float
     churn_writes_per_min: float
     """Steady writes plus the writes of ``churn_per_node_hour`` device changes per node."""
@@ -145,6 +146,7 @@ def cluster(
         quota_share=etcd / ETCD_QUOTA,
         change_watch_bytes=node.change_bytes * (watchers + 1),
         restart_watch_bytes=node.restart_bytes * (watchers + 1),
+        taint_watch_bytes=node.taint_bytes * (watchers + 1),
         steady_writes_per_min=steady_writes_per_node_min * nodes,
         churn_writes_per_min=churn * nodes,
     )

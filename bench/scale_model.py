@@ -305,7 +305,7 @@ def _row(e: dict[str, Any]) -> tuple[str, str]:
         f" as protobuf ~{c['etcd_protobuf_bytes'] / GIB:.2f} GiB);"
         f" change {n['change_writes']} writes, watch {_mib(c['change_watch_bytes'])};"
         f" restart {n['restart_writes']} writes;"
-        f" a GPU tainted {n['taint_writes']} writes, {_mib(n['taint_bytes'])};"
+        f" a GPU tainted {n['taint_writes']} writes, watch {_mib(c['taint_watch_bytes'])};"
         f" writes/min steady {c['steady_writes_per_min']:,.0f},"
         f" churn {c['churn_writes_per_min']:,.0f}",
     )  # fmt: skip

@@ -53,12 +53,14 @@ def test_one_nodes_figures_at_cluster_scale() -> None:
         restart_writes=3,
         restart_bytes=70,
         stored_protobuf=80,
+        taint_writes=1,
+        taint_bytes=20,
     )
     c = cluster(node, 1.0, nodes=10, churn_per_node_hour=6, watchers=2)
     assert (c.etcd_bytes, c.etcd_protobuf_bytes) == (1000, 800)
     assert c.quota_share == 1000 / ETCD_QUOTA
     assert c.change_watch_bytes == 150  # two cluster watchers and the node's own watch
-    assert c.restart_watch_bytes == 210
+    assert (c.restart_watch_bytes, c.taint_watch_bytes) == (210, 60)
     assert c.steady_writes_per_min == 10
     assert c.churn_writes_per_min == 12  # (1 + 2 writes x 6 changes / 60 min) x 10 nodes
 
