@@ -316,7 +316,7 @@ def _daemon_rows(d: DaemonWrites, steady: float) -> list[tuple[str, str]]:
     return [
         ("daemon (dgx-a100 dynamic): writes at start", str(d.start)),
         (f"daemon: writes in {d.window_s:g} s steady (report every {d.interval_s:g} s)",
-         f"{d.steady} = {steady:.2f} per interval (per minute at the default 60 s)"),
+         f"{d.steady} = {steady:.2f} per report (per minute at the default 60 s)"),
         ("daemon: writes at a clean stop", str(d.stop)),
         ("daemon: writes at a restart (same devices; reports aside)", str(d.restart or "none")),
         (f"{NODES:,} nodes steady", f"{steady * NODES:,.0f} writes/min"

@@ -4,6 +4,8 @@ controller (its syncPool rules) for a change."""
 
 from __future__ import annotations
 
+from agent.sim.apiserver import RequestRecord
+from bench.scale_daemon import DaemonWrites, writes_by_resource
 from bench.scale_math import (
     ETCD_QUOTA,
     NodeFigures,
@@ -95,3 +97,25 @@ def test_the_protobuf_estimate_follows_the_encoding_rules_byte_for_byte() -> Non
     envelope = 4 + (1 + 1 + type_meta) + (1 + 1 + body) + 2 + 2
     key = len("/registry/resource.k8s.io/resourceslices/ab")
     assert protobuf_bytes(obj) == envelope + key == 85
+
+
+def test_steady_writes_are_counted_per_report_written() -> None:
+    writes = DaemonWrites(
+        start={},
+        steady={"PUT gpuusagereports": 3, "POST events": 1},
+        stop={},
+        restart={},
+        interval_s=1.0,
+        window_s=4.0,  # four intervals, three reports: the drift is not a write saved
+    )
+    assert writes.steady_per_interval() == 4 / 3
+    records = [
+        RequestRecord("PUT", "/apis/tessera.dev/v1alpha1/gpuusagereports/n", "", 200),
+        RequestRecord("POST", "/apis/resource.k8s.io/v1/resourceslices", "", 201),
+        RequestRecord("GET", "/apis/resource.k8s.io/v1/resourceslices", "", 200),
+        RequestRecord("PUT", "/apis/tessera.dev/v1alpha1/gpuusagereports/n", "", 200),
+    ]
+    assert writes_by_resource(records) == {
+        "POST resourceslices": 1,
+        "PUT gpuusagereports": 2,
+    }  # reads are not writes
