@@ -46,6 +46,7 @@ ComputeDomain slices (another plugin) and vGPU hosts (NVIDIA's driver has no vGP
 from __future__ import annotations
 
 import re
+import uuid
 from typing import Any
 
 from agent.discovery.inventory import Gpu, NodeInventory
@@ -168,6 +169,10 @@ def whole_gpu(gpu: Gpu, inv: NodeInventory) -> Obj:
 
 
 def vfio_device(gpu: Gpu, index: int) -> Obj:
+    """``nvlib.go`` ``getVfioDeviceInfo``: its UUID is a SHA-1 UUID of the PCI address in the
+    DNS namespace. Approximated: the product name (the PCI database's, here NVML's) and the
+    addressable memory (its BARs' total, here the GPU's memory: a Quantity of the same
+    length)."""
     d = gpu.device
     attrs = {
         "deviceID": {"string": f"0x{d.pci_device_id >> 16:04x}"},
@@ -177,7 +182,7 @@ def vfio_device(gpu: Gpu, index: int) -> Obj:
         "resource.kubernetes.io/pciBusID": {"string": gpu.pcie.bus_id},
         "resource.kubernetes.io/pcieRoot": {"string": gpu.pcie.pcie_root},
         "type": {"string": "vfio"},
-        "uuid": {"string": d.uuid},
+        "uuid": {"string": str(uuid.uuid5(uuid.NAMESPACE_DNS, gpu.pcie.bus_id))},
         "vendorID": {"string": f"0x{d.pci_device_id & 0xFFFF:04x}"},
     }
     return {

@@ -5,6 +5,7 @@ Kubernetes versions it is published to."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -138,7 +139,11 @@ def test_without_dynamic_mig_one_slice_holds_every_device(
     assert set(dev["attributes"]) == MIG_ATTRIBUTES | {"uuid"}
     assert any(k.startswith("memorySlice") for k in dev["capacity"])
     (passthrough,) = slice_specs(h100, "passthrough")
-    assert "gpu-vfio-0" in devices([passthrough])
+    vfio = devices([passthrough])["gpu-vfio-0"]["attributes"]
+    gpu0 = min(h100.gpus, key=lambda g: g.device.minor)
+    assert vfio["uuid"] == {"string": str(uuid.uuid5(uuid.NAMESPACE_DNS, gpu0.pcie.bus_id))}
+    assert vfio["vendorID"] == {"string": "0x10de"}  # fmt.Sprintf("0x%04x", ...)
+    assert vfio["type"] == {"string": "vfio"}
 
 
 def test_the_slices_are_valid_for_the_versions_they_are_published_to(
