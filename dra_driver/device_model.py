@@ -103,10 +103,28 @@ __all__ = [  # the value types live in device_types; this is where the rest of t
     "gpu_counter_set",
     "memory_slots",
     "mig_device_name",
+    "mig_profile_name",
     "node_mig_profiles",
     "offered_profiles",
     "unknown_mig_profiles",
 ]
+
+
+_PROFILE_NAME = re.compile(r"[1-9][0-9]?g\.[0-9]+gb(?:[+-][a-z]+(?:\.[a-z]+)*)*")
+"""NVML's GPU instance profile names: ``1g.10gb``, ``1g.5gb+me``, ``1g.12gb-me``, ``1g.24gb+gfx``,
+``1g.18gb+me.all`` (the MIG user guide's "Supported MIG Profiles")."""
+
+
+def mig_profile_name(raw: str) -> str:
+    """One ``--mig-profiles`` entry, lower case (``3G.40GB`` is ``3g.40gb``); ValueError with the
+    phrase that follows the value when it is not a MIG profile name."""
+    value = raw.strip().lower()
+    if not _PROFILE_NAME.fullmatch(value):
+        raise ValueError(
+            "is not a MIG profile name: NVML's form is <slices>g.<memory>gb with an optional"
+            " suffix, as nvidia-smi mig -lgip lists them (1g.10gb, 3g.40gb, 1g.10gb+me)"
+        )
+    return value
 
 
 def mig_device_name(minor: int, profile_name: str, profile_id: int, start: int) -> str:
