@@ -127,3 +127,39 @@ def test_no_capacity_or_consumption_is_zero(inventory: Inventory, model_name: st
             assert counters and all(int(q) > 0 for _, q in counters), d.name
     for cs in model.counter_sets:
         assert all(int(q) > 0 for _, q in cs.counters), cs.name
+
+
+@pytest.mark.parametrize(
+    "chosen",
+    [("7g.40gb",), ("1g.5gb",), ("1g.5gb+me",), ("1g.5gb", "3g.20gb"), ("1g.10gb", "4g.20gb")],
+    ids=",".join,
+)
+def test_chosen_profiles_still_keep_every_clash_apart(
+    inventory: Inventory, fits: Fits, chosen: tuple[str, ...]
+) -> None:
+    """--mig-profiles: the counters are those the chosen profiles need (fewer), and they still
+    refuse every overlapping pair, two +me instances, and the whole GPU beside any of them."""
+    inv = passthrough(inventory("dgx-a100", "none"))  # MIG off: the whole GPU is offered too
+    policy = DevicePolicy(mig_mode="dynamic", virtualization="passthrough", mig_profiles=chosen)
+    # an A100 with MIG off offers no placements: look at them on one in MIG mode
+    on = advertised_devices(
+        inventory("dgx-a100"), DevicePolicy(mig_mode="dynamic", mig_profiles=chosen)
+    )
+    devs = _mig(on, 0)
+    assert {str(dict(d.attributes)["profile"]["string"]) for d in devs} == set(chosen)
+    whole = {c.name: c for c in on.counter_sets}["gpu-0-counter-set"]
+    for a, b in itertools.combinations(devs, 2):
+        assert a.mig_placement_start is not None and b.mig_placement_start is not None
+        a_end = a.mig_placement_start + (a.mig_placement_size or 0)
+        b_end = b.mig_placement_start + (b.mig_placement_size or 0)
+        overlap = a.mig_placement_start < b_end and b.mig_placement_start < a_end
+        both_me = a.mig_profile_id == b.mig_profile_id == 20
+        assert fits(on, [a, b]) == (not overlap and not both_me), (a.name, b.name)
+    for d in devs:
+        full = AdvertisedDevice(
+            name="gpu-0", kind="gpu", gpu_index=0, gpu_minor=0, parent_uuid="", uuid=None,
+            attributes=(), capacity=(), consumes_counters=((whole.name, whole.counters),),
+        )  # fmt: skip
+        assert not fits(on, [full, d]), d.name
+    plain = advertised_devices(inv, policy)  # MIG off: whole GPU and vfio, still apart
+    assert not fits(plain, [plain.device("gpu-0"), plain.device("gpu-0-vfio")])
