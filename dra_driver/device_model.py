@@ -19,8 +19,7 @@ MIG modes:
     slice (each slice counter is 1), so they can never be allocated together. Which counters a
     GPU needs, and the proof that those left out never refuse anything:
     :mod:`dra_driver.mig_counters`.
-    ``--mig-profiles`` leaves the counters as they are: the placements not advertised take no
-    part in them.
+    With ``--mig-profiles`` the counters are those the profiles offered need.
 
 What a MIG device carries: the attributes of its GPU that tell GPUs apart (``productName``,
 ``architecture``, ``minor``, the PCI ones) and its own, but not what only repeats the node
@@ -111,8 +110,8 @@ __all__ = [  # the value types live in device_types; this is where the rest of t
 
 
 _PROFILE_NAME = re.compile(r"[1-9][0-9]?g\.[0-9]+gb(?:[+-][a-z]+(?:\.[a-z]+)*)*")
-"""NVML's GPU instance profile names: ``1g.10gb``, ``1g.5gb+me``, ``1g.12gb-me``, ``1g.24gb+gfx``,
-``1g.18gb+me.all`` (the MIG user guide's "Supported MIG Profiles")."""
+"""NVML's GPU instance profile names: ``<slices>g.<memory>gb``, then suffixes such as ``+me``
+(``1g.10gb``, ``1g.5gb+me``; the MIG user guide's "Supported MIG Profiles")."""
 
 
 def mig_profile_name(raw: str) -> str:
@@ -256,8 +255,8 @@ def offered_profiles(device: GpuDevice, policy: DevicePolicy) -> tuple[MigProfil
 
 
 def unknown_mig_profiles(inv: NodeInventory, policy: DevicePolicy) -> tuple[str, ...]:
-    """The ``--mig-profiles`` no MIG-capable GPU of the node has (every name under
-    ``--mig-mode static``, where the setting does nothing, is not asked)."""
+    """The ``--mig-profiles`` no MIG-capable GPU of the node has (none outside dynamic mode,
+    where the setting is refused at start)."""
     if policy.mig_mode != "dynamic":
         return ()
     known = {p.name for g in inv.gpus if g.device.mig_capable for p in g.device.mig_profiles}
