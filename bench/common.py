@@ -40,6 +40,12 @@ FSYNC_FLOOR = (
 )
 
 
+def pool_bytes(slices: Sequence[dict[str, Any]]) -> int:
+    """A pool's size as compact JSON (``separators=(",", ":")``), summed over its slices: what
+    a ResourceSlice weighs on the wire and, near enough, in etcd and every watcher's memory."""
+    return sum(len(json.dumps(s, separators=(",", ":"))) for s in slices)
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     k = max(0, min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1))))

@@ -1,16 +1,20 @@
-"""ResourceSlices: build time for dgx-a100 in dynamic MIG mode, and API writes per situation
-(first publish, 10 simulated minutes of steady state, one device change), counted at the
-API-server emulator over real HTTP."""
+"""ResourceSlices: their size (compact JSON bytes of dgx-a100's pool in dynamic MIG mode, what
+each cut of issue 25 saved, every simulated model and mode: bench/slice_bytes.py), build time
+for dgx-a100 in dynamic MIG mode, and API writes per situation (first publish, 10 simulated
+minutes of steady state, one device change), counted at the API-server emulator over real
+HTTP."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import tempfile
 from pathlib import Path
 
 from agent.sim.apiserver import ApiServer
-from bench.common import ms, report, simulated_inventory, timings
-from bench.table import Figure, equal_to, measured
+from bench.common import ms, pool_bytes, report, simulated_inventory, timings
+from bench.slice_bytes import cuts, every_model
+from bench.table import Figure, at_most, equal_to, measured
 from dra_driver.advertise.publisher import Publisher
 from dra_driver.advertise.slice_stores import KubeSliceStore
 from dra_driver.advertise.slices import SlicePolicy, build_slices
@@ -21,6 +25,10 @@ DRIVER, NODE = "gpu.tessera.dev", "bench-node"
 NAME = "slices"
 REPEATS, BUILDS = 3, 200
 QUICK_REPEATS, QUICK_BUILDS = 2, 50
+BYTES_GOAL_KB = 150
+"""Issue 25: dgx-a100's default dynamic-MIG pool, at most 150 KB of compact JSON."""
+CHOSEN_PROFILES = ("1g.10gb", "3g.20gb")
+"""An admin's ``--mig-profiles`` for the size row (two of the A100 40GB's seven profiles)."""
 
 
 def without_gpu(model: DeviceModel, minor: int) -> DeviceModel:
@@ -38,6 +46,9 @@ def run(quick: bool) -> list[Figure]:
     with simulated_inventory("dgx-a100") as inv:
         model = advertised_devices(inv, dynamic)
         slices = build_slices(model, policy, 1)
+        saved = cuts(inv, dynamic)
+        chosen = DevicePolicy(driver_name=DRIVER, mig_mode="dynamic", mig_profiles=CHOSEN_PROFILES)
+        chosen_bytes = pool_bytes(build_slices(advertised_devices(inv, chosen), policy, 1))
         runs = [
             timings(lambda: build_slices(advertised_devices(inv, dynamic), policy, 1), builds)
             for _ in range(repeats)
@@ -87,7 +98,11 @@ def run(quick: bool) -> list[Figure]:
         kube.close()
 
     devices = sum(len(s["spec"].get("devices", [])) for s in slices)
+    size = pool_bytes(slices)
+    models = every_model()
     figures = [
+        measured(NAME, "slices, dgx-a100 dynamic MIG, compact JSON bytes", "KB", [size / 1000],
+                 goal=at_most(BYTES_GOAL_KB, "KB")),
         measured(NAME, f"build, dgx-a100 dynamic MIG ({devices} devices, {len(slices)} slices),"
                  " p50", "ms", [1000 * r["p50_s"] for r in runs]),
         measured(NAME, "API writes, first publish", "count", [first],
@@ -101,6 +116,13 @@ def run(quick: bool) -> list[Figure]:
     ]  # fmt: skip
     rows = [
         ("dgx-a100 dynamic: devices / slices", f"{devices} / {len(slices)}"),
+        ("dgx-a100 dynamic: compact JSON bytes", f"{size:,}"),
+        *(
+            (f"  {label}", f"{after:,} ({after - before:+,})")
+            for (_, before), (label, after) in itertools.pairwise(saved)
+        ),
+        (f"  --mig-profiles {','.join(CHOSEN_PROFILES)}", f"{chosen_bytes:,}"),
+        *((f"{m} {mode}: devices, bytes", f"{n}, {b:,}") for m, mode, n, b in models),
         (
             "build time p50 / p99, each repeat",
             ", ".join(f"{ms(r['p50_s'])} / {ms(r['p99_s'])}" for r in runs),
@@ -118,6 +140,12 @@ def run(quick: bool) -> list[Figure]:
         {
             "devices": devices,
             "slices": len(slices),
+            "bytes": size,
+            "bytes_by_cut": saved,
+            "bytes_mig_profiles": {"profiles": list(CHOSEN_PROFILES), "bytes": chosen_bytes},
+            "bytes_by_model": [
+                {"model": m, "mig_mode": mode, "devices": n, "bytes": b} for m, mode, n, b in models
+            ],
             "build": runs,
             "writes_first_publish": first,
             "writes_steady_10min_resync600": steady,

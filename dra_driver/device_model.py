@@ -11,21 +11,22 @@ MIG modes:
 ``static``
     A GPU with MIG enabled is advertised only as its existing MIG devices; every other GPU whole.
 ``dynamic``
-    Every MIG-capable GPU advertises itself whole *and* every profile x placement. Exclusion is
-    expressed with one counter set per GPU (``gpu-<minor>-counter-set``): each placement consumes
-    its profile's engines, SMs and memory plus ``memory-slice-<i>`` = 1 for every memory slot it
-    occupies; the whole GPU consumes every counter in full. Overlapping placements share a memory
-    slice (each slice counter is 1), so they can never be allocated together.
+    Every MIG-capable GPU advertises itself whole *and* every profile x placement (of the
+    profiles ``--mig-profiles`` names; all when it names none). Exclusion is expressed with one
+    counter set per GPU (``gpu-<minor>-counter-set``): each placement consumes ``memory-slice-<i>``
+    = 1 for the memory slots it occupies and the engines its profile has of the counters the GPU
+    needs; the whole GPU consumes every counter in full. Overlapping placements share a memory
+    slice (each slice counter is 1), so they can never be allocated together. Which counters a
+    GPU needs, and the proof that those left out never refuse anything:
+    :mod:`dra_driver.mig_counters`.
+    With ``--mig-profiles`` the counters are those the profiles offered need.
 
-Counter capacity choice (dynamic mode): the inventory has no whole-GPU SM or engine totals, so
-each per-dimension counter (``multiprocessors``, ``copy-engines``, ``decoders``, ``encoders``,
-``jpeg-engines``, ``ofa-engines``) is the largest sum that any set of pairwise non-overlapping
-placements can reach, honouring each profile's ``max_instances``. The full-GPU (7-slice)
-placement is one such set, so the counter is never below the 7g profile's value, and every legal
-MIG layout fits by construction; on A100/H100/H200 the maximum is exactly the 7g profile's value.
-Honouring ``max_instances`` keeps ``ofa-engines`` at 1 where only one ``+me`` instance may exist,
-so the counters also forbid two ``+me`` placements at once. ``memory`` is the GPU's total bytes
-(or that largest sum, should it ever be greater).
+What a MIG device carries: the attributes of its GPU that tell GPUs apart (``productName``,
+``architecture``, ``minor``, the PCI ones) and its own, but not what only repeats the node
+(``driverVersion``, ``cudaDriverVersion``) or the GPU (``brand``, ``cudaComputeCapability``: set by
+the product; ``index``: ``minor`` names the GPU), nor ``nvlinkClique`` (MIG instances have no
+GPU-to-GPU peer access over NVLink); see ``MIG_LEFT_OUT``. 200 MIG devices a node make these
+bytes count (docs/performance.md, "ResourceSlices").
 
 Virtual machines (``--virtualization``): the vfio and vgpu devices come from
 :mod:`dra_driver.vm_devices`; a GPU passed through gets a counter set even without dynamic MIG,
@@ -35,10 +36,7 @@ so that its whole GPU and its vfio device exclude each other. The value types ar
 
 from __future__ import annotations
 
-import functools
 import re
-import types
-from collections.abc import Mapping
 
 from agent.discovery.inventory import Gpu, NodeInventory
 from agent.nvml.mig import mode_switch_needs_reset
@@ -72,6 +70,12 @@ from dra_driver.device_types import (
     quantities,
     sorted_attrs,
 )
+from dra_driver.mig_counters import (
+    DIMENSIONS,
+    gpu_counter_set,
+    memory_slots,
+    placement_consumption,
+)
 from dra_driver.vm_devices import (
     memory_counter_set,
     passes_through,
@@ -98,17 +102,28 @@ __all__ = [  # the value types live in device_types; this is where the rest of t
     "gpu_counter_set",
     "memory_slots",
     "mig_device_name",
+    "mig_profile_name",
+    "node_mig_profiles",
+    "offered_profiles",
+    "unknown_mig_profiles",
 ]
 
-# (counter name: a DNS label, capacity name: a C identifier, MigProfile attribute)
-_DIMENSIONS: tuple[tuple[str, str, str], ...] = (
-    ("multiprocessors", "multiprocessors", "multiprocessors"),
-    ("copy-engines", "copyEngines", "copy_engines"),
-    ("decoders", "decoders", "decoders"),
-    ("encoders", "encoders", "encoders"),
-    ("jpeg-engines", "jpegEngines", "jpeg_engines"),
-    ("ofa-engines", "ofaEngines", "ofa_engines"),
-)
+
+_PROFILE_NAME = re.compile(r"[1-9][0-9]?g\.[0-9]+gb(?:[+-][a-z]+(?:\.[a-z]+)*)*")
+"""NVML's GPU instance profile names: ``<slices>g.<memory>gb``, then suffixes such as ``+me``
+(``1g.10gb``, ``1g.5gb+me``; the MIG user guide's "Supported MIG Profiles")."""
+
+
+def mig_profile_name(raw: str) -> str:
+    """One ``--mig-profiles`` entry, lower case (``3G.40GB`` is ``3g.40gb``); ValueError with the
+    phrase that follows the value when it is not a MIG profile name."""
+    value = raw.strip().lower()
+    if not _PROFILE_NAME.fullmatch(value):
+        raise ValueError(
+            "is not a MIG profile name: NVML's form is <slices>g.<memory>gb with an optional"
+            " suffix, as nvidia-smi mig -lgip lists them (1g.10gb, 3g.40gb, 1g.10gb+me)"
+        )
+    return value
 
 
 def mig_device_name(minor: int, profile_name: str, profile_id: int, start: int) -> str:
@@ -153,8 +168,24 @@ def _whole_gpu(
 
 
 def _mig_capacity(profile: MigProfile | None, memory: int, multiprocessors: int) -> Quantities:
-    values = {cap: getattr(profile, field) for _, cap, field in _DIMENSIONS} if profile else {}
-    return quantities(values | {"memory": memory, "multiprocessors": multiprocessors})
+    """A MIG device's capacities; a zero one is left out (a 1g.5gb has no decoder: no
+    ``decoders``), as a zero counter consumption is."""
+    values = {cap: getattr(profile, field) for _, cap, field in DIMENSIONS} if profile else {}
+    values |= {"memory": memory, "multiprocessors": multiprocessors}
+    return quantities({k: v for k, v in values.items() if v != 0})
+
+
+MIG_LEFT_OUT = (
+    "brand",
+    "cudaComputeCapability",
+    "cudaDriverVersion",
+    "driverVersion",
+    "index",
+    "nvlinkClique",
+)
+"""Attributes of its GPU a MIG device does not repeat (the module docstring says why). NVIDIA's
+MIG user guide: MIG instances have no GPU-to-GPU P2P over PCIe or NVLink ("Deployment
+Considerations"); each MIG-capable product has one compute capability ("Supported GPUs")."""
 
 
 def _mig_device(
@@ -169,7 +200,7 @@ def _mig_device(
     consumes: tuple[tuple[str, Quantities], ...] = (),
 ) -> AdvertisedDevice:
     d = gpu.device
-    attrs = parent_attributes(gpu, system)
+    attrs = {k: v for k, v in parent_attributes(gpu, system).items() if k not in MIG_LEFT_OUT}
     attrs |= {
         "type": string_value("mig"),
         "profile": string_value(profile_name),
@@ -195,64 +226,6 @@ def _mig_device(
     )
 
 
-def _profile_amounts(profile: MigProfile) -> dict[str, int]:
-    amounts = {counter: getattr(profile, field) for counter, _, field in _DIMENSIONS}
-    amounts["memory"] = profile.memory_bytes
-    return amounts
-
-
-def memory_slots(profiles: tuple[MigProfile, ...]) -> int:
-    """Number of memory slices: the end of the furthest placement (8 on A100/H100/H200)."""
-    return max((p.start + p.size for prof in profiles for p in prof.placements), default=0)
-
-
-@functools.cache
-def _max_layout_sums(profiles: tuple[MigProfile, ...]) -> Mapping[str, int]:
-    """Per dimension, the largest sum over sets of non-overlapping placements within every
-    profile's ``max_instances``. Enumerates the sets slot by slot (a few thousand per GPU)."""
-    slots = memory_slots(profiles)
-    starting: dict[int, list[tuple[int, MigProfile, int]]] = {s: [] for s in range(slots)}
-    for i, prof in enumerate(profiles):
-        for p in prof.placements:
-            starting[p.start].append((i, prof, p.size))
-    best = dict.fromkeys(_profile_amounts(profiles[0]) if profiles else (), 0)
-    counts = [0] * len(profiles)
-
-    def walk(slot: int, sums: dict[str, int]) -> None:
-        for k, v in sums.items():
-            best[k] = max(best[k], v)
-        if slot >= slots:
-            return
-        walk(slot + 1, sums)
-        for i, prof, size in starting[slot]:
-            if counts[i] >= prof.max_instances:
-                continue
-            counts[i] += 1
-            amounts = _profile_amounts(prof)
-            walk(slot + size, {k: v + amounts[k] for k, v in sums.items()})
-            counts[i] -= 1
-
-    walk(0, dict.fromkeys(best, 0))
-    return types.MappingProxyType(best)  # cached and shared: read-only
-
-
-def gpu_counter_set(device: GpuDevice) -> CounterSet:
-    """The dynamic-MIG counter set of one MIG-capable GPU (see the module docstring)."""
-    values = dict(_max_layout_sums(device.mig_profiles))
-    values["memory"] = max(values.get("memory", 0), device.memory.total)
-    for slot in range(memory_slots(device.mig_profiles)):
-        values[f"memory-slice-{slot}"] = 1
-    return CounterSet(name=counter_set_name(device.minor), counters=quantities(values))
-
-
-def _placement_consumption(
-    counters: CounterSet, profile: MigProfile, placement: Placement
-) -> tuple[tuple[str, Quantities], ...]:
-    amounts = _profile_amounts(profile)
-    amounts |= {f"memory-slice-{slot}": 1 for slot in placement.slots()}
-    return ((counters.name, quantities(amounts)),)
-
-
 def _static_mig_devices(gpu: Gpu, system: SystemInfo) -> list[AdvertisedDevice]:
     profiles = {p.profile_id: p for p in gpu.device.mig_profiles}
     out = []
@@ -273,20 +246,46 @@ def _static_mig_devices(gpu: Gpu, system: SystemInfo) -> list[AdvertisedDevice]:
     return out
 
 
+def offered_profiles(device: GpuDevice, policy: DevicePolicy) -> tuple[MigProfile, ...]:
+    """The GPU's MIG profiles that dynamic mode advertises: those ``--mig-profiles`` names, all
+    when it names none."""
+    if not policy.mig_profiles:
+        return device.mig_profiles
+    return tuple(p for p in device.mig_profiles if p.name in policy.mig_profiles)
+
+
+def unknown_mig_profiles(inv: NodeInventory, policy: DevicePolicy) -> tuple[str, ...]:
+    """The ``--mig-profiles`` no MIG-capable GPU of the node has (none outside dynamic mode,
+    where the setting is refused at start)."""
+    if policy.mig_mode != "dynamic":
+        return ()
+    known = {p.name for g in inv.gpus if g.device.mig_capable for p in g.device.mig_profiles}
+    return tuple(name for name in policy.mig_profiles if name not in known)
+
+
+def node_mig_profiles(inv: NodeInventory) -> tuple[str, ...]:
+    """Every MIG profile name a GPU of the node has, sorted (for messages)."""
+    return tuple(
+        sorted({p.name for g in inv.gpus if g.device.mig_capable for p in g.device.mig_profiles})
+    )
+
+
 def _dynamic_devices(
     gpu: Gpu, system: SystemInfo, policy: DevicePolicy
 ) -> tuple[list[AdvertisedDevice], CounterSet]:
-    """The whole GPU and every MIG placement, as far as the GPU can switch: a GPU that needs a
-    reset to enter or leave MIG mode (Ampere) offers the whole GPU only while MIG is off and
-    its placements only while MIG is on; Hopper and newer offer both (the counters keep a
-    whole-GPU allocation and placements apart, and prepare switches the mode when idle)."""
-    counters = gpu_counter_set(gpu.device)
+    """The whole GPU and every MIG placement of the offered profiles, as far as the GPU can
+    switch: a GPU that needs a reset to enter or leave MIG mode (Ampere) offers the whole GPU
+    only while MIG is off and its placements only while MIG is on; Hopper and newer offer both
+    (the counters keep a whole-GPU allocation and placements apart, and prepare switches the
+    mode when idle)."""
     d = gpu.device
+    profiles = offered_profiles(d, policy)
+    counters = gpu_counter_set(d, profiles)
     fixed = mode_switch_needs_reset(d.architecture)
     out = [_whole_gpu(gpu, system, policy, counters)] if not (fixed and d.mig_enabled) else []
     if fixed and not d.mig_enabled:
         return out, counters
-    for prof in gpu.device.mig_profiles:
+    for prof in profiles:
         capacity = _mig_capacity(prof, prof.memory_bytes, prof.multiprocessors)
         for placement in prof.placements:
             out.append(
@@ -297,7 +296,7 @@ def _dynamic_devices(
                     profile_name=prof.name,
                     placement=placement,
                     capacity=capacity,
-                    consumes=_placement_consumption(counters, prof, placement),
+                    consumes=placement_consumption(counters, prof, placement),
                 )
             )
     return out, counters
@@ -323,6 +322,11 @@ def _check(policy: DevicePolicy) -> None:
         raise ValueError(
             f"virtualization {policy.virtualization!r} with sharing {policy.sharing!r}: a GPU"
             " for VMs is never shared between containers' claims"
+        )
+    if policy.mig_profiles and policy.mig_mode != "dynamic":
+        raise ValueError(
+            f"mig_profiles {', '.join(policy.mig_profiles)} with mig_mode {policy.mig_mode!r}:"
+            " only dynamic MIG chooses which profiles to advertise"
         )
     if policy.virtualization == "vgpu" and policy.mig_mode == "dynamic":
         raise ValueError("virtualization 'vgpu' with mig_mode 'dynamic': vGPU GPUs have no MIG")

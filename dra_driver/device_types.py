@@ -39,6 +39,8 @@ class DevicePolicy:
     per GPU) or ``vgpu`` (``vgpu`` devices per vGPU type); see :mod:`dra_driver.vm_devices`."""
     virtualization_gpus: tuple[str, ...] = ()
     """Which GPUs get VM devices: minors, UUIDs or PCI addresses; empty: every GPU."""
+    mig_profiles: tuple[str, ...] = ()
+    """``dynamic`` MIG: the profiles (``1g.10gb``) whose placements are advertised; empty: all."""
 
 
 @dataclass(frozen=True)

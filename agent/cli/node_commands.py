@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agent.config import Config
+from agent.errors import ConfigError
 from agent.node import NodeSource, discover
 
 if TYPE_CHECKING:
@@ -58,9 +59,16 @@ def advertised(config: Config) -> tuple[str, DeviceModel]:
 
 def advertise(config: Config, inventory: NodeInventory) -> DeviceModel:
     """The devices the driver advertises for a discovered inventory under this Config."""
-    from dra_driver.device_model import advertised_devices
+    from dra_driver.device_model import advertised_devices, node_mig_profiles, unknown_mig_profiles
 
-    return advertised_devices(inventory, config.driver.device_policy())
+    policy = config.driver.device_policy()
+    unknown = unknown_mig_profiles(inventory, policy)
+    if unknown:  # a one-shot command knows the node: say what it has (the daemon logs it)
+        raise ConfigError(
+            f"--mig-profiles {','.join(unknown)}: no GPU of this node has it; its MIG profiles"
+            f" are {', '.join(node_mig_profiles(inventory)) or 'none (no MIG-capable GPU)'}"
+        )
+    return advertised_devices(inventory, policy)
 
 
 def slices_for(config: Config, node_name: str, model: DeviceModel) -> list[dict[str, Any]]:

@@ -9,7 +9,12 @@ from pathlib import Path
 from agent.config.converters import CrashAt, crash_at, dns_subdomain, memory_quantity
 from agent.config.declare import setting
 from agent.errors import ConfigError
-from dra_driver.device_model import SHARING_MODES, VIRTUALIZATION_MODES, DevicePolicy
+from dra_driver.device_model import (
+    SHARING_MODES,
+    VIRTUALIZATION_MODES,
+    DevicePolicy,
+    mig_profile_name,
+)
 from dra_driver.kubeletplugin.crash_points import CRASH_POINTS
 from dra_driver.kubeletplugin.plan import SharingPolicy
 from dra_driver.quantity import parse_bytes
@@ -127,6 +132,18 @@ class DriverSettings:
         groups=("driver",),
         choices=("static", "dynamic"),
     )
+    mig_profiles: tuple[str, ...] = setting(
+        (),
+        "With --mig-mode dynamic: advertise the placements of these MIG profiles only (1g.10gb,"
+        " 3g.40gb; repeat the flag for several, in the variable separated by commas), to keep"
+        " the node's ResourceSlices small. A claim for another profile waits (no device matches"
+        " it); whole GPUs are still advertised and the counters still keep every allocation"
+        " apart. A profile no GPU of the node has is refused by one-shot commands and logged by"
+        " the daemon. Unset: every profile.",
+        groups=("driver",),
+        metavar="PROFILE",
+        parse=mig_profile_name,
+    )
     sharing: str = setting(
         "none",
         "How whole GPUs are shared between claims: none (one claim per GPU; a claim can still"
@@ -196,6 +213,12 @@ class DriverSettings:
                 " placements to offer; use --mig-mode static (MIG-backed vGPU types are offered"
                 " as vGPU types)"
             )
+        if self.mig_profiles and self.mig_mode != "dynamic":
+            raise ConfigError(
+                f"--mig-profiles {','.join(self.mig_profiles)}: needs --mig-mode dynamic (with"
+                f" {self.mig_mode}, the MIG devices advertised are the instances an admin made,"
+                " whatever their profile)"
+            )
         if self.virtualization_gpus and self.virtualization == "none":
             raise ConfigError(
                 f"--virtualization-gpus {','.join(self.virtualization_gpus)}: needs"
@@ -212,6 +235,7 @@ class DriverSettings:
             memory_share_step=parse_bytes(self.memory_share_step),
             virtualization=self.virtualization,
             virtualization_gpus=self.virtualization_gpus,
+            mig_profiles=self.mig_profiles,
         )
 
     def sharing_policy(self) -> SharingPolicy:

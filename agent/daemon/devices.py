@@ -25,7 +25,13 @@ from agent.telemetry.gpuinfo import gpu_info
 from agent.telemetry.sampler import Sampler
 from dra_driver.advertise.publisher import Publisher
 from dra_driver.advertise.taints import UnhealthyGpu, UnhealthyGpus, with_health
-from dra_driver.device_model import DeviceModel, DevicePolicy, advertised_devices
+from dra_driver.device_model import (
+    DeviceModel,
+    DevicePolicy,
+    advertised_devices,
+    node_mig_profiles,
+    unknown_mig_profiles,
+)
 from dra_driver.errors import ClaimError
 from dra_driver.kubeletplugin.health_stream import HEALTHY, UNHEALTHY, HealthBoard
 
@@ -173,6 +179,8 @@ class NodeDevices:
                 [d.name for d in model.devices],
                 rebound,
             )
+        if previous is None or node_mig_profiles(previous) != node_mig_profiles(inv):
+            self._log_unknown_profiles(inv)
         if previous is None:
             self._log_inventory(inv)
             return change
@@ -325,6 +333,20 @@ class NodeDevices:
             ),
         )
         self._health_published(change)
+
+    def _log_unknown_profiles(self, inv: NodeInventory) -> None:
+        """--mig-profiles names a profile no GPU of the node has (a DaemonSet's one setting on
+        nodes of several products): logged at the start and when the node's profiles change,
+        not refused, so that the node keeps advertising the profiles it has."""
+        unknown = unknown_mig_profiles(inv, self.policy)
+        if unknown:
+            self.log.warning(
+                "MIG profiles not on this node",
+                extra=fields_(
+                    mig_profiles=list(unknown),
+                    node_mig_profiles=list(node_mig_profiles(inv)),
+                ),
+            )
 
     def _log_inventory(self, inv: NodeInventory) -> None:
         for g in inv.gpus:

@@ -830,6 +830,8 @@ CARRIED_ON: dict[str, Callable[[AdvertisedDevice], bool]] = {
     "all": lambda d: True,
     "all (MIG, VM devices: the GPU's)": lambda d: True,
     "all but vGPUs": lambda d: d.kind != "vgpu",
+    "all but MIG": lambda d: d.kind != "mig",
+    "all but MIG (VM devices: the GPU's)": lambda d: d.kind != "mig",
     "whole GPUs": lambda d: d.kind == "gpu",
     "GPUs, MIG": lambda d: d.kind in ("gpu", "mig"),
     "MIG": lambda d: d.kind == "mig",

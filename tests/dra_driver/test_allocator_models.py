@@ -10,10 +10,11 @@ import pytest
 import yaml
 
 from dra_driver.advertise.slices import SlicePolicy, build_slices
-from dra_driver.device_model import DevicePolicy, advertised_devices
+from dra_driver.device_model import AdvertisedDevice, DeviceModel, DevicePolicy, advertised_devices
 from dra_driver.scheduler.celenv import CelEnvironment
 from dra_driver.scheduler.explanation import explain
 from tests.dra_driver.conftest import Inventory
+from tests.dra_driver.test_devices import LAYOUTS
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "daemonset"
 CLASSES = list(yaml.safe_load_all((DEPLOY / "deviceclasses.yaml").read_text()))
@@ -160,3 +161,91 @@ def test_four_nvlink_gpus(inventory: Inventory, model: str, fits: bool) -> None:
     assert e.ok is fits, e.text()
     if not fits:
         assert e.first_reason().startswith("request gpus needs 4, 0 candidates")
+
+
+# -- dynamic MIG on the scheduler's model, with the counters the driver advertises ------------
+
+
+def one_gpu_pool(inventory: Inventory, model: str) -> tuple[DeviceModel, list[dict[str, Any]]]:
+    """GPU 0 of a model in dynamic MIG mode, alone in its pool (the other GPUs' counters are
+    their own: test_devices.py checks that)."""
+    full = advertised_devices(inventory(model), DevicePolicy(mig_mode="dynamic"))
+    one = DeviceModel(
+        devices=tuple(d for d in full.devices if d.gpu_minor == 0),
+        counter_sets=full.counter_sets[:1],
+    )
+    return one, build_slices(one, SlicePolicy(driver_name="gpu.tessera.dev", node_name=model), 1)
+
+
+def holding(pool: str, devices: list[str]) -> dict[str, Any]:
+    """A claim the scheduler allocated ``devices`` to."""
+    results = [
+        {"request": "r", "driver": "gpu.tessera.dev", "pool": pool, "device": d} for d in devices
+    ]
+    return {
+        "metadata": {"name": "held", "namespace": "other"},
+        "status": {"allocation": {"devices": {"results": results}}},
+    }
+
+
+def statuses(
+    claim_class: str, slices: list[dict[str, Any]], held: dict[str, Any]
+) -> dict[str, str]:
+    """device -> "rejected: <kind>" or "ok", for a claim of one device of the class."""
+    claim = {
+        "metadata": {"name": "c", "namespace": "default"},
+        "spec": {
+            "devices": {"requests": [{"name": "r", "exactly": {"deviceClassName": claim_class}}]}
+        },
+    }
+    e = explain(claim, CLASSES, slices, [held], cel=CelEnvironment())
+    devices = e.to_json()["requests"][0]["alternatives"][0]["devices"]
+    return {
+        d["device"]: f"rejected: {d['reason']['kind']}" if d["status"] == "rejected" else "ok"
+        for d in devices
+    }
+
+
+def clash(a: AdvertisedDevice, b: AdvertisedDevice) -> bool:
+    """Whether a GPU can never hold both: they share a memory slot, or both are +me instances
+    (one media-engine instance a GPU); the whole GPU clashes with every placement."""
+    if a.kind == "gpu" or b.kind == "gpu":
+        return True
+    assert a.mig_placement_start is not None and b.mig_placement_start is not None
+    a_end = a.mig_placement_start + (a.mig_placement_size or 0)
+    b_end = b.mig_placement_start + (b.mig_placement_size or 0)
+    overlap = a.mig_placement_start < b_end and b.mig_placement_start < a_end
+    profile = {n: str(dict(d.attributes)["profile"]["string"]) for n, d in ((0, a), (1, b))}
+    return overlap or all(p.endswith("+me") for p in profile.values())
+
+
+@pytest.mark.parametrize("model", ["dgx-a100", "dgx-h100"], ids=str)
+def test_the_scheduler_refuses_every_clashing_pair_and_only_those(
+    inventory: Inventory, model: str
+) -> None:
+    devices, node = one_gpu_pool(inventory, model)
+    for held in devices.devices:
+        seen = statuses("mig.gpu.tessera.dev", node, holding(model, [held.name]))
+        for d in devices.devices:
+            if d.kind != "mig" or d.name == held.name:
+                continue
+            want = "rejected: counters" if clash(held, d) else "ok"
+            assert seen[d.name] == want, (held.name, d.name)
+        if held.kind == "mig" and any(d.kind == "gpu" for d in devices.devices):
+            whole = statuses("gpu.tessera.dev", node, holding(model, [held.name]))
+            assert whole["gpu-0"] == "rejected: counters", held.name
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=str)
+def test_the_scheduler_completes_every_legal_layout(inventory: Inventory, layout: str) -> None:
+    devices, node = one_gpu_pool(inventory, "dgx-a100")
+    names = [
+        next(
+            d.name
+            for d in devices.devices
+            if (d.mig_profile_id, d.mig_placement_start) == (pid, start) and d.kind == "mig"
+        )
+        for pid, start in LAYOUTS[layout]
+    ]
+    seen = statuses("mig.gpu.tessera.dev", node, holding("dgx-a100", names[:-1]))
+    assert seen[names[-1]] == "ok", (layout, names)
