@@ -43,7 +43,9 @@ FSYNC_FLOOR = (
 def pool_bytes(slices: Sequence[dict[str, Any]]) -> int:
     """A pool's size as compact JSON (``separators=(",", ":")``), summed over its slices: what
     a ResourceSlice weighs on the wire and, near enough, in etcd and every watcher's memory."""
-    return sum(len(json.dumps(s, separators=(",", ":"))) for s in slices)
+    return sum(
+        len(json.dumps(s, separators=(",", ":"), ensure_ascii=False).encode()) for s in slices
+    )
 
 
 def percentile(values: Sequence[float], q: float) -> float:

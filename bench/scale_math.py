@@ -45,11 +45,6 @@ def compact(obj: Any) -> int:
     return len(json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode())
 
 
-def pool_bytes(slices: Sequence[Obj]) -> int:
-    """The compact JSON bytes of every slice of a pool."""
-    return sum(compact(s) for s in slices)
-
-
 def _fields(value: Any, atomic: bool = False) -> Obj:
     """FieldsV1 of ``value``: a struct's keys as ``f:<key>``; atomic lists (every list of a
     ResourceSlice's spec is ``+listType=atomic`` in k8s.io/api/resource/v1/types.go) and

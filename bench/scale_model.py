@@ -29,7 +29,7 @@ from agent.config import Config
 from agent.discovery.inventory import NodeInventory
 from agent.sim.apiserver import ApiServer
 from agent.sim.model import all_model_names, vm_model_names
-from bench.common import report, simulated_inventory
+from bench.common import pool_bytes, report, simulated_inventory
 from bench.nvidia_layout import NVIDIA_COMMIT, nvidia_slices, slice_specs, tainted
 from bench.scale_daemon import DaemonWrites, measure
 from bench.scale_math import (
@@ -41,7 +41,6 @@ from bench.scale_math import (
     cluster,
     compact,
     nvidia_sync,
-    pool_bytes,
     protobuf_bytes,
     with_managed_fields,
 )

@@ -5,6 +5,7 @@ controller (its syncPool rules) for a change."""
 from __future__ import annotations
 
 from agent.sim.apiserver import RequestRecord
+from bench.common import pool_bytes
 from bench.scale_daemon import DaemonWrites, writes_by_resource
 from bench.scale_math import (
     ETCD_QUOTA,
@@ -12,7 +13,6 @@ from bench.scale_math import (
     cluster,
     managed_fields,
     nvidia_sync,
-    pool_bytes,
     protobuf_bytes,
     with_managed_fields,
 )
