@@ -146,6 +146,13 @@ class Explanation:
         self.ok = outcome.ok
         self.gave_up = outcome.gave_up
 
+    def renamed(
+        self, node: Node, outcome: Outcome, slices: Sequence[Mapping[str, Any]]
+    ) -> Explanation:
+        """The same answer about another node that looks the same to the claim
+        (:mod:`dra_driver.scheduler.relabel` renames ``node`` and ``outcome``)."""
+        return Explanation(self.claim, node, outcome, self.time_limit_s, self._classes, slices)
+
     # -- allocation ----------------------------------------------------------------------------
     def allocation(self) -> dict[str, Any]:
         """The status.allocation object; ValueError when the claim does not fit."""
