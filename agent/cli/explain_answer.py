@@ -108,18 +108,16 @@ def _evaluate(
 def _renamed(first: NodeAnswer, label: NodeLabel, subjects: Sequence[Subject]) -> NodeAnswer | None:
     """``first``'s answer for the look-alike node ``label`` names; None when it cannot be
     carried over (a pool with a problem: its text names the pool)."""
-    from dra_driver.scheduler.relabel import renamed, renamed_node
+    from dra_driver.scheduler.relabel import renamed, renaming
 
     if not first.claims:
         return None
+    r = renaming(first.claims[0].explanation.node, label)
+    if r is None:
+        return None
     claims = []
-    node = None
     for c in first.claims:
-        if node is None:
-            node = renamed_node(c.explanation.node, label)
-            if node is None:
-                return None
-        exp = renamed(c.explanation, node, label)
+        exp = renamed(c.explanation, r)
         claims.append(ClaimAnswer(c.subject, exp, exp.allocation() if exp.ok else None))
     return NodeAnswer(label.node, claims, _reason(subjects, claims))
 

@@ -52,6 +52,8 @@ if TYPE_CHECKING:  # imported by the caller when it evaluates: the CEL libraries
 
 SIMPLE_TYPES = frozenset(("string", "int", "bool"))
 """Attribute types whose value never makes the device's CEL conversion fail."""
+MAX_KEY_SETS = 4096
+"""Sets of attribute names a Shaper remembers before it starts over."""
 
 
 @dataclass(frozen=True)
@@ -96,39 +98,49 @@ def reads_of(
     return Reads(frozenset(names))
 
 
-def _device_shape(device: Any, reads: Reads) -> Any:
-    if not isinstance(device, dict):
-        return device
-    attributes = device.get("attributes")
-    if not isinstance(attributes, dict):
-        return device
-    shaped = {}
-    for key, value in attributes.items():
-        if (
-            isinstance(value, dict)
-            and len(value) == 1
-            and next(iter(value)) in SIMPLE_TYPES
-            and reads.blanks(key)
-        ):
-            shaped[key] = next(iter(value))  # the type, not the value
-        else:
-            shaped[key] = value
-    return {**device, "attributes": shaped}
+class Shaper:
+    """Computes slice shapes for one ``Reads``; remembers, per set of attribute names, which
+    ones are blanked (a node's devices share a few such sets)."""
 
+    def __init__(self, reads: Reads) -> None:
+        self.reads = reads
+        self._blanked: dict[tuple[str, ...], tuple[str, ...]] = {}
 
-def shape_digest(spec: Mapping[str, Any], reads: Reads) -> bytes:
-    """The digest of a slice's spec as the claims see it (names dropped, unread values
-    blanked); equal digests, equal devices, counters and capacity for the claims."""
-    pool = spec.get("pool")
-    shape = {k: v for k, v in spec.items() if k not in ("nodeName", "pool", "devices")}
-    if isinstance(pool, dict):
-        shape["pool"] = {k: v for k, v in pool.items() if k not in ("name", "generation")}
-    shape["devices"] = [_device_shape(d, reads) for d in spec.get("devices") or ()]
-    try:
-        data = orjson.dumps(shape)
-    except (orjson.JSONEncodeError, TypeError):  # an integer beyond 64 bits, from YAML
-        data = json.dumps(shape, default=str).encode()
-    return hashlib.blake2b(data, digest_size=16).digest()
+    def _device(self, device: Any) -> Any:
+        attributes = device.get("attributes") if type(device) is dict else None
+        if type(attributes) is not dict:
+            return device
+        keys = tuple(attributes)
+        blank = self._blanked.get(keys)
+        if blank is None:
+            if len(self._blanked) >= MAX_KEY_SETS:
+                self._blanked.clear()
+            blank = self._blanked[keys] = tuple(k for k in keys if self.reads.blanks(k))
+        if not blank:
+            return device
+        shaped = dict(attributes)
+        for key in blank:
+            value = shaped[key]
+            if type(value) is dict and len(value) == 1:
+                kind = next(iter(value))
+                if kind in SIMPLE_TYPES:
+                    shaped[key] = kind  # the type, not the value
+        return {**device, "attributes": shaped}
+
+    def digest(self, spec: Mapping[str, Any]) -> bytes:
+        """The digest of a slice's spec as the claims see it (names dropped, unread values
+        blanked); equal digests, equal devices, counters and capacity for the claims."""
+        pool = spec.get("pool")
+        shape = {k: v for k, v in spec.items() if k not in ("nodeName", "pool", "devices")}
+        if isinstance(pool, dict):
+            shape["pool"] = {k: v for k, v in pool.items() if k not in ("name", "generation")}
+        devices = spec.get("devices")
+        shape["devices"] = [self._device(d) for d in devices] if type(devices) is list else devices
+        try:
+            data = orjson.dumps(shape)
+        except (orjson.JSONEncodeError, TypeError):  # an integer beyond 64 bits, from YAML
+            data = json.dumps(shape, default=str).encode()
+        return hashlib.blake2b(data, digest_size=16).digest()
 
 
 @dataclass(frozen=True)
@@ -170,6 +182,9 @@ class SliceIndex:
     reads: Reads
     records: list[SliceRecord] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self._shaper = Shaper(self.reads)
+
     def add(self, obj: Mapping[str, Any]) -> None:
         spec = obj.get("spec")
         spec = spec if isinstance(spec, dict) else {}
@@ -188,7 +203,7 @@ class SliceIndex:
         self.records.append(
             SliceRecord(
                 raw=_encode(obj),
-                shape=shape_digest(spec, self.reads),
+                shape=self._shaper.digest(spec),
                 name=str((meta or {}).get("name", "")) if isinstance(meta, dict) else "",
                 driver=str(spec.get("driver", "")),
                 pool=str(pool.get("name", "")),
@@ -325,9 +340,9 @@ __all__ = [
     "NodeLabel",
     "PoolLabel",
     "Reads",
+    "Shaper",
     "SliceIndex",
     "SliceRecord",
     "plan",
     "reads_of",
-    "shape_digest",
 ]

@@ -13,60 +13,76 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from dra_driver.scheduler.domain import Device, Node, Pool
+from dra_driver.scheduler.domain import Device, Node
 from dra_driver.scheduler.explanation import Explanation
 from dra_driver.scheduler.lookalike import NodeLabel
 from dra_driver.scheduler.outcome import Attempt, Pick
 from dra_driver.scheduler.search import share_id_of
 
 
-def renamed_node(node: Node, label: NodeLabel) -> Node | None:
-    """``node`` (the first member's, parsed) with ``label``'s names; None when its pools do
-    not line up with the label's (then the node is evaluated on its own)."""
+@dataclass(frozen=True)
+class Renaming:
+    """Where the first member's pools and slices are on another member (by pool index)."""
+
+    label: NodeLabel
+    slice_names: tuple[dict[str, str], ...]
+    """Per pool: the first member's slice name -> the other member's."""
+
+
+def renaming(node: Node, label: NodeLabel) -> Renaming | None:
+    """How ``node`` (the first member's, parsed) maps onto the member ``label`` names; None
+    when its pools do not line up with the label's (then that node is evaluated on its own),
+    or when a pool has a problem (its text names the pool)."""
     if len(node.pools) != len(label.pools):
         return None
-    devices: list[Device] = []
-    pools: list[Pool] = []
+    slice_names = []
     for pool, new in zip(node.pools, label.pools, strict=True):
         if pool.problem is not None or pool.driver != new.driver:
             return None
         if len(pool.slices) != len(new.slices):
             return None
-        slice_names = dict(zip(pool.slices, new.slices, strict=True))
-        pool_devices = []
-        for dev in pool.devices:
-            sname = slice_names[dev.slice_name]
-            old_base, new_base = f"ResourceSlice {dev.slice_name}.", f"ResourceSlice {sname}."
-            moved = dataclasses.replace(
-                dev,
-                pool=new.name,
-                slice_name=sname,
-                node_name=label.node if dev.node_name else "",
-                path=dev.path.replace(old_base, new_base, 1),
-            )
-            pool_devices.append(moved)
-        pools.append(
-            dataclasses.replace(
-                pool,
-                name=new.name,
-                generation=new.generation,
-                slices=list(new.slices),
-                devices=pool_devices,
-            )
+        slice_names.append(dict(zip(pool.slices, new.slices, strict=True)))
+    return Renaming(label, tuple(slice_names))
+
+
+def renamed_device(dev: Device, r: Renaming) -> Device:
+    """``dev`` where it is on the other member: pool, slice, node and field path."""
+    new = r.label.pools[dev.pool_index]
+    sname = r.slice_names[dev.pool_index][dev.slice_name]
+    old_base, new_base = f"ResourceSlice {dev.slice_name}.", f"ResourceSlice {sname}."
+    return dataclasses.replace(
+        dev,
+        pool=new.name,
+        slice_name=sname,
+        node_name=r.label.node if dev.node_name else "",
+        path=dev.path.replace(old_base, new_base, 1),
+    )
+
+
+def renamed_node(node: Node, r: Renaming) -> Node:
+    """``node`` with the other member's names: every device and pool."""
+    devices = [renamed_device(dev, r) for dev in node.devices]
+    pools = [
+        dataclasses.replace(
+            pool,
+            name=new.name,
+            generation=new.generation,
+            slices=list(new.slices),
+            devices=[devices[d.index] for d in pool.devices],
         )
-        devices += pool_devices
-    if [d.index for d in devices] != list(range(len(devices))):
-        return None  # devices not in pool order: nothing to rename by position
+        for pool, new in zip(node.pools, r.label.pools, strict=True)
+    ]
     by_key: dict[tuple[str, str, str], Device] = {}
     for dev in devices:
         by_key.setdefault(dev.key, dev)
     return Node(pools, devices, by_key)
 
 
-def _pick(exp: Explanation, pick: Pick, node: Node) -> Pick:
-    dev = node.devices[pick.device.index]
+def _pick(exp: Explanation, pick: Pick, r: Renaming) -> Pick:
+    dev = renamed_device(pick.device, r)
     share = None if pick.share_id is None else share_id_of(exp.claim, pick.request, dev)
     return dataclasses.replace(pick, device=dev, share_id=share)
 
@@ -87,14 +103,16 @@ def _stub_slices(picks: Sequence[Pick], label: NodeLabel) -> list[Mapping[str, A
     ]
 
 
-def renamed(exp: Explanation, node: Node, label: NodeLabel) -> Explanation:
-    """``exp`` (of the group's first member) as the answer for the member ``label`` names,
-    whose devices are ``node`` (:func:`renamed_node`)."""
+def renamed(exp: Explanation, r: Renaming) -> Explanation:
+    """``exp`` (of the group's first member) as the answer for the member ``r`` names. Its
+    picks are renamed now; its node (every device, for the full text or JSON) when first
+    read."""
     o = exp.outcome
-    picks = [_pick(exp, p, node) for p in o.picks]
+    picks = [_pick(exp, p, r) for p in o.picks]
     attempts = {
-        k: Attempt([_pick(exp, p, node) for p in a.placed], a.rejections, a.reason)
+        k: Attempt([_pick(exp, p, r) for p in a.placed], a.rejections, a.reason)
         for k, a in o.attempts.items()
     }
     outcome = dataclasses.replace(o, picks=picks, attempts=attempts)
-    return exp.renamed(node, outcome, _stub_slices(picks, label))
+    first = exp.node
+    return exp.renamed(lambda: renamed_node(first, r), outcome, _stub_slices(picks, r.label))

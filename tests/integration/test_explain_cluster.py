@@ -152,3 +152,46 @@ def test_unknown_claim_and_write_are_refused_with_exit_2(cluster):
     assert code == 2 and "no ResourceClaim default/nowhere in the API server" in err
     code, _, err = explain("default/nowhere", "--kubeconfig", kubeconfig, "--write")
     assert code == 2 and "--write is for standalone mode" in err
+
+
+def test_look_alike_nodes_each_name_their_own_devices_and_a_uuid_selector_tells_them_apart(
+    tmp_path,
+):
+    """Three L40S servers differ only in names and GPU UUIDs: one is evaluated, the others get
+    its answer renamed to their own devices; a claim selecting one UUID fits only its node."""
+    names = ["l40s-a", "l40s-b", "l40s-c"]
+    with ApiServer() as server:
+        for node in names:
+            server.put_object(
+                "nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}}
+            )
+            for s in published_slices(Config.of(simulate="l40s-pcie", node_name=node)):
+                for d in s["spec"]["devices"]:
+                    d["attributes"]["uuid"]["string"] += f"-{node}"
+                server.put_object("resourceslices", s)
+        for c in yaml.safe_load_all(CLASSES.read_text()):
+            server.put_object("deviceclasses", c)
+        kubeconfig = server.kubeconfig(tmp_path / "kubeconfig")
+        f = tmp_path / "one.yaml"
+        f.write_text(yaml.safe_dump(gpu_claim("one", 1)))
+        code, out, err = explain(f, "--kubeconfig", kubeconfig, "-o", "json")
+        assert code == 0, err
+        answer = json.loads(out)
+        assert answer["fittingNodes"] == names
+        for node in answer["nodes"]:
+            (c,) = node["claims"]
+            (result,) = c["allocation"]["devices"]["results"]
+            assert result["pool"] == node["node"]
+            terms = c["allocation"]["nodeSelector"]["nodeSelectorTerms"]
+            assert terms[0]["matchFields"][0]["values"] == [node["node"]]
+            assert {p["pool"] for p in c["explanation"]["pools"]} == {node["node"]}
+        uuid = server.objects("resourceslices")[1]["spec"]["devices"][0]["attributes"]["uuid"]
+        picky = gpu_claim("picky", 1)
+        expression = f'device.attributes["gpu.tessera.dev"].uuid == "{uuid["string"]}"'
+        picky["spec"]["devices"]["requests"][0]["exactly"]["selectors"] = [
+            {"cel": {"expression": expression}}
+        ]
+        f.write_text(yaml.safe_dump(picky))
+        code, out, err = explain(f, "--kubeconfig", kubeconfig, "-o", "json")
+        assert code == 0, err
+        assert json.loads(out)["fittingNodes"] == ["l40s-b"]
