@@ -232,7 +232,8 @@ def cluster_inputs(
             for obj in page:
                 index.add(obj)
             del page
-            progress.show(f"read {len(index.records):,} ResourceSlices", force=True)
+            read = f"{len(index.records):,} ResourceSlices of {len(index.node_names()):,} nodes"
+            progress.show(f"read {read}", force=True)
     nodes |= {str(n["metadata"]["name"]): n for n in cluster.list("/api/v1/nodes")}
     mine = {s.key for s in subjects}
     notes = []

@@ -195,3 +195,23 @@ def test_look_alike_nodes_each_name_their_own_devices_and_a_uuid_selector_tells_
         code, out, err = explain(f, "--kubeconfig", kubeconfig, "-o", "json")
         assert code == 0, err
         assert json.loads(out)["fittingNodes"] == ["l40s-b"]
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_a_terminal_sees_how_many_slices_and_nodes_were_read_and_the_line_is_cleared(
+    cluster, tmp_path
+):
+    _server, kubeconfig = cluster
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump(gpu_claim("one", 1)))
+    out, err = io.StringIO(), Terminal()
+    code = main(["explain", str(f), "--kubeconfig", str(kubeconfig)], {}, out, err)
+    assert code == 0
+    shown = err.getvalue()
+    assert "\r\x1b[2Kread " in shown and " ResourceSlices of 2 nodes" in shown
+    assert shown.endswith("\r\x1b[2K")
+    assert out.getvalue().splitlines()[0] == "claim default/one: fits on 2 of 3 nodes"
