@@ -9,7 +9,9 @@
 The claims to explain come from CLAIM (``dra_driver.scheduler.inputs.subjects``); the devices from
 ResourceSlice files, the slices ``tessera slices --simulate`` prints (the same code path,
 ``agent.cli.node_commands.published_slices``), or the API server; the allocator
-(``dra_driver.scheduler.explanation``) answers per node. Exit 0: the claims fit (on at least one
+(``dra_driver.scheduler.explanation``) answers per node, once per group of nodes that look the
+same to the claims (``agent.cli.explain_answer``; cluster reads in ``agent.cli.explain_cluster``).
+Exit 0: the claims fit (on at least one
 node), 1: they do not, 2: malformed input (file, document, field path) or a failed read.
 Files are read strictly, as the API server reads them: bytes within limits, then every field
 through the one decoder (``agent.decode``); a field the resource.k8s.io/v1 types do not define
