@@ -189,7 +189,7 @@ def clusters(draw: st.DrawFn) -> Inputs:
     )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(clusters())
 def test_every_node_gets_the_answer_it_gets_alone(data: Inputs) -> None:
     event(f"nodes answered by renaming: {sum(len(g) - 1 for g in groups_of(data))}")
