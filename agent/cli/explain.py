@@ -9,7 +9,9 @@
 The claims to explain come from CLAIM (``dra_driver.scheduler.inputs.subjects``); the devices from
 ResourceSlice files, the slices ``tessera slices --simulate`` prints (the same code path,
 ``agent.cli.node_commands.published_slices``), or the API server; the allocator
-(``dra_driver.scheduler.explanation``) answers per node. Exit 0: the claims fit (on at least one
+(``dra_driver.scheduler.explanation``) answers per node, once per group of nodes that look the
+same to the claims (``agent.cli.explain_answer``; cluster reads in ``agent.cli.explain_cluster``).
+Exit 0: the claims fit (on at least one
 node), 1: they do not, 2: malformed input (file, document, field path) or a failed read.
 Files are read strictly, as the API server reads them: bytes within limits, then every field
 through the one decoder (``agent.decode``); a field the resource.k8s.io/v1 types do not define
@@ -23,10 +25,12 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from agent.cli.explain_answer import Inputs, NodeAnswer, answer
+from agent.cli.explain_cluster import RESOURCE, Cluster, Progress, gc_paused
 from agent.cli.explain_write import devices_text, write_back
 from agent.cli.framework import EXIT_ERROR, Command, Invocation, Uses
 from agent.cli.node_commands import published_slices
@@ -34,12 +38,15 @@ from agent.config import REQUIRED, Config, seconds, setting
 from agent.errors import ConfigError
 from dra_driver.scheduler import inputs, shapes
 from dra_driver.scheduler.inputs import Document, DocumentError, Subject
+from dra_driver.scheduler.lookalike import SliceIndex, reads_of
+
+if TYPE_CHECKING:
+    from dra_driver.scheduler.celenv import CelEnvironment
 
 EXIT_FITS, EXIT_NO_FIT = 0, 1
 JSON_VERSION = 1
 """``version`` of the JSON answer; bumped when a field changes meaning or goes away."""
 FILE_SUFFIXES = (".yaml", ".yml", ".json")
-RESOURCE = "/apis/resource.k8s.io/v1"
 CLAIM_KEY = re.compile(r"([a-z0-9][-a-z0-9]*)/([a-z0-9][-a-z0-9.]*)")
 
 
@@ -122,19 +129,6 @@ def files_of(path: Path, option: str) -> list[Path]:
     return [path]
 
 
-@dataclass
-class Inputs:
-    """Everything one explanation reads, wherever it came from."""
-
-    subjects: list[Subject]
-    claim_docs: list[Document]
-    classes: dict[str, dict[str, Any]] = field(default_factory=dict)
-    slices: list[dict[str, Any]] = field(default_factory=list)
-    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
-    allocated: list[dict[str, Any]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-
 def _add_classes(found: dict[str, dict[str, Any]], docs: Iterable[Document]) -> int:
     n = 0
     for d in inputs.of_kind(docs, "DeviceClass"):
@@ -207,50 +201,12 @@ def _no_subjects(source: str) -> DocumentError:
 # -- cluster mode ---------------------------------------------------------------------------------
 
 
-class Cluster:
-    """The reads of cluster mode, through dra_driver.cluster.kube.KubeClient."""
-
-    def __init__(self, kubeconfig: Path) -> None:
-        from dra_driver.cluster.kube import KubeClient
-
-        self.kube = KubeClient.from_config(kubeconfig)
-
-    def close(self) -> None:
-        self.kube.close()
-
-    def list(self, path: str) -> list[dict[str, Any]]:
-        """Every item of a collection, page by page (limit/continue, as kubectl reads)."""
-        items: list[dict[str, Any]] = []
-        query: dict[str, str] = {"limit": "500"}
-        while True:
-            page = self.kube.request("GET", path, query=query)
-            items += [i for i in page.get("items") or [] if isinstance(i, dict)]
-            token = (page.get("metadata") or {}).get("continue")
-            if not token:
-                return items
-            query = {"limit": "500", "continue": str(token)}
-
-    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        from dra_driver.errors import KubeError
-
-        plural = {
-            "ResourceClaim": "resourceclaims",
-            "ResourceClaimTemplate": "resourceclaimtemplates",
-        }
-        try:
-            obj = self.kube.request(
-                "GET", f"{RESOURCE}/namespaces/{namespace}/{plural[kind]}/{name}"
-            )
-        except KubeError as exc:
-            if exc.status == 404:
-                return None
-            raise
-        obj.setdefault("apiVersion", "resource.k8s.io/v1")
-        obj.setdefault("kind", kind)
-        return obj
-
-
-def cluster_inputs(opts: ExplainOptions, cluster: Cluster) -> Inputs:
+def cluster_inputs(
+    opts: ExplainOptions, cluster: Cluster, cel: CelEnvironment, progress: Progress
+) -> Inputs:
+    """The claims (a file, or NAMESPACE/NAME in the API), then the classes (what the claims
+    read decides how slices are indexed), then the slices page by page, the Nodes and the
+    allocated claims."""
     path = Path(opts.claim)
     if path.exists() or not CLAIM_KEY.fullmatch(opts.claim):
         docs = read_documents(path)
@@ -269,7 +225,17 @@ def cluster_inputs(opts: ExplainOptions, cluster: Cluster) -> Inputs:
     files_classes, slices, nodes, allocated = load_files(opts)
     classes |= files_classes
     _add_classes(classes, docs)
-    slices += cluster.list(f"{RESOURCE}/resourceslices")
+    reads = reads_of([s.claim for s in subjects], list(classes.values()), cel)
+    index = SliceIndex(reads)
+    for obj in slices:
+        index.add(obj)
+    with gc_paused():
+        for page in cluster.pages(f"{RESOURCE}/resourceslices"):
+            for obj in page:
+                index.add(obj)
+            del page
+            read = f"{len(index.records):,} ResourceSlices of {len(index.node_names()):,} nodes"
+            progress.show(f"read {read}", force=True)
     nodes |= {str(n["metadata"]["name"]): n for n in cluster.list("/api/v1/nodes")}
     mine = {s.key for s in subjects}
     notes = []
@@ -282,87 +248,10 @@ def cluster_inputs(opts: ExplainOptions, cluster: Cluster) -> Inputs:
             notes.append(f"{key} is allocated already; explained as if it were not")
             continue
         allocated.append(c)
-    return Inputs(subjects, docs, classes, slices, nodes, allocated, notes)
+    return Inputs(subjects, docs, classes, [], nodes, allocated, notes, index)
 
 
 # -- the answer -----------------------------------------------------------------------------------
-
-
-@dataclass
-class ClaimAnswer:
-    subject: Subject
-    explanation: Any
-    allocation: dict[str, Any] | None
-
-
-@dataclass
-class NodeAnswer:
-    node: str | None
-    """None: slices that name no node (allNodes, nodeSelector without Nodes)."""
-    claims: list[ClaimAnswer]
-    slices: list[dict[str, Any]]
-    reason: str | None = None
-
-    @property
-    def fits(self) -> bool:
-        return self.reason is None
-
-
-def _node_list(data: Inputs) -> list[tuple[str | None, dict[str, Any]]]:
-    names = sorted(set(data.nodes) | set(inputs.slice_nodes(data.slices)))
-    if not names:
-        return [(None, {"metadata": {}})]
-    return [(n, data.nodes.get(n, {"metadata": {"name": n}})) for n in names]
-
-
-def answer(data: Inputs, opts: ExplainOptions) -> list[NodeAnswer]:
-    """Each node's answer: the claims allocated in order, each seeing the devices the earlier
-    ones took (a pod's claims all go to one node)."""
-    # imported here, not at the top: the CEL libraries cost 0.3 s to import (the Rust
-    # binding's package loads its own CLI, prompt_toolkit and rich), which every other
-    # tessera command would pay
-    from dra_driver.scheduler.celenv import CelEnvironment
-    from dra_driver.scheduler.explanation import explain
-
-    cel = CelEnvironment()
-    classes = list(data.classes.values())
-    answers = []
-    for name, node in _node_list(data):
-        slices = data.slices if name is None else inputs.node_slices(data.slices, node)
-        if not slices:
-            answers.append(NodeAnswer(name, [], [], "no ResourceSlice applies to this node"))
-            continue
-        allocated = list(data.allocated)
-        claims = []
-        reason = None
-        for s in data.subjects:
-            try:
-                exp = explain(
-                    s.claim, classes, slices, allocated, cel=cel, time_limit_s=opts.time_limit
-                )
-            except ValueError as exc:  # the allocator's InputError: malformed claim or class
-                raise _input_error(s, exc) from exc
-            allocation = None
-            if exp.ok:
-                allocation = exp.allocation()
-                allocated.append({**s.claim, "status": {"allocation": allocation}})
-            elif reason is None:
-                first = exp.first_reason()
-                reason = first if len(data.subjects) == 1 else f"{s.key}: {first}"
-            claims.append(ClaimAnswer(s, exp, allocation))
-        answers.append(NodeAnswer(name, claims, slices, reason))
-    return answers
-
-
-def _input_error(s: Subject, exc: ValueError) -> DocumentError:
-    path = str(getattr(exc, "path", ""))
-    message = str(getattr(exc, "message", exc))
-    if s.doc is None and s.source != "API" and path.startswith("spec."):
-        path = "spec." + path  # a template: the claim spec is the template's spec.spec
-    source, _, index = s.source.rpartition(": document ")
-    if not source:
-        return DocumentError(f"claim {s.key} (from the API server)", None, path, message)
-    return DocumentError(source, int(index), s.doc.field(path) if s.doc else path, message)
 
 
 def to_json(data: Inputs, answers: Sequence[NodeAnswer], written: str | None) -> dict[str, Any]:
@@ -436,10 +325,21 @@ def render_text(data: Inputs, answers: Sequence[NodeAnswer], written: str | None
 # -- the command ----------------------------------------------------------------------------------
 
 
+def cel_environment() -> CelEnvironment:
+    """The one CEL environment of a run (its compiled selectors are shared)."""
+    # imported here, not at the top: the CEL libraries cost 0.3 s to import (the Rust
+    # binding's package loads its own CLI, prompt_toolkit and rich), which every other
+    # tessera command would pay
+    from dra_driver.scheduler.celenv import CelEnvironment
+
+    return CelEnvironment()
+
+
 def cmd_explain(inv: Invocation) -> int:
     opts = inv.get(ExplainOptions)
     config = inv.get(Config)
     cluster: Cluster | None = None
+    progress = Progress(inv.err)
     try:
         if opts.kubeconfig is not None:
             if opts.write:
@@ -450,12 +350,14 @@ def cmd_explain(inv: Invocation) -> int:
             if config.simulator.simulate:
                 raise ConfigError("--simulate and --kubeconfig go against each other: give one")
             cluster = Cluster(opts.kubeconfig)
-            data = cluster_inputs(opts, cluster)
+            cel = cel_environment()
+            data = cluster_inputs(opts, cluster, cel, progress)
         else:
             data = standalone_inputs(opts, config)
+            cel = cel_environment()
         if not data.subjects:
             raise _no_subjects(opts.claim)
-        answers = answer(data, opts)
+        answers = answer(data, opts.time_limit, cel, progress)
         written = None
         fitting = [a for a in answers if a.fits]
         if opts.write and fitting:
@@ -469,6 +371,7 @@ def cmd_explain(inv: Invocation) -> int:
         inv.err.write(f"tessera: error: {exc}\n")
         return EXIT_ERROR
     finally:
+        progress.done()
         if cluster is not None:
             cluster.close()
     if opts.output == "json":

@@ -17,6 +17,7 @@ from agent.decode.bounds import (
     MAX_YAML_EVENTS,
     check_depth,
     load_json,
+    load_json_fast,
     load_yaml_documents,
 )
 
@@ -26,5 +27,6 @@ __all__ = [
     "MAX_YAML_EVENTS",
     "check_depth",
     "load_json",
+    "load_json_fast",
     "load_yaml_documents",
 ]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import orjson
 import yaml
 
 from agent.errors import DecodeError
@@ -69,6 +70,22 @@ def load_json(data: bytes | str, what: str, max_bytes: int) -> Any:
         raise DecodeError(f"{what}: not valid JSON: {exc}") from exc
     check_depth(value, what)
     return value
+
+
+def load_json_fast(data: bytes, what: str, max_bytes: int) -> Any:
+    """``load_json`` through orjson, for answers of hundreds of megabytes (``tessera explain``
+    reads every ResourceSlice of a cluster): 1.6x to 2x faster than the json module and no walk
+    of the result for its depth (docs/performance.md "explain" has the figures). The limits
+    differ in two ways, both harmless for an API server's answers: orjson refuses nesting
+    deeper than 1,024 levels (not 64), and reads an integer outside 64 bits as a float instead
+    of refusing it (Kubernetes' integers are int64, so a real server sends none; no integer
+    can cost quadratic time here either). DecodeError naming ``what`` otherwise."""
+    if len(data) > max_bytes:
+        raise DecodeError(f"{what}: {len(data)} bytes, more than the {max_bytes} allowed")
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as exc:  # bad JSON or UTF-8, NaN, nested too deep
+        raise DecodeError(f"{what}: not valid JSON: {exc}") from exc
 
 
 def load_yaml_documents(

@@ -37,6 +37,7 @@ from agent.sim.apiserver_faults import (
     RequestLog,
     RequestRecord,
 )
+from agent.sim.apiserver_lists import encode_json
 from agent.sim.apiserver_openapi import OpenApi
 from agent.sim.apiserver_select import (
     FieldTerm,
@@ -224,7 +225,7 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _send_json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
-        data = json.dumps(obj, separators=(",", ":")).encode()
+        data = encode_json(obj)
         self._send(status, data, "application/json", headers)
 
     def _send_malformed(self, kind: str) -> None:

@@ -16,11 +16,35 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+import orjson
+
 from agent.sim import apiserver_errors as err
 from agent.sim.apiserver_types import ResourceType
 
 Obj = dict[str, Any]
 Key = tuple[str, str]  # (namespace, or "" for cluster-scoped; name)
+
+
+def encode_json(obj: Any) -> bytes:
+    """Compact JSON of an answer: orjson (a list of a thousand nodes' ResourceSlices is 250 MB:
+    ten times faster than the json module), the json module for what orjson refuses (integers
+    beyond 64 bits, keys that are not strings). orjson writes non-ASCII characters as UTF-8 where
+    json escapes them; a JSON client reads both alike."""
+    try:
+        return orjson.dumps(obj)
+    except (TypeError, orjson.JSONEncodeError):
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _copy(obj: Obj) -> Obj:
+    """A deep copy of a stored (JSON-shaped) object, through orjson (four times faster than
+    copy.deepcopy, which a list of thousands of ResourceSlices feels); copy.deepcopy for what
+    orjson refuses."""
+    try:
+        copied: Obj = orjson.loads(orjson.dumps(obj))
+    except (TypeError, orjson.JSONEncodeError):
+        copied = copy.deepcopy(obj)
+    return copied
 
 
 def continue_start(token: str) -> list[str] | None:
@@ -55,7 +79,6 @@ def list_page(rt: ResourceType, rv: int, found: Sequence[tuple[Key, Obj]], limit
         meta["remainingItemCount"] = len(found) - limit
         found = found[:limit]
     items = [
-        {k: copy.deepcopy(v) for k, v in o.items() if k not in ("apiVersion", "kind")}
-        for _, o in found
+        _copy({k: v for k, v in o.items() if k not in ("apiVersion", "kind")}) for _, o in found
     ]
     return kind_list(rt, meta, items)

@@ -28,7 +28,7 @@ from kubernetes import client as kclient
 from kubernetes import config as kconfig
 from kubernetes.client.exceptions import ApiException
 
-from agent.decode import fields, load_json
+from agent.decode import fields, load_json, load_json_fast
 from agent.errors import ConfigError, DecodeError
 from dra_driver.errors import KubeConflict, KubeError, KubeMalformed
 
@@ -205,13 +205,15 @@ class KubeClient:
         body: Any = None,
         timeout: tuple[float, float] | None = None,
         content_type: str = JSON,
+        fast: bool = False,
     ) -> dict[str, Any]:
         """One request; the decoded JSON object. ``timeout`` (connect, read) overrides the
         client's for this call; ``content_type`` is the body's (a PATCH names its patch type,
-        e.g. :data:`STRATEGIC_MERGE_PATCH`). Raises KubeError (KubeMalformed for an answer that
-        is not a JSON object)."""
+        e.g. :data:`STRATEGIC_MERGE_PATCH`). ``fast`` decodes with orjson
+        (``agent.decode.load_json_fast``: for large lists). Raises KubeError (KubeMalformed for
+        an answer that is not a JSON object)."""
         resp = self._send(method, path, query, body, timeout, content_type)
-        return _json_object(_read(resp, method, path) or b"{}", method, path)
+        return _json_object(_read(resp, method, path) or b"{}", method, path, fast)
 
     def watch(
         self, path: str, query: Mapping[str, str], timeout_s: int
@@ -264,10 +266,11 @@ def _read(resp: Any, method: str, path: str) -> bytes:
     return data
 
 
-def _json_object(data: bytes, method: str, path: str) -> dict[str, Any]:
+def _json_object(data: bytes, method: str, path: str, fast: bool = False) -> dict[str, Any]:
     """The JSON object in ``data``; KubeMalformed (naming what was wrong) otherwise."""
     try:
-        obj = load_json(data, "the answer", MAX_BODY_BYTES)
+        load = load_json_fast if fast else load_json
+        obj = load(data, "the answer", MAX_BODY_BYTES)
     except DecodeError as exc:  # bad JSON or UTF-8, huge integers, deep nesting
         preview = data[:80].decode(errors="replace")
         raise KubeMalformed(f"{exc}: {preview!r}", method, path) from exc

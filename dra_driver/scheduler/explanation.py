@@ -131,20 +131,38 @@ class Explanation:
     def __init__(
         self,
         claim: Claim,
-        node: Node,
+        node: Node | Callable[[], Node],
         outcome: Outcome,
         time_limit_s: float,
         classes: Mapping[str, Any],
         slices: Sequence[Mapping[str, Any]] = (),
     ) -> None:
         self.claim = claim
-        self.node = node
+        self._node = node
         self.outcome = outcome
         self.time_limit_s = time_limit_s
         self._classes = classes
         self._slices = slices
         self.ok = outcome.ok
         self.gave_up = outcome.gave_up
+
+    @property
+    def node(self) -> Node:
+        """The node's pools and devices (made on first use when given as a function: a renamed
+        answer needs them only for the full text or JSON)."""
+        if not isinstance(self._node, Node):
+            self._node = self._node()
+        return self._node
+
+    def renamed(
+        self,
+        node: Node | Callable[[], Node],
+        outcome: Outcome,
+        slices: Sequence[Mapping[str, Any]],
+    ) -> Explanation:
+        """The same answer about another node that looks the same to the claim
+        (:mod:`dra_driver.scheduler.relabel` renames ``node`` and ``outcome``)."""
+        return Explanation(self.claim, node, outcome, self.time_limit_s, self._classes, slices)
 
     # -- allocation ----------------------------------------------------------------------------
     def allocation(self) -> dict[str, Any]:

@@ -23,7 +23,16 @@ from dra_driver.scheduler.candidates import Candidates
 from dra_driver.scheduler.capacity import Usage
 from dra_driver.scheduler.celenv import CelEnvironment
 from dra_driver.scheduler.constraints import Constraints
-from dra_driver.scheduler.domain import MAX_RESULTS, Allocated, Claim, DeviceClass, Mode, Node
+from dra_driver.scheduler.domain import (
+    MAX_RESULTS,
+    Allocated,
+    Claim,
+    Device,
+    DeviceClass,
+    Mode,
+    Node,
+    Request,
+)
 from dra_driver.scheduler.outcome import (
     Analysis,
     Attempt,
@@ -37,6 +46,12 @@ from dra_driver.scheduler.outcome import (
 SHARE_NAMESPACE = uuid.UUID("5b0c5d36-8f3e-4f0b-9a53-7d1e3c2f6a10")
 """Share IDs are uuid5(this, claim/request/device): the same input gives the same allocation.
 (Upstream draws a random UUID; any unique ID per device share is valid.)"""
+
+
+def share_id_of(claim: Claim, req: Request, dev: Device) -> str:
+    """The shareID of ``dev`` picked for ``req`` of ``claim`` (see SHARE_NAMESPACE)."""
+    key = f"{claim.uid or claim.ref}/{req.full_name}/{'/'.join(dev.key)}"
+    return str(uuid.uuid5(SHARE_NAMESPACE, key))
 
 
 class Search:
@@ -246,12 +261,7 @@ class Search:
         if dev.allow_multiple:
             consumed = a.consumed[idx]
             self.usage.take_capacity(idx, consumed)
-            share_id = str(
-                uuid.uuid5(
-                    SHARE_NAMESPACE,
-                    f"{self.claim.uid or self.claim.ref}/{req.full_name}/{'/'.join(dev.key)}",
-                )
-            )
+            share_id = share_id_of(self.claim, req, dev)
         else:
             self._exclusive[idx] = req.full_name
         self.picks.append(Pick(req, dev, consumed, share_id))

@@ -5,6 +5,7 @@ import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -19,7 +20,7 @@ CLASSES = ROOT / "deploy" / "daemonset" / "deviceclasses.yaml"
 NODES = {"node-h100": "dgx-h100", "node-l40s": "l40s-pcie"}
 
 
-def gpu_claim(name, count, uid=None):
+def gpu_claim(name: str, count: int, uid: str | None = None) -> dict[str, Any]:
     meta = {"name": name, "namespace": "default"} | ({"uid": uid} if uid else {})
     return {
         "apiVersion": "resource.k8s.io/v1",
@@ -39,7 +40,7 @@ def gpu_claim(name, count, uid=None):
 
 
 @pytest.fixture
-def cluster(tmp_path) -> Iterator[tuple[ApiServer, Path]]:
+def cluster(tmp_path: Path) -> Iterator[tuple[ApiServer, Path]]:
     """Two GPU nodes with our slices (a DGX H100 and an L40S server) and a CPU-only node."""
     with ApiServer() as server:
         for node, model in NODES.items():
@@ -56,13 +57,15 @@ def cluster(tmp_path) -> Iterator[tuple[ApiServer, Path]]:
         yield server, server.kubeconfig(tmp_path / "kubeconfig")
 
 
-def explain(*argv):
+def explain(*argv: object) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     code = main(["explain", *map(str, argv)], {}, out, err)
     return code, out.getvalue(), err.getvalue()
 
 
-def test_each_node_is_answered_with_its_first_blocking_reason(cluster, tmp_path):
+def test_each_node_is_answered_with_its_first_blocking_reason(
+    cluster: tuple[ApiServer, Path], tmp_path: Path
+) -> None:
     _server, kubeconfig = cluster
     f = tmp_path / "c.yaml"
     f.write_text(yaml.safe_dump(gpu_claim("six", 6)))
@@ -81,7 +84,9 @@ def test_each_node_is_answered_with_its_first_blocking_reason(cluster, tmp_path)
     assert text.splitlines()[0] == "claim default/six: fits on 1 of 3 nodes"
 
 
-def test_a_claim_in_the_api_named_namespace_slash_name_and_allocated_claims_count(cluster):
+def test_a_claim_in_the_api_named_namespace_slash_name_and_allocated_claims_count(
+    cluster: tuple[ApiServer, Path],
+) -> None:
     server, kubeconfig = cluster
     server.put_object("resourceclaims", gpu_claim("four", 4))
     code, out, _ = explain("default/four", "--kubeconfig", kubeconfig, "-o", "json")
@@ -110,7 +115,7 @@ def test_a_claim_in_the_api_named_namespace_slash_name_and_allocated_claims_coun
     assert json.loads(out)["fittingNodes"] == ["node-h100"]
 
 
-def test_no_node_fits_exits_1(cluster, tmp_path):
+def test_no_node_fits_exits_1(cluster: tuple[ApiServer, Path], tmp_path: Path) -> None:
     _server, kubeconfig = cluster
     f = tmp_path / "c.yaml"
     f.write_text(yaml.safe_dump(gpu_claim("sixteen", 16)))
@@ -119,7 +124,9 @@ def test_no_node_fits_exits_1(cluster, tmp_path):
     assert out.splitlines()[0] == "claim default/sixteen: fits on 0 of 3 nodes"
 
 
-def test_a_pods_template_is_read_from_the_api(cluster, tmp_path):
+def test_a_pods_template_is_read_from_the_api(
+    cluster: tuple[ApiServer, Path], tmp_path: Path
+) -> None:
     server, kubeconfig = cluster
     template = {
         "apiVersion": "resource.k8s.io/v1",
@@ -146,9 +153,72 @@ def test_a_pods_template_is_read_from_the_api(cluster, tmp_path):
     assert answer["fittingNodes"] == ["node-h100", "node-l40s"]
 
 
-def test_unknown_claim_and_write_are_refused_with_exit_2(cluster):
+def test_unknown_claim_and_write_are_refused_with_exit_2(cluster: tuple[ApiServer, Path]) -> None:
     _server, kubeconfig = cluster
     code, _, err = explain("default/nowhere", "--kubeconfig", kubeconfig)
     assert code == 2 and "no ResourceClaim default/nowhere in the API server" in err
     code, _, err = explain("default/nowhere", "--kubeconfig", kubeconfig, "--write")
     assert code == 2 and "--write is for standalone mode" in err
+
+
+def test_look_alike_nodes_each_name_their_own_devices_and_a_uuid_selector_tells_them_apart(
+    tmp_path: Path,
+) -> None:
+    """Three L40S servers differ only in names and GPU UUIDs: one is evaluated, the others get
+    its answer renamed to their own devices; a claim selecting one UUID fits only its node."""
+    names = ["l40s-a", "l40s-b", "l40s-c"]
+    with ApiServer() as server:
+        for node in names:
+            server.put_object(
+                "nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}}
+            )
+            for s in published_slices(Config.of(simulate="l40s-pcie", node_name=node)):
+                for d in s["spec"]["devices"]:
+                    d["attributes"]["uuid"]["string"] += f"-{node}"
+                server.put_object("resourceslices", s)
+        for c in yaml.safe_load_all(CLASSES.read_text()):
+            server.put_object("deviceclasses", c)
+        kubeconfig = server.kubeconfig(tmp_path / "kubeconfig")
+        f = tmp_path / "one.yaml"
+        f.write_text(yaml.safe_dump(gpu_claim("one", 1)))
+        code, out, err = explain(f, "--kubeconfig", kubeconfig, "-o", "json")
+        assert code == 0, err
+        answer = json.loads(out)
+        assert answer["fittingNodes"] == names
+        for node in answer["nodes"]:
+            (c,) = node["claims"]
+            (result,) = c["allocation"]["devices"]["results"]
+            assert result["pool"] == node["node"]
+            terms = c["allocation"]["nodeSelector"]["nodeSelectorTerms"]
+            assert terms[0]["matchFields"][0]["values"] == [node["node"]]
+            assert {p["pool"] for p in c["explanation"]["pools"]} == {node["node"]}
+        uuid = server.objects("resourceslices")[1]["spec"]["devices"][0]["attributes"]["uuid"]
+        picky = gpu_claim("picky", 1)
+        expression = f'device.attributes["gpu.tessera.dev"].uuid == "{uuid["string"]}"'
+        picky["spec"]["devices"]["requests"][0]["exactly"]["selectors"] = [
+            {"cel": {"expression": expression}}
+        ]
+        f.write_text(yaml.safe_dump(picky))
+        code, out, err = explain(f, "--kubeconfig", kubeconfig, "-o", "json")
+        assert code == 0, err
+        assert json.loads(out)["fittingNodes"] == ["l40s-b"]
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_terminal_sees_how_many_slices_and_nodes_were_read_and_the_line_is_cleared(
+    cluster: tuple[ApiServer, Path], tmp_path: Path
+) -> None:
+    _server, kubeconfig = cluster
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump(gpu_claim("one", 1)))
+    out, err = io.StringIO(), Terminal()
+    code = main(["explain", str(f), "--kubeconfig", str(kubeconfig)], {}, out, err)
+    assert code == 0
+    shown = err.getvalue()
+    assert "\r\x1b[2Kread " in shown and " ResourceSlices of 2 nodes" in shown
+    assert shown.endswith("\r\x1b[2K")
+    assert out.getvalue().splitlines()[0] == "claim default/one: fits on 2 of 3 nodes"

@@ -150,6 +150,14 @@ class Selector:
         self._memo_keys = memo_keys
         self._memo: dict[tuple[Any, ...], Verdict] = {}
 
+    @property
+    def reads(self) -> tuple[tuple[str, ...], ...] | None:
+        """The device values every verdict is a function of (the memo's keys:
+        ``("attributes", domain, name)``, ``("capacity", domain, name)``, ``("in", field,
+        domain, name)``, ``("driver",)``, ``("allowMultipleAllocations",)``), or None when the
+        expression reads the device some other way (a whole map, a computed key)."""
+        return self._memo_keys
+
     def evaluate(self, device: DeviceView) -> Verdict:
         if device._invalid():
             seen = self._seen(device)

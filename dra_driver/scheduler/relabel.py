@@ -1,0 +1,118 @@
+"""One node's answer renamed for another node of its group (:mod:`dra_driver.scheduler.lookalike`).
+
+The two nodes' slices differ only in names the claims cannot read (node, pool and slice names,
+the pool's generation) and in attribute values no selector or constraint reads, and their
+devices stand in the same order. So the search's outcome holds for both; what changes is where
+each device is: its pool, slice, node and field path, the pool's name, generation and slice
+names, each pick's device and its shareID (a digest of the device's pool), and the slices the
+allocation's nodeSelector is made from. Device attributes keep the first node's values: only the
+ones nobody reads differ, and an explanation shows only what was read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dra_driver.scheduler.domain import Device, Node
+from dra_driver.scheduler.explanation import Explanation
+from dra_driver.scheduler.lookalike import NodeLabel
+from dra_driver.scheduler.outcome import Attempt, Pick
+from dra_driver.scheduler.search import share_id_of
+
+
+@dataclass(frozen=True)
+class Renaming:
+    """Where the first member's pools and slices are on another member (by pool index)."""
+
+    label: NodeLabel
+    slice_names: tuple[dict[str, str], ...]
+    """Per pool: the first member's slice name -> the other member's."""
+
+
+def renaming(node: Node, label: NodeLabel) -> Renaming | None:
+    """How ``node`` (the first member's, parsed) maps onto the member ``label`` names; None
+    when its pools do not line up with the label's (then that node is evaluated on its own),
+    or when a pool has a problem (its text names the pool)."""
+    if len(node.pools) != len(label.pools):
+        return None
+    slice_names = []
+    for pool, new in zip(node.pools, label.pools, strict=True):
+        if pool.problem is not None or pool.driver != new.driver:
+            return None
+        if len(pool.slices) != len(new.slices):
+            return None
+        slice_names.append(dict(zip(pool.slices, new.slices, strict=True)))
+    return Renaming(label, tuple(slice_names))
+
+
+def renamed_device(dev: Device, r: Renaming) -> Device:
+    """``dev`` where it is on the other member: pool, slice, node and field path."""
+    new = r.label.pools[dev.pool_index]
+    sname = r.slice_names[dev.pool_index][dev.slice_name]
+    old_base, new_base = f"ResourceSlice {dev.slice_name}.", f"ResourceSlice {sname}."
+    return dataclasses.replace(
+        dev,
+        pool=new.name,
+        slice_name=sname,
+        node_name=r.label.node if dev.node_name else "",
+        path=dev.path.replace(old_base, new_base, 1),
+    )
+
+
+def renamed_node(node: Node, r: Renaming) -> Node:
+    """``node`` with the other member's names: every device and pool."""
+    devices = [renamed_device(dev, r) for dev in node.devices]
+    pools = [
+        dataclasses.replace(
+            pool,
+            name=new.name,
+            generation=new.generation,
+            slices=list(new.slices),
+            devices=[devices[d.index] for d in pool.devices],
+        )
+        for pool, new in zip(node.pools, r.label.pools, strict=True)
+    ]
+    by_key: dict[tuple[str, str, str], Device] = {}
+    for dev in devices:
+        by_key.setdefault(dev.key, dev)
+    return Node(pools, devices, by_key)
+
+
+def _pick(exp: Explanation, pick: Pick, r: Renaming) -> Pick:
+    dev = renamed_device(pick.device, r)
+    share = None if pick.share_id is None else share_id_of(exp.claim, pick.request, dev)
+    return dataclasses.replace(pick, device=dev, share_id=share)
+
+
+def _stub_slices(picks: Sequence[Pick], label: NodeLabel) -> list[Mapping[str, Any]]:
+    """What ``inputs.node_selector`` reads of the slices of the picked devices: every slice of
+    a node in a group is its own (spec.nodeName), so this is all it needs."""
+    return [
+        {
+            "spec": {
+                "driver": p.device.driver,
+                "pool": {"name": p.device.pool},
+                "nodeName": label.node,
+                "devices": [{"name": p.device.name}],
+            }
+        }
+        for p in picks
+    ]
+
+
+def renamed(exp: Explanation, r: Renaming) -> Explanation:
+    """``exp`` (of the group's first member) as the answer for the member ``r`` names. Its
+    picks are renamed now; its node (every device, for the full text or JSON) when first
+    read."""
+    o = exp.outcome
+    picks = [_pick(exp, p, r) for p in o.picks]
+    attempts = {
+        k: Attempt([_pick(exp, p, r) for p in a.placed], a.rejections, a.reason)
+        for k, a in o.attempts.items()
+    }
+    outcome = dataclasses.replace(o, picks=picks, attempts=attempts)
+    first = exp.node
+    return exp.renamed(lambda: renamed_node(first, r), outcome, _stub_slices(picks, r.label))
