@@ -269,7 +269,7 @@ def test_every_setting_is_in_one_group_and_config_of_places_it_there():
 
     groups = dict(sections_of(Config))
     names = [s.name for s in settings_of(Config)]
-    assert len(names) == len(set(names)) == 63  # one flag, one variable, one group each
+    assert len(names) == len(set(names)) == 64  # one flag, one variable, one group each
     assert {s.section for s in settings_of(Config)} == set(groups)
     for s in settings_of(Config):
         assert s.name in {f.name for f in settings_of(groups[s.section])}
@@ -290,3 +290,16 @@ def test_the_usage_report_interval_is_a_positive_number_of_seconds():
         ConfigError, match="TESSERA_USAGE_REPORT_INTERVAL='0' is not a number of seconds > 0"
     ):
         load_config({}, {"TESSERA_USAGE_REPORT_INTERVAL": "0"})
+
+
+def test_malloc_arenas_default_to_two_and_are_checked():
+    assert Config().daemon.malloc_arenas == 2
+    assert load_config({}, {"TESSERA_MALLOC_ARENAS": "1"}).daemon.malloc_arenas == 1
+    assert load_config({"malloc_arenas": "0"}, {}).daemon.malloc_arenas == 0
+    with pytest.raises(ConfigError) as e:
+        load_config({}, {"TESSERA_MALLOC_ARENAS": "-1"})
+    assert str(e.value) == (
+        "TESSERA_MALLOC_ARENAS='-1' is not a number of malloc arenas from 0 (glibc's own) to 64"
+    )
+    with pytest.raises(ConfigError, match=r"^--malloc-arenas: 'two' is not a whole number"):
+        load_config({"malloc_arenas": "two"}, {})
