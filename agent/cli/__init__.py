@@ -205,6 +205,10 @@ def cmd_run(inv: Invocation) -> int:
         # gRPC's C core writes its own plain-text lines to stderr, outside Python logging: keep
         # the stream JSON-only unless the operator asks for them (GRPC_VERBOSITY=ERROR).
         os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+    from agent.daemon.allocator import limit_arenas
+
+    arenas = limit_arenas(config.daemon.malloc_arenas)  # before any thread starts
+
     from agent.cli.node_access import node_access
     from agent.daemon import build_agent
     from agent.http import raise_descriptor_limit
@@ -220,6 +224,10 @@ def cmd_run(inv: Invocation) -> int:
     stop = stop_on_signals(log)
     try:
         agent = build_agent(config, log, node_access(config), dict(os.environ))
+        log.info(  # once the state directory is ours: an agent refused it says only that
+            "malloc arenas",
+            extra={"fields": {"limit": arenas.applied, "left_as_is": arenas.why_not}},
+        )
         code = agent.run(stop)
     except Exception as exc:
         return failed(inv, log, "agent", exc)

@@ -56,6 +56,18 @@ def non_negative_int(raw: str) -> int:
     return value
 
 
+MAX_MALLOC_ARENAS = 64
+
+
+def malloc_arenas(raw: str) -> int:
+    value = integer(raw)
+    if not 0 <= value <= MAX_MALLOC_ARENAS:
+        raise ValueError(
+            f"is not a number of malloc arenas from 0 (glibc's own) to {MAX_MALLOC_ARENAS}"
+        )
+    return value
+
+
 def positive_int(raw: str) -> int:
     value = integer(raw)
     if value < 1:

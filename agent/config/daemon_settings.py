@@ -6,7 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.config.converters import non_negative_seconds, pod_uid_text, positive_int, seconds
+from agent.config.converters import (
+    malloc_arenas,
+    non_negative_seconds,
+    pod_uid_text,
+    positive_int,
+    seconds,
+)
 from agent.config.declare import setting
 
 
@@ -70,6 +76,17 @@ class DaemonSettings:
         groups=("daemon",),
         metavar="SECONDS",
         parse=seconds,
+    )
+    malloc_arenas: int = setting(
+        2,
+        "glibc malloc arenas the daemon's threads share (mallopt M_ARENA_MAX, set before any"
+        " thread starts). glibc's own limit is 8 per core, and with the daemon's ~80 threads"
+        " each arena keeps the free memory of its own busiest moment: the RSS creeps up under"
+        " claim churn (docs/performance.md). 0 leaves glibc's limit (or MALLOC_ARENA_MAX's)."
+        " Without glibc (musl) nothing is done.",
+        groups=("daemon",),
+        metavar="N",
+        parse=malloc_arenas,
     )
 
 

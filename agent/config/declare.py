@@ -8,12 +8,13 @@ variables, converter) and :func:`build_settings` builds a class from values by s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Hashable, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 from agent.config.converters import boolean, integer, path, seconds, text
 
@@ -151,11 +152,24 @@ def is_section(f: Field[Any]) -> bool:
     return "tessera" not in f.metadata
 
 
+def _hints(cls: type[Any]) -> dict[str, Any]:
+    """``typing.get_type_hints(cls)``, once per class: it evaluates every annotation's string
+    (``from __future__ import annotations``) each time, and a start asks for each settings
+    class's a dozen times (tens of milliseconds of ``tessera run``'s start). A class's hints do not
+    change after it is defined."""
+    return _class_hints(cast(Hashable, cls))
+
+
+@functools.cache
+def _class_hints(cls: Hashable) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
 def settings_of(cls: type[Any]) -> tuple[Setting, ...]:
     """Every setting of a settings dataclass, in declaration order; the settings of a group
     (a field whose type is itself a settings dataclass: ``Config.http``) in its place, named by
     their own field names, which are unique across the groups."""
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     out: list[Setting] = []
     for f in fields(cls):
         if is_section(f):
@@ -185,7 +199,7 @@ def settings_of(cls: type[Any]) -> tuple[Setting, ...]:
 
 def sections_of(cls: type[Any]) -> list[tuple[str, type[Any]]]:
     """The groups of a settings dataclass, ``(field name, settings class)``, in order."""
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     return [(f.name, hints[f.name]) for f in fields(cls) if is_section(f)]
 
 
@@ -199,7 +213,7 @@ def build_settings(cls: type[T], values: Mapping[str, Any]) -> T:
 
 
 def _build(cls: type[T], values: Mapping[str, Any]) -> T:
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     given = {
         f.name: _build(hints[f.name], values) if is_section(f) else values[f.name]
         for f in fields(cls)  # type: ignore[arg-type]

@@ -39,6 +39,8 @@ FINAL_REPORT_S = 5.0
 CLAIM_STATUS_FLUSH_S = 3.0
 """The longest the claims' usage summaries still queued at a clean stop may take to write
 (within the shutdown timeout); the rest are dropped, logged."""
+STARTING = "the agent is still starting (reading the node and recovering its prepared claims)"
+"""Why DRA calls wait at the gate during a start (the answer of one whose deadline runs out)."""
 STOP_RESERVE_S = 2.0
 """Of the shutdown timeout, what is kept for stopping the servers and loops after the claims
 (at most half of it)."""
@@ -92,6 +94,15 @@ class Agent:
             stop or self.stop_event, self.plugin, self.http, self.checks.handover
         ):
             return
+        # The kubelet's registration comes first: GetInfo needs only the driver's name, its DRA
+        # socket and the versions, and the kubelet registers the plugin on that answer alone
+        # (docs/gpu-facts.md, "The kubelet and several plugins of a driver"). What it sends on
+        # the DRA socket after (claim calls, the health stream) waits at the closed gate, within
+        # the kubelet's deadline, until the claims prepared before are recovered from the
+        # checkpoint (reconcile_on_start) and plugin.start() opens it: the same gate a rolling
+        # update's successor serves behind while it waits for the state directory.
+        self.plugin.gate.waiting_for(STARTING)
+        self.plugin.serve()
         self.state.sweep_temp_files(*self.preparer.cdi.remove_temp_files())
         self.telemetry.restore()
         try:

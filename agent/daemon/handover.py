@@ -16,6 +16,10 @@ from agent.logs import fields_
 from agent.statelock import StateLock
 from dra_driver.kubeletplugin.server import PluginServer
 
+TAKING_OVER = (
+    "the agent is taking over from the one before it and is still waiting for the state directory"
+)
+"""Why DRA calls wait at the gate during a handover (the answer of one whose deadline runs out)."""
 HANDOVER_LOG_S = 30.0
 """While waiting for the state directory, one log line this often."""
 
@@ -45,7 +49,7 @@ class StateDir:
         the agent before us hands it over. Ready while waiting (``checks``): the DaemonSet
         deletes the old pod only once this one is ready, and only then does the old agent let
         go (a deadlock otherwise). False when ``stop`` was set first."""
-        plugin.gate.waiting_for(f"the state directory {self.path}")
+        plugin.gate.waiting_for(f"{TAKING_OVER} {self.path}")
         plugin.serve()
         for name, check in checks:
             http.readiness.add(name, check)
@@ -57,7 +61,7 @@ class StateDir:
                 self.log.info("stopped before the state directory was handed over")
                 return False
             previous, timeout = self.lock.holder(), HANDOVER_LOG_S
-            plugin.gate.waiting_for(f"the state directory {self.path} ({previous})")
+            plugin.gate.waiting_for(f"{TAKING_OVER} {self.path} ({previous})")
             self.log.info(
                 "waiting for the state directory",
                 extra=fields_(

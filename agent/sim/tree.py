@@ -3,6 +3,7 @@ quiet when nothing changed, so a reader running at the same time never sees a ga
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Callable
@@ -14,8 +15,9 @@ from agent.errors import ConfigError
 def write_text(path: Path, text: str) -> None:
     """Write ``text`` atomically; leave the file alone when it already holds it."""
     try:
-        if path.read_text() == text:
-            return
+        with open(path) as f:  # not Path.read_text: a restart checks hundreds of these
+            if f.read() == text:
+                return
     except OSError:
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -26,8 +28,9 @@ def write_text(path: Path, text: str) -> None:
 
 def symlink(link: Path, target: str) -> None:
     """Point ``link`` at ``target`` (relative), atomically replacing what was there."""
-    if link.is_symlink() and os.readlink(link) == target:
-        return
+    with contextlib.suppress(OSError):  # not a link, or none there
+        if os.readlink(link) == target:
+            return
     if link.is_dir() and not link.is_symlink():
         shutil.rmtree(link)
     link.parent.mkdir(parents=True, exist_ok=True)

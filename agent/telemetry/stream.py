@@ -38,6 +38,7 @@ from agent.logs import Throttle, fields_
 from agent.telemetry.api import telemetry_pb2 as pb
 from agent.telemetry.api import telemetry_pb2_grpc as pb_grpc
 from agent.telemetry.snapshot import GpuTelemetry, Snapshot
+from agent.threadpool import FixedPool
 from agent.tls import TlsFiles, TlsMaterial, load_server
 
 SNAPSHOT_THREADS = 4
@@ -354,7 +355,7 @@ class TelemetryServer:
 
     def _listener(self, name: str) -> _Listener:
         threads = self.limits.max_watchers + SNAPSHOT_THREADS
-        executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"telemetry-{name}")
+        executor = FixedPool(threads, f"telemetry-{name}")  # its thread count stays put
         server = grpc.server(
             executor,
             options=[("grpc.max_concurrent_streams", self.limits.streams_per_connection)],

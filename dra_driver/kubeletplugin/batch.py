@@ -35,6 +35,7 @@ from typing import TypeVar
 
 from agent.errors import TesseraError
 from agent.logs import fields_
+from agent.threadpool import FixedPool
 from dra_driver.kubeletplugin.checkpoint import PreparedDevice
 from dra_driver.kubeletplugin.claims import ClaimKey
 
@@ -233,14 +234,10 @@ class BatchRunner:
         self._clock = clock
         # unprepare never queues behind prepares of other claims (a slow claim read holds a
         # prepare worker, never an unprepare one)
-        self._pools = {
-            op: ThreadPoolExecutor(max_workers=workers, thread_name_prefix=op) for op in OPERATIONS
-        }
+        # every worker from the start: the thread count never grows with the load seen
+        self._pools = {op: FixedPool(workers, op) for op in OPERATIONS}
         """One thread per call being worked on (a batch)."""
-        self._steps = {
-            op: ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"{op}-step")
-            for op in OPERATIONS
-        }
+        self._steps = {op: FixedPool(workers, f"{op}-step") for op in OPERATIONS}
         """The claims of a batch, concurrently (claim reads, side effects, CDI specs, undo)."""
         self._running: dict[Future[ClaimResult], tuple[ClaimKey, str, float]] = {}
         self._running_lock = threading.Lock()

@@ -34,7 +34,6 @@ import stat
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,7 @@ from agent.errors import ConfigError
 from agent.fsutil import SocketIdentity, accepts_connections, ensure_dir, socket_identity
 from agent.grpcguard import MalformedRequests
 from agent.logs import Throttle, fields_
+from agent.threadpool import FixedPool
 from dra_driver.kubeletapi import (
     dra_v1_pb2,
     dra_v1_pb2_grpc,
@@ -181,9 +181,9 @@ class PluginServer:
         self.throttle = Throttle(log, LOG_INTERVAL)
         guard = MalformedRequests(self._malformed)
         # grpc's server.stop leaves its executor alone: stop() shuts these down
-        self._executors = (
-            ThreadPoolExecutor(max_workers=2, thread_name_prefix="registration"),
-            ThreadPoolExecutor(max_workers=max_workers + health_streams, thread_name_prefix="dra"),
+        self._executors = (  # all their workers from the start: the thread count stays put
+            FixedPool(2, "registration"),
+            FixedPool(max_workers + health_streams, "dra"),
         )
         self._reg = grpc.server(self._executors[0], options=GRPC_OPTIONS, interceptors=[guard])
         self._dra = grpc.server(

@@ -47,12 +47,13 @@ class Gate:
         self._cond = threading.Condition()
         self._open = False
         self._aborted = False
-        self._waiting_for = "the agent's state"
+        self._waiting_for = "the agent is still starting"
 
-    def waiting_for(self, what: str) -> None:
-        """What the closed gate waits for, in the words a refused call is answered with."""
+    def waiting_for(self, why: str) -> None:
+        """Why the gate is closed, in the words a refused call is answered with (the agent
+        taking over from another, or still starting)."""
         with self._cond:
-            self._waiting_for = what
+            self._waiting_for = why
 
     @property
     def is_open(self) -> bool:
@@ -89,8 +90,7 @@ class Gate:
         why = (
             "the agent is shutting down; the kubelet retries it with the next agent"
             if aborted
-            else f"the agent is taking over from the one before it and is still waiting for"
-            f" {waiting_for}; the kubelet retries the call"
+            else f"{waiting_for}; the kubelet retries the call"
         )
         return {c.uid: f"claim {c}: {why}" for c in claims}
 

@@ -290,3 +290,16 @@ def test_the_usage_report_interval_is_a_positive_number_of_seconds():
         ConfigError, match="TESSERA_USAGE_REPORT_INTERVAL='0' is not a number of seconds > 0"
     ):
         load_config({}, {"TESSERA_USAGE_REPORT_INTERVAL": "0"})
+
+
+def test_malloc_arenas_default_to_two_and_are_checked():
+    assert Config().daemon.malloc_arenas == 2
+    assert load_config({}, {"TESSERA_MALLOC_ARENAS": "1"}).daemon.malloc_arenas == 1
+    assert load_config({"malloc_arenas": "0"}, {}).daemon.malloc_arenas == 0
+    with pytest.raises(ConfigError) as e:
+        load_config({}, {"TESSERA_MALLOC_ARENAS": "-1"})
+    assert str(e.value) == (
+        "TESSERA_MALLOC_ARENAS='-1' is not a number of malloc arenas from 0 (glibc's own) to 64"
+    )
+    with pytest.raises(ConfigError, match=r"^--malloc-arenas: 'two' is not a whole number"):
+        load_config({"malloc_arenas": "two"}, {})

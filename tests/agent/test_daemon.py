@@ -289,3 +289,52 @@ def test_a_rediscovery_read_a_mig_change_overtook_is_read_again(short_tmp, monke
         assert [p for _, p in gpu2.mig_profiles] == ["1g.10gb"]
     finally:
         agent.stop()
+
+
+def test_the_kubelet_gets_its_registration_before_the_start_reads_the_node_and_no_claim_call_before_the_checkpoint_is_recovered(  # noqa: E501
+    short_tmp,
+):
+    """A cold start serves the registration socket first (GetInfo needs only the driver's name,
+    endpoint and versions), so the kubelet registers the plugin while the agent still reads the
+    node; a DRA call that comes meanwhile waits at the gate, and one whose deadline runs out is
+    answered retryably, saying the agent is still starting. The gate opens only once the
+    prepared claims are recovered from the checkpoint."""
+    from dra_driver.testkubelet.calls import ClaimRef
+    from dra_driver.testkubelet.client import KubeletClient
+
+    agent = build(config(short_tmp), logging.getLogger("tessera.test"))
+    recovering, release = threading.Event(), threading.Event()
+    gate_at_recovery: list[bool] = []
+    recover = agent.preparer.reconcile_on_start
+
+    def held_recovery() -> None:
+        gate_at_recovery.append(agent.plugin.gate.is_open)
+        recovering.set()
+        assert release.wait(30)
+        recover()
+
+    agent.preparer.reconcile_on_start = held_recovery  # type: ignore[method-assign]
+    stop = threading.Event()
+    starting = threading.Thread(target=agent.start, args=(stop,))
+    starting.start()
+    try:
+        assert recovering.wait(30)
+        with KubeletClient(agent.plugin.reg_socket, timeout=5) as kubelet:
+            info = kubelet.get_info()
+        assert info["name"] == "gpu.tessera.dev"
+        assert info["endpoint"] == str(agent.plugin.dra_socket)
+        with KubeletClient(agent.plugin.dra_socket, timeout=5.5) as kubelet:
+            answer = kubelet.prepare([ClaimRef("default", "c", "uid-c")])["claims"]["uid-c"]
+        assert answer["error"] == (
+            "claim default/c (uid-c): the agent is still starting (reading the node and"
+            " recovering its prepared claims); the kubelet retries the call"
+        )
+        assert not agent.plugin.gate.is_open
+        release.set()
+        starting.join(30)
+        assert not starting.is_alive()
+        assert gate_at_recovery == [False] and agent.plugin.gate.is_open
+    finally:
+        release.set()
+        starting.join(30)
+        agent.stop()

@@ -126,7 +126,10 @@ CLAIMS = [ClaimKey("default", "a", "uid-a"), ClaimKey("default", "b", "uid-b")]
 
 def test_an_open_gate_lets_calls_through_and_a_closed_one_answers_each_claim():
     gate = Gate()
-    gate.waiting_for("the state directory /var/lib/tessera (PID 1 of pod old)")
+    gate.waiting_for(
+        "the agent is taking over from the one before it and is still waiting for the state"
+        " directory /var/lib/tessera (PID 1 of pod old)"
+    )
     # 5 s left of the kubelet's deadline is the reserve for the call itself: no wait at all
     refused = gate.refused(CLAIMS, Context(5.0), most=40.0)
     assert refused == {

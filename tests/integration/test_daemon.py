@@ -64,6 +64,8 @@ def test_daemon_serves_health_and_stops_on_signal(short_tmp, sig):
         assert gpus[0]["pci_bus_id"] == "0000:1b:00.0" and gpus[0]["numa_node"] == 0
         inventory = next(r for r in logs if r["msg"] == "node inventory")
         assert inventory["gpus"] == 8 and inventory["nics"] == 12
+        arenas = next(r for r in logs if r["msg"] == "malloc arenas")  # glibc here
+        assert arenas["limit"] == 2 and arenas["left_as_is"] is None
         healthz = logs[-1]["healthz"]
         with urllib.request.urlopen(healthz, timeout=5) as r:
             assert r.status == 200 and r.read() == b"ok\n"
