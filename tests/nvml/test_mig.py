@@ -77,7 +77,7 @@ def test_mig_mode_switches_at_once_on_hopper_and_is_pending_on_ampere(tmp_path):
 def test_find_answers_what_the_instance_list_says(tmp_path):
     """``find`` reads one profile's instances: the same answer as looking through every
     instance, for a placement another profile holds, a profile the GPU lacks, MIG off."""
-    nvml, mig = control(tmp_path, "dgx-h100", layout="balanced")
+    _, mig = control(tmp_path, "dgx-h100", layout="balanced")
     for gi in mig.gpu_instances(3):
         listed = mig.find(3, gi.profile_id, gi.placement.start)
         assert listed == gi
