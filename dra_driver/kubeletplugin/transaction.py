@@ -203,6 +203,10 @@ class Transactions:
         if not made:
             return
         try:
+            if any(e.devices for e in made):
+                # the specs' names durable before the completion that vouches for them: one
+                # directory sync for the batch (each file was fsync'd as it was written)
+                self._cdi.sync()
             self._ledger.update(lambda cp: cp.with_claims(made))
         except TesseraError as exc:  # e.g. the disk is full: no spec may stay behind
             for e in made:
@@ -304,8 +308,8 @@ class Transactions:
                 self._metadata, claim, p.pod_claim_name, devices, advertised.get
             )
         entry = claim_entry(claim, PREPARE_COMPLETED, devices, pods=plan.pods, mps=applied.mps)
-        if entry.devices:
-            self._records.write_spec(entry)
+        if entry.devices:  # its name made durable for the batch at once: _complete
+            self._records.write_spec(entry, sync_dir=False)
         self._crash("after-cdi")
         return entry
 
