@@ -136,6 +136,48 @@ def test_a_call_syncs_the_cdi_directory_once_before_its_completion(
     agent.close(5)
 
 
+class Died(BaseException):
+    """The agent dying at a checkpoint write (as ``kill -9`` there would leave the disk)."""
+
+
+def test_dynamic_mig_devices_need_no_durable_start_the_start_sweeps_a_crash(
+    dynamic_node: Node,
+) -> None:
+    """A call of dynamic MIG claims writes the checkpoint once, to complete them: a crash
+    before that leaves MIG devices and specs that no completed claim owns, and the next start
+    removes them all (the sweep by placement, the specs the checkpoint does not list)."""
+    keys = [
+        dynamic_node.claim("m0", dynamic_node.placement(0, "1g.10gb", 0)),
+        dynamic_node.claim("m1", dynamic_node.placement(0, "2g.20gb", 2)),
+        dynamic_node.claim("m2", dynamic_node.placement(1, "3g.40gb", 0)),
+    ]
+    agent = dynamic_node.agent()
+    writes = Writes(agent)
+    assert errors(agent.prepare(keys)) == {k.uid: "" for k in keys}
+    (completed,) = writes.saved
+    assert {e.state for e in completed.claims.values()} == {PREPARE_COMPLETED}
+    assert errors(agent.unprepare(keys)) == {k.uid: "" for k in keys}
+    assert len(writes) == 2
+
+    def dies(cp: Checkpoint) -> None:
+        raise Died
+
+    agent.store.save = dies  # type: ignore[method-assign]
+    with pytest.raises(Died):
+        agent.prepare(keys)
+    assert len(mig_instances(dynamic_node.sim, MODEL, 0)) == 2
+    assert specs(dynamic_node) == {k.uid for k in keys}
+    agent.close(5)
+    again = dynamic_node.agent()  # the next start
+    assert again.checkpoint.claims == {}
+    assert mig_instances(dynamic_node.sim, MODEL, 0) == ()
+    assert mig_instances(dynamic_node.sim, MODEL, 1) == ()
+    assert specs(dynamic_node) == set()
+    assert errors(again.prepare(keys)) == {k.uid: "" for k in keys}  # the kubelet's retry
+    assert errors(again.unprepare(keys)) == {k.uid: "" for k in keys}
+    again.close(5)
+
+
 def test_claims_that_change_the_node_are_started_durably_once_for_the_call(dynamic_node):
     long = opaque("TimeSlicing", interval="Long")
     keys = [
