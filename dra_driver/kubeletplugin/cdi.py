@@ -406,10 +406,12 @@ class CdiWriter:
                 self.write_base()
 
     def remove_many(self, claim_uids: Sequence[str]) -> dict[str, CdiError]:
-        """Delete the specs of several claims, syncing the directory once; returns the claims
-        whose spec could not be removed, with the error. Idempotent."""
+        """Delete the specs of several released claims (unprepare, after the release is
+        durable); returns the claims whose spec could not be removed, with the error.
+        Idempotent. The directory is not synced: a process's death keeps the removal (the
+        page cache is the kernel's), and a power loss means a reboot, after which the start
+        removes every spec written before the boot (``reconcile``)."""
         errors: dict[str, CdiError] = {}
-        removed: list[str] = []
         for uid in claim_uids:
             try:
                 path = self.path(uid)
@@ -424,14 +426,6 @@ class CdiWriter:
                 if not os.path.lexists(path):  # as in remove
                     continue
                 errors[uid] = CdiError(f"cannot remove CDI spec {path}: {exc.strerror or exc}")
-                continue
-            removed.append(uid)
-        if removed:
-            try:
-                fsync_dir(self.cdi_root)
-            except OSError as exc:
-                error = CdiError(f"cannot sync {self.cdi_root}: {exc.strerror or exc}")
-                errors.update((uid, error) for uid in removed)
         return errors
 
     def remove(self, claim_uid: str) -> bool:

@@ -133,6 +133,16 @@ def test_a_call_syncs_the_cdi_directory_once_before_its_completion(
     assert len(checkpoint) == 1 and dir_sync < checkpoint[0]
     assert syncs.index(static_node.state)[-1] > checkpoint[0]  # the rename made durable
     assert specs(static_node) == {k.uid for k in keys}
+    # unprepare: the release is durable; the specs' removal need not be (a process's death
+    # keeps it, and after a power loss the start removes every spec of an earlier boot)
+    syncs.paths.clear()
+    assert errors(agent.unprepare(keys)) == {k.uid: "" for k in keys}
+    assert syncs.index(cdi) == []
+    release, state_dir = syncs.paths
+    assert Path(release).name.startswith(".checkpoint.json.") and state_dir == str(
+        static_node.state
+    )
+    assert specs(static_node) == set()
     agent.close(5)
 
 
