@@ -83,6 +83,7 @@ def test_a_dynamic_mig_change_reaches_telemetry_without_building_the_model_again
     try:
         model = agent.node.devices.get()
         builds: list[object] = []
+
         def counted(inv: NodeInventory, policy: DevicePolicy) -> object:
             builds.append(policy)
             return advertised_devices(inv, policy)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from agent.nvml.errors import NvmlInsufficientResources, NvmlInUse
@@ -74,7 +76,7 @@ def test_mig_mode_switches_at_once_on_hopper_and_is_pending_on_ampere(tmp_path):
     assert mode_switch_needs_reset("Ampere") and not mode_switch_needs_reset("Hopper")
 
 
-def test_find_answers_what_the_instance_list_says(tmp_path):
+def test_find_answers_what_the_instance_list_says(tmp_path: Path) -> None:
     """``find`` reads one profile's instances: the same answer as looking through every
     instance, for a placement another profile holds, a profile the GPU lacks, MIG off."""
     _, mig = control(tmp_path, "dgx-h100", layout="balanced")
