@@ -65,7 +65,13 @@ def remove_temp_files(directory: Path, name_glob: str = "*") -> list[Path]:
 
 
 def atomic_write(
-    path: Path, data: bytes, mode: int = 0o640, dir_mode: int = 0o750, *, sync: bool = True
+    path: Path,
+    data: bytes,
+    mode: int = 0o640,
+    dir_mode: int = 0o750,
+    *,
+    sync: bool = True,
+    sync_dir: bool = True,
 ) -> None:
     """Replace ``path`` with ``data`` so that a crash leaves either the old or the new file
     (plus, at worst, a temporary file that ``remove_temp_files`` sweeps); a missing directory is
@@ -74,7 +80,11 @@ def atomic_write(
     ``sync=False`` skips the two fsyncs (the file's and the directory's): the replacement is
     still atomic for every reader and survives the process being killed (the page cache is the
     kernel's), but a power loss may bring back an earlier file. For a file rewritten every
-    second whose caller syncs it every so often."""
+    second whose caller syncs it every so often.
+
+    ``sync_dir=False`` (with ``sync``) fsyncs the file but not the directory: the new name is
+    durable only once the caller fsyncs the directory (``fsync_dir``), once for several files
+    written there (a batch of CDI specs)."""
     ensure_dir(path.parent, dir_mode)
     fd, tmp = tempfile.mkstemp(prefix=temp_name_prefix(path), suffix=".tmp", dir=path.parent)
     try:
@@ -88,7 +98,7 @@ def atomic_write(
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    if sync:
+    if sync and sync_dir:
         fsync_dir(path.parent)
 
 

@@ -13,11 +13,12 @@ run and in turn with every call, so load from elsewhere weighs on both alike:
   simulator's tools starting the control daemon with its settings, as a prepare does (compute
   mode, daemon started, answered, configured; stopped again for unprepare), without the daemon.
 
-Goals (issue 15): prepare p50 <= 3x and p99 <= 5x the floor in every mode, each percentile
-against the same percentile of the floor (interleaved samples: on a quiet machine the floor's
-p99 is about its p50, on a shared one the disk's fsync tail shows in both, and the p99 compared
-with the floor's p50 is in the detail); 64 claims in one call <= 1/4 of 64 x the single
-prepare's p50 (whole GPUs). Unprepare is reported next to its floor without a goal."""
+Goals: a whole GPU's prepare p50 <= 1.5x and p99 <= 3x the floor (issue 25), the other modes'
+p50 <= 3x and p99 <= 5x (issue 15), each percentile against the same percentile of the floor
+(interleaved samples: on a quiet machine the floor's p99 is about its p50, on a shared one the
+disk's fsync tail shows in both, and the p99 compared with the floor's p50 is in the detail); 64
+claims in one call <= 0.15 of 64 x the single prepare's p50 (whole GPUs; issue 25, was 1/4).
+Unprepare is reported next to its floor without a goal."""
 
 from __future__ import annotations
 
@@ -54,7 +55,9 @@ NODE = "bench-64"
 GPUS = 64
 P50_GOAL = 3.0
 P99_GOAL = 5.0
-BATCH_GOAL = 0.25
+GOALS = {"whole GPU": (1.5, 3.0)}
+"""(p50, p99) goals of the modes whose goals are not ``P50_GOAL``/``P99_GOAL`` (issue 25)."""
+BATCH_GOAL = 0.15
 MPS_CONFIG: dict[str, Any] = {
     "apiVersion": "gpu.tessera.dev/v1alpha1",
     "kind": "GpuConfig",
@@ -285,7 +288,8 @@ def _figures(
     rows: list[tuple[str, str]] = []
     for mode in all_modes:
         rs = rounds[mode.name]
-        for q, goal in ((50, P50_GOAL), (99, P99_GOAL)):
+        p50_goal, p99_goal = GOALS.get(mode.name, (P50_GOAL, P99_GOAL))
+        for q, goal in ((50, p50_goal), (99, p99_goal)):
             figures.append(
                 measured(
                     NAME,

@@ -50,7 +50,7 @@ from dra_driver.testkubelet.client import KubeletClient
 NAME = "sharing"
 MIG_MODELS = ("dgx-a100", "dgx-h100")
 MIG_GOAL = 2.0
-"""Issue 10's goal: prepare + unprepare (p50) within this factor of the simulator's create +
+"""Issues 10 and 25: prepare + unprepare (p50) within this factor of the simulator's create +
 destroy (p50), measured in the same run."""
 SHARE_MODEL = "dgx-h100"
 SHARES = 8

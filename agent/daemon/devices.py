@@ -18,6 +18,7 @@ from agent.logs import fields_
 from agent.node import NodeSource, Reread, rediscover
 from agent.nvml.events import EventWatcher
 from agent.nvml.telemetry import TelemetryReader
+from agent.nvml.types import MemoryInfo
 from agent.statelock import StateLock
 from agent.telemetry.faults import FaultStore
 from agent.telemetry.gpu_health import GpuHealth
@@ -44,6 +45,25 @@ def enumerated(inv: NodeInventory) -> list[Gpu]:
     """The inventory's GPUs NVML enumerates: not those lent to virtual machines (index -1),
     which NVML cannot read or watch."""
     return [g for g in inv.gpus if g.device.index >= 0]
+
+
+def model_inputs(inv: NodeInventory, policy: DevicePolicy) -> NodeInventory:
+    """``inv`` without what the device model under ``policy`` does not read: two inventories
+    whose inputs compare equal advertise the same devices, so the model of one serves the
+    other without being built again (``advertised_devices`` takes milliseconds for a node of
+    200 MIG placements, and every dynamic MIG prepare and unprepare re-reads its GPU before
+    it answers: :meth:`NodeDevices.mig_changed`). Left out: memory in use (the devices carry
+    the total only) and, in dynamic MIG mode, the GPUs' MIG devices (the placements are
+    advertised, made or not; MIG mode itself stays an input). tests/agent/
+    test_daemon_devices.py builds both models to check it."""
+
+    def device_inputs(gpu: Gpu) -> Gpu:
+        d = gpu.device
+        instances = () if policy.mig_mode == "dynamic" else d.mig_instances
+        memory = MemoryInfo(d.memory.total, 0, 0)
+        return replace(gpu, device=replace(d, memory=memory, mig_instances=instances))
+
+    return replace(inv, gpus=tuple(device_inputs(g) for g in inv.gpus))
 
 
 class CurrentDevices:
@@ -156,7 +176,7 @@ class NodeDevices:
         with self._apply_lock:
             previous = self.inventory
             old_model = self.devices.current()
-            model = advertised_devices(inv, self.policy)
+            model = self._model_of(inv, previous, old_model)
             self.inventory = inv
             if model != old_model:
                 self.devices.set(model)
@@ -206,6 +226,19 @@ class NodeDevices:
             except Exception:
                 self.log.exception("on_devices_changed failed")
         return change
+
+    def _model_of(
+        self, inv: NodeInventory, previous: NodeInventory | None, old_model: DeviceModel | None
+    ) -> DeviceModel:
+        """The devices ``inv`` advertises: ``old_model`` (built from ``previous``) when nothing
+        it was built from changed (``model_inputs``), else built."""
+        if (
+            previous is not None
+            and old_model is not None
+            and model_inputs(previous, self.policy) == model_inputs(inv, self.policy)
+        ):
+            return old_model
+        return advertised_devices(inv, self.policy)
 
     def rediscover(self, rebound: frozenset[str] = frozenset()) -> None:
         """Read NVML and sysfs again and apply what they say (:meth:`apply_inventory`); a read

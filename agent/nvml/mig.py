@@ -109,10 +109,23 @@ class MigControl:
         return [array[i] for i in range(count.value)]
 
     def find(self, index: int, profile_id: int, start: int) -> GpuInstanceInfo | None:
-        """The GPU instance of ``profile_id`` at placement ``start``, if there is one."""
-        for gi in self.gpu_instances(index):
-            if gi.profile_id == profile_id and gi.placement.start == start:
-                return gi
+        """The GPU instance of ``profile_id`` at placement ``start``, if there is one: the
+        instances of that profile alone are read (``nvmlDeviceGetGpuInstances`` takes the
+        profile id), not every profile's as :meth:`gpu_instances` does; a prepare and an
+        unprepare of a dynamic MIG device each look once."""
+        api = self._api(index)
+        try:
+            instances = self._instances_of(api, index, profile_id)
+        except NvmlInvalidArgument:  # no such profile on this GPU
+            return None
+        for gi in instances:
+            info = api.nvmlGpuInstanceGetInfo(gi)
+            if int(info.profileId) == profile_id and int(info.placement.start) == start:
+                return GpuInstanceInfo(
+                    gpu_instance_id=int(info.id),
+                    profile_id=profile_id,
+                    placement=Placement(start, int(info.placement.size)),
+                )
         return None
 
     def create(self, index: int, profile_id: int, start: int, size: int) -> MigInstance:

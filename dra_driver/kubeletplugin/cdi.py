@@ -70,6 +70,7 @@ import errno
 import json
 import os
 import re
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -154,6 +155,7 @@ class CdiWriter:
         self.base_path = self.cdi_root / f"k8s.{driver_name}-driver.json"
         self._base_current = False
         """Whether this process wrote (or found) the base spec as it builds it."""
+        self._base_lock = threading.Lock()  # a batch's first claims write the base spec once
         self.files: DriverFiles = discover_driver_files(self.driver_root, driver_version)
         on_root = has_dev_dir(self.driver_root)
         self.dev_root = self.driver_root if on_root else Path("/")
@@ -348,14 +350,22 @@ class CdiWriter:
             d["name"].removeprefix(prefix): node_paths(d["containerEdits"]) for d in spec["devices"]
         }
 
-    def _atomic(self, path: Path, spec: dict[str, Any]) -> None:
+    def _atomic(self, path: Path, spec: dict[str, Any], sync_dir: bool = True) -> None:
         data = (json.dumps(spec, indent=2, sort_keys=True) + "\n").encode()
         if holds(path, data):
             return
         try:
-            atomic_write(path, data, mode=SPEC_FILE_MODE, dir_mode=CDI_DIR_MODE)
+            atomic_write(path, data, mode=SPEC_FILE_MODE, dir_mode=CDI_DIR_MODE, sync_dir=sync_dir)
         except OSError as exc:
             raise CdiError(f"cannot write CDI spec {path}: {exc.strerror or exc}") from exc
+
+    def sync(self) -> None:
+        """Make the specs written with ``sync_dir=False`` durable by name: one fsync of the CDI
+        root for all of them. Raises CdiError."""
+        try:
+            fsync_dir(self.cdi_root)
+        except OSError as exc:
+            raise CdiError(f"cannot sync {self.cdi_root}: {exc.strerror or exc}") from exc
 
     def write(self, claim_uid: str, spec: dict[str, Any]) -> Path:
         """Validate ``spec`` and write it atomically as the claim's spec file (mode 0644); the
@@ -364,31 +374,44 @@ class CdiWriter:
         validate_spec(spec)
         if spec["kind"] != self.kind:
             raise CdiError(f"CDI spec kind {spec['kind']!r} is not this driver's {self.kind!r}")
-        if not self._base_current or not self.base_path.exists():
-            self.write_base()
+        self._ensure_base()
         self._atomic(path, spec)
         return path
 
     def write_claim(
-        self, claim_uid: str, devices: Sequence[CdiRequest], mps: MpsEdits | None = None
+        self,
+        claim_uid: str,
+        devices: Sequence[CdiRequest],
+        mps: MpsEdits | None = None,
+        *,
+        sync_dir: bool = True,
     ) -> Path:
         """Build and write the claim's spec (``build_spec``, then ``write``) on the prepare
         path, without checking the result against the JSON schema each time: the builder makes
         every spec from the same few shapes, which the tests check against the schema (whole
         GPUs, MIG devices, MPS directories: tests/dra_driver/test_cdi.py); the claim UID and
-        device names are checked as they go in. Raises CdiError as both."""
+        device names are checked as they go in. Raises CdiError as both. ``sync_dir=False``:
+        the directory is left to :meth:`sync` (once for a batch's specs)."""
         path = self.path(claim_uid)
         spec = self._claim_spec(claim_uid, devices, mps)
-        if not self._base_current or not self.base_path.exists():
-            self.write_base()
-        self._atomic(path, spec)
+        self._ensure_base()
+        self._atomic(path, spec, sync_dir)
         return path
 
+    def _ensure_base(self) -> None:
+        if self._base_current and self.base_path.exists():
+            return
+        with self._base_lock:
+            if not self._base_current or not self.base_path.exists():
+                self.write_base()
+
     def remove_many(self, claim_uids: Sequence[str]) -> dict[str, CdiError]:
-        """Delete the specs of several claims, syncing the directory once; returns the claims
-        whose spec could not be removed, with the error. Idempotent."""
+        """Delete the specs of several released claims (unprepare, after the release is
+        durable); returns the claims whose spec could not be removed, with the error.
+        Idempotent. The directory is not synced: a process's death keeps the removal (the
+        page cache is the kernel's), and a power loss means a reboot, after which the start
+        removes every spec written before the boot (``reconcile``)."""
         errors: dict[str, CdiError] = {}
-        removed: list[str] = []
         for uid in claim_uids:
             try:
                 path = self.path(uid)
@@ -403,14 +426,6 @@ class CdiWriter:
                 if not os.path.lexists(path):  # as in remove
                     continue
                 errors[uid] = CdiError(f"cannot remove CDI spec {path}: {exc.strerror or exc}")
-                continue
-            removed.append(uid)
-        if removed:
-            try:
-                fsync_dir(self.cdi_root)
-            except OSError as exc:
-                error = CdiError(f"cannot sync {self.cdi_root}: {exc.strerror or exc}")
-                errors.update((uid, error) for uid in removed)
         return errors
 
     def remove(self, claim_uid: str) -> bool:

@@ -135,13 +135,16 @@ class Effects:
 
     # -- prepare -----------------------------------------------------------------------------
     def changes_node(self, plan: ClaimPlan) -> bool:
-        """Whether ``apply`` changes anything on the node for ``plan`` (a MIG device made, a
-        GPU's MIG mode, compute mode or time-slice set, an MPS daemon started): its start must
-        then be recorded durably before, so that a crash can be undone."""
+        """Whether ``apply`` changes anything on the node for ``plan`` that only its record can
+        undo after a crash (a GPU's MIG mode, compute mode or time-slice set, an MPS daemon
+        started, a power cap, a GPU handed to a VM): its start must then be recorded durably
+        before. A dynamic MIG device is not such a change: a crash before its claim completes
+        leaves an instance that no completed claim owns, which the start's sweep destroys by
+        placement (``sweep_mig``), as the rollback of a durable start would have."""
         for p in plan.devices:
             if p.device.kind in VM_KINDS:
                 return True
-            if p.dynamic or p.uses_mps or (p.sharing == TIME_SLICING and p.interval is not None):
+            if p.uses_mps or (p.sharing == TIME_SLICING and p.interval is not None):
                 return True
             if p.power_limit_mw is not None:
                 return True

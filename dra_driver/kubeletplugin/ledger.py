@@ -1,8 +1,9 @@
 """The checkpoint as the agent holds it in memory, and the lock its changes are made under.
 
 Memory never runs ahead of the file (a change is saved, then adopted), except for the started
-records of claims that change nothing on the node (``transaction``: a crash before they
-complete leaves a CDI spec the checkpoint does not list, which the next start removes), and
+records of claims that change nothing on the node but dynamic MIG devices (``transaction``: a
+crash before they complete leaves a CDI spec the checkpoint does not list, which the next start
+removes, and MIG instances no completed claim owns, which it sweeps), and
 for a claim undone whose release cannot be written (a full disk: its started record left in the
 file is rolled back again at the next start), and for the start's checkpoint when it cannot be
 saved (``reconcile``: the next start repeats what this one did).

@@ -9,10 +9,11 @@ checkpoint writes (group commit):
    recovered) one is rolled back first;
 2. under the checkpoint lock, each claim is checked against the holders so far
    (``plan.conflicts``) and recorded as ``PrepareStarted`` with its plan (its devices are now
-   reserved); one write makes the batch's records durable when some claim changes the node
-   (dynamic MIG, time-slicing, MPS): a claim whose only effect is its CDI spec needs no durable
-   start (a crash before it completes leaves a spec the checkpoint does not list, which the
-   next start removes);
+   reserved); one write makes the batch's records durable when some claim changes the node in
+   a way only its record can undo (time-slicing, MPS, ``Effects.changes_node``): a claim whose
+   only effects are its CDI spec and dynamic MIG devices needs no durable start (a crash
+   before it completes leaves a spec the checkpoint does not list and MIG instances no
+   completed claim owns, which the next start removes and sweeps);
 3. each claim's side effects, under the locks of its GPUs (``sharing.effects``): dynamic MIG
    devices created, time-slicing and MPS set up (an MPS daemon recorded as soon as it runs);
    then, for VM devices, their KEP-5304 metadata (``device_metadata``), then its CDI spec
@@ -160,13 +161,17 @@ class Transactions:
            slow read never holds back the others' answers);
         2. under the checkpoint lock, each is checked against the holders so far and recorded
            as ``PrepareStarted`` (the devices are reserved); ONE write makes the records
-           durable, and only when some claim changes the node (dynamic MIG, time-slicing, MPS,
-           a whole GPU taken out of MIG mode): a claim whose only effect is its CDI spec needs
-           no durable start, since a crash before its completion leaves a spec that the
-           checkpoint does not list as completed, which the next start removes;
+           durable, and only when some claim changes the node in a way only its record can
+           undo (time-slicing, MPS, a whole GPU taken out of MIG mode): a claim whose only
+           effects are its CDI spec and dynamic MIG devices needs no durable start, since a
+           crash before its completion leaves a spec that the checkpoint does not list as
+           completed and MIG instances no completed claim owns, which the next start removes
+           and sweeps;
         3. each claim's side effects and CDI spec (concurrently, under its GPUs' locks); a
            failure undoes that claim alone;
-        4. ONE write records them all as ``PrepareCompleted``; then they are answered.
+        4. ONE directory sync makes the claims' CDI specs durable (each file was fsync'd as
+           it was written), then ONE write records them all as ``PrepareCompleted``; then
+           they are answered.
         """
         with self._claim_locks.hold_all(c.uid for c, _ in batch.claims):
             keys = [c for c, _ in batch.claims]
@@ -203,6 +208,10 @@ class Transactions:
         if not made:
             return
         try:
+            if any(e.devices for e in made):
+                # the specs' names durable before the completion that vouches for them: one
+                # directory sync for the batch (each file was fsync'd as it was written)
+                self._cdi.sync()
             self._ledger.update(lambda cp: cp.with_claims(made))
         except TesseraError as exc:  # e.g. the disk is full: no spec may stay behind
             for e in made:
@@ -304,8 +313,8 @@ class Transactions:
                 self._metadata, claim, p.pod_claim_name, devices, advertised.get
             )
         entry = claim_entry(claim, PREPARE_COMPLETED, devices, pods=plan.pods, mps=applied.mps)
-        if entry.devices:
-            self._records.write_spec(entry)
+        if entry.devices:  # its name made durable for the batch at once: _complete
+            self._records.write_spec(entry, sync_dir=False)
         self._crash("after-cdi")
         return entry
 

@@ -5,8 +5,9 @@ the real tools (NVML's MIG calls over the simulator, simulated nvidia-smi)."""
 from __future__ import annotations
 
 import json
+import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,7 @@ def dynamic_node(tmp_path: Path) -> Iterator[Node]:
     )
 
 
-def errors(results: dict[str, object]) -> dict[str, str]:
+def errors(results: Mapping[str, object]) -> dict[str, str]:
     return {uid: r.error for uid, r in results.items()}  # type: ignore[attr-defined]
 
 
@@ -88,6 +89,103 @@ def test_a_call_of_whole_gpus_is_one_checkpoint_write_each_way(static_node):
     assert len(writes) == 2 and writes.saved[-1].claims == {}
     assert specs(static_node) == set()
     agent.close(5)
+
+
+class Syncs:
+    """The files and directories fsync'd, in order, by path (every thread's)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.paths: list[str] = []
+        real = os.fsync
+
+        def recording(fd: int) -> None:
+            real(fd)
+            self.paths.append(os.readlink(f"/proc/self/fd/{fd}"))
+
+        monkeypatch.setattr(os, "fsync", recording)
+
+    def index(self, path: Path) -> list[int]:
+        return [i for i, p in enumerate(self.paths) if p == str(path)]
+
+
+def test_a_call_syncs_the_cdi_directory_once_before_its_completion(
+    static_node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each claim's spec file is fsync'd, then the CDI directory once for all of them (their
+    names), and only then is the checkpoint's completion written: a completion is never
+    durable before the specs it vouches for."""
+    keys = [static_node.claim(f"c{i}", f"gpu-{i}") for i in range(6)]
+    agent = static_node.agent()
+    syncs = Syncs(monkeypatch)
+    assert errors(agent.prepare(keys)) == {k.uid: "" for k in keys}
+    cdi = static_node.state / "cdi"
+    spec_files = [i for i, p in enumerate(syncs.paths) if Path(p).parent == cdi and "-claim_" in p]
+    assert len(spec_files) == len(keys)
+    # the base spec, written with the first claims' (by each that found it missing), has a
+    # sync of its own; the claims' specs share one
+    after_specs = [i for i in syncs.index(cdi) if i > min(spec_files)]
+    assert len(after_specs) == 1
+    dir_sync = after_specs[0]
+    assert max(spec_files) < dir_sync
+    checkpoint = [
+        i for i, p in enumerate(syncs.paths) if Path(p).name.startswith(".checkpoint.json.")
+    ]
+    assert len(checkpoint) == 1 and dir_sync < checkpoint[0]
+    assert syncs.index(static_node.state)[-1] > checkpoint[0]  # the rename made durable
+    assert specs(static_node) == {k.uid for k in keys}
+    # unprepare: the release is durable; the specs' removal need not be (a process's death
+    # keeps it, and after a power loss the start removes every spec of an earlier boot)
+    syncs.paths.clear()
+    assert errors(agent.unprepare(keys)) == {k.uid: "" for k in keys}
+    assert syncs.index(cdi) == []
+    release, state_dir = syncs.paths
+    assert Path(release).name.startswith(".checkpoint.json.") and state_dir == str(
+        static_node.state
+    )
+    assert specs(static_node) == set()
+    agent.close(5)
+
+
+class Died(BaseException):
+    """The agent dying at a checkpoint write (as ``kill -9`` there would leave the disk)."""
+
+
+def test_dynamic_mig_devices_need_no_durable_start_the_start_sweeps_a_crash(
+    dynamic_node: Node,
+) -> None:
+    """A call of dynamic MIG claims writes the checkpoint once, to complete them: a crash
+    before that leaves MIG devices and specs that no completed claim owns, and the next start
+    removes them all (the sweep by placement, the specs the checkpoint does not list)."""
+    keys = [
+        dynamic_node.claim("m0", dynamic_node.placement(0, "1g.10gb", 0)),
+        dynamic_node.claim("m1", dynamic_node.placement(0, "2g.20gb", 2)),
+        dynamic_node.claim("m2", dynamic_node.placement(1, "3g.40gb", 0)),
+    ]
+    agent = dynamic_node.agent()
+    writes = Writes(agent)
+    assert errors(agent.prepare(keys)) == {k.uid: "" for k in keys}
+    (completed,) = writes.saved
+    assert {e.state for e in completed.claims.values()} == {PREPARE_COMPLETED}
+    assert errors(agent.unprepare(keys)) == {k.uid: "" for k in keys}
+    assert len(writes) == 2
+
+    def dies(cp: Checkpoint) -> None:
+        raise Died
+
+    agent.store.save = dies  # type: ignore[method-assign]
+    with pytest.raises(Died):
+        agent.prepare(keys)
+    assert len(mig_instances(dynamic_node.sim, MODEL, 0)) == 2
+    assert specs(dynamic_node) == {k.uid for k in keys}
+    agent.close(5)
+    again = dynamic_node.agent()  # the next start
+    assert again.checkpoint.claims == {}
+    assert mig_instances(dynamic_node.sim, MODEL, 0) == ()
+    assert mig_instances(dynamic_node.sim, MODEL, 1) == ()
+    assert specs(dynamic_node) == set()
+    assert errors(again.prepare(keys)) == {k.uid: "" for k in keys}  # the kubelet's retry
+    assert errors(again.unprepare(keys)) == {k.uid: "" for k in keys}
+    again.close(5)
 
 
 def test_claims_that_change_the_node_are_started_durably_once_for_the_call(dynamic_node):

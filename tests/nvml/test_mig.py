@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from agent.nvml.errors import NvmlInsufficientResources, NvmlInUse
@@ -72,3 +74,21 @@ def test_mig_mode_switches_at_once_on_hopper_and_is_pending_on_ampere(tmp_path):
     mode = nvml.mig_mode(0)
     assert mode is not None and not mode.current and mode.pending
     assert mode_switch_needs_reset("Ampere") and not mode_switch_needs_reset("Hopper")
+
+
+def test_find_answers_what_the_instance_list_says(tmp_path: Path) -> None:
+    """``find`` reads one profile's instances: the same answer as looking through every
+    instance, for a placement another profile holds, a profile the GPU lacks, MIG off."""
+    _, mig = control(tmp_path, "dgx-h100", layout="balanced")
+    for gi in mig.gpu_instances(3):
+        listed = mig.find(3, gi.profile_id, gi.placement.start)
+        assert listed == gi
+    mig.destroy_all(4)
+    mig.create(4, 9, 0, 4)  # a 3g.40gb at slices 0-3
+    assert mig.find(4, 9, 0) == mig.gpu_instances(4)[0]
+    assert mig.find(4, 19, 0) is None  # a 1g at the same start: not the 3g
+    assert mig.find(4, 9, 4) is None
+    assert mig.find(4, 999, 0) is None  # no such profile on this GPU
+    mig.destroy_all(5)
+    assert mig.set_mode(5, False)
+    assert mig.find(5, 9, 0) is None  # MIG off
