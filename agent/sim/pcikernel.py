@@ -93,6 +93,11 @@ class SimPciKernel:
         self.sysfs_root = Path(sysfs_root)
         self.driver_root = Path(driver_root)
         self._static = [f.bus for f in pci_functions(self.model)]
+        own = fake.state_dir / "sys"
+        self._own_tree = os.path.realpath(self.sysfs_root) == os.path.realpath(own)
+        """The simulator's own tree, which every kernel of this node writes (the agent's, ``tessera
+        sim fault``'s): only then is the tree known to be the last state's, and a write may
+        change just its part (another root is rewritten whole, as a given tree may be any)."""
 
     # -- the trees -------------------------------------------------------------------------------
     def groups(self, state: VmState) -> dict[str, int]:
@@ -135,7 +140,7 @@ class SimPciKernel:
                 if not seen and not behind:
                     marker.unlink()  # refused: the state, and so the trees, did not change
                 raise
-            if behind or not seen:
+            if behind or not seen or not self._own_tree:
                 self.rewrite_sysfs()
             else:
                 before, after = seen

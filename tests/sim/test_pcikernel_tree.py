@@ -168,3 +168,21 @@ def test_a_write_after_an_unfinished_one_rewrites_the_whole_tree(tmp_path: Path)
     assert not (node.sysfs_root / DEV / gpus[0].bus).exists()
     assert snapshot(node.sysfs_root) == whole(node, tmp_path)
     assert not (node.sim.state_dir / TREE_WRITING).exists()
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["own-tree", "given-tree"])
+def test_only_the_simulators_own_tree_is_written_in_part(tmp_path: Path, own: bool) -> None:
+    """In its own tree (``<sim dir>/sys``, which every kernel of the node writes) a write leaves
+    what the VM state does not decide alone (here a GPU's ``numa_node``, edited by hand); a tree
+    given with ``--sysfs-root`` may be any, and is rewritten whole at each write, as before."""
+    given = None if own else tmp_path / "given-sys"
+    if given is not None:
+        write_sysfs(simulated_node("mixed", tmp_path / "probe").sim.model, given)
+    node = simulated_node("mixed", tmp_path / "node", sysfs_root=given)
+    gpu = node.sim.model.gpus[2]
+    numa = node.sysfs_root / DEV / node.sim.model.gpus[0].bus / "numa_node"
+    numa.write_text("9\n")
+    take_lock(gpu.bus)(node, node.sysfs_root)
+    kwrite(DRV / "nvidia" / "unbind", gpu.bus)(node, node.sysfs_root)
+    assert (numa.read_text() == "9\n") is own
+    assert not (node.sysfs_root / DEV / gpu.bus / "driver").exists()
