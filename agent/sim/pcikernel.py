@@ -55,7 +55,7 @@ from agent.sim.model import GpuSlot
 from agent.sim.nvml import FakeNvml
 from agent.sim.pcifunction import SimFunction
 from agent.sim.procfs import process_alive
-from agent.sim.sysfs import pci_functions, write_sysfs
+from agent.sim.sysfs import pci_functions, rewrite_vm_part, write_sysfs
 from agent.sim.sysfs_vm import UUID_RE, iommu_groups, next_group, vm_functions, write_vm_driver_root
 from agent.sim.udev import emit_events, removed_buses
 from agent.sim.vmstate import (
@@ -74,6 +74,7 @@ from agent.sim.vmstate import (
 )
 
 TREE_LOCK = "vm-tree.lock"
+TREE_WRITING = "vm-tree.writing"
 Change = Callable[[VmState], tuple[VmState, list[tuple[str, str, str]]]]
 """A pure change of the VM state, returning the uevents it causes: (action, bus, driver)."""
 
@@ -92,6 +93,11 @@ class SimPciKernel:
         self.sysfs_root = Path(sysfs_root)
         self.driver_root = Path(driver_root)
         self._static = [f.bus for f in pci_functions(self.model)]
+        own = fake.state_dir / "sys"
+        self._own_tree = os.path.realpath(self.sysfs_root) == os.path.realpath(own)
+        """The simulator's own tree, which every kernel of this node writes (the agent's, ``tessera
+        sim fault``'s): only then is the tree known to be the last state's, and a write may
+        change just its part (another root is rewritten whole, as a given tree may be any)."""
 
     # -- the trees -------------------------------------------------------------------------------
     def groups(self, state: VmState) -> dict[str, int]:
@@ -113,10 +119,36 @@ class SimPciKernel:
     def apply(self, change: Change) -> None:
         """One atomic state update, then the trees and the uevents it causes; under
         ``<sim dir>/vm-tree.lock`` so that the trees of concurrent writers end as the last
-        state (the state's own lock covers only the update)."""
+        state (the state's own lock covers only the update). The sysfs tree gets only what the
+        change decides (:func:`agent.sim.sysfs.rewrite_vm_part`); ``<sim dir>/vm-tree.writing``
+        stands while the trees are behind the state, so that the write after one that did not
+        finish (a process killed in it) rewrites the whole tree."""
+        seen: list[VmState] = []
+
+        def recorded(s: VmState) -> tuple[VmState, list[tuple[str, str, str]]]:
+            after, events = change(s)
+            seen[:] = [s, after]
+            return after, events
+
         with self._tree_lock():
-            events = self.fake.update_vm(change)
-            self.rewrite()
+            marker = self.fake.state_dir / TREE_WRITING
+            behind = marker.exists()
+            marker.touch()
+            try:
+                events = self.fake.update_vm(recorded)
+            except BaseException:
+                if not seen and not behind:
+                    marker.unlink()  # refused: the state, and so the trees, did not change
+                raise
+            if behind or not seen or not self._own_tree:
+                self.rewrite_sysfs()
+            else:
+                before, after = seen
+                rewrite_vm_part(
+                    self.model, self.sysfs_root, removed_buses(self.fake), before, after
+                )
+            self.rewrite_driver_root()
+            marker.unlink()
         if events:
             emit_events(self.fake.state_dir, [self._uevent(*e) for e in events])
 

@@ -30,7 +30,7 @@ from agent.sim.model import BDF_RE, MELLANOX_VENDOR, NVIDIA_VENDOR, ROOT_RE, Nod
 from agent.sim.pcifunction import SimFunction
 from agent.sim.sysfs_vm import iommu_groups, vm_functions, write_vm_sysfs
 from agent.sim.tree import remove, symlink, write_text, write_tree
-from agent.sim.vmstate import VmState, initial_vm_state
+from agent.sim.vmstate import VmState, initial_vm_state, tree_view
 
 CLASS_3D_CONTROLLER = 0x030200
 CLASS_NVSWITCH = 0x068000
@@ -180,6 +180,10 @@ def _write_function(
     )
 
 
+def _nr_cpus(model: NodeModel) -> int:
+    return 1 + max((max(parse_cpulist(c), default=0) for c in model.numa_nodes.values()), default=0)
+
+
 def _write_tree(model: NodeModel, root: Path, removed: frozenset[str], vm: VmState | None) -> None:
     # a first write, into an empty root, makes each entry once: no comparison, temporary name
     # or pruning (a rewrite keeps every entry readable while it changes the tree)
@@ -188,8 +192,7 @@ def _write_tree(model: NodeModel, root: Path, removed: frozenset[str], vm: VmSta
     devices = root / "devices"
     vm = vm if vm is not None else initial_vm_state(model)
     functions = (*pci_functions(model, removed), *vm_functions(model, vm, removed))
-    nr_cpus = max((max(parse_cpulist(c), default=0) for c in model.numa_nodes.values()), default=0)
-    nr_cpus += 1
+    nr_cpus = _nr_cpus(model)
     by_bus = {f.bus: f for f in functions}
 
     expected: set[str] = set()
@@ -269,3 +272,46 @@ def write_sysfs(
     the model's PCIe paths are inconsistent.
     """
     write_tree(root, "/sys", "sysfs tree", lambda r: _write_tree(model, r, removed, vm))
+
+
+def rewrite_vm_part(
+    model: NodeModel, root: Path, removed: frozenset[str], before: VmState, after: VmState
+) -> None:
+    """Bring the tree :func:`write_sysfs` wrote for ``before`` (and ``removed``) to the one it
+    writes for ``after``, touching only what the VM state decides: the VFs and foreign functions
+    that came or went (their directories and ``bus/pci/devices`` links), then the VFIO/vGPU
+    entries (:func:`agent.sim.sysfs_vm.write_vm_sysfs`, compared entry by entry). The models'
+    own functions, NICs and NUMA nodes do not depend on the VM state, so they are not read
+    again (the simulated kernel's write, :mod:`agent.sim.pcikernel`: a third to a tenth of the
+    entries of a whole rewrite). Nothing is done when the tree's part of the state is the same
+    (:func:`agent.sim.vmstate.tree_view`: an unbind lock is the driver root's).
+
+    The caller vouches that the tree is ``before``'s (the kernel marks a write in progress and
+    rewrites the whole tree after one that did not finish). Same errors as :func:`write_sysfs`.
+    """
+    if tree_view(before) == tree_view(after):
+        return
+    write_tree(
+        root, "/sys", "sysfs tree", lambda r: _write_vm_part(model, r, removed, before, after)
+    )
+
+
+def _write_vm_part(
+    model: NodeModel, root: Path, removed: frozenset[str], before: VmState, after: VmState
+) -> None:
+    devices = root / "devices"
+    bus_links = root / "bus" / "pci" / "devices"
+    old = {f.bus: f for f in vm_functions(model, before, removed)}
+    new = {f.bus: f for f in vm_functions(model, after, removed)}
+    for bus, fn in old.items():
+        if new.get(bus) != fn:  # gone (or changed: written again below)
+            remove(bus_links / bus)
+            remove(devices / fn.rel_path)
+    nr_cpus = _nr_cpus(model)
+    for bus, fn in new.items():
+        if old.get(bus) != fn:
+            _write_function(devices, fn, model, nr_cpus, write_text)
+            symlink(bus_links / bus, f"../../../devices/{fn.rel_path}")
+    functions = (*pci_functions(model, removed), *new.values())
+    static = [f.bus for f in pci_functions(model)]
+    write_vm_sysfs(root, model, after, functions, iommu_groups(model, after, static))

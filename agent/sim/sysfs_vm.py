@@ -41,7 +41,7 @@ from agent.sim.vmstate import (
     VFIO_DRIVER,
     VmState,
     available,
-    creatable,
+    gpu_creatable,
     sriov_total,
     vf_bus,
     vfs_of,
@@ -229,6 +229,9 @@ def _write_sriov(out: _Out, d: Path, model: NodeModel, state: VmState, g: GpuSlo
     vfs = vfs_of(model, state, g)
     out.text(d / "sriov_totalvfs", f"{sriov_total(model, g)}\n")
     out.text(d / "sriov_numvfs", f"{len(vfs)}\n")
+    # what a free VF lists (vmstate.creatable), computed once for the GPU's VFs: per VF it
+    # counted every VF's type again, quadratic in the VFs (32 on vgpu-h200)
+    free = "".join(f"{t.type_id} : {t.name}\n" for t in gpu_creatable(model, state, g))
     for n, vf in enumerate(vfs):
         out.link(d / f"virtfn{n}", f"../{vf}")
         vd = d.parent / vf
@@ -237,8 +240,7 @@ def _write_sriov(out: _Out, d: Path, model: NodeModel, state: VmState, g: GpuSlo
         if fn is None or fn.driver != NVIDIA_DRIVER:
             remove(vd / "nvidia")  # the vGPU host driver's files come with its binding
             continue
-        lines = "".join(f"{t.type_id} : {t.name}\n" for t in creatable(model, state, vf))
-        out.text(vd / "nvidia" / "creatable_vgpu_types", lines)
+        out.text(vd / "nvidia" / "creatable_vgpu_types", "" if fn.vgpu_type else free)
         out.text(vd / "nvidia" / "current_vgpu_type", f"{fn.vgpu_type}\n")
     for entry in d.iterdir() if d.is_dir() else ():
         if entry.name.startswith("virtfn") and int(entry.name[6:]) >= len(vfs):

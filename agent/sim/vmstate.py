@@ -203,8 +203,21 @@ def creatable(model: NodeModel, state: VmState, function: str) -> tuple[VgpuType
     fn = state.function(function)
     if found is None or fn is None or fn.driver != NVIDIA_DRIVER or fn.vgpu_type:
         return ()
-    gpu = found[0]
+    return gpu_creatable(model, state, found[0])
+
+
+def gpu_creatable(model: NodeModel, state: VmState, gpu: GpuSlot) -> tuple[VgpuTypeSpec, ...]:
+    """Every type the GPU can take one more vGPU of now: what each free VF on ``nvidia`` lists
+    (one computation for all of a GPU's VFs; pure)."""
     return tuple(t for t in gpu.spec.vgpu_types if available(model, state, gpu, t) > 0)
+
+
+def tree_view(state: VmState) -> VmState:
+    """The part of ``state`` the sysfs tree shows: all but the unbind locks (the driver root's)
+    and the holders of ``/dev/nvidia<N>`` (the processes'); two states with the same view have
+    the same tree (pure)."""
+    functions = tuple(replace(f, unbind_lock=False) for f in state.functions)
+    return replace(state, functions=functions, holders=())
 
 
 # -- JSON codec (pure) ----------------------------------------------------------------------------
