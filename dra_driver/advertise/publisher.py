@@ -54,8 +54,18 @@ def plan_changes(
 ) -> Plan:
     """What to write so the store holds exactly the slices for ``model``. Pure.
 
-    The pool generation stays when nothing changed; otherwise every slice of the pool is written
-    with generation + 1 (the scheduler only trusts slices of a pool's newest generation).
+    The pool generation stays when nothing changed, and when exactly one slice changed while
+    every other slice is stored as it should be (same names, same generation, nothing to create
+    or delete): that one slice is replaced in place, one atomic write, so the scheduler never
+    sees the pool half-changed. Otherwise every slice of the pool is written with generation + 1
+    (the scheduler only trusts slices of a pool's newest generation). That is the rule of
+    Kubernetes' own ResourceSlice controller (k8s.io/dynamic-resource-allocation
+    resourceslice/resourceslicecontroller.go, ``syncPool``: "Kept generation because at most one
+    update API call is necessary"), except that it also keeps the generation while deleting
+    obsolete slices, which this does not. A taint on one GPU's devices or a static MIG layout
+    change is thereby one write, not a rewrite of the whole pool to every watcher. Only over a
+    pool at the generation this process published (``floor``): a first write, or one over
+    another publisher's generation, still moves it on.
     ``floor`` is the highest generation this process already published: generations never go
     back, even when someone deleted every slice of the pool.
     """
@@ -72,6 +82,12 @@ def plan_changes(
     )
     if unchanged:
         return Plan(current)
+    # in place only over a pool this process published last (``floor``): a fresh publisher, or
+    # one that finds a newer generation (another agent with this node name), bumps it, so that
+    # the other sees a generation it did not publish and warns (``_check_pool_owner``)
+    in_place = _one_in_place(existing, desired, by_name, current) if current == floor else None
+    if in_place is not None:
+        return Plan(current, (), (in_place,), ())
     creates, updates = [], []
     for d in desired:  # fresh objects, ours to annotate
         old = by_name.get(d["metadata"]["name"])
@@ -83,6 +99,32 @@ def plan_changes(
     wanted = {d["metadata"]["name"] for d in desired}
     deletes = tuple(sorted(n for n in by_name if n not in wanted))
     return Plan(current + 1, tuple(creates), tuple(updates), deletes)
+
+
+def _one_in_place(
+    existing: list[Obj], desired: list[Obj], by_name: dict[str, Obj], current: int
+) -> Obj | None:
+    """The one slice to replace at generation ``current`` when it is the only difference
+    between ``existing`` and ``desired`` (built at ``current + 1``); None otherwise."""
+    if current < 1 or len(existing) != len(desired):
+        return None
+    changed: list[Obj] = []
+    for d in desired:
+        old = by_name.get(d["metadata"]["name"])
+        if old is None or int(old["spec"]["pool"].get("generation", 0)) != current:
+            return None
+        if not spec_equal(d, old):
+            changed.append(d)
+            if len(changed) > 1:
+                return None
+    if len(changed) != 1:
+        return None
+    (d,) = changed
+    d["spec"]["pool"]["generation"] = current
+    d["metadata"]["resourceVersion"] = by_name[d["metadata"]["name"]]["metadata"].get(
+        "resourceVersion"
+    )
+    return d
 
 
 def _has_taints(obj: Obj) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import random
 import threading
@@ -17,6 +18,7 @@ from dra_driver.advertise.publisher import Backoff, Publisher, plan_changes
 from dra_driver.advertise.slice_stores import DirSliceStore
 from dra_driver.advertise.slices import SlicePolicy
 from dra_driver.device_model import DeviceModel, DevicePolicy, advertised_devices
+from dra_driver.device_types import DeviceTaint
 from dra_driver.errors import KubeConflict, KubeError
 from tests.dra_driver.conftest import Inventory
 
@@ -76,16 +78,62 @@ def test_ten_minutes_of_steady_state_write_nothing(tmp_path, h100):
     assert p.stats.reconciles == 21  # start + one resync every 30 s
 
 
-def test_one_device_change_is_one_pass_at_a_new_generation(tmp_path, inventory, h100):
+def test_a_change_within_one_slice_is_one_write_in_place(tmp_path, inventory, h100):
+    """A one-slice pool whose devices change: the slice is replaced at the same generation
+    (one atomic write: the scheduler never sees the pool half-changed), as Kubernetes' own
+    ResourceSlice controller does."""
     store = DirSliceStore(tmp_path)
     p = publisher(store, h100)
     p.reconcile()
     changed = advertised_devices(inventory("dgx-h100", "all-1g"), DevicePolicy())
     p.set_devices(changed)
     plan = p.reconcile()
-    assert plan.generation == 2 and plan.writes == 1
+    assert plan.generation == 1 and plan.writes == 1 and len(plan.updates) == 1
     (obj,) = store.list()[0]
-    assert len(obj["spec"]["devices"]) == 56 and obj["spec"]["pool"]["generation"] == 2
+    assert len(obj["spec"]["devices"]) == 56 and obj["spec"]["pool"]["generation"] == 1
+    assert p.reconcile().writes == 0
+
+
+TAINT = DeviceTaint("gpu.tessera.dev/unhealthy", "xid-79", "NoSchedule", "2026-01-02T03:04:05Z")
+
+
+def _tainted(model: DeviceModel, minor: int) -> DeviceModel:
+    return DeviceModel(
+        devices=tuple(
+            dataclasses.replace(
+                d,
+                taints=(
+                    DeviceTaint(
+                        "gpu.tessera.dev/unhealthy", "xid-79", "NoSchedule", "2026-01-02T03:04:05Z"
+                    ),
+                ),
+            )
+            if d.gpu_minor == minor
+            else d
+            for d in model.devices
+        ),
+        counter_sets=model.counter_sets,
+    )
+
+
+def test_a_taint_on_one_gpu_rewrites_its_slice_alone_and_a_wider_change_the_pool(
+    tmp_path, a100_dynamic
+):
+    """dgx-a100 in dynamic MIG mode is a 5-slice pool: a taint on GPU 0's devices (all in one
+    slice) is one write at the same generation; a taint on GPUs in two slices bumps the
+    generation and rewrites every slice, so the scheduler never mixes old and new slices."""
+    store = DirSliceStore(tmp_path)
+    p = publisher(store, a100_dynamic)
+    n = p.reconcile().writes
+    assert n == 5
+    p.set_devices(_tainted(a100_dynamic, 0))
+    plan = p.reconcile()
+    assert (plan.generation, plan.writes, len(plan.updates)) == (1, 1, 1)
+    assert {o["spec"]["pool"]["generation"] for o in store.list()[0]} == {1}
+    p.set_devices(_tainted(_tainted(a100_dynamic, 0), 7))
+    plan = p.reconcile()
+    assert (plan.generation, plan.writes) == (2, 5)
+    assert {o["spec"]["pool"]["generation"] for o in store.list()[0]} == {2}
 
 
 def test_drift_is_repaired(tmp_path, h100):

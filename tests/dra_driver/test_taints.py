@@ -6,10 +6,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+from typing import Any
 
 import pytest
 
-from dra_driver.advertise.publisher import Publisher, plan_changes
+from dra_driver.advertise.publisher import Plan, Publisher, plan_changes
 from dra_driver.advertise.slice_limits import (
     MAX_DEVICES_WITH_TAINTS_OR_COUNTERS,
     check_pool,
@@ -153,20 +154,32 @@ def test_the_taint_key_uses_the_driver_name_as_domain() -> None:
     assert rfc3339(0.9) == "1970-01-01T00:00:00Z"
 
 
+def _applied(stored: list[dict[str, Any]], plan: Plan) -> list[dict[str, Any]]:
+    """The pool once ``plan`` is written over ``stored``."""
+    by_name = {o["metadata"]["name"]: o for o in stored}
+    for o in (*plan.creates, *plan.updates):
+        by_name[o["metadata"]["name"]] = o
+    return [o for n, o in sorted(by_name.items()) if n not in plan.deletes]
+
+
 def test_re_rendering_an_unchanged_health_state_writes_nothing(inventory: Inventory) -> None:
+    """A health change is one round of writes: a taint touches only the slice of the GPU's
+    devices (one write in place, the generation kept); withdrawing the GPU changes the counters
+    slice too (a new generation, every slice); re-rendering the same state writes nothing."""
     inv, model = model_of(inventory, "dgx-h100", "balanced", "dynamic", "none")
     policy = SlicePolicy(DRIVER, inv.hostname, "uid-1", "1.35")
     bad = first_gpus(model, 1)
-    for taints in (True, False):
+    for taints, generation in ((True, 1), (False, 2)):
         stored = build_slices(model, policy, 1)
         unhealthy = with_health(model, sick(*bad), taints=taints, driver_name=DRIVER)
         plan = plan_changes(stored, unhealthy, policy, 1)
-        assert plan.writes > 0 and plan.generation == 2  # the health change: one round
-        stored = [*plan.creates, *plan.updates]
+        assert plan.writes > 0 and plan.generation == generation  # the health change: one round
+        assert plan.writes == (1 if taints else len(stored))
+        stored = _applied(stored, plan)
         again = with_health(model, sick(*bad), taints=taints, driver_name=DRIVER)
-        assert plan_changes(stored, again, policy, 2).writes == 0  # steady: nothing
-        back = plan_changes(stored, model, policy, 2)  # recovered: one round back
-        assert back.writes > 0 and back.generation == 3
+        assert plan_changes(stored, again, policy, generation).writes == 0  # steady: nothing
+        back = plan_changes(stored, model, policy, generation)  # recovered: one round back
+        assert back.writes > 0 and back.generation == (1 if taints else 3)
 
 
 def test_the_unhealthy_set_is_a_snapshot() -> None:
