@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import orjson
 import yaml
 
 from agent.errors import DecodeError
@@ -80,6 +79,10 @@ def load_json_fast(data: bytes, what: str, max_bytes: int) -> Any:
     deeper than 1,024 levels (not 64), and reads an integer outside 64 bits as a float instead
     of refusing it (Kubernetes' integers are int64, so a real server sends none; no integer
     can cost quadratic time here either). DecodeError naming ``what`` otherwise."""
+    # imported here: every command reads through this module, and the pure-Python gpu-check
+    # bundle (bench/gpu_check/bundle.py) carries no compiled packages such as orjson
+    import orjson
+
     if len(data) > max_bytes:
         raise DecodeError(f"{what}: {len(data)} bytes, more than the {max_bytes} allowed")
     try:
