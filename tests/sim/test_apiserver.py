@@ -353,48 +353,6 @@ def test_pagination(server: ApiServer, rapi: client.ResourceV1Api) -> None:
     assert len(rest.items) == 1 and not rest.metadata._continue
 
 
-def raw_list(server: ApiServer, query: str = "") -> dict[str, Any]:
-    resp = urllib3.request("GET", f"{server.url}/apis/resource.k8s.io/v1/resourceslices{query}")
-    assert resp.status == 200
-    listed: dict[str, Any] = json.loads(resp.data)
-    return listed
-
-
-def test_lists_serve_each_write_and_only_the_store_changes_it(
-    server: ApiServer, rapi: client.ResourceV1Api
-) -> None:
-    """A list page is joined from each object's JSON kept at its write: every write (seeding,
-    update, delete) is what the next list serves, and changing what a write or a read handed
-    back changes nothing stored."""
-    put = server.put_object("resourceslices", slice_body("a"))
-    server.put_object("resourceslices", slice_body("b"))
-    put["spec"]["nodeName"] = "changed-by-the-caller"
-    server.get_object("resourceslices", "b")["spec"]["nodeName"] = "changed-by-the-caller"  # type: ignore[index]
-    mine = rapi.read_resource_slice("a")
-    mine.spec.devices[0].capacity["memory"] = client.V1DeviceCapacity(value="40Gi")
-    rapi.replace_resource_slice("a", body=mine)
-    rapi.delete_resource_slice("b")
-    server.put_object("resourceslices", slice_body("c"))
-    listed = raw_list(server)
-    assert listed["kind"] == "ResourceSliceList" and listed["apiVersion"] == "resource.k8s.io/v1"
-    assert listed["metadata"] == {"resourceVersion": str(server.resource_version)}
-    assert [s["metadata"]["name"] for s in listed["items"]] == ["a", "c"]
-    stored = [server.get_object("resourceslices", n) for n in ("a", "c")]
-    assert listed["items"] == [
-        {k: v for k, v in s.items() if k not in ("apiVersion", "kind")}
-        for s in stored
-        if s is not None
-    ]
-    assert listed["items"][0]["spec"]["nodeName"] == "node-1"
-    assert listed["items"][0]["spec"]["devices"][0]["capacity"]["memory"] == {"value": "40Gi"}
-    first = raw_list(server, "?limit=1")
-    assert first["metadata"]["remainingItemCount"] == 1
-    assert [s["metadata"]["name"] for s in first["items"]] == ["a"]
-    token = first["metadata"]["continue"]
-    rest = raw_list(server, f"?limit=1&continue={token}")
-    assert rest["items"] == listed["items"][1:] and "continue" not in rest["metadata"]
-
-
 # ---------------------------------------------------------------------------------- watch
 
 
