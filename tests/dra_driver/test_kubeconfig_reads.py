@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import base64
 import http.server
+import json
+import ssl
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +20,7 @@ from agent.sim.apiserver import ApiServer
 from dra_driver.cluster.kube_reads import Reader
 from dra_driver.cluster.kubeconfig import Endpoint, read_kubeconfig
 from dra_driver.errors import KubeError
+from tests.tlscerts import Pki, make_pki
 
 
 def kubeconfig(tmp_path: Path, cluster: dict[str, Any], user: dict[str, Any]) -> Path:
@@ -176,3 +179,77 @@ def test_the_token_is_sent_and_a_busy_server_s_wait_comes_back(
     error = exc.value
     assert (error.status, error.reason, error.retry_after) == (429, "TooManyRequests", 3.0)
     assert error.temporary
+
+
+@pytest.fixture
+def tls_server(tmp_path: Path) -> Iterator[tuple[str, Pki]]:
+    """An HTTPS server that requires a client certificate of ``pki``'s CA; answers a NodeList
+    naming the client's certificate."""
+    pki = make_pki(tmp_path / "pki")
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            peer = self.connection.getpeercert()
+            subject = dict(x[0] for x in peer["subject"])
+            body = json.dumps({"kind": "NodeList", "items": [], "client": subject}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(pki.ca))
+    ctx.load_cert_chain(str(pki.server_cert), str(pki.server_key))
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    server = http.server.HTTPServer(("127.0.0.1", 0), Answer)
+    server.socket = ctx.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"https://127.0.0.1:{server.server_address[1]}", pki
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_https_with_the_kubeconfig_s_authority_and_client_certificate(
+    tmp_path: Path, tls_server: tuple[str, Pki]
+) -> None:
+    url, pki = tls_server
+    ca = base64.b64encode(pki.ca.read_bytes()).decode()
+    path = kubeconfig(
+        tmp_path,
+        {"server": url, "certificate-authority-data": ca,
+         "tls-server-name": "localhost"},
+        {"client-certificate": str(pki.client_cert),
+         "client-key-data": base64.b64encode(pki.client_key.read_bytes()).decode()},
+    )  # fmt: skip
+    endpoint = read_kubeconfig(path)
+    assert endpoint is not None
+    reader = Reader(endpoint)
+    try:
+        got = reader.request("GET", "/api/v1/nodes")
+    finally:
+        reader.close()
+    assert got["kind"] == "NodeList" and got["client"]["commonName"]
+
+
+def test_https_with_another_authority_is_a_connection_error(
+    tmp_path: Path, tls_server: tuple[str, Pki]
+) -> None:
+    url, pki = tls_server
+    path = kubeconfig(
+        tmp_path,
+        {"server": url, "certificate-authority": str(pki.other_ca)},
+        {"client-certificate": str(pki.client_cert), "client-key": str(pki.client_key)},
+    )
+    endpoint = read_kubeconfig(path)
+    assert endpoint is not None
+    reader = Reader(endpoint)
+    with pytest.raises(KubeError) as exc:
+        reader.request("GET", "/api/v1/nodes")
+    reader.close()
+    assert exc.value.status == 0 and exc.value.temporary
+    assert "CERTIFICATE_VERIFY_FAILED" in str(exc.value)
