@@ -28,7 +28,8 @@ from agent.telemetry.energy import decode_state
 from agent.telemetry.faults import decode_faults
 from agent.telemetry.owners import pod_uid, start_time
 from dra_driver.advertise.slice_stores import slice_list
-from dra_driver.cluster.kube import _event, _json_object
+from dra_driver.cluster.kube import _event
+from dra_driver.cluster.kube_answers import json_object as _json_object
 from dra_driver.errors import (
     CheckpointCorrupt,
     CheckpointTooNew,

@@ -16,6 +16,7 @@ from agent.sim import apiserver_errors as err
 from agent.sim.apiserver_admission import Admission
 from agent.sim.apiserver_crd import CRD_PLURAL, check, decode, definition_errors
 from agent.sim.apiserver_errors import ApiError
+from agent.sim.apiserver_json import copy_json
 from agent.sim.apiserver_schemas import Schemas
 from agent.sim.apiserver_types import ResourceType
 
@@ -55,7 +56,7 @@ def prepare_body(rt: ResourceType, namespace: str | None, body: Any) -> Obj:
         raise err.bad_request(
             f"the kind in the data ({kind}) does not match the expected kind ({rt.kind})"
         )
-    rest = {k: copy.deepcopy(v) for k, v in body.items() if k not in ("apiVersion", "kind")}
+    rest = {k: copy_json(v) for k, v in body.items() if k not in ("apiVersion", "kind")}
     obj: Obj = {"apiVersion": rt.api_version, "kind": rt.kind, **rest}
     meta = obj.setdefault("metadata", {})
     if not isinstance(meta, dict):

@@ -37,7 +37,7 @@ from agent.sim.apiserver_faults import (
     RequestLog,
     RequestRecord,
 )
-from agent.sim.apiserver_lists import encode_json
+from agent.sim.apiserver_json import encode_json
 from agent.sim.apiserver_openapi import OpenApi
 from agent.sim.apiserver_select import (
     FieldTerm,
@@ -357,11 +357,12 @@ class Handler(BaseHTTPRequestHandler):
             elif method == "GET":
                 limit = _int_param(params, "limit") or 0
                 token = params.get("continue", "")
-                found = store.list_objects(rt, selection, limit=limit, token=token)
+                page = store.list_objects(rt, selection, limit=limit, token=token)
                 if as_table:
-                    rv = found["metadata"]["resourceVersion"]
-                    found = table(rt, found["items"], rv, store.clock())
-                self._send_json(200, found)
+                    rv = page.meta["resourceVersion"]
+                    self._send_json(200, table(rt, page.value()["items"], rv, store.clock()))
+                else:
+                    self._send(200, page.body(), "application/json")
             elif method == "POST" and (ns is not None or not rt.namespaced):
                 self._send_json(201, store.create(rt, ns, body, dry_run=dry_run), headers)
             elif method == "DELETE":

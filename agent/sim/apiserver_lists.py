@@ -11,40 +11,26 @@ from __future__ import annotations
 
 import base64
 import binascii
-import copy
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from agent.sim import apiserver_errors as err
+from agent.sim.apiserver_json import copy_json, encode_json
 from agent.sim.apiserver_types import ResourceType
 
 Obj = dict[str, Any]
 Key = tuple[str, str]  # (namespace, or "" for cluster-scoped; name)
+HEAD = ("apiVersion", "kind")
+"""What a list's items leave out (the list names them once)."""
 
 
-def encode_json(obj: Any) -> bytes:
-    """Compact JSON of an answer: orjson (a list of a thousand nodes' ResourceSlices is 250 MB:
-    ten times faster than the json module), the json module for what orjson refuses (integers
-    beyond 64 bits, keys that are not strings). orjson writes non-ASCII characters as UTF-8 where
-    json escapes them; a JSON client reads both alike."""
-    try:
-        return orjson.dumps(obj)
-    except (TypeError, orjson.JSONEncodeError):
-        return json.dumps(obj, separators=(",", ":")).encode()
-
-
-def _copy(obj: Obj) -> Obj:
-    """A deep copy of a stored (JSON-shaped) object, through orjson (four times faster than
-    copy.deepcopy, which a list of thousands of ResourceSlices feels); copy.deepcopy for what
-    orjson refuses."""
-    try:
-        copied: Obj = orjson.loads(orjson.dumps(obj))
-    except (TypeError, orjson.JSONEncodeError):
-        copied = copy.deepcopy(obj)
-    return copied
+def item_json(obj: Obj) -> bytes:
+    """The JSON of stored ``obj`` as an item of a list: without apiVersion and kind. The store
+    keeps it from the write on, as the real server's watch cache keeps each object's encoding,
+    so that a list page is these bytes joined, never a copy and an encoding of every object."""
+    return encode_json({k: v for k, v in obj.items() if k not in HEAD})
 
 
 def continue_start(token: str) -> list[str] | None:
@@ -67,9 +53,34 @@ def kind_list(rt: ResourceType, meta: Obj, items: list[Obj]) -> Obj:
     }
 
 
-def list_page(rt: ResourceType, rv: int, found: Sequence[tuple[Key, Obj]], limit: int) -> Obj:
-    """The ``<Kind>List`` of the first ``limit`` (0: all) of ``found``, sorted by key, as of
-    resourceVersion ``rv``; a continue token when more remain."""
+@dataclass(frozen=True)
+class Page:
+    """One list answer: its metadata and its items, both as stored (shared with the store, never
+    to be changed) and as each item's stored JSON."""
+
+    rt: ResourceType
+    meta: Obj
+    items: Sequence[Obj]
+    encoded: Sequence[bytes]
+
+    def body(self) -> bytes:
+        """The ``<Kind>List`` as JSON: the bytes ``encode_json(self.value())`` gives (same keys,
+        same order), joined from each item's stored JSON."""
+        head = encode_json({k: v for k, v in kind_list(self.rt, self.meta, []).items()
+                            if k != "items"})  # fmt: skip
+        return head[:-1] + b',"items":[' + b",".join(self.encoded) + b"]}"
+
+    def value(self) -> Obj:
+        """The ``<Kind>List`` as a fresh object (its items copies, without apiVersion/kind)."""
+        items = [copy_json({k: v for k, v in o.items() if k not in HEAD}) for o in self.items]
+        return kind_list(self.rt, dict(self.meta), items)
+
+
+def list_page(
+    rt: ResourceType, rv: int, found: Sequence[tuple[Key, Obj, bytes]], limit: int
+) -> Page:
+    """The page of the first ``limit`` (0: all) of ``found`` ((key, object, its item_json)),
+    sorted by key, as of resourceVersion ``rv``; a continue token when more remain."""
     meta: Obj = {"resourceVersion": str(rv)}
     if limit > 0 and len(found) > limit:
         last = found[limit - 1][0]
@@ -78,7 +89,4 @@ def list_page(rt: ResourceType, rv: int, found: Sequence[tuple[Key, Obj]], limit
         ).decode()
         meta["remainingItemCount"] = len(found) - limit
         found = found[:limit]
-    items = [
-        _copy({k: v for k, v in o.items() if k not in ("apiVersion", "kind")}) for _, o in found
-    ]
-    return kind_list(rt, meta, items)
+    return Page(rt, meta, [o for _, o, _ in found], [e for _, _, e in found])

@@ -2,7 +2,10 @@
 
 One lock guards everything; watchers wait on :attr:`Store.changed`, a condition on that lock.
 Stored objects are never mutated once stored (every write stores a fresh dict), so an event or an
-answer can be serialized outside the lock.
+answer can be serialized outside the lock, and a read copies only what it hands out to be changed
+(copy on write). Each stored object's JSON as a list item is kept from its write on
+(apiserver_lists.item_json), as the real server's watch cache keeps each object's encoding: a list
+page is those bytes joined.
 
 What the real server does and the store copies:
 
@@ -31,7 +34,8 @@ from agent.sim.apiserver_admission import Admission
 from agent.sim.apiserver_checks import Rejection, WriteChecks, prepare_body
 from agent.sim.apiserver_crd import CRD_PLURAL, established_status, served_types
 from agent.sim.apiserver_history import ADDED, DELETED, MODIFIED, History, WatchEvent
-from agent.sim.apiserver_lists import continue_start, kind_list, list_page
+from agent.sim.apiserver_json import copy_json
+from agent.sim.apiserver_lists import Page, continue_start, item_json, kind_list, list_page
 from agent.sim.apiserver_select import Selection
 from agent.sim.apiserver_strategy import (
     Refused,
@@ -74,6 +78,7 @@ class Store:
         self._rng = rng
         self._clock = clock
         self._objects: dict[str, dict[Key, Obj]] = {t: {} for t in self.types}
+        self._encoded: dict[str, dict[Key, bytes]] = {t: {} for t in self.types}
         self._history = History(self.types, history_size)
 
     @property
@@ -113,13 +118,16 @@ class Store:
         obj["metadata"]["resourceVersion"] = str(self.rv)
         if kind == DELETED:
             del self._objects[rt.plural][key]
+            del self._encoded[rt.plural][key]
         else:
             self._objects[rt.plural][key] = obj
+            self._encoded[rt.plural][key] = item_json(obj)
         self._history.record(rt.plural, WatchEvent(self.rv, kind, obj, old))
         self.changed.notify_all()
         if rt.plural == CRD_PLURAL:
             self._serve_crd(kind, obj)
-        return copy.deepcopy(obj)
+        copied: Obj = copy_json(obj)
+        return copied
 
     def _validate(self, method: str, rt: ResourceType, obj: Obj, old: Obj | None = None) -> None:
         self._checks.validate(method, rt, obj, old, list(self.types.values()))
@@ -158,7 +166,8 @@ class Store:
 
     def get(self, rt: ResourceType, namespace: str | None, name: str) -> Obj:
         with self.lock:
-            return copy.deepcopy(self._existing(rt, namespace, name)[1])
+            got: Obj = copy_json(self._existing(rt, namespace, name)[1])
+            return got
 
     def objects(
         self, rt: ResourceType, selection: Selection | None = None, *, name: str | None = None
@@ -167,20 +176,22 @@ class Store:
         with self.lock:
             found = sorted(self._objects[rt.plural].items())
             return [
-                copy.deepcopy(o)
+                copy_json(o)
                 for k, o in found
                 if selection.matches(o) and (name is None or k[1] == name)
             ]
 
     def list_objects(
         self, rt: ResourceType, selection: Selection, *, limit: int = 0, token: str = ""
-    ) -> Obj:
-        """The ``<Kind>List`` of the selected objects, a page of ``limit`` from ``token`` on."""
+    ) -> Page:
+        """The ``<Kind>List`` of the selected objects, a page of ``limit`` from ``token`` on
+        (the stored objects and their stored JSON, not copies)."""
         start = continue_start(token)
         with self.lock:
             rv = self.rv
+            encoded = self._encoded[rt.plural]
             found = [
-                (k, o)
+                (k, o, encoded[k])
                 for k, o in sorted(self._objects[rt.plural].items())
                 if selection.matches(o) and (start is None or list(k) > start)
             ]
@@ -411,6 +422,7 @@ class Store:
         for rt in serves:
             types[rt.plural] = rt
             self._objects.setdefault(rt.plural, {})
+            self._encoded.setdefault(rt.plural, {})
             self._history.add(rt.plural)
         self.types = types
         status = None if kind == DELETED else established_status(crd, self._now())

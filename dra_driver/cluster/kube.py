@@ -16,7 +16,6 @@ backoff like a 503), never anything else.
 from __future__ import annotations
 
 import contextlib
-import re
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -28,65 +27,23 @@ from kubernetes import client as kclient
 from kubernetes import config as kconfig
 from kubernetes.client.exceptions import ApiException
 
-from agent.decode import fields, load_json, load_json_fast
-from agent.errors import ConfigError, DecodeError
-from dra_driver.errors import KubeConflict, KubeError, KubeMalformed
+from agent.decode import fields
+from agent.errors import ConfigError
+from dra_driver.cluster.kube_answers import (
+    DEFAULT_TIMEOUT,
+    JSON,
+    MAX_BODY_BYTES,
+    MAX_RETRY_AFTER_S,
+    failed,
+    header_of,
+    json_object,
+    read_body,
+    retry_after,
+)
+from dra_driver.errors import KubeError, KubeMalformed
 
-DEFAULT_TIMEOUT = (5.0, 30.0)
-"""(connect, read) seconds for one request."""
-JSON = "application/json"
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 """The patch type client-go's event recorder sends (built-in types only; CRDs answer 415)."""
-MAX_BODY_BYTES = 64 * 1024 * 1024
-"""The largest answer (or watch line) taken: a node's slices or one claim are far smaller."""
-MAX_RETRY_AFTER_S = 60.0
-"""The longest wait a server's Retry-After can impose; a longer one is cut to this. Twice the
-publisher's backoff cap (30 s): the API server's own answers ask for 1 s (priority and fairness,
-max-in-flight), so a server asking for minutes is more likely broken than busy, and the agent
-must not stop publishing for longer than its own backoff would on a dead server."""
-_SECONDS = re.compile(r"\+?[0-9]+")
-
-
-def retry_after(status: int, header: str | None, details: Any = None) -> float | None:
-    """How many seconds a failed answer asks the client to wait before it tries again, or None
-    when it asks nothing. ``header`` is its ``Retry-After``, ``details`` its Status ``details``.
-
-    client-go's rules (kubernetes/client-go ``rest/with_retry.go`` ``checkWait``, and
-    ``rest/request.go`` ``retryAfterSeconds``): only a 429 or a 5xx can ask for a wait; the
-    header counts only as whole seconds (``strconv.Atoi``): an HTTP date, a fraction or text is
-    no request at all; and the next attempt waits the longer of the client's own backoff and
-    the server's wait (``withRetry.Before``: ``delay = max(backoff.CalculateBackoff(url),
-    retryAfter.Wait)``, kubernetes/kubernetes#108302). apimachinery's ``SuggestsClientDelay``
-    (``pkg/api/errors``) reads the same wait from ``details.retryAfterSeconds`` of the Status,
-    which the server fills in with the header: used here when the header is missing.
-
-    Ours on top: a negative or zero wait is no request (client-go's ``max`` has the same
-    effect), and a wait above :data:`MAX_RETRY_AFTER_S` (client-go takes any ``int``, bounded
-    only by its ten retries; Atoi fails on more than 19 digits) is cut to it. Pure."""
-    if status != 429 and status < 500:
-        return None
-    seconds: float | None = None
-    if header is not None:
-        text = header.strip()
-        if _SECONDS.fullmatch(text):
-            digits = text.lstrip("+")
-            seconds = MAX_RETRY_AFTER_S if len(digits) > 9 else float(int(digits))
-    elif isinstance(details, dict):
-        value = details.get("retryAfterSeconds")
-        if isinstance(value, int) and not isinstance(value, bool):
-            seconds = float(value)
-    if seconds is None or seconds <= 0:
-        return None
-    return min(seconds, MAX_RETRY_AFTER_S)
-
-
-def _header(headers: Any, name: str) -> str | None:
-    """One header of a response (None when absent or not text)."""
-    try:
-        value = headers.get(name) if headers is not None else None
-    except AttributeError:  # not a mapping: no headers to read
-        return None
-    return value if isinstance(value, str) else None
 
 
 class KubeClient:
@@ -177,24 +134,12 @@ class KubeClient:
             resp = self._api.call_api(*params, _request_timeout=timeout or self._timeout)
         except ApiException as exc:
             code = int(exc.status or 0)
-            wait = retry_after(code, _header(exc.headers, "Retry-After"))
+            wait = retry_after(code, header_of(exc.headers, "Retry-After"))
             raise KubeError(code, str(exc.reason), "", method, path, retry_after=wait) from exc
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise KubeError(0, "ConnectionError", str(exc), method, path) from exc
         if not 200 <= resp.status < 300:
-            raw = _read(resp, method, path)
-            details = None
-            try:
-                status = _json_object(raw, method, path)  # a Status object, if well formed
-                message = str(status.get("message", ""))[:1000]
-                reason = str(status.get("reason", resp.reason))[:100]
-                details = status.get("details")
-            except KubeMalformed:
-                message, reason = raw.decode(errors="replace")[:200], str(resp.reason)
-            header = _header(getattr(resp.response, "headers", None), "Retry-After")
-            wait = retry_after(resp.status, header, details)
-            cls = KubeConflict if resp.status == 409 else KubeError
-            raise cls(resp.status, reason, message, method, path, retry_after=wait)
+            raise failed(resp.response, str(resp.reason), method, path)
         return resp
 
     def request(
@@ -213,7 +158,7 @@ class KubeClient:
         (``agent.decode.load_json_fast``: for large lists). Raises KubeError (KubeMalformed for
         an answer that is not a JSON object)."""
         resp = self._send(method, path, query, body, timeout, content_type)
-        return _json_object(_read(resp, method, path) or b"{}", method, path, fast)
+        return json_object(read_body(resp.response, method, path) or b"{}", method, path, fast)
 
     def watch(
         self, path: str, query: Mapping[str, str], timeout_s: int
@@ -252,38 +197,9 @@ class KubeClient:
             raw.release_conn()
 
 
-def _read(resp: Any, method: str, path: str) -> bytes:
-    """The body, at most MAX_BODY_BYTES of it (read from the urllib3 response under the
-    client's wrapper, which would read everything)."""
-    raw = resp.response
-    try:
-        data: bytes = raw.read(MAX_BODY_BYTES + 1)
-    except (urllib3.exceptions.HTTPError, OSError) as exc:
-        raise KubeError(0, "ConnectionError", str(exc), method, path) from exc
-    if len(data) > MAX_BODY_BYTES:
-        raw.close()  # do not drain the rest into memory; the connection is dropped
-        raise KubeMalformed(f"an answer larger than {MAX_BODY_BYTES} bytes", method, path)
-    return data
-
-
-def _json_object(data: bytes, method: str, path: str, fast: bool = False) -> dict[str, Any]:
-    """The JSON object in ``data``; KubeMalformed (naming what was wrong) otherwise."""
-    try:
-        load = load_json_fast if fast else load_json
-        obj = load(data, "the answer", MAX_BODY_BYTES)
-    except DecodeError as exc:  # bad JSON or UTF-8, huge integers, deep nesting
-        preview = data[:80].decode(errors="replace")
-        raise KubeMalformed(f"{exc}: {preview!r}", method, path) from exc
-    if not isinstance(obj, dict):
-        raise KubeMalformed(
-            f"the answer is a JSON {type(obj).__name__}, not an object", method, path
-        )
-    return obj
-
-
 def _event(line: bytes, path: str) -> dict[str, Any]:
     """One watch event ``{"type": str, "object": {...}}``; KubeMalformed otherwise."""
-    event = _json_object(line, "WATCH", path)
+    event = json_object(line, "WATCH", path)
     try:
         fields.text(event.get("type"), "type")
         fields.obj(event.get("object"), "object")
@@ -294,3 +210,14 @@ def _event(line: bytes, path: str) -> dict[str, Any]:
             path,
         ) from exc
     return event
+
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "JSON",
+    "MAX_BODY_BYTES",
+    "MAX_RETRY_AFTER_S",
+    "STRATEGIC_MERGE_PATCH",
+    "KubeClient",
+    "retry_after",
+]

@@ -67,6 +67,7 @@ import json
 import logging
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import cel
@@ -76,6 +77,7 @@ from celpy.celparser import CELParseError, CELParser
 from dra_driver.scheduler.cel.checks import NATIVE, check, result_kind
 from dra_driver.scheduler.cel.conversion import DeviceConverter
 from dra_driver.scheduler.cel.cost import estimate
+from dra_driver.scheduler.cel.grammar import CachedCelParser
 from dra_driver.scheduler.cel.library import Library
 from dra_driver.scheduler.cel.references import references
 from dra_driver.scheduler.cel.selector import DeviceView, Selector
@@ -110,12 +112,15 @@ class CelCompileError(ValueError):
 class CelEnvironment:
     """Compiles selectors (cached by text) and converts devices for them."""
 
-    def __init__(self, cost_limit: int = COST_LIMIT) -> None:
+    def __init__(self, cost_limit: int = COST_LIMIT, parser_cache: Path | None = None) -> None:
+        """``parser_cache``: a directory where the CEL grammar's parser is kept between runs
+        (:mod:`dra_driver.scheduler.cel.grammar`: 0.3 s a run saved); None builds celpy's
+        parser, once a process."""
         self.cost_limit = cost_limit
         self._library = Library()
         self._functions = self._library.functions()
         self._known = frozenset(self._functions) | NATIVE
-        self._parser = CELParser()
+        self._parser = CELParser() if parser_cache is None else CachedCelParser(parser_cache)
         self._compiled: dict[str, Selector] = {}
         self._converter = DeviceConverter()
 

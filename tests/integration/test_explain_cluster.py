@@ -3,6 +3,8 @@ read over HTTP from the API-server emulator; one answer per node."""
 
 import io
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -222,3 +224,44 @@ def test_a_terminal_sees_how_many_slices_and_nodes_were_read_and_the_line_is_cle
     assert "\r\x1b[2Kread " in shown and " ResourceSlices of 2 nodes" in shown
     assert shown.endswith("\r\x1b[2K")
     assert out.getvalue().splitlines()[0] == "claim default/one: fits on 2 of 3 nodes"
+
+
+NO_CLIENT = """
+import sys
+from agent.cli import main
+code = main(sys.argv[1:])
+print("kubernetes imported" if "kubernetes" in sys.modules else "kubernetes not imported")
+sys.exit(code)
+"""
+
+
+def test_a_kubeconfig_of_static_credentials_is_read_without_the_kubernetes_client(
+    cluster: tuple[ApiServer, Path], tmp_path: Path
+) -> None:
+    """The kubernetes client's import alone would cost a third of the 64-node goal (issue 25)."""
+    _server, kubeconfig = cluster
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump(gpu_claim("one", 1)))
+    run = subprocess.run(
+        [sys.executable, "-c", NO_CLIENT, "explain", str(f), "--kubeconfig", str(kubeconfig)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0] == "claim default/one: fits on 2 of 3 nodes"
+    assert lines[-1] == "kubernetes not imported"
+
+
+def test_a_kubeconfig_only_the_kubernetes_client_loads_still_works(
+    cluster: tuple[ApiServer, Path], tmp_path: Path
+) -> None:
+    """Basic authentication is the kubernetes client's to load: explain goes through it."""
+    _server, kubeconfig = cluster
+    doc = yaml.safe_load(kubeconfig.read_text())
+    doc["users"][0]["user"] = {"username": "admin", "password": "pw"}
+    kubeconfig.write_text(yaml.safe_dump(doc))
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump(gpu_claim("one", 1)))
+    code, out, err = explain(f, "--kubeconfig", kubeconfig)
+    assert code == 0, err
+    assert out.splitlines()[0] == "claim default/one: fits on 2 of 3 nodes"
