@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +26,10 @@ def pytest_configure(config: pytest.Config) -> None:
     temporary files go to RAM where there is a tmpfs (tests/tmproot.py)."""
     config.pluginmanager.register(LeakCheck(), "tessera-leakcheck")
     tmproot.choose(config)
+    # `tessera explain` keeps the CEL grammar's parser under $XDG_CACHE_HOME/tessera
+    # (dra_driver/scheduler/cel/grammar.py): the tests' commands keep it with their other
+    # temporary files, never in the home directory of whoever runs them
+    os.environ["XDG_CACHE_HOME"] = os.path.join(tempfile.gettempdir(), "tessera-tests-cache")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
