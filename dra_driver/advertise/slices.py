@@ -77,8 +77,38 @@ def _layout_135(model: DeviceModel) -> list[Chunk]:
     out: list[Chunk] = [(sets, None) for sets in _chunks(model.counter_sets, MAX_COUNTER_SETS)]
     limited = any(d.consumes_counters or d.taints for d in model.devices)
     size = MAX_DEVICES_WITH_TAINTS_OR_COUNTERS if limited else MAX_DEVICES
-    out += [(None, devs) for devs in _chunks(model.devices, size)]
+    out += [(None, devs) for devs in _gpu_chunks(model.devices, size)]
     return out
+
+
+def _gpu_chunks(devices: Sequence[AdvertisedDevice], size: int) -> list[tuple[Any, ...]]:
+    """``devices`` in order, in chunks of at most ``size``, a GPU's devices kept in one chunk
+    where they fit in one: a change to one GPU (a health taint on its devices, its MIG layout)
+    then changes one slice, which the publisher writes in place at the same generation
+    (``publisher.plan_changes``), instead of two, which move the whole pool to a new one.
+    dgx-a100 in dynamic MIG mode: 4 slices of 50 (two GPUs each) instead of 64, 64, 64, 8.
+    Never more slices than plain chunks of ``size``: where keeping GPUs whole would take more
+    (GPUs of 33 devices in slices of 64), the plain chunks are kept."""
+    plain = _chunks(devices, size)
+    groups: list[list[AdvertisedDevice]] = []
+    for dev in devices:
+        if groups and groups[-1][0].gpu_minor == dev.gpu_minor:
+            groups[-1].append(dev)
+        else:
+            groups.append([dev])
+    out: list[tuple[Any, ...]] = []
+    current: list[AdvertisedDevice] = []
+    for group in groups:
+        if len(current) + len(group) > size and current:
+            out.append(tuple(current))
+            current = []
+        current += group
+        while len(current) > size:  # a GPU with more devices than a slice holds: split it
+            out.append(tuple(current[:size]))
+            current = current[size:]
+    if current:
+        out.append(tuple(current))
+    return out if len(out) <= len(plain) else plain
 
 
 def _layout_134(model: DeviceModel) -> list[Chunk]:

@@ -120,7 +120,7 @@ def test_a_taint_on_one_gpu_rewrites_its_slice_alone_and_a_wider_change_the_pool
     tmp_path, a100_dynamic
 ):
     """dgx-a100 in dynamic MIG mode is a 5-slice pool: a taint on GPU 0's devices (all in one
-    slice) is one write at the same generation; a taint on GPUs in two slices bumps the
+    slice) is one write at the same generation; a change to GPUs in three slices bumps the
     generation and rewrites every slice, so the scheduler never mixes old and new slices."""
     store = DirSliceStore(tmp_path)
     p = publisher(store, a100_dynamic)
@@ -130,7 +130,7 @@ def test_a_taint_on_one_gpu_rewrites_its_slice_alone_and_a_wider_change_the_pool
     plan = p.reconcile()
     assert (plan.generation, plan.writes, len(plan.updates)) == (1, 1, 1)
     assert {o["spec"]["pool"]["generation"] for o in store.list()[0]} == {1}
-    p.set_devices(_tainted(_tainted(a100_dynamic, 0), 7))
+    p.set_devices(_tainted(_tainted(a100_dynamic, 2), 7))  # GPU 0 back, 2 and 7 tainted
     plan = p.reconcile()
     assert (plan.generation, plan.writes) == (2, 5)
     assert {o["spec"]["pool"]["generation"] for o in store.list()[0]} == {2}
@@ -350,3 +350,22 @@ def test_a_watch_that_keeps_expiring_is_backed_off_after_the_first_relist(
     p.watch_loop(stop)
     assert store.watches == ["41", "", ""]  # the first 410 starts over at once, from a new list
     assert 0.25 <= stop.waits[0] <= 0.5 and 0.5 <= stop.waits[1] <= 1.0
+
+
+def test_every_gpu_of_a_dynamic_node_is_one_slice_so_a_taint_on_any_is_one_write(
+    tmp_path, a100_dynamic
+):
+    """Slices hold whole GPUs where they fit (dgx-a100 dynamic: 4 slices of two GPUs' 50
+    devices, not 64/64/64/8 with GPU 7 split), so a taint on any one GPU is one write."""
+    minors = sorted({d.gpu_minor for d in a100_dynamic.devices})
+    for minor in minors:
+        store = DirSliceStore(tmp_path / f"gpu-{minor}")
+        p = publisher(store, a100_dynamic)
+        p.reconcile()
+        p.set_devices(_tainted(a100_dynamic, minor))
+        plan = p.reconcile()
+        assert (plan.generation, plan.writes) == (1, 1), minor
+    slices = [o for o in DirSliceStore(tmp_path / "gpu-0").list()[0] if o["spec"].get("devices")]
+    for obj in slices:
+        gpus = {d["name"].split("-")[1] for d in obj["spec"]["devices"]}
+        assert len(obj["spec"]["devices"]) == 25 * len(gpus)  # whole GPUs only

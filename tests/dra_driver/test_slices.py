@@ -97,7 +97,12 @@ def test_dynamic_135_counters_first(inventory: Inventory) -> None:
     assert "devices" not in first and len(first["sharedCounters"]) == 8
     assert all("sharedCounters" not in s["spec"] for s in slices[1:])
     # an A100 in MIG mode offers its 25 placements, not itself (leaving MIG needs a reset)
-    assert [len(s["spec"]["devices"]) for s in slices[1:]] == [64, 64, 64, 8]
+    assert [len(s["spec"]["devices"]) for s in slices[1:]] == [
+        50,
+        50,
+        50,
+        50,
+    ]  # two whole GPUs each
 
 
 def test_dynamic_134_one_counter_set_per_slice(inventory: Inventory) -> None:
