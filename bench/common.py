@@ -242,13 +242,18 @@ class Daemon:
             with contextlib.suppress(Exception), KubeletClient(self.socket) as k:
                 k.unprepare([c.ref for c in self.claims])
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
+            terminate(self.proc)
         self.log.close()
+
+
+def terminate(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL if the process has not exited within 30 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(30)
 
 
 @contextmanager

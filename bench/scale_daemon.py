@@ -11,7 +11,6 @@ at its defaults."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 from agent.sim.apiserver import ApiServer, RequestRecord
 from agent.sim.apiserver_types import RESOURCES
-from bench.common import scratch
+from bench.common import scratch, terminate
 from bench.usage_report import GPU_USAGE_REPORTS
 
 MODEL = "dgx-a100"
@@ -96,12 +95,7 @@ class _Agent:
         )  # fmt: skip
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(30)
+        terminate(self.proc)
         self.log.close()
 
 

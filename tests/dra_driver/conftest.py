@@ -6,6 +6,7 @@ NVML facade over the simulator, as the agent does); ``layout`` is a ``sim_mig_la
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 
 import pytest
@@ -60,3 +61,17 @@ Fits = Callable[[DeviceModel, Iterable[AdvertisedDevice]], bool]
 def fits() -> Fits:
     """``fits(model, devices)``: the pure allocator check above."""
     return _fits
+
+
+def assert_pairs_fit_unless_they_clash(
+    fits: Fits, model: DeviceModel, devs: Iterable[AdvertisedDevice]
+) -> None:
+    """Every two MIG placements of ``devs`` fit together in ``model`` exactly when their memory
+    slices do not overlap and they are not both ``+me`` (profile 20: one media extension)."""
+    for a, b in itertools.combinations(list(devs), 2):
+        assert a.mig_placement_start is not None and b.mig_placement_start is not None
+        a_end = a.mig_placement_start + (a.mig_placement_size or 0)
+        b_end = b.mig_placement_start + (b.mig_placement_size or 0)
+        overlap = a.mig_placement_start < b_end and b.mig_placement_start < a_end
+        both_me = a.mig_profile_id == b.mig_profile_id == 20
+        assert fits(model, [a, b]) == (not overlap and not both_me), (a.name, b.name)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import pytest
 
@@ -17,7 +16,7 @@ from dra_driver.device_model import (
     advertised_devices,
     mig_device_name,
 )
-from tests.dra_driver.conftest import Fits, Inventory
+from tests.dra_driver.conftest import Fits, Inventory, assert_pairs_fit_unless_they_clash
 
 STATIC = DevicePolicy(mig_mode="static")
 DYNAMIC = DevicePolicy(mig_mode="dynamic")
@@ -365,13 +364,7 @@ def test_overlapping_placements_never_fit_together(
     for d in devs:
         assert fits(model, [d]), d.name
         assert not fits(model, [whole, d]), d.name
-    for a, b in itertools.combinations(devs, 2):
-        assert a.mig_placement_start is not None and b.mig_placement_start is not None
-        a_end = a.mig_placement_start + (a.mig_placement_size or 0)
-        b_end = b.mig_placement_start + (b.mig_placement_size or 0)
-        overlap = a.mig_placement_start < b_end and b.mig_placement_start < a_end
-        both_me = a.mig_profile_id == b.mig_profile_id == 20
-        assert fits(model, [a, b]) == (not overlap and not both_me), (a.name, b.name)
+    assert_pairs_fit_unless_they_clash(fits, model, devs)
 
 
 def test_counters_of_one_gpu_do_not_limit_another(inventory: Inventory, fits: Fits) -> None:

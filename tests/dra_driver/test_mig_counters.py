@@ -17,7 +17,7 @@ from dra_driver.device_model import (
     advertised_devices,
 )
 from dra_driver.mig_counters import candidate_counters, needed_counters, placement_amounts
-from tests.dra_driver.conftest import Fits, Inventory
+from tests.dra_driver.conftest import Fits, Inventory, assert_pairs_fit_unless_they_clash
 from tests.dra_driver.vm_inventories import passthrough
 
 DYNAMIC = DevicePolicy(mig_mode="dynamic")
@@ -148,13 +148,7 @@ def test_chosen_profiles_still_keep_every_clash_apart(
     devs = _mig(on, 0)
     assert {str(dict(d.attributes)["profile"]["string"]) for d in devs} == set(chosen)
     whole = {c.name: c for c in on.counter_sets}["gpu-0-counter-set"]
-    for a, b in itertools.combinations(devs, 2):
-        assert a.mig_placement_start is not None and b.mig_placement_start is not None
-        a_end = a.mig_placement_start + (a.mig_placement_size or 0)
-        b_end = b.mig_placement_start + (b.mig_placement_size or 0)
-        overlap = a.mig_placement_start < b_end and b.mig_placement_start < a_end
-        both_me = a.mig_profile_id == b.mig_profile_id == 20
-        assert fits(on, [a, b]) == (not overlap and not both_me), (a.name, b.name)
+    assert_pairs_fit_unless_they_clash(fits, on, devs)
     for d in devs:
         full = AdvertisedDevice(
             name="gpu-0", kind="gpu", gpu_index=0, gpu_minor=0, parent_uuid="", uuid=None,
