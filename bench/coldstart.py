@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import DRIVER, report, scratch, tessera
+from bench.common import DRIVER, report, scratch, terminate, tessera
 from bench.table import Figure, floor_plus, measured
 from dra_driver.errors import KubeletApiError
 from dra_driver.testkubelet.client import KubeletClient
@@ -91,12 +91,7 @@ def wait_answer(proc: subprocess.Popen[bytes], sock: Path, timeout: float = 60.0
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(30)
+        terminate(proc)
 
 
 def start(state: Path, env: dict[str, str]) -> float:

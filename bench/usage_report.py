@@ -14,7 +14,6 @@ The emulator does not serve CRDs yet: the bench adds ``gpuusagereports`` to its 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from typing import Any
 
 from agent.sim.apiserver import ApiServer
 from agent.sim.apiserver_types import RESOURCES, ResourceType
-from bench.common import check, report, scratch
+from bench.common import check, report, scratch, terminate
 from bench.table import Figure, at_most, measured
 from dra_driver.testkubelet.calls import ClaimRef
 from dra_driver.testkubelet.client import KubeletClient
@@ -121,12 +120,7 @@ def run(quick: bool) -> list[Figure]:
                     by_resource[resource] = by_resource.get(resource, 0) + 1
             reads = sum(1 for r in records if r.method == "GET")
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(30)
+            terminate(proc)
             log.close()
     per_interval = writes / (window / interval)
     figures = [
