@@ -23,8 +23,9 @@ describes flags, output and exit codes.
 from __future__ import annotations
 
 import json
+import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -330,12 +331,19 @@ def cel_environment() -> CelEnvironment:
     # imported here, not at the top: the CEL libraries cost 0.3 s to import (the Rust
     # binding's package loads its own CLI, prompt_toolkit and rich), which every other
     # tessera command would pay
-    from dra_driver.scheduler.cel.grammar import user_cache_dir
     from dra_driver.scheduler.celenv import CelEnvironment
 
     # the CEL grammar's parser is kept in the user's cache directory: building it costs 0.3 s
     # a run (1 s loaded), of the 1.5 s goal on 64 nodes
-    return CelEnvironment(parser_cache=user_cache_dir())
+    return CelEnvironment(parser_cache=user_cache_dir(os.environ))
+
+
+def user_cache_dir(environ: Mapping[str, str]) -> Path:
+    """``$XDG_CACHE_HOME/tessera``, else ``~/.cache/tessera`` (the XDG base directory rule); read
+    here, in the command, as every setting from the environment is (nothing below the CLI reads
+    it: tests/test_architecture.py)."""
+    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tessera"
 
 
 def cmd_explain(inv: Invocation) -> int:

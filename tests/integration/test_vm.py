@@ -288,6 +288,9 @@ def vgpu_types(d: Daemon, minor: int) -> dict[int, list[str]]:
 
 def test_a_homogeneous_gpu_offers_only_the_type_in_use(vgpu_h200):
     d = vgpu_h200
+    # the daemon is shared: the slices a test before changed (a GPU hosting a vGPU offers only
+    # its type) are written again by the publisher after that test's unprepare answered
+    wait_for("GPU 0 offering every vGPU type", lambda: len(vgpu_types(d, 0)) > 1)
     name, dev = first_vgpu(d)
     every = vgpu_types(d, 0)
     used = attr(dev, "vgpuTypeID")

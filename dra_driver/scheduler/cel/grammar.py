@@ -69,10 +69,4 @@ class CachedCelParser:
             ) from None
 
 
-def user_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/tessera``, else ``~/.cache/tessera`` (the XDG base directory rule)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tessera"
-
-
-__all__ = ["CachedCelParser", "private_dir", "user_cache_dir"]
+__all__ = ["CachedCelParser", "private_dir"]
