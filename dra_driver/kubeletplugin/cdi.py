@@ -109,6 +109,7 @@ from dra_driver.kubeletplugin.cdi_spec import (
     check_device_name,
     node_paths,
     read_caps,
+    spec_evidence,
     validate_spec,
 )
 
@@ -466,37 +467,7 @@ class CdiWriter:
             raise CdiError(f"cannot read CDI spec {path}: {exc.strerror or exc}") from exc
         except DecodeError as exc:
             raise CdiError(str(exc)) from exc
-        devices = spec.get("devices") if isinstance(spec, dict) else None
-        if not isinstance(devices, list) or spec.get("kind") != self.kind:
-            raise CdiError(f"CDI spec {path} is not a {self.kind} spec with devices")
-        prefix = f"{claim_uid}-"
-        names = []
-        nodes: list[tuple[str, tuple[str, ...]]] = []
-        for d in devices:
-            name = d.get("name") if isinstance(d, dict) else None
-            if isinstance(name, str) and name.startswith(prefix):
-                names.append(name.removeprefix(prefix))
-                nodes.append((names[-1], node_paths(d.get("containerEdits"))))
-        edits = spec.get("containerEdits")
-        edits = edits if isinstance(edits, dict) else {}
-        env = tuple(
-            tuple(e.split("=", 1))
-            for e in edits.get("env") or []
-            if isinstance(e, str) and "=" in e
-        )
-        mounts = tuple(
-            (str(m.get("containerPath")), str(m.get("hostPath")))
-            for m in edits.get("mounts") or []
-            if isinstance(m, dict)
-        )
-        return SpecEvidence(
-            uid=claim_uid,
-            devices=tuple(names),
-            written_at=written_at,
-            device_nodes=tuple(nodes),
-            env=tuple((k, v) for k, v in env),
-            mounts=mounts,
-        )
+        return spec_evidence(spec, claim_uid, self.kind, str(path), written_at)
 
     def remove_temp_files(self) -> list[Path]:
         """Temporary files of our specs that a crash left behind in the CDI root (only ours:

@@ -102,6 +102,43 @@ class SpecEvidence:
         return dict(self.mounts).get(MPS_CONTAINER_PIPE_DIR)
 
 
+def spec_evidence(
+    spec: Any, claim_uid: str, kind: str, where: str, written_at: float
+) -> SpecEvidence:
+    """What a claim's decoded spec says was prepared (``CdiWriter.read_evidence`` reads the
+    file); CdiError when it is not a ``kind`` spec with devices, fields of the wrong shape read
+    as absent."""
+    devices = spec.get("devices") if isinstance(spec, dict) else None
+    if not isinstance(devices, list) or spec.get("kind") != kind:
+        raise CdiError(f"CDI spec {where} is not a {kind} spec with devices")
+    prefix = f"{claim_uid}-"
+    names = []
+    nodes: list[tuple[str, tuple[str, ...]]] = []
+    for d in devices:
+        name = d.get("name") if isinstance(d, dict) else None
+        if isinstance(name, str) and name.startswith(prefix):
+            names.append(name.removeprefix(prefix))
+            nodes.append((names[-1], node_paths(d.get("containerEdits"))))
+    edits = spec.get("containerEdits")
+    edits = edits if isinstance(edits, dict) else {}
+    env = tuple(
+        tuple(e.split("=", 1)) for e in edits.get("env") or [] if isinstance(e, str) and "=" in e
+    )
+    mounts = tuple(
+        (str(m.get("containerPath")), str(m.get("hostPath")))
+        for m in edits.get("mounts") or []
+        if isinstance(m, dict)
+    )
+    return SpecEvidence(
+        uid=claim_uid,
+        devices=tuple(names),
+        written_at=written_at,
+        device_nodes=tuple(nodes),
+        env=tuple((k, v) for k, v in env),
+        mounts=mounts,
+    )
+
+
 def node_paths(edits: Any) -> tuple[str, ...]:
     nodes = edits.get("deviceNodes") if isinstance(edits, dict) else None
     if not isinstance(nodes, list):
