@@ -179,9 +179,12 @@ class Rig:
         return max((_name(s) for s in self.ours()), key=lambda n: int(n.rsplit("-", 1)[1]))
 
     def drift(self) -> None:
-        """Someone else edits one of our slices (a device fewer): the watch sees it, the
-        publisher puts it back, rewriting the pool at the next generation."""
-        target = next(s for s in self.ours() if s["spec"].get("devices"))
+        """Someone else edits our last slice (a device fewer): the watch sees it, the publisher
+        puts it back, that slice alone, in place at the same generation (``plan_changes``): the
+        slice the faults below are armed on."""
+        last = self.last_slice()
+        target = next(s for s in self.ours() if _name(s) == last)
+        assert target["spec"].get("devices"), f"{last} holds no devices to edit"
         target["spec"]["devices"] = target["spec"]["devices"][:-1]
         self.server.put_object("resourceslices", target)
 
@@ -237,7 +240,7 @@ def _watch(r: RequestRecord) -> bool:
 
 
 def conflicts(rig: Rig) -> None:
-    """409 on the last update of a round, twice: re-read and written again at once."""
+    """409 on the update of the edited slice, twice: re-read and written again at once."""
     since = time.monotonic()
     rig.arm("PUT", f"/resourceslices/{rig.last_slice()}$", "409", times=2)
     rig.drift()
@@ -246,8 +249,8 @@ def conflicts(rig: Rig) -> None:
 
 
 def too_many_requests(rig: Rig) -> None:
-    """429 with Retry-After on the last update of a round: the earlier slices are written, and
-    no request of the publisher comes before the wait is over, not even for another edit the
+    """429 with Retry-After on the update of the edited slice: no request of the publisher
+    comes before the wait is over, not even for another edit the
     watch reports during the wait. The gap is measured on the server's side of a real process:
     a lower bound only."""
     seconds = rig.plan.retry_after_s
@@ -267,7 +270,7 @@ def too_many_requests(rig: Rig) -> None:
 
 
 def server_errors(rig: Rig) -> None:
-    """503 on a list, then 500 on the last update of a round, then a 429 whose Retry-After is
+    """503 on a list, then 500 on the update of the edited slice, then a 429 whose Retry-After is
     not a number (it asks for nothing): each backed off on the publisher's own backoff, never
     retried sooner than its first step, then written."""
     since = time.monotonic()
@@ -357,10 +360,14 @@ def outage(rig: Rig) -> None:
     publisher = sum(1 for r in during if _publisher(r))
     watch = sum(1 for r in during if _watch(r))
     events = sum(1 for r in during if r.resource == "events")
+    # the usage report (its Node's labels, then its report: docs/budgets.md) has a loop of its
+    # own, on its own interval
+    usage = sum(1 for r in during if r.resource in ("nodes", "gpuusagereports"))
     # the publisher tries at once (the GPU left); the watch, cut, after its backoff: in a short
     # outage perhaps only after the server is back
     assert publisher >= 1, "the publisher never tried during the outage"
-    assert len(during) == publisher + watch + events, [r for r in during if r.resource]
+    assert len(during) == publisher + watch + events + usage, [r for r in during if r.resource]
+    assert usage <= most_attempts(window), f"{usage} usage-report requests in {window:.1f} s"
     assert publisher <= most_attempts(window), f"{publisher} publisher requests in {window:.1f} s"
     assert watch <= most_attempts(window), f"{watch} watch requests in {window:.1f} s"
     assert events <= most_event_attempts(window), f"{events} Event requests in {window:.1f} s"
@@ -373,6 +380,7 @@ def outage(rig: Rig) -> None:
         publisher_requests_in_outage=publisher,
         watch_requests_in_outage=watch,
         event_requests_in_outage=events,
+        usage_report_requests_in_outage=usage,
         bound_requests_per_minute_in_outage=round(bound * 60 / window, 1),
         converge_after_outage_s=round(took, 1),
     )
