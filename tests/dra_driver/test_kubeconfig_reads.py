@@ -4,6 +4,7 @@ urllib3 reads it serves (dra_driver.cluster.kube_reads), against real HTTP serve
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.server
 import json
 import ssl
@@ -139,6 +140,18 @@ def test_reads_a_list_and_answers_a_missing_object_with_its_status(tmp_path: Pat
         ]
 
 
+@contextlib.contextmanager
+def serving(server: http.server.HTTPServer, scheme: str) -> Iterator[str]:
+    """``server`` answering on a thread of its own; its URL. Shut down and closed after."""
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"{scheme}://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 @pytest.fixture
 def busy() -> Iterator[tuple[str, list[str | None]]]:
     """A server that answers 429 with Retry-After; the Authorization headers it got."""
@@ -157,14 +170,8 @@ def busy() -> Iterator[tuple[str, list[str | None]]]:
         def log_message(self, format: str, *args: Any) -> None:
             pass
 
-    server = http.server.HTTPServer(("127.0.0.1", 0), Busy)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", seen
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(http.server.HTTPServer(("127.0.0.1", 0), Busy), "http") as url:
+        yield url, seen
 
 
 def test_the_token_is_sent_and_a_busy_server_s_wait_comes_back(
@@ -205,13 +212,8 @@ def tls_server(tmp_path: Path) -> Iterator[tuple[str, Pki]]:
     ctx.verify_mode = ssl.CERT_REQUIRED
     server = http.server.HTTPServer(("127.0.0.1", 0), Answer)
     server.socket = ctx.wrap_socket(server.socket, server_side=True)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"https://127.0.0.1:{server.server_address[1]}", pki
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(server, "https") as url:
+        yield url, pki
 
 
 def test_https_with_the_kubeconfig_s_authority_and_client_certificate(
