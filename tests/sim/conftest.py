@@ -1,11 +1,12 @@
 """Fixtures for the simulator tests: a fresh FakeNvml per test, its state in tmp_path."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from agent.sim.apiserver import ApiServer
 from agent.sim.model import load_model
 from agent.sim.nvml import FakeNvml
 from tests.sim.tools_helpers import NodeFactory
@@ -37,3 +38,10 @@ def make_fake(state_dir: Path) -> MakeFake:
 def sim_nodes(tmp_path_factory: pytest.TempPathFactory) -> NodeFactory:
     """``sim_nodes(model)`` -> a fresh simulated node whose driver root has the stand-in tools."""
     return NodeFactory(tmp_path_factory.mktemp("sim-nodes"))
+
+
+@pytest.fixture
+def server() -> Iterator[ApiServer]:
+    """A fresh API-server emulator (modules needing another, e.g. on a fake clock, override it)."""
+    with ApiServer() as s:
+        yield s

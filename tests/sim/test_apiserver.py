@@ -89,12 +89,6 @@ def raw(resp: Any) -> Any:
 
 
 @pytest.fixture
-def server() -> Iterator[ApiServer]:
-    with ApiServer() as srv:
-        yield srv
-
-
-@pytest.fixture
 def api(server: ApiServer, tmp_path: Path) -> Iterator[client.ApiClient]:
     """A client configured the way the agent does it: from a kubeconfig file."""
     cfg = client.Configuration()

@@ -22,12 +22,6 @@ SSAR = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
 
 
 @pytest.fixture
-def server() -> Iterator[ApiServer]:
-    with ApiServer() as s:
-        yield s
-
-
-@pytest.fixture
 def api(server: ApiServer) -> Iterator[client.ApiClient]:
     c = api_client(server, retries=False)
     yield c

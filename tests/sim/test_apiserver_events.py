@@ -37,12 +37,6 @@ def node_event(name: str, namespace: str = "default", **extra: Any) -> dict[str,
 
 
 @pytest.fixture
-def server() -> Iterator[ApiServer]:
-    with ApiServer() as srv:
-        yield srv
-
-
-@pytest.fixture
 def core(server: ApiServer) -> Iterator[client.CoreV1Api]:
     with client_for(server, retries=False) as api_client:
         yield client.CoreV1Api(api_client)

@@ -17,12 +17,6 @@ from tests.sim.test_apiserver import slice_body
 
 
 @pytest.fixture
-def server() -> Iterator[ApiServer]:
-    with ApiServer() as s:
-        yield s
-
-
-@pytest.fixture
 def rapi(server: ApiServer) -> Iterator[client.ResourceV1Api]:
     c = api_client(server, retries=False)
     yield client.ResourceV1Api(c)
