@@ -67,7 +67,6 @@ is returned or written.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 import threading
@@ -85,7 +84,8 @@ from agent.driverfiles.discover import (
     under,
 )
 from agent.errors import DecodeError
-from agent.fsutil import atomic_write, fsync_dir, holds, read_regular_file, remove_temp_files
+from agent.fsutil import atomic_write, holds, read_regular_file, remove_temp_files
+from agent.jsonout import indented_json
 from dra_driver.errors import CdiError
 from dra_driver.kubeletplugin.cdi_driver_edits import DriverEdits
 from dra_driver.kubeletplugin.cdi_spec import (
@@ -351,22 +351,21 @@ class CdiWriter:
             d["name"].removeprefix(prefix): node_paths(d["containerEdits"]) for d in spec["devices"]
         }
 
-    def _atomic(self, path: Path, spec: dict[str, Any], sync_dir: bool = True) -> None:
-        data = (json.dumps(spec, indent=2, sort_keys=True) + "\n").encode()
+    def _atomic(self, path: Path, spec: dict[str, Any]) -> None:
+        """Replace ``path`` with ``spec`` atomically (a runtime never reads half a spec), without
+        fsync: a spec is derived state. A process's death keeps it (the page cache is the
+        kernel's); only a power loss or a kernel crash can lose it, and that is a reboot, after
+        which the checkpoint of the earlier boot is discarded and the start removes every spec
+        written before the boot (``reconcile``); a completed claim's missing spec is written
+        again from the checkpoint (at start, and by the kubelet's repeated prepare). On a real
+        node the CDI root is ``/var/run/cdi``, a tmpfs, where an fsync does nothing anyway."""
+        data = indented_json(spec)
         if holds(path, data):
             return
         try:
-            atomic_write(path, data, mode=SPEC_FILE_MODE, dir_mode=CDI_DIR_MODE, sync_dir=sync_dir)
+            atomic_write(path, data, mode=SPEC_FILE_MODE, dir_mode=CDI_DIR_MODE, sync=False)
         except OSError as exc:
             raise CdiError(f"cannot write CDI spec {path}: {exc.strerror or exc}") from exc
-
-    def sync(self) -> None:
-        """Make the specs written with ``sync_dir=False`` durable by name: one fsync of the CDI
-        root for all of them. Raises CdiError."""
-        try:
-            fsync_dir(self.cdi_root)
-        except OSError as exc:
-            raise CdiError(f"cannot sync {self.cdi_root}: {exc.strerror or exc}") from exc
 
     def write(self, claim_uid: str, spec: dict[str, Any]) -> Path:
         """Validate ``spec`` and write it atomically as the claim's spec file (mode 0644); the
@@ -384,19 +383,16 @@ class CdiWriter:
         claim_uid: str,
         devices: Sequence[CdiRequest],
         mps: MpsEdits | None = None,
-        *,
-        sync_dir: bool = True,
     ) -> Path:
         """Build and write the claim's spec (``build_spec``, then ``write``) on the prepare
         path, without checking the result against the JSON schema each time: the builder makes
         every spec from the same few shapes, which the tests check against the schema (whole
         GPUs, MIG devices, MPS directories: tests/dra_driver/test_cdi.py); the claim UID and
-        device names are checked as they go in. Raises CdiError as both. ``sync_dir=False``:
-        the directory is left to :meth:`sync` (once for a batch's specs)."""
+        device names are checked as they go in. Raises CdiError as both."""
         path = self.path(claim_uid)
         spec = self._claim_spec(claim_uid, devices, mps)
         self._ensure_base()
-        self._atomic(path, spec, sync_dir)
+        self._atomic(path, spec)
         return path
 
     def _ensure_base(self) -> None:
@@ -440,11 +436,7 @@ class CdiWriter:
             if not os.path.lexists(path):  # a read-only file system says so before ENOENT
                 return False
             raise CdiError(f"cannot remove CDI spec {path}: {exc.strerror or exc}") from exc
-        try:
-            fsync_dir(path.parent)
-        except OSError as exc:
-            raise CdiError(f"cannot sync {path.parent}: {exc.strerror or exc}") from exc
-        return True
+        return True  # not synced, as in remove_many
 
     def evidence(self, claim_uid: str) -> tuple[tuple[str, ...], float]:
         """What the claim's spec file says was prepared: the pool device names it exposes (from
@@ -452,6 +444,14 @@ class CdiWriter:
         Raises CdiError when it cannot be read or is not a spec of ours."""
         found = self.read_evidence(claim_uid)
         return found.devices, found.written_at
+
+    def written_at(self, claim_uid: str, default: float) -> float:
+        """When the claim's spec file was last written (unix seconds), even when it cannot be
+        read as a spec; ``default`` when it cannot be looked at."""
+        try:
+            return self.path(claim_uid).lstat().st_mtime
+        except (OSError, CdiError):
+            return default
 
     def read_evidence(self, claim_uid: str) -> SpecEvidence:
         """Everything the claim's spec file says (see ``SpecEvidence``). Raises CdiError when it

@@ -67,6 +67,7 @@ from typing import Any
 from agent.decode import fields, load_json
 from agent.errors import DecodeError, TesseraError
 from agent.fsutil import atomic_write, holds, move_aside
+from agent.jsonout import indented_json
 from agent.logs import fields_
 from dra_driver.errors import CheckpointCorrupt, CheckpointError, CheckpointTooNew
 from dra_driver.kubeletplugin.checkpoint_devices import device_from, device_json
@@ -213,7 +214,7 @@ def to_json(cp: Checkpoint) -> dict[str, Any]:
 def encode(cp: Checkpoint) -> bytes:
     """The file contents for ``cp`` (indented for people; the checksum is over the canonical
     form). Pure."""
-    return (json.dumps(to_json(cp), sort_keys=True, indent=2, ensure_ascii=False) + "\n").encode()
+    return indented_json(to_json(cp))
 
 
 # --- decoding (pure): agent.decode.fields, unknown fields ignored ------------------------------

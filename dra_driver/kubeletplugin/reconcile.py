@@ -269,7 +269,9 @@ class Reconciler:
         try:
             names, written_at = self._cdi.evidence(uid)
         except CdiError as exc:
-            names, written_at = (), self._boot_time  # unreadable: not proof of anything
+            # unreadable: not proof of anything, but when it was written still counts (a spec
+            # cut short by a power loss is empty, and from before this boot)
+            names, written_at = (), self._cdi.written_at(uid, default=self._boot_time)
             self._log.warning("cannot read a CDI spec", extra=fields_(uid=uid, error=str(exc)))
         if authoritative or written_at < self._boot_time:
             self._cdi.remove(uid)

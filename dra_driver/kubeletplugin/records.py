@@ -105,9 +105,6 @@ class Records:
             vgpu_type_id=d.vgpu_type.type_id if d.vgpu_type is not None else None,
         )
 
-    def write_spec(self, entry: ClaimEntry, *, sync_dir: bool = True) -> None:
-        """Write the CDI spec of ``entry``'s devices (and its MPS daemon); ``sync_dir=False``
-        leaves the directory's sync to the caller (``CdiWriter.sync``, once for a batch)."""
-        self._cdi.write_claim(
-            entry.uid, cdi_requests(entry.devices), mps_edits(entry.mps), sync_dir=sync_dir
-        )
+    def write_spec(self, entry: ClaimEntry) -> None:
+        """Write the CDI spec of ``entry``'s devices (and its MPS daemon)."""
+        self._cdi.write_claim(entry.uid, cdi_requests(entry.devices), mps_edits(entry.mps))

@@ -169,9 +169,8 @@ class Transactions:
            and sweeps;
         3. each claim's side effects and CDI spec (concurrently, under its GPUs' locks); a
            failure undoes that claim alone;
-        4. ONE directory sync makes the claims' CDI specs durable (each file was fsync'd as
-           it was written), then ONE write records them all as ``PrepareCompleted``; then
-           they are answered.
+        4. ONE write records them all as ``PrepareCompleted``; then they are answered. The
+           specs are not fsync'd (derived state: ``CdiWriter._atomic``), the completion is.
         """
         with self._claim_locks.hold_all(c.uid for c, _ in batch.claims):
             keys = [c for c, _ in batch.claims]
@@ -208,10 +207,6 @@ class Transactions:
         if not made:
             return
         try:
-            if any(e.devices for e in made):
-                # the specs' names durable before the completion that vouches for them: one
-                # directory sync for the batch (each file was fsync'd as it was written)
-                self._cdi.sync()
             self._ledger.update(lambda cp: cp.with_claims(made))
         except TesseraError as exc:  # e.g. the disk is full: no spec may stay behind
             for e in made:
@@ -313,8 +308,8 @@ class Transactions:
                 self._metadata, claim, p.pod_claim_name, devices, advertised.get
             )
         entry = claim_entry(claim, PREPARE_COMPLETED, devices, pods=plan.pods, mps=applied.mps)
-        if entry.devices:  # its name made durable for the batch at once: _complete
-            self._records.write_spec(entry, sync_dir=False)
+        if entry.devices:  # not fsync'd: derived state (CdiWriter._atomic)
+            self._records.write_spec(entry)
         self._crash("after-cdi")
         return entry
 
