@@ -177,6 +177,21 @@ class MigControl:
             i for i in self._nvml.mig_instances(index) if i.gpu_instance_id == gpu_instance_id
         )
 
+    def _compute_instance_ids(self, api: NvmlApi, index: int, gpu_instance_id: int) -> list[int]:
+        """The compute instance ids of one GPU instance, from the GPU's MIG device handles
+        (each names its GI and CI id), without reading what :meth:`compute_instances` reads of
+        each device (its profile, UUID and memory): all a destroy needs."""
+        h = self._nvml.handle(index)
+        ids: list[int] = []
+        for i in range(api.nvmlDeviceGetMaxMigDeviceCount(h)):
+            try:
+                mh = api.nvmlDeviceGetMigDeviceHandleByIndex(h, i)
+            except NvmlNotFound:
+                continue
+            if api.nvmlDeviceGetGpuInstanceId(mh) == gpu_instance_id:
+                ids.append(int(api.nvmlDeviceGetComputeInstanceId(mh)))
+        return ids
+
     def mig_device(self, index: int, gpu_instance_id: int, compute_instance_id: int) -> MigInstance:
         """The MIG device of (GPU instance, compute instance); NvmlNotFound when there is none."""
         for inst in self._nvml.mig_instances(index):
@@ -201,11 +216,9 @@ class MigControl:
             gi = api.nvmlDeviceGetGpuInstanceById(self._nvml.handle(index), gpu_instance_id)
         except (NvmlNotFound, NvmlInvalidArgument):
             return
-        for inst in self._nvml.mig_instances(index):
-            if inst.gpu_instance_id != gpu_instance_id:
-                continue
+        for ci_id in self._compute_instance_ids(api, index, gpu_instance_id):
             try:
-                ci = api.nvmlGpuInstanceGetComputeInstanceById(gi, inst.compute_instance_id)
+                ci = api.nvmlGpuInstanceGetComputeInstanceById(gi, ci_id)
                 api.nvmlComputeInstanceDestroy(ci)
             except (NvmlNotFound, NvmlInvalidArgument):
                 continue

@@ -12,8 +12,9 @@ names the unreadable files. What a claim's allocation says is ``claims.py``.
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -119,28 +120,48 @@ class KubeClaimSource:
             raise
 
 
+class _ClaimFile:
+    """One claim file's documents, and its ResourceClaims by (namespace, name) (the first of a
+    name in the file, as a scan in order finds it)."""
+
+    __slots__ = ("claims", "docs")
+
+    def __init__(self, docs: list[dict[str, Any]]) -> None:
+        self.docs = docs
+        self.claims: dict[tuple[str, str], dict[str, Any]] = {}
+        for doc in docs:
+            meta = doc.get("metadata")
+            if doc.get("kind") != "ResourceClaim" or not isinstance(meta, dict):
+                continue
+            namespace, name = meta.get("namespace", "default"), meta.get("name")
+            if isinstance(namespace, str) and isinstance(name, str):
+                self.claims.setdefault((namespace, name), doc)
+
+
 class DirClaimSource:
     """Standalone mode: ResourceClaim manifests (with status.allocation) in a directory.
 
-    Parsed files are cached by their bytes, so a batch of claims parses each file once. Only
-    regular files are read (never through a symbolic link; opened without blocking, checked
-    before reading), at most ``MAX_CLAIM_FILE_BYTES`` each. A file that cannot be read or
-    decoded is remembered with why; it hides only the claims it holds, and a claim not found
+    Parsed files are cached by their bytes, so a batch of claims parses each file once, and
+    each file's claims are indexed by name (a claim is found without a scan of the others).
+    Only regular files are read (never through a symbolic link; opened without blocking,
+    checked before reading), at most ``MAX_CLAIM_FILE_BYTES`` each. A file that cannot be read
+    or decoded is remembered with why; it hides only the claims it holds, and a claim not found
     names such files."""
 
     origin = "claim-files"
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._cache: dict[Path, tuple[bytes, list[dict[str, Any]] | str]] = {}
+        self._cache: dict[str, tuple[bytes, _ClaimFile | str]] = {}
         self._lock = threading.Lock()
 
-    def _file(self, path: Path) -> list[dict[str, Any]] | str:
+    def _file(self, name: str) -> _ClaimFile | str:
         """The claim documents of one file, or why it cannot be read. Read with
         ``read_regular_file``: a symbolic link is not followed (whoever can write the directory
         must not make the driver read a file elsewhere), only a regular file of at most
         ``MAX_CLAIM_FILE_BYTES`` is read. The parse is cached by the file's bytes: reading 1 MiB
         is cheap beside decoding it for every claim of a batch."""
+        path = self.directory / name
         try:
             data = read_regular_file(path, MAX_CLAIM_FILE_BYTES)
         except FileRefused as exc:
@@ -148,12 +169,13 @@ class DirClaimSource:
         except OSError as exc:
             return f"cannot read it: {exc.strerror or exc}"
         with self._lock:
-            cached = self._cache.get(path)
+            cached = self._cache.get(name)
         if cached is not None and cached[0] == data:
             return cached[1]
-        result = self._decode(path, data)
+        decoded = self._decode(path, data)
+        result = decoded if isinstance(decoded, str) else _ClaimFile(decoded)
         with self._lock:
-            self._cache[path] = (data, result)
+            self._cache[name] = (data, result)
         return result
 
     @staticmethod
@@ -168,48 +190,40 @@ class DirClaimSource:
             return str(exc).removeprefix(f"{path}: ")
         return [d for d in docs if isinstance(d, dict)]
 
-    def _documents(self) -> tuple[Sequence[dict[str, Any]], dict[str, str]]:
-        """The documents of every readable file, and the unreadable files with why."""
+    def _files(self) -> Iterator[tuple[str, _ClaimFile | str]]:
+        """Every claim file's documents (or why it cannot be read), in name order, read as
+        they are asked for."""
         try:
-            paths = sorted(p for p in self.directory.iterdir() if p.suffix in (".yaml", ".yml"))
+            names = sorted(n for n in os.listdir(self.directory) if n.endswith((".yaml", ".yml")))
         except FileNotFoundError:
-            return [], {}
+            return
         except OSError as exc:
             raise ClaimError(
                 f"cannot list claim files in {self.directory}: {exc.strerror or exc}",
                 "claim_source",
             ) from exc
-        docs: list[dict[str, Any]] = []
-        broken: dict[str, str] = {}
-        for path in paths:
-            result = self._file(path)
-            if isinstance(result, str):
-                broken[path.name] = result
-            else:
-                docs += result
-        return docs, broken
+        for name in names:
+            yield name, self._file(name)
 
     def by_uid(self, uids: Collection[str]) -> dict[str, dict[str, Any]]:
         """The claim documents whose ``metadata.uid`` is one of ``uids``."""
         wanted = set(uids)
-        docs, _ = self._documents()
         found: dict[str, dict[str, Any]] = {}
-        for doc in docs:
-            uid = _uid_of(doc)
-            if doc.get("kind") == "ResourceClaim" and uid is not None and uid in wanted:
-                found[uid] = doc
+        for _, result in self._files():
+            if isinstance(result, str):
+                continue
+            for doc in result.docs:
+                uid = _uid_of(doc)
+                if doc.get("kind") == "ResourceClaim" and uid is not None and uid in wanted:
+                    found[uid] = doc
         return found
 
     def get(self, namespace: str, name: str) -> dict[str, Any]:
-        docs, broken = self._documents()
-        for doc in docs:
-            meta = doc.get("metadata")
-            if (
-                doc.get("kind") == "ResourceClaim"
-                and isinstance(meta, dict)
-                and meta.get("name") == name
-                and meta.get("namespace", "default") == namespace
-            ):
+        broken: dict[str, str] = {}
+        for file_name, result in self._files():
+            if isinstance(result, str):
+                broken[file_name] = result
+            elif (doc := result.claims.get((namespace, name))) is not None:
                 return doc
         hint = ""
         if broken:

@@ -80,7 +80,8 @@ class DynamicMig:
                 self.crash("after-gi-create")
             else:
                 gi_id = found.gpu_instance_id
-            existing = self.control.compute_instances(index, gi_id)
+            # a GPU instance just made has no compute instance yet: nothing to look up
+            existing = self.control.compute_instances(index, gi_id) if found else ()
             if existing:
                 inst = existing[0]
             else:
