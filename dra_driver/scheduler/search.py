@@ -6,8 +6,12 @@ are ``candidates``'s, the counters and capacity it takes ``capacity``'s, the con
 
 The search picks devices as upstream does: requests in claim order, a firstAvailable
 request's subrequests in order, each request's devices as combinations in candidate order (never
-two orders of the same set). A device is added when it is not taken in this claim, its counters
-and capacity are left, and every constraint still holds; on failure the search backtracks, so it
+two orders of the same set; a device that allows multiple allocations may come again, and a
+request under a distinctAttribute is searched in upstream's own order: ``resume_at``). A device
+is added when it is not taken in this claim (a device that allows multiple allocations never
+is), its counters and capacity are left, and every constraint still holds
+(``structured/internal/experimental/``, the variant with consumable capacity, for shared
+devices and distinctAttribute); on failure the search backtracks, so it
 finds an allocation whenever one exists, or stops at ``time_limit_s`` (``GaveUp``).
 
 For the explanation it remembers, per request, the deepest partial allocation that failed and
