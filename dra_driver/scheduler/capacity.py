@@ -2,8 +2,11 @@
 counters (``checkAvailableCounters``), what the claim's picks so far take of them and of shared
 devices' capacity, and the request policies that round a request
 (k8s.io/dynamic-resource-allocation ``structured/internal/incubating/allocator_incubating.go``:
-checkAvailableCounters, allocateDevice; ``consumable_capacity.go``: CmpRequestOverCapacity and
-the request-policy rounding)."""
+checkAvailableCounters, allocateDevice; ``structured/internal/experimental/`` (the only variant
+with consumable capacity, used when DRAConsumableCapacity is on) ``consumable_capacity.go``:
+CmpRequestOverCapacity and the request-policy rounding, and allocator_experimental.go's
+allocateDevice: a device that allows multiple allocations skips its counters once its capacity
+is in use)."""
 
 from __future__ import annotations
 

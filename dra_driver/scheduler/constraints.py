@@ -1,7 +1,17 @@
 """The claim's constraints during the search (k8s.io/dynamic-resource-allocation
-``structured/internal/incubating/constraint.go``): ``matchAttribute`` (every device of the
-requests it names has the same value of the attribute) and ``distinctAttribute`` (no two have
-the same value), checked against the devices picked so far."""
+``structured/internal/experimental/``: matchAttributeConstraint in allocator_experimental.go,
+distinctAttributeConstraint in constraint.go): ``matchAttribute`` (every device of the requests
+it names has the same value of the attribute) and ``distinctAttribute``, checked against the
+devices picked so far.
+
+``distinctAttribute`` is kept as upstream keeps it, which is not "no two devices alike": the
+constraint remembers one value per request (the base request's name; the value of the device
+added last for it) and how many devices it holds; a device may be added when none is held, or
+when its value differs from every remembered one; removing a device forgets its request's value.
+So it tells apart the devices of different requests (what the API documents it for: "avoid
+allocating multiple requests to the same device"), but of one request's devices only compares
+each with the one before it (and the other requests' values): a request of count 4 on two
+memory-share GPUs gets gpu-0, gpu-1, gpu-0, gpu-1."""
 
 from __future__ import annotations
 
@@ -19,11 +29,12 @@ def _value(v: AttributeValue | None) -> str:
 
 class Constraints:
     """What the picks so far fix: per matchAttribute constraint its value and how many picks
-    hold it, per distinctAttribute constraint how many picks hold each value."""
+    hold it, per distinctAttribute constraint the value remembered per request and how many
+    picks it holds (distinctAttributeConstraint's ``attributes`` and ``numDevices``)."""
 
     def __init__(self) -> None:
         self._match: dict[int, tuple[AttributeValue, int]] = {}
-        self._distinct: dict[int, dict[AttributeValue, int]] = {}
+        self._distinct: dict[int, tuple[dict[str, AttributeValue], int]] = {}
 
     def check(self, a: Analysis, idx: int, picks: Sequence[Pick]) -> Reason | None:
         """Whether candidate ``idx`` of ``a`` keeps every constraint that applies to its
@@ -45,8 +56,10 @@ class Constraints:
                         },
                     )
             else:
-                if self._distinct.get(ci, {}).get(v, 0) > 0:
-                    others = _holders(c, v, picks)
+                remembered, held = self._distinct.get(ci, ({}, 0))
+                if held > 0 and v in remembered.values():
+                    names = {r for r, value in remembered.items() if value == v}
+                    others = _holders(c, v, picks, names) or sorted(names)
                     return Reason(
                         "constraint",
                         f"{c}: {_value(v)} is already taken by {', '.join(others)}",
@@ -66,22 +79,32 @@ class Constraints:
                 fixed = self._match.get(ci)
                 self._match[ci] = (v, fixed[1] + 1 if fixed else 1)
             else:
-                seen = self._distinct.setdefault(ci, {})
-                seen[v] = seen.get(v, 0) + 1
+                remembered, held = self._distinct.get(ci, ({}, 0))
+                remembered[a.request.base_name] = v
+                self._distinct[ci] = (remembered, held + 1)
 
     def remove(self, a: Analysis, idx: int) -> None:
-        for c, ci, values in a.constraint_values:
-            v = values[idx]
+        for c, ci, _ in a.constraint_values:
             if c.kind == "matchAttribute":
                 fixed = self._match[ci]
                 self._match[ci] = (fixed[0], fixed[1] - 1)
             else:
-                self._distinct[ci][v] -= 1
+                remembered, held = self._distinct[ci]
+                remembered.pop(a.request.base_name, None)
+                self._distinct[ci] = (remembered, held - 1)
 
 
-def _holders(c: Constraint, value: AttributeValue, picks: Sequence[Pick]) -> list[str]:
+def _holders(
+    c: Constraint,
+    value: AttributeValue,
+    picks: Sequence[Pick],
+    requests: set[str] | None = None,
+) -> list[str]:
+    """The picks under ``c`` with ``value`` (of the base ``requests`` only, when given)."""
     return [
         p.device.name
         for p in picks
-        if c.applies_to(p.request) and p.device.attribute(c.attribute) == value
+        if c.applies_to(p.request)
+        and p.device.attribute(c.attribute) == value
+        and (requests is None or p.request.base_name in requests)
     ]

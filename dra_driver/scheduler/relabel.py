@@ -20,7 +20,7 @@ from dra_driver.scheduler.domain import Device, Node
 from dra_driver.scheduler.explanation import Explanation
 from dra_driver.scheduler.lookalike import NodeLabel
 from dra_driver.scheduler.outcome import Attempt, Pick
-from dra_driver.scheduler.search import share_id_of
+from dra_driver.scheduler.search import share_id_of, share_ordinal
 
 
 @dataclass(frozen=True)
@@ -81,10 +81,15 @@ def renamed_node(node: Node, r: Renaming) -> Node:
     return Node(pools, devices, by_key)
 
 
-def _pick(exp: Explanation, pick: Pick, r: Renaming) -> Pick:
-    dev = renamed_device(pick.device, r)
-    share = None if pick.share_id is None else share_id_of(exp.claim, pick.request, dev)
-    return dataclasses.replace(pick, device=dev, share_id=share)
+def _picks(exp: Explanation, picks: Sequence[Pick], r: Renaming) -> list[Pick]:
+    out = []
+    for i, pick in enumerate(picks):
+        dev = renamed_device(pick.device, r)
+        share = None
+        if pick.share_id is not None:
+            share = share_id_of(exp.claim, pick.request, dev, share_ordinal(picks, i))
+        out.append(dataclasses.replace(pick, device=dev, share_id=share))
+    return out
 
 
 def _stub_slices(picks: Sequence[Pick], label: NodeLabel) -> list[Mapping[str, Any]]:
@@ -108,10 +113,9 @@ def renamed(exp: Explanation, r: Renaming) -> Explanation:
     picks are renamed now; its node (every device, for the full text or JSON) when first
     read."""
     o = exp.outcome
-    picks = [_pick(exp, p, r) for p in o.picks]
+    picks = _picks(exp, o.picks, r)
     attempts = {
-        k: Attempt([_pick(exp, p, r) for p in a.placed], a.rejections, a.reason)
-        for k, a in o.attempts.items()
+        k: Attempt(_picks(exp, a.placed, r), a.rejections, a.reason) for k, a in o.attempts.items()
     }
     outcome = dataclasses.replace(o, picks=picks, attempts=attempts)
     first = exp.node

@@ -6,8 +6,12 @@ are ``candidates``'s, the counters and capacity it takes ``capacity``'s, the con
 
 The search picks devices as upstream does: requests in claim order, a firstAvailable
 request's subrequests in order, each request's devices as combinations in candidate order (never
-two orders of the same set). A device is added when it is not taken in this claim, its counters
-and capacity are left, and every constraint still holds; on failure the search backtracks, so it
+two orders of the same set; a device that allows multiple allocations may come again, and a
+request under a distinctAttribute is searched in upstream's own order: ``resume_at``). A device
+is added when it is not taken in this claim (a device that allows multiple allocations never
+is), its counters and capacity are left, and every constraint still holds
+(``structured/internal/experimental/``, the variant with consumable capacity, for shared
+devices and distinctAttribute); on failure the search backtracks, so it
 finds an allocation whenever one exists, or stops at ``time_limit_s`` (``GaveUp``).
 
 For the explanation it remembers, per request, the deepest partial allocation that failed and
@@ -17,7 +21,7 @@ why each other candidate could not be added to it.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from dra_driver.scheduler.candidates import Candidates
 from dra_driver.scheduler.capacity import Usage
@@ -48,10 +52,39 @@ SHARE_NAMESPACE = uuid.UUID("5b0c5d36-8f3e-4f0b-9a53-7d1e3c2f6a10")
 (Upstream draws a random UUID; any unique ID per device share is valid.)"""
 
 
-def share_id_of(claim: Claim, req: Request, dev: Device) -> str:
-    """The shareID of ``dev`` picked for ``req`` of ``claim`` (see SHARE_NAMESPACE)."""
+def share_id_of(claim: Claim, req: Request, dev: Device, nth: int = 0) -> str:
+    """The shareID of the ``nth`` (from 0) share of ``dev`` in ``claim``, picked for ``req``
+    (see SHARE_NAMESPACE): a device that allows multiple allocations may be picked more than
+    once in one claim, each time with an ID of its own (allocateDevice: GenerateNewShareID)."""
     key = f"{claim.uid or claim.ref}/{req.full_name}/{'/'.join(dev.key)}"
+    if nth:
+        key += f"/{nth}"
     return str(uuid.uuid5(SHARE_NAMESPACE, key))
+
+
+def share_ordinal(picks: Sequence[Pick], i: int) -> int:
+    """How many of ``picks`` before the ``i``-th are shares of the same device."""
+    index = picks[i].device.index
+    return sum(1 for p in picks[:i] if p.device.index == index)
+
+
+def resume_at(a: Analysis, devices: Sequence[Device], ci: int) -> int:
+    """Where the next device of an ExactCount request is searched from, after candidate ``ci``
+    (structured/internal/experimental/allocator_experimental.go, allocateOne): upstream tries
+    every device from the first at each position, skipping those in use; a device that allows
+    multiple allocations is never in use (deviceInUse), so it is tried again. Starting at ``ci``
+    for such a device (``ci + 1`` for the others) finds the same first allocation without trying
+    two orders of one set, because capacity, counters and matchAttribute do not depend on the
+    order. A distinctAttribute constraint does (constraint.go keeps one value per request, the
+    last one added), so under one the search restarts at the first candidate, as upstream."""
+    if in_upstream_order(a):
+        return 0
+    return ci if devices[a.candidates[ci]].allow_multiple else ci + 1
+
+
+def in_upstream_order(a: Analysis) -> bool:
+    """Whether the order of a request's picks decides what fits (see ``resume_at``)."""
+    return any(c.kind == "distinctAttribute" for c, _, _ in a.constraint_values)
 
 
 class Search:
@@ -205,7 +238,8 @@ class Search:
             self._record(gi, ai, a, reason=self._too_many(a, need))
             return False
         cands = a.candidates
-        if len(cands) < count:
+        shared = any(self.node.devices[i].allow_multiple for i in cands)
+        if len(cands) < count and not shared:
             self._record(
                 gi,
                 ai,
@@ -218,11 +252,14 @@ class Search:
                 ),
             )
             return False
-        for ci in range(start, len(cands) - need + 1):
+        # each remaining position needs a candidate of its own unless some can repeat
+        repeats = shared or in_upstream_order(a)
+        stop = len(cands) if repeats else len(cands) - need + 1
+        for ci in range(start, stop):
             idx = cands[ci]
             if self._add(a, idx) is not None:
                 continue
-            if self._next(gi, ai, a, k + 1, ci + 1):
+            if self._next(gi, ai, a, k + 1, resume_at(a, self.node.devices, ci)):
                 return True
             self._remove(a, idx)
         self._record(gi, ai, a)
@@ -261,7 +298,8 @@ class Search:
         if dev.allow_multiple:
             consumed = a.consumed[idx]
             self.usage.take_capacity(idx, consumed)
-            share_id = share_id_of(self.claim, req, dev)
+            nth = sum(1 for p in self.picks if p.device.index == idx)
+            share_id = share_id_of(self.claim, req, dev, nth)
         else:
             self._exclusive[idx] = req.full_name
         self.picks.append(Pick(req, dev, consumed, share_id))

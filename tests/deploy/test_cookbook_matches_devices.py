@@ -225,17 +225,22 @@ def matched_values(
     requests it names (all requests when it names none; ``gpu`` covers ``gpu/hopper``). A
     driver's own attributes are published without its domain (``nvlinkClique`` for
     ``gpu.tessera.dev/nvlinkClique``), standard ones with theirs."""
-    name = constraint["matchAttribute"]
     named = constraint.get("requests")
-    values = set()
+    picked = [r for r in results if not named or r["request"].split("/", 1)[0] in named]
+    return set(attribute_values(constraint["matchAttribute"], picked, devices))
+
+
+def attribute_values(
+    name: str, results: list[dict[str, Any]], devices: dict[str, dict[str, Any]]
+) -> list[str]:
+    """The attribute ``name`` of each allocated device, in result order."""
+    values = []
     for r in results:
-        if named and r["request"].split("/", 1)[0] not in named:
-            continue
         attrs = devices[r["device"]]["attributes"]
         domain, _, bare = name.partition("/")
         value = attrs.get(name) or (attrs.get(bare) if domain == r["driver"] else None)
         assert value is not None, f"{r['device']} has no {name}"
-        values.add(str(next(iter(value.values()))))
+        values.append(str(next(iter(value.values()))))
     return values
 
 
@@ -334,6 +339,9 @@ FITS: dict[str, list[Fit]] = {
     "memory-share-8gi.yaml": [
         *[Fit(Node(m, sharing="memory-shares"), expect=MEMORY_SHARE) for m in WHOLE],
     ],
+    "memory-shares-on-two-gpus.yaml": [  # two different GPUs: the constraint
+        *[Fit(Node(m, sharing="memory-shares"), expect=MEMORY_SHARE) for m in WHOLE],
+    ],
     "mps-on-mig.yaml": [
         Fit(Node("dgx-a100"), expect=MPS),
         Fit(Node("dgx-h100", layout="balanced"), expect=MPS),
@@ -385,6 +393,8 @@ MISFITS: dict[str, list[Misfit]] = {
         ),
         # the bridged A100 pair has a clique but is Ampere (8.0), and only two GPUs
         Misfit(Node("mixed"), "request-selector", "cudaComputeCapability=8.0.0"),
+        # the guard: memory shares of one GPU are not four GPUs (test_whole_gpu_examples_...)
+        Misfit(MEMORY_SHARES, "request-selector", sharing_seen("memory-shares")),
     ],
     "gpu-and-nic.yaml": [
         Misfit(Node("dgx-a100"), *NO_WHOLE_GPU),
@@ -426,6 +436,11 @@ MISFITS: dict[str, list[Misfit]] = {
         Misfit(Node("dgx-a100"), *NO_WHOLE_GPU),
         Misfit(MEMORY_SHARES, "class-selector", sharing_seen("memory-shares")),
     ],
+    "memory-shares-on-two-gpus.yaml": [
+        Misfit(Node("dgx-a100"), *NO_WHOLE_GPU),
+        *[Misfit(Node(m), "request-selector", sharing_seen("none")) for m in WHOLE],
+        Misfit(TIME_SLICING_NODE, "request-selector", sharing_seen("time-slicing")),
+    ],
     "memory-share-8gi.yaml": [
         Misfit(Node("dgx-a100", sharing="memory-shares"), *NO_WHOLE_GPU),
         Misfit(Node("dgx-a100"), *NO_WHOLE_GPU),
@@ -442,6 +457,8 @@ MISFITS: dict[str, list[Misfit]] = {
     ],
     "two-gpus-one-numa.yaml": [
         Misfit(Node("dgx-a100"), *NO_WHOLE_GPU),
+        # the guard: memory shares of one GPU are not two GPUs (test_whole_gpu_examples_...)
+        Misfit(MEMORY_SHARES, "request-selector", sharing_seen("memory-shares")),
         # one GPU free on each socket: the constraint, not the count, is why
         Misfit(
             Node("l40s-pcie", busy=("gpu-1", "gpu-3")),
@@ -533,6 +550,11 @@ def test_each_example_allocates_and_the_driver_takes_its_config(name: str, fit: 
             roots = {devices[r["device"]]["attributes"][PCIE_ROOT]["string"] for r in results}
             assert len(roots) == 1, (roots, results)
         for constraint in claim["spec"]["devices"].get("constraints", []):
+            if "distinctAttribute" in constraint:
+                picked = [r for r in results if r["request"] in constraint["requests"]]
+                values = attribute_values(constraint["distinctAttribute"], picked, devices)
+                assert len(set(values)) == len(values), (constraint, values, results)
+                continue
             values = matched_values(constraint, results, devices)
             assert len(values) == 1, (constraint, values, results)
         written = claim.get("status", {}).get("allocation")
@@ -639,6 +661,80 @@ def test_no_example_is_allocated_where_the_driver_refuses_it(name: str) -> None:
         r for node in EVERY_MODE for claim in claims(docs) for r in refusals(docs, claim, node)
     ]
     assert found == []
+
+
+# -- memory shares are not whole GPUs -----------------------------------------------------------
+
+WHOLE_GPU_EXAMPLES = {"two-gpus-one-numa.yaml": 2, "four-nvlink-gpus.yaml": 4}
+"""The examples that ask for several whole GPUs in one request, and how many."""
+NOT_A_SHARE = (
+    '!("sharing" in device.attributes["gpu.tessera.dev"]) || '
+    'device.attributes["gpu.tessera.dev"].sharing != "memory-shares"'
+)
+"""Their guard: a selector that keeps them off memory-share GPUs."""
+
+
+def without_guard(claim: dict[str, Any]) -> dict[str, Any]:
+    """The claim with its NOT_A_SHARE selectors left out (every request has had one)."""
+    requests = []
+    for r in claim["spec"]["devices"]["requests"]:
+        kept = [s for s in r["exactly"]["selectors"] if s["cel"]["expression"] != NOT_A_SHARE]
+        assert len(kept) == len(r["exactly"]["selectors"]) - 1, r
+        requests.append({**r, "exactly": {**r["exactly"], "selectors": kept}})
+    return {**claim, "spec": {"devices": {**claim["spec"]["devices"], "requests": requests}}}
+
+
+def chosen_devices(e: Explanation) -> list[str]:
+    return [r["device"] for r in e.allocation()["devices"]["results"]] if e.ok else []
+
+
+@pytest.mark.parametrize("name", sorted(WHOLE_GPU_EXAMPLES))
+def test_whole_gpu_examples_never_get_one_gpu_twice(name: str) -> None:
+    """Under --sharing memory-shares every GPU allows multiple allocations, and the scheduler
+    tries a GPU again for the next device of a request (structured/internal/experimental/
+    allocator_experimental.go, allocateOne): without its selector on `sharing` the example gets
+    shares of gpu-0 alone; with it, nothing there (MISFITS says with which reason)."""
+    docs = documents(EXAMPLES / name)
+    (claim,) = claims(docs)
+    classes, slices = scene(docs, claim, MEMORY_SHARES)
+    bare = explain(without_guard(claim), classes, slices, [], cel=CelEnvironment())
+    assert chosen_devices(bare) == ["gpu-0"] * WHOLE_GPU_EXAMPLES[name], bare.text()
+    guarded = explain(claim, classes, slices, [], cel=CelEnvironment())
+    assert not guarded.ok, guarded.text()
+
+
+@pytest.mark.parametrize("name", sorted(WHOLE_GPU_EXAMPLES))
+def test_the_guard_changes_nothing_on_the_other_modes(name: str) -> None:
+    """On every model under every --mig-mode and every --sharing but memory-shares, the example
+    allocates exactly what it allocated before the guard (or fails as it did): its GPUs are
+    whole there, and the `sharing` test is true of each."""
+    docs = documents(EXAMPLES / name)
+    (claim,) = claims(docs)
+    for node in [n for n in EVERY_MODE if n.sharing != "memory-shares"]:
+        classes, slices = scene(docs, claim, node)
+        before = explain(without_guard(claim), classes, slices, [], cel=CelEnvironment())
+        after = explain(claim, classes, slices, [], cel=CelEnvironment())
+        assert (after.ok, chosen_devices(after)) == (before.ok, chosen_devices(before)), node
+        if after.ok:
+            assert len(set(chosen_devices(after))) == WHOLE_GPU_EXAMPLES[name], node
+
+
+def test_distinct_attribute_does_not_keep_a_request_of_four_on_four_gpus() -> None:
+    """Why the guard is a selector and not a distinctAttribute on the GPU's uuid: upstream's
+    constraint keeps one value per request (the last device added; constraint.go,
+    distinctAttributeConstraint.add), so a request of four on a memory-shares node gets gpu-0,
+    gpu-1, gpu-0, gpu-1. (It also needs DRAConsumableCapacity, without which the API server
+    refuses the claim.) Across requests it does keep devices apart:
+    memory-shares-on-two-gpus.yaml."""
+    docs = documents(EXAMPLES / "four-nvlink-gpus.yaml")
+    (claim,) = claims(docs)
+    bare = without_guard(claim)
+    constraint = {"requests": ["gpus"], "distinctAttribute": f"{DOMAIN}/uuid"}
+    devices = {**bare["spec"]["devices"]}
+    devices["constraints"] = [*devices["constraints"], constraint]
+    classes, slices = scene(docs, claim, MEMORY_SHARES)
+    e = explain({**bare, "spec": {"devices": devices}}, classes, slices, [], cel=CelEnvironment())
+    assert chosen_devices(e) == ["gpu-0", "gpu-1", "gpu-0", "gpu-1"], e.text()
 
 
 # -- the DeviceClasses ---------------------------------------------------------------------------

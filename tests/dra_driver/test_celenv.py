@@ -398,6 +398,28 @@ DEVICES["example-qualified"] = {  # the same values, written with the driver's d
     "attributes": {f"{DRIVER}/{k}" if "/" not in k else k: v
                    for k, v in DEVICES["example"]["attributes"].items()},
 }  # fmt: skip
+# A memory-share GPU as the driver publishes it (--sharing memory-shares): its capacity carries a
+# requestPolicy (maps and a list), which CEL never sees (cel/compile.go's device.capacity is name
+# -> quantity) but the memo key is built from; issue 26's traceback was this device.
+MEMO_DEVICES += ["shared-range", "shared-values"]
+DEVICES["shared-range"] = {
+    **DEVICES["example"],
+    "multi": True,
+    "capacity": {
+        **DEVICES["example"]["capacity"],
+        "memory": {
+            "value": "80Gi",
+            "requestPolicy": {"default": "1Gi", "validRange": {"min": "1Gi", "step": "1Gi"}},
+        },
+    },
+}
+DEVICES["shared-values"] = {
+    **DEVICES["shared-range"],
+    "capacity": {
+        **DEVICES["example"]["capacity"],
+        "memory": {"value": "80Gi", "requestPolicy": {"validValues": ["8Gi", "16Gi", "80Gi"]}},
+    },
+}
 
 
 @pytest.mark.parametrize(
@@ -436,3 +458,27 @@ def test_an_unconvertible_device_is_an_error_even_when_its_values_were_seen(
     assert selector.evaluate(good).matched
     verdict = selector.evaluate(bad)
     assert not verdict.matched and verdict.error and "parse semantic version" in verdict.error
+
+
+def test_a_capacity_with_a_request_policy_is_remembered_by_what_cel_sees(
+    env: CelEnvironment,
+) -> None:
+    """The memo key of a capacity is its quantity (all cel/compile.go gives CEL): a request
+    policy, with its maps and lists, neither breaks the memo nor splits it."""
+    selector = env.compile(f'{C}.memory.compareTo(quantity("40Gi")) >= 0')
+    ranged = _device(env, "shared-range")
+    assert selector.evaluate(ranged).matched
+    listed = _device(env, "shared-values")
+    assert selector.evaluate(listed).matched
+    assert listed._converted is None  # the same quantity: answered from the memo
+    smaller = env.device(DRIVER, {}, {"memory": {"value": "20Gi", "requestPolicy": {}}}, True)
+    assert not selector.evaluate(smaller).matched
+
+
+def test_memo_keys_tell_apart_values_python_calls_equal(env: CelEnvironment) -> None:
+    """1, 1.0 and True hash alike in Python; CEL tells them apart (no cross-type equality), so
+    the memo must too."""
+    selector = env.compile(f"{D}.x == 1")
+    assert selector.evaluate(env.device(DRIVER, {"x": {"int": 1}}, {})).matched
+    verdict = selector.evaluate(env.device(DRIVER, {"x": {"bool": True}}, {}))
+    assert not verdict.matched

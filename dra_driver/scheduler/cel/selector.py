@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,10 +103,11 @@ class DeviceView:
         bare = source.get(name) if domain == driver else None
         if key[0] == "in":
             return qualified is not None or bare is not None
-        return (
-            None if qualified is None else tuple(qualified.items()),
-            None if bare is None else tuple(bare.items()),
-        )
+        if field == "capacity":
+            # CEL sees a capacity as its quantity alone (cel/compile.go: device.capacity maps a
+            # name to a resource.Quantity); its requestPolicy is not part of the key.
+            return frozen(_quantity_of(qualified)), frozen(_quantity_of(bare))
+        return frozen(qualified), frozen(bare)
 
     def _context(self, attr_domains: frozenset[str], cap_domains: frozenset[str]) -> Any:
         """The Rust context, with an empty map for each named domain the device lacks (the
@@ -123,6 +124,25 @@ class DeviceView:
             ctx = cel.Context(variables={"device": value}, functions=self._functions)
             self._contexts[key] = ctx
         return ctx
+
+
+def _quantity_of(capacity: Any) -> Any:
+    """A capacity entry's ``value`` (anything else, as it is, for the key to tell apart)."""
+    return capacity.get("value") if isinstance(capacity, Mapping) else capacity
+
+
+def frozen(value: Any) -> Hashable:
+    """A JSON value (what a ResourceSlice holds: maps, lists, strings, numbers, bools, null) as a
+    hashable memo key that is equal exactly when the values are: maps and lists become tuples,
+    and every scalar keeps its type beside it, since Python hashes 1, 1.0 and True alike while
+    CEL tells them apart. Written here because no library in our dependencies freezes JSON."""
+    if isinstance(value, Mapping):
+        return ("map", tuple(sorted((str(k), frozen(v)) for k, v in value.items())))
+    if isinstance(value, list | tuple):
+        return ("list", tuple(frozen(v) for v in value))
+    if value is None or isinstance(value, str | int | float | bool):
+        return (type(value).__name__, value)
+    return ("repr", repr(value))  # not JSON: never equal to a JSON value, still hashable
 
 
 _KEY_ERROR = re.compile(r"^'(.*)'$")
