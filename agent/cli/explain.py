@@ -91,7 +91,8 @@ class ExplainOptions:
     )
     time_limit: float = setting(
         10.0,
-        "Seconds the allocator may search for one claim on one node before it gives up.",
+        "Seconds the allocator may search for a pod's claims (allocated together) on one node"
+        " before it gives up.",
         metavar="SECONDS",
         parse=seconds,
     )
@@ -267,10 +268,12 @@ def to_json(data: Inputs, answers: Sequence[NodeAnswer], written: str | None) ->
                 "node": a.node,
                 "fits": a.fits,
                 "reason": a.reason,
+                "blockedClaim": a.blocked,
                 "claims": [
                     {
                         "claim": c.subject.key,
                         "fits": c.allocation is not None,
+                        "status": c.status,
                         "allocation": c.allocation,
                         "explanation": c.explanation.to_json(),
                     }
@@ -302,7 +305,7 @@ def render_text(data: Inputs, answers: Sequence[NodeAnswer], written: str | None
             via = f" ({c.subject.via})" if c.subject.via else ""
             if len(a.claims) > 1 or via:
                 lines.append(f"{c.subject.key}{via}:")
-            lines.append(_indent(c.explanation.text().rstrip("\n")))
+            lines.append(_indent(c.text().rstrip("\n")))
     else:
         fitting = [a for a in answers if a.fits]
         lines.append(f"{claims} {what}: fits on {len(fitting)} of {len(answers)} nodes")

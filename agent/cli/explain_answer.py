@@ -2,11 +2,13 @@
 
 The nodes are grouped by what their claims can see of them
 (:mod:`dra_driver.scheduler.lookalike`); the first node of a group is evaluated on its own
-slices, each claim in order seeing the devices the earlier ones took (a pod's claims all go to
-one node), and the others get that answer renamed to their own devices
+slices, and the others get that answer renamed to their own devices
 (:mod:`dra_driver.scheduler.relabel`). A node that stands alone is evaluated as before grouping.
-A seam for more than one allocation per node (issue 26): ``_evaluate`` answers one node,
-``_renamed`` carries an answer to a look-alike; both work per claim.
+
+On one node, each pod's claims are allocated together, as the scheduler's Filter hands them to
+``Allocate`` (:mod:`dra_driver.scheduler.joint`); the pods of a file (and the claims no pod
+references, as one more) one after another, each seeing the devices the earlier ones took.
+``_evaluate`` answers one node, ``_renamed`` carries an answer to a look-alike.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dra_driver.scheduler.lookalike import NodeLabel, SliceIndex, plan, reads_of
 if TYPE_CHECKING:
     from agent.cli.explain_cluster import Progress
     from dra_driver.scheduler.celenv import CelEnvironment
+    from dra_driver.scheduler.joint import PodExplanation
 
 
 @dataclass
@@ -45,6 +48,19 @@ class ClaimAnswer:
     subject: Subject
     explanation: Any
     allocation: dict[str, Any] | None
+    pod: PodExplanation | None = None
+    """The answer of the claims it was allocated with; ``index``: its place there."""
+    index: int = 0
+
+    def text(self) -> str:
+        return self.explanation.text() if self.pod is None else self.pod.text(self.index)
+
+    @property
+    def status(self) -> str:
+        """``allocated``, ``blocked``, ``placed`` or ``not-tried`` (``PodExplanation.status``)."""
+        if self.pod is None:
+            return "allocated" if self.allocation is not None else "blocked"
+        return self.pod.status(self.index)
 
 
 @dataclass
@@ -58,6 +74,11 @@ class NodeAnswer:
     def fits(self) -> bool:
         return self.reason is None
 
+    @property
+    def blocked(self) -> str | None:
+        """The first claim that could not be placed (None: it fits, or no claim was tried)."""
+        return next((c.subject.key for c in self.claims if c.status == "blocked"), None)
+
 
 def _input_error(s: Subject, exc: ValueError) -> DocumentError:
     path = str(getattr(exc, "path", ""))
@@ -70,12 +91,30 @@ def _input_error(s: Subject, exc: ValueError) -> DocumentError:
     return DocumentError(source, int(index), s.doc.field(path) if s.doc else path, message)
 
 
-def _reason(subjects: Sequence[Subject], claims: Sequence[ClaimAnswer]) -> str | None:
-    for c in claims:
-        if c.allocation is None:
-            first = c.explanation.first_reason()
-            return first if len(subjects) == 1 else f"{c.subject.key}: {first}"
+def _reason(subjects: Sequence[Subject], pods: Sequence[PodExplanation]) -> str | None:
+    """The first pod's reason (naming its claim when there are several claims)."""
+    for pod in pods:
+        if not pod.ok:
+            first = pod.first_reason()
+            if len(subjects) > 1 and len(pod.claims) == 1:
+                return f"{pod.claims[0].claim.ref}: {first}"
+            return first
     return None
+
+
+def _units(subjects: Sequence[Subject]) -> list[list[Subject]]:
+    """The claims allocated together: each pod's, in the pod's order, then those of no pod."""
+    units: dict[str | None, list[Subject]] = {}
+    for s in subjects:
+        units.setdefault(s.pod, []).append(s)
+    return [units[k] for k in sorted(units, key=lambda k: k is None)]
+
+
+def _answers(unit: Sequence[Subject], pod: PodExplanation) -> list[ClaimAnswer]:
+    return [
+        ClaimAnswer(s, exp, exp.allocation() if pod.ok else None, pod, i)
+        for i, (s, exp) in enumerate(zip(unit, pod.claims, strict=True))
+    ]
 
 
 def _evaluate(
@@ -85,24 +124,30 @@ def _evaluate(
     cel: CelEnvironment,
     time_limit: float,
 ) -> NodeAnswer:
-    from dra_driver.scheduler.explanation import explain
+    from dra_driver.scheduler.joint import ClaimInputError, explain_pod
 
     if not slices:
         return NodeAnswer(name, [], "no ResourceSlice applies to this node")
     classes = list(data.classes.values())
     allocated = list(data.allocated)
-    claims = []
-    for s in data.subjects:
+    claims: list[ClaimAnswer] = []
+    pods = []
+    for unit in _units(data.subjects):
         try:
-            exp = explain(s.claim, classes, slices, allocated, cel=cel, time_limit_s=time_limit)
-        except ValueError as exc:  # the allocator's InputError: malformed claim or class
-            raise _input_error(s, exc) from exc
-        allocation = None
-        if exp.ok:
-            allocation = exp.allocation()
-            allocated.append({**s.claim, "status": {"allocation": allocation}})
-        claims.append(ClaimAnswer(s, exp, allocation))
-    return NodeAnswer(name, claims, _reason(data.subjects, claims))
+            pod = explain_pod(
+                [s.claim for s in unit], classes, slices, allocated,
+                cel=cel, time_limit_s=time_limit,
+            )  # fmt: skip
+        except ClaimInputError as exc:  # a malformed claim
+            raise _input_error(unit[exc.index], exc) from exc
+        except ValueError as exc:  # the allocator's InputError: a malformed class
+            raise _input_error(unit[0], exc) from exc
+        pods.append(pod)
+        for c in _answers(unit, pod):
+            claims.append(c)
+            if c.allocation is not None:
+                allocated.append({**c.subject.claim, "status": {"allocation": c.allocation}})
+    return NodeAnswer(name, claims, _reason(data.subjects, pods))
 
 
 def _renamed(first: NodeAnswer, label: NodeLabel, subjects: Sequence[Subject]) -> NodeAnswer | None:
@@ -115,11 +160,19 @@ def _renamed(first: NodeAnswer, label: NodeLabel, subjects: Sequence[Subject]) -
     r = renaming(first.claims[0].explanation.node, label)
     if r is None:
         return None
-    claims = []
+    claims: list[ClaimAnswer] = []
+    pods: list[PodExplanation] = []
     for c in first.claims:
-        exp = renamed(c.explanation, r)
-        claims.append(ClaimAnswer(c.subject, exp, exp.allocation() if exp.ok else None))
-    return NodeAnswer(label.node, claims, _reason(subjects, claims))
+        if c.pod is None or c.index != 0:
+            continue
+        pod = c.pod.renamed(
+            [renamed(e, r) for e in c.pod.claims],
+            None if c.pod.alone is None else renamed(c.pod.alone, r),
+        )
+        pods.append(pod)
+        unit = [a.subject for a in first.claims[len(claims) : len(claims) + len(pod.claims)]]
+        claims += _answers(unit, pod)
+    return NodeAnswer(label.node, claims, _reason(subjects, pods))
 
 
 def answer(

@@ -44,6 +44,7 @@ from dra_driver.scheduler.capacity import Usage
 from dra_driver.scheduler.celenv import CelEnvironment
 from dra_driver.scheduler.domain import (
     Claim,
+    InputError,
     QuantityReader,
     parse_allocated,
     parse_claim,
@@ -84,6 +85,21 @@ class _Chain(PodShare):
         return ok
 
 
+class ClaimInputError(InputError):
+    """Claim ``index`` of the pod is malformed (``path`` and ``message`` as InputError)."""
+
+    def __init__(self, index: int, error: InputError) -> None:
+        super().__init__(error.path, error.message)
+        self.index = index
+
+
+def _claim(index: int, claim: Mapping[str, Any], q: QuantityReader) -> Claim:
+    try:
+        return parse_claim(claim, q)
+    except InputError as exc:
+        raise ClaimInputError(index, exc) from exc
+
+
 def explain_pod(
     claims: Sequence[Mapping[str, Any]],
     classes: Sequence[Mapping[str, Any]],
@@ -97,10 +113,10 @@ def explain_pod(
 ) -> PodExplanation:
     """Allocate ``claims`` (a pod's claims without an allocation, in the pod's order) together
     against one node's ``slices``, as ``Allocate`` does; ``time_limit_s`` bounds the whole
-    search (the scheduler's filter timeout bounds the whole call too). InputError for
-    malformed input."""
+    search (the scheduler's filter timeout bounds the whole call too). ClaimInputError for a
+    malformed claim, InputError for other malformed input."""
     q = QuantityReader()
-    parsed = [parse_claim(c, q) for c in claims]
+    parsed = [_claim(i, c, q) for i, c in enumerate(claims)]
     device_classes = parse_classes(classes)
     node = parse_slices(slices, q)
     state = parse_allocated(allocated, in_use, q)
@@ -115,7 +131,10 @@ def explain_pod(
     blocked: int | None = None
     # validateDeviceRequest for every claim before the search; the first error stops it
     for i, s in enumerate(chain.searches):
-        found = s.prepare()
+        try:
+            found = s.prepare()
+        except InputError as exc:  # a selector that does not compile
+            raise ClaimInputError(i, exc) from exc
         if found is not None and fatal is None:
             fatal, blocked = found, i
     ok = gave_up = False
@@ -218,6 +237,8 @@ class PodExplanation:
         blocked = self.claims[self.blocked].claim.ref
         if self.claims[self.blocked].outcome.fatal is not None and index != self.blocked:
             return f"not allocated: allocation on this node stopped at an error of {blocked}"
+        if index < self.blocked and self.fits_alone is False:
+            return f"not allocated: {blocked} does not fit on this node, with or without it"
         if index < self.blocked:
             return (
                 f"not allocated: it can be placed, but then {blocked} cannot"
@@ -252,4 +273,4 @@ class PodExplanation:
         }
 
 
-__all__ = ["PodExplanation", "explain_pod"]
+__all__ = ["ClaimInputError", "PodExplanation", "explain_pod"]

@@ -83,7 +83,7 @@ class PodShare:
         if holders and not request.admin_access:
             owner, name = holders[0]
             return Reason(
-                "taken",
+                "taken-in-pod",
                 f"already chosen for request {name} of claim {owner.ref} of this pod",
                 {"request": name, "claim": owner.ref},
             )

@@ -241,6 +241,18 @@ def test_the_claim_that_could_not_be_placed_names_who_took_its_devices() -> None
     assert "already chosen for request g of claim default/" in text
     assert p.text(0).startswith("not allocated: it can be placed, but then default/c cannot")
     assert [p.status(i) for i in range(3)] == ["placed", "placed", "blocked"]
+    devices = p.claims[2].to_json()["requests"][0]["alternatives"][0]["devices"]
+    kinds = {d["device"]: (d["reason"]["kind"], d["reason"]["claim"]) for d in devices}
+    assert kinds["gpu-0"] == ("taken-in-pod", "default/a")
+    assert kinds["gpu-2"] == ("taken-in-pod", "default/b")
+    nowhere = explain_pod(
+        [named("any", exact("g")), named("nine", exact("g", count=9))],
+        CLASSES, [rslice(gpus(4))], [], cel=CEL,
+    )  # fmt: skip
+    assert (
+        nowhere.text(0)
+        == "not allocated: default/nine does not fit on this node, with or without it"
+    )
     later = explain_pod(
         [named("nine", exact("g", count=9)), named("one", exact("g"))],
         CLASSES, [rslice(gpus(4))], [], cel=CEL,
