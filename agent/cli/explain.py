@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agent.cli.explain_answer import Inputs, NodeAnswer, answer
+from agent.cli.explain_answer import Inputs, NodeAnswer, answer, hold_allocated
 from agent.cli.explain_cluster import RESOURCE, Cluster, Progress, gc_paused
 from agent.cli.explain_write import devices_text, write_back
 from agent.cli.framework import EXIT_ERROR, Command, Invocation, Uses
@@ -239,7 +239,7 @@ def cluster_inputs(
             read = f"{len(index.records):,} ResourceSlices of {len(index.node_names()):,} nodes"
             progress.show(f"read {read}", force=True)
     nodes |= {str(n["metadata"]["name"]): n for n in cluster.list("/api/v1/nodes")}
-    mine = {s.key for s in subjects}
+    mine = {s.key for s in subjects if s.pod is None}  # a pod's allocated claims are held
     notes = []
     for c in cluster.list(f"{RESOURCE}/resourceclaims"):
         meta = c.get("metadata") or {}
@@ -299,7 +299,7 @@ def render_text(data: Inputs, answers: Sequence[NodeAnswer], written: str | None
         a = answers[0]
         on = "" if a.node is None else f" on node {a.node}"
         lines.append(f"{claims} {what}{on}: {'fits' if a.fits else 'does not fit'}")
-        if not a.claims:
+        if not a.claims and a.reason:
             lines.append(f"  {a.reason}")
         for c in a.claims:
             via = f" ({c.subject.via})" if c.subject.via else ""
@@ -371,6 +371,7 @@ def cmd_explain(inv: Invocation) -> int:
             cel = cel_environment()
         if not data.subjects:
             raise _no_subjects(opts.claim)
+        data = hold_allocated(data)
         answers = answer(data, opts.time_limit, cel, progress)
         written = None
         fitting = [a for a in answers if a.fits]

@@ -13,6 +13,7 @@ references, as one more) one after another, each seeing the devices the earlier 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -41,6 +42,8 @@ class Inputs:
     allocated: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     index: SliceIndex | None = None
+    held: list[Subject] = field(default_factory=list)
+    """A pod's claims that are allocated already (``hold_allocated``): not allocated again."""
 
 
 @dataclass
@@ -102,11 +105,63 @@ def _reason(subjects: Sequence[Subject], pods: Sequence[PodExplanation]) -> str 
     return None
 
 
-def _units(subjects: Sequence[Subject]) -> list[list[Subject]]:
-    """The claims allocated together: each pod's, in the pod's order, then those of no pod."""
+def _allocation(claim: dict[str, Any]) -> Any:
+    status = claim.get("status")
+    return status.get("allocation") if isinstance(status, dict) else None
+
+
+def hold_allocated(data: Inputs) -> Inputs:
+    """A pod's claims that are allocated already, held: dynamicresources.go PreFilter hands
+    ``Allocate`` only the claims without ``status.allocation`` (``claimStore.toAllocate``); an
+    allocated one's devices are taken (``ListAllAllocatedDevices``) and its allocation's
+    ``nodeSelector`` must match the node (Filter, ``availableOnNodes``). A claim named on its
+    own (no pod) is explained as if it were not allocated."""
+    held = [s for s in data.subjects if s.pod is not None and _allocation(s.claim) is not None]
+    if not held:
+        return data
+    known = {_key(c) for c in data.allocated}
+    notes = [
+        f"{s.key} ({s.via}) is allocated already: the scheduler does not allocate it again;"
+        " its devices are taken and its nodeSelector must match the node"
+        for s in held
+    ]
+    return dataclasses.replace(
+        data,
+        allocated=[*data.allocated, *(s.claim for s in held if s.key not in known)],
+        notes=[*data.notes, *notes],
+        held=held,
+    )
+
+
+def _key(claim: dict[str, Any]) -> str:
+    """``namespace/name`` of a claim object, as ``Subject.key`` names it."""
+    meta = claim.get("metadata")
+    meta = meta if isinstance(meta, dict) else {}
+    return f"{meta.get('namespace') or 'default'}/{meta.get('name')}"
+
+
+def _pinned(data: Inputs, name: str | None) -> str | None:
+    """Why a held claim keeps the pod off node ``name`` (its nodeSelector does not match)."""
+    if name is None:
+        return None
+    node = data.nodes.get(name, {"metadata": {"name": name}})
+    for s in data.held:
+        selector = _allocation(s.claim).get("nodeSelector")
+        if isinstance(selector, dict) and not inputs.selector_matches(selector, node):
+            return (
+                f"{s.key} is allocated already, for other nodes: its nodeSelector does not"
+                " match this node"
+            )
+    return None
+
+
+def _units(data: Inputs) -> list[list[Subject]]:
+    """The claims allocated together: each pod's, in the pod's order, then those of no pod;
+    held claims are not allocated again."""
     units: dict[str | None, list[Subject]] = {}
-    for s in subjects:
-        units.setdefault(s.pod, []).append(s)
+    for s in data.subjects:
+        if all(s is not h for h in data.held):
+            units.setdefault(s.pod, []).append(s)
     return [units[k] for k in sorted(units, key=lambda k: k is None)]
 
 
@@ -132,12 +187,16 @@ def _evaluate(
     allocated = list(data.allocated)
     claims: list[ClaimAnswer] = []
     pods = []
-    for unit in _units(data.subjects):
+    for unit in _units(data):
         try:
             pod = explain_pod(
-                [s.claim for s in unit], classes, slices, allocated,
-                cel=cel, time_limit_s=time_limit,
-            )  # fmt: skip
+                [s.claim for s in unit],
+                classes,
+                slices,
+                allocated,
+                cel=cel,
+                time_limit_s=time_limit,
+            )
         except ClaimInputError as exc:  # a malformed claim
             raise _input_error(unit[exc.index], exc) from exc
         except ValueError as exc:  # the allocator's InputError: a malformed class
@@ -210,7 +269,11 @@ def answer(
             progress.show(f"evaluated {len(answers):,} of {len(names):,} nodes")
     if progress is not None:
         progress.done()
+    for n in names:
+        pinned = _pinned(data, n)
+        if pinned is not None:
+            answers[n] = NodeAnswer(n, [], pinned)
     return [answers[n] for n in names]
 
 
-__all__ = ["ClaimAnswer", "Inputs", "NodeAnswer", "answer"]
+__all__ = ["ClaimAnswer", "Inputs", "NodeAnswer", "answer", "hold_allocated"]

@@ -243,6 +243,48 @@ def test_a_pods_two_claims_are_allocated_together_not_one_after_another(tmp_path
     assert [c["status"] for c in node["claims"]] == ["placed", "blocked"]
 
 
+def held_claim(name, device, node):
+    """A claim allocated already (gpu ``device`` of the simulated node ``node``'s pool)."""
+    allocation = {
+        "devices": {
+            "results": [{"request": "gpu", "driver": DRIVER, "pool": "l40s-pcie", "device": device}]
+        },
+        "nodeSelector": {
+            "nodeSelectorTerms": [
+                {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+            ]
+        },
+    }
+    return claim(name, gpus("gpu")) | {"status": {"allocation": allocation}}
+
+
+def test_a_pods_allocated_claim_is_held_not_allocated_again(tmp_path):
+    # dynamicresources.go PreFilter: only claims without an allocation go to Allocate; an
+    # allocated claim's devices are taken, and its nodeSelector must match the node (Filter)
+    docs = [
+        held_claim("held", "gpu-0", "l40s-pcie"),
+        template("one", gpus("gpu")),
+        pod("trainer", held=("held", False), one=("one", True)),
+    ]
+    for obj, version in itertools.product(docs, VERSIONS):
+        validate_k8s(obj, version)
+    f = write(tmp_path / "pod.yaml", *docs)
+    code, answer = as_json(f, "--class", CLASSES, "--simulate", "l40s-pcie")
+    assert code == 0
+    node = answer["nodes"][0]
+    assert [c["claim"] for c in node["claims"]] == ["default/trainer-one"]
+    assert results(node["claims"][0]["allocation"]) == [("gpu", "l40s-pcie", "gpu-1")]
+    assert any(
+        n.startswith("default/held (pod default/trainer, claim held) is allocated")
+        for n in answer["notes"]
+    )
+    docs[0] = held_claim("held", "gpu-0", "another-node")
+    f = write(tmp_path / "pod.yaml", *docs)
+    code, out, _ = explain(f, "--class", CLASSES, "--simulate", "l40s-pcie")
+    assert code == 1
+    assert "default/held is allocated already, for other nodes: its nodeSelector" in out
+
+
 def test_pods_sharing_a_claim_explain_it_once():
     code, answer = as_json(
         EXAMPLES / "time-slicing.yaml", "--class", CLASSES, "--simulate", "dgx-h100"

@@ -247,16 +247,22 @@ def test_the_claim_that_could_not_be_placed_names_who_took_its_devices() -> None
     assert kinds["gpu-2"] == ("taken-in-pod", "default/b")
     nowhere = explain_pod(
         [named("any", exact("g")), named("nine", exact("g", count=9))],
-        CLASSES, [rslice(gpus(4))], [], cel=CEL,
-    )  # fmt: skip
+        CLASSES,
+        [rslice(gpus(4))],
+        [],
+        cel=CEL,
+    )
     assert (
         nowhere.text(0)
         == "not allocated: default/nine does not fit on this node, with or without it"
     )
     later = explain_pod(
         [named("nine", exact("g", count=9)), named("one", exact("g"))],
-        CLASSES, [rslice(gpus(4))], [], cel=CEL,
-    )  # fmt: skip
+        CLASSES,
+        [rslice(gpus(4))],
+        [],
+        cel=CEL,
+    )
     assert later.text(1) == "not tried: default/nine before it could not be placed"
 
 
@@ -291,7 +297,6 @@ def test_the_time_limit_bounds_the_whole_search() -> None:
     # 12 claims of one GPU each on 11 GPUs: every allocation of the first claims is tried
     claims = [named(f"c{i}", exact("g")) for i in range(12)]
     clock = FakeClock(step=0.001)
-    p = explain_pod(claims, CLASSES, [rslice(gpus(11))], [], cel=CEL, time_limit_s=0.5,
-                    clock=clock)  # fmt: skip
+    p = explain_pod(claims, CLASSES, [rslice(gpus(11))], [], cel=CEL, time_limit_s=0.5, clock=clock)
     assert not p.ok and p.gave_up
     assert "gave up after 0.5 s" in p.first_reason()
