@@ -4,7 +4,7 @@
 
     tessera explain CLAIM.yaml --class CLASSES.yaml (--slices FILE|DIR | --simulate MODEL)
                     [--allocated FILE|DIR ...] [-o text|json] [--write]
-    tessera explain CLAIM.yaml|NAMESPACE/NAME --kubeconfig FILE [-o text|json]
+    tessera explain CLAIM.yaml|NAMESPACE/NAME|pod/NAMESPACE/NAME --kubeconfig FILE [-o text|json]
 
 The claims to explain come from CLAIM (``dra_driver.scheduler.inputs.subjects``); the devices from
 ResourceSlice files, the slices ``tessera slices --simulate`` prints (the same code path,
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agent.cli.explain_answer import Inputs, NodeAnswer, answer, hold_allocated
-from agent.cli.explain_cluster import RESOURCE, Cluster, Progress, gc_paused
+from agent.cli.explain_cluster import RESOURCE, Cluster, Progress, gc_paused, generated_claims
 from agent.cli.explain_write import devices_text, write_back
 from agent.cli.framework import EXIT_ERROR, Command, Invocation, Uses
 from agent.cli.node_commands import published_slices
@@ -49,6 +49,7 @@ JSON_VERSION = 1
 """``version`` of the JSON answer; bumped when a field changes meaning or goes away."""
 FILE_SUFFIXES = (".yaml", ".yml", ".json")
 CLAIM_KEY = re.compile(r"([a-z0-9][-a-z0-9]*)/([a-z0-9][-a-z0-9.]*)")
+POD_KEY = re.compile(r"pods?/([a-z0-9][-a-z0-9]*)/([a-z0-9][-a-z0-9.]*)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,7 +58,8 @@ class ExplainOptions:
         REQUIRED,
         "A YAML or JSON file (multi-document) with a ResourceClaim, a ResourceClaimTemplate, or a"
         " Pod (or Deployment, Job, ...) with the claims and templates it references; DeviceClasses"
-        " in it are used too. With --kubeconfig also NAMESPACE/NAME of a ResourceClaim in the API.",
+        " in it are used too. With --kubeconfig also NAMESPACE/NAME of a ResourceClaim in the API,"
+        " or pod/NAMESPACE/NAME of a Pod there (its claims, allocated together).",
         flags=("CLAIM",),
         positional=True,
     )
@@ -210,7 +212,17 @@ def cluster_inputs(
     read decides how slices are indexed), then the slices page by page, the Nodes and the
     allocated claims."""
     path = Path(opts.claim)
-    if path.exists() or not CLAIM_KEY.fullmatch(opts.claim):
+    pod_key = POD_KEY.fullmatch(opts.claim)
+    if not path.exists() and pod_key:
+        pod = cluster.get("Pod", pod_key[1], pod_key[2])
+        if pod is None:
+            raise ConfigError(
+                f"CLAIM {opts.claim}: no such file, and no Pod {pod_key[1]}/{pod_key[2]} in the"
+                " API server"
+            )
+        docs = []
+        subjects = inputs.subjects([Document("API", 0, generated_claims(pod))], cluster.get)
+    elif path.exists() or not CLAIM_KEY.fullmatch(opts.claim):
         docs = read_documents(path)
         subjects = inputs.subjects(docs, cluster.get)
     else:
