@@ -164,6 +164,7 @@ def explain_pod(
     alone = None
     if blocked and not ok and not gave_up and fatal is None:
         # the claim that could not be placed, on its own: does it fit without the others?
+        # (a search of one claim, with a time limit of its own)
         s = Search(
             parsed[blocked],
             device_classes,
@@ -259,18 +260,6 @@ class PodExplanation:
         if index == self.blocked:
             return "blocked"
         return "placed" if index < self.blocked else "not-tried"
-
-    def to_json(self) -> dict[str, Any]:
-        """``{"fits", "reason", "order": [claim], "blocked": claim | null,
-        "fitsAlone": bool | null}``: the pod-level part of the answer (each claim's own is its
-        ``Explanation.to_json()``)."""
-        return {
-            "fits": self.ok,
-            "reason": None if self.ok else self.first_reason(),
-            "order": [c.claim.ref for c in self.claims],
-            "blocked": None if self.blocked is None else self.claims[self.blocked].claim.ref,
-            "fitsAlone": self.fits_alone,
-        }
 
 
 __all__ = ["ClaimInputError", "PodExplanation", "explain_pod"]

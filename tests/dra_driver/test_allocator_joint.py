@@ -222,10 +222,10 @@ def test_a_pods_claims_are_allocated_together(case: Case) -> None:
     if case.fits is not None:
         assert p.ok and p.first_reason() == "fits", p.first_reason()
         assert picked(p) == case.fits
-        assert p.to_json()["blocked"] is None
+        assert p.blocked is None
         return
     assert not p.ok
-    assert p.to_json()["blocked"] == f"default/{case.blocked}"
+    assert p.blocked is not None and p.claims[p.blocked].claim.name == case.blocked
     assert p.fits_alone is case.fits_alone
     reason = p.first_reason()
     for part in case.reason:
