@@ -4,7 +4,7 @@
 
     tessera explain CLAIM.yaml --class CLASSES.yaml (--slices FILE|DIR | --simulate MODEL)
                     [--allocated FILE|DIR ...] [-o text|json] [--write]
-    tessera explain CLAIM.yaml|NAMESPACE/NAME --kubeconfig FILE [-o text|json]
+    tessera explain CLAIM.yaml|NAMESPACE/NAME|pod/NAMESPACE/NAME --kubeconfig FILE [-o text|json]
 
 The claims to explain come from CLAIM (``dra_driver.scheduler.inputs.subjects``); the devices from
 ResourceSlice files, the slices ``tessera slices --simulate`` prints (the same code path,
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agent.cli.explain_answer import Inputs, NodeAnswer, answer
-from agent.cli.explain_cluster import RESOURCE, Cluster, Progress, gc_paused
+from agent.cli.explain_answer import Inputs, NodeAnswer, answer, hold_allocated
+from agent.cli.explain_cluster import RESOURCE, Cluster, Progress, gc_paused, generated_claims
 from agent.cli.explain_write import devices_text, write_back
 from agent.cli.framework import EXIT_ERROR, Command, Invocation, Uses
 from agent.cli.node_commands import published_slices
@@ -49,6 +49,7 @@ JSON_VERSION = 1
 """``version`` of the JSON answer; bumped when a field changes meaning or goes away."""
 FILE_SUFFIXES = (".yaml", ".yml", ".json")
 CLAIM_KEY = re.compile(r"([a-z0-9][-a-z0-9]*)/([a-z0-9][-a-z0-9.]*)")
+POD_KEY = re.compile(r"pods?/([a-z0-9][-a-z0-9]*)/([a-z0-9][-a-z0-9.]*)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,7 +58,8 @@ class ExplainOptions:
         REQUIRED,
         "A YAML or JSON file (multi-document) with a ResourceClaim, a ResourceClaimTemplate, or a"
         " Pod (or Deployment, Job, ...) with the claims and templates it references; DeviceClasses"
-        " in it are used too. With --kubeconfig also NAMESPACE/NAME of a ResourceClaim in the API.",
+        " in it are used too. With --kubeconfig also NAMESPACE/NAME of a ResourceClaim in the API,"
+        " or pod/NAMESPACE/NAME of a Pod there (its claims, allocated together).",
         flags=("CLAIM",),
         positional=True,
     )
@@ -91,7 +93,8 @@ class ExplainOptions:
     )
     time_limit: float = setting(
         10.0,
-        "Seconds the allocator may search for one claim on one node before it gives up.",
+        "Seconds the allocator may search for a pod's claims (allocated together) on one node"
+        " before it gives up.",
         metavar="SECONDS",
         parse=seconds,
     )
@@ -209,7 +212,17 @@ def cluster_inputs(
     read decides how slices are indexed), then the slices page by page, the Nodes and the
     allocated claims."""
     path = Path(opts.claim)
-    if path.exists() or not CLAIM_KEY.fullmatch(opts.claim):
+    pod_key = POD_KEY.fullmatch(opts.claim)
+    if not path.exists() and pod_key:
+        pod = cluster.get("Pod", pod_key[1], pod_key[2])
+        if pod is None:
+            raise ConfigError(
+                f"CLAIM {opts.claim}: no such file, and no Pod {pod_key[1]}/{pod_key[2]} in the"
+                " API server"
+            )
+        docs = []
+        subjects = inputs.subjects([Document("API", 0, generated_claims(pod))], cluster.get)
+    elif path.exists() or not CLAIM_KEY.fullmatch(opts.claim):
         docs = read_documents(path)
         subjects = inputs.subjects(docs, cluster.get)
     else:
@@ -238,7 +251,7 @@ def cluster_inputs(
             read = f"{len(index.records):,} ResourceSlices of {len(index.node_names()):,} nodes"
             progress.show(f"read {read}", force=True)
     nodes |= {str(n["metadata"]["name"]): n for n in cluster.list("/api/v1/nodes")}
-    mine = {s.key for s in subjects}
+    mine = {s.key for s in subjects if s.pod is None}  # a pod's allocated claims are held
     notes = []
     for c in cluster.list(f"{RESOURCE}/resourceclaims"):
         meta = c.get("metadata") or {}
@@ -267,10 +280,12 @@ def to_json(data: Inputs, answers: Sequence[NodeAnswer], written: str | None) ->
                 "node": a.node,
                 "fits": a.fits,
                 "reason": a.reason,
+                "blockedClaim": a.blocked,
                 "claims": [
                     {
                         "claim": c.subject.key,
                         "fits": c.allocation is not None,
+                        "status": c.status,
                         "allocation": c.allocation,
                         "explanation": c.explanation.to_json(),
                     }
@@ -296,13 +311,13 @@ def render_text(data: Inputs, answers: Sequence[NodeAnswer], written: str | None
         a = answers[0]
         on = "" if a.node is None else f" on node {a.node}"
         lines.append(f"{claims} {what}{on}: {'fits' if a.fits else 'does not fit'}")
-        if not a.claims:
+        if not a.claims and a.reason:
             lines.append(f"  {a.reason}")
         for c in a.claims:
             via = f" ({c.subject.via})" if c.subject.via else ""
             if len(a.claims) > 1 or via:
                 lines.append(f"{c.subject.key}{via}:")
-            lines.append(_indent(c.explanation.text().rstrip("\n")))
+            lines.append(_indent(c.text().rstrip("\n")))
     else:
         fitting = [a for a in answers if a.fits]
         lines.append(f"{claims} {what}: fits on {len(fitting)} of {len(answers)} nodes")
@@ -368,6 +383,7 @@ def cmd_explain(inv: Invocation) -> int:
             cel = cel_environment()
         if not data.subjects:
             raise _no_subjects(opts.claim)
+        data = hold_allocated(data)
         answers = answer(data, opts.time_limit, cel, progress)
         written = None
         fitting = [a for a in answers if a.fits]

@@ -130,21 +130,57 @@ class Cluster:
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         from dra_driver.errors import KubeError
 
-        plural = {
-            "ResourceClaim": "resourceclaims",
-            "ResourceClaimTemplate": "resourceclaimtemplates",
-        }
+        api, plural = {
+            "ResourceClaim": (RESOURCE, "resourceclaims"),
+            "ResourceClaimTemplate": (RESOURCE, "resourceclaimtemplates"),
+            "Pod": ("/api/v1", "pods"),
+        }[kind]
         try:
-            obj = self.kube.request(
-                "GET", f"{RESOURCE}/namespaces/{namespace}/{plural[kind]}/{name}"
-            )
+            obj = self.kube.request("GET", f"{api}/namespaces/{namespace}/{plural}/{name}")
         except KubeError as exc:
             if exc.status == 404:
                 return None
             raise
-        obj.setdefault("apiVersion", "resource.k8s.io/v1")
+        obj.setdefault("apiVersion", api.removeprefix("/apis/").removeprefix("/api/"))
         obj.setdefault("kind", kind)
         return obj
 
 
-__all__ = ["PAGE_LIMIT", "RESOURCE", "Cluster", "Progress", "Reads", "client_for", "gc_paused"]
+def generated_claims(pod: dict[str, Any]) -> dict[str, Any]:
+    """``pod`` with each ``resourceClaimTemplateName`` the resource-claim controller has made
+    a claim for replaced by that claim's name, as the scheduler finds a pod's claims
+    (k8s.io/dynamic-resource-allocation ``resourceclaim.Name``: the claim named in
+    ``pod.status.resourceClaimStatuses``). A template without a status entry is kept (the
+    scheduler waits for the claim; explain makes it from the template)."""
+    status = pod.get("status")
+    entries = status.get("resourceClaimStatuses") if isinstance(status, dict) else None
+    spec = pod.get("spec")
+    if not isinstance(entries, list) or not isinstance(spec, dict):
+        return pod
+    made = {
+        e.get("name"): e["resourceClaimName"]
+        for e in entries
+        if isinstance(e, dict) and isinstance(e.get("resourceClaimName"), str)
+    }
+    refs = []
+    for ref in spec.get("resourceClaims") or []:
+        if (
+            isinstance(ref, dict)
+            and ref.get("resourceClaimTemplateName")
+            and ref.get("name") in made
+        ):
+            ref = {"name": ref["name"], "resourceClaimName": made[ref["name"]]}
+        refs.append(ref)
+    return {**pod, "spec": {**spec, "resourceClaims": refs}}
+
+
+__all__ = [
+    "PAGE_LIMIT",
+    "RESOURCE",
+    "Cluster",
+    "Progress",
+    "Reads",
+    "client_for",
+    "gc_paused",
+    "generated_claims",
+]

@@ -6,7 +6,8 @@ why a ResourceClaim does or does not fit a node's devices.
 - ``celenv`` (with its parts in the package ``cel``): the CEL environment of device selectors;
 - ``candidates``: per-request candidates; ``capacity``: counters, consumable capacity and
   request policies; ``constraints``: matchAttribute and distinctAttribute; ``search``: the
-  backtracking search; ``outcome``: what the search answers;
+  backtracking search; ``outcome``: what the search answers; ``joint``: a pod's claims
+  searched together (``explain_pod``);
 - ``explanation``: the facade (``explain(...)`` returns an ``Explanation``) and its text and JSON;
 - ``inputs``: what the CLI reads, without I/O.
 

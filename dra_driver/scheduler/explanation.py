@@ -34,7 +34,8 @@ Reason kinds: ``pool`` (incomplete or invalid pool), ``unknown-class``, ``class-
 ``request-selector`` (with ``expression`` and ``seen``: the values it read), ``cel-error``,
 ``tainted``, ``allocated`` (``owner``), ``capacity``, ``counters`` (``counterSet``,
 ``counter``), ``constraint`` (``attribute``, ``value``, ``conflictsWith``), ``taken`` (by
-another request of this claim), ``no-completion``, ``too-few``, ``too-many``, ``gave-up``.
+another request of this claim), ``taken-in-pod`` (by another claim allocated with it:
+``claim``, ``request``; ``joint``), ``no-completion``, ``too-few``, ``too-many``, ``gave-up``.
 
 Not modelled (the caller passes one node's slices, so node selection is its business): slice
 and per-device node selectors, binding conditions, scoring. The admin-access rule that the
@@ -77,6 +78,7 @@ KIND_LABELS = {
     "counters": "counters exhausted",
     "constraint": "constraint",
     "taken": "taken in this claim",
+    "taken-in-pod": "taken by the pod's other claims",
     "no-completion": "no complete allocation",
 }
 SHOWN = 3

@@ -190,6 +190,8 @@ class Subject:
     via: str | None = None
     source: str = ""
     """Where it came from: ``FILE: document N`` or ``API``."""
+    pod: str | None = None
+    """The pod (``pod NS/NAME``, ``job NS/NAME``, ...) it is allocated with; None: no pod's."""
 
 
 Lookup = Callable[[str, str, str], dict[str, Any] | None]
@@ -220,7 +222,8 @@ class _Found:
 
 
 def subjects(docs: Sequence[Document], lookup: Lookup | None = None) -> list[Subject]:
-    """The claims to explain, in order; they are placed together on one node.
+    """The claims to explain, in order; they are placed together on one node (a pod's claims
+    allocated together: ``Subject.pod``).
 
     With Pods (or Deployments, Jobs, ...: their pod template counts as one pod) in the file: the
     claims they reference, each once (pods sharing a ``resourceClaimName`` share the claim; a
@@ -293,7 +296,8 @@ def _pod_claims(
             d = found.claims.get((ns, str(claim_name)))
             key = f"{ns}/{claim_name}"
             if d is not None:
-                out.append(Subject(key, d.obj, d, f"{who}, claim {ref['name']}", _where(d)))
+                via = f"{who}, claim {ref['name']}"
+                out.append(Subject(key, d.obj, d, via, _where(d), who))
                 continue
             obj = lookup("ResourceClaim", ns, str(claim_name)) if lookup else None
             if obj is None:
@@ -302,7 +306,7 @@ def _pod_claims(
                     f"ResourceClaim {key} is not in {pod.source}"
                     + (" nor in the API server" if lookup else " (add it to the file)"),
                 )
-            out.append(Subject(key, obj, None, f"{who}, claim {ref['name']}", "API"))
+            out.append(Subject(key, obj, None, f"{who}, claim {ref['name']}", "API", who))
             continue
         t = found.templates.get((ns, str(template_name)))
         template = t.obj if t is not None else None
@@ -317,7 +321,7 @@ def _pod_claims(
         name = f"{pod.name}-{ref['name']}"
         claim = claim_from_template(template, name, ns)
         via = f"{who}, claim {ref['name']} from template {template_name}"
-        out.append(Subject(f"{ns}/{name}", claim, None, via, _where(t) if t else "API"))
+        out.append(Subject(f"{ns}/{name}", claim, None, via, _where(t) if t else "API", who))
     return out
 
 

@@ -87,6 +87,42 @@ def in_upstream_order(a: Analysis) -> bool:
     return any(c.kind == "distinctAttribute" for c, _, _ in a.constraint_values)
 
 
+class PodShare:
+    """What the claims allocated together take (Allocate's ``allocatingDevices`` and
+    ``consumedCounters``, shared by every claim of ``claimsToAllocate``), and what follows a
+    claim's last request (``allocateOne`` past a claim's requests: the next claim). One claim
+    alone has one of its own, after which nothing follows."""
+
+    def __init__(self, usage: Usage) -> None:
+        self.usage = usage
+        self.held: dict[int, list[tuple[Claim, str]]] = {}
+        """Device index -> (claim, request) holding it, in the order taken."""
+
+    def then(self, done: Search) -> bool:
+        """Called when ``done`` has a device for every request: True ends the search."""
+        del done
+        return True
+
+    def taken(self, claim: Claim, request: Request, idx: int) -> Reason | None:
+        """allocateDevice's "in use" for a device the pod's claims are allocating: taken
+        by a request of ``claim`` (admin access too), or of another claim unless ``request``
+        has admin access (allocatingDeviceForClaim / allocatingDeviceForAnyClaim)."""
+        for owner, name in self.held.get(idx, ()):
+            if owner is claim:
+                return Reason(
+                    "taken", f"already chosen for request {name} of this claim", {"request": name}
+                )
+        holders = self.held.get(idx)
+        if holders and not request.admin_access:
+            owner, name = holders[0]
+            return Reason(
+                "taken-in-pod",
+                f"already chosen for request {name} of claim {owner.ref} of this pod",
+                {"request": name, "claim": owner.ref},
+            )
+        return None
+
+
 class Search:
     def __init__(
         self,
@@ -98,17 +134,20 @@ class Search:
         *,
         time_limit_s: float,
         clock: Callable[[], float],
+        pod: PodShare | None = None,
     ) -> None:
         self.claim = claim
         self.node = node
         self.time_limit_s = time_limit_s
         self.clock = clock
-        self.usage = Usage(node, allocated)
+        # one claim alone, or one of a pod's claims sharing what they take (``joint``)
+        self.pod = pod or PodShare(Usage(node, allocated))
+        self.usage = self.pod.usage
         self.candidates = Candidates(claim, classes, node, allocated, cel, self.usage)
         self.constraints = Constraints()
         # search state
         self.picks: list[Pick] = []
-        self._exclusive: dict[int, str] = {}
+        self._exclusive = self.pod.held
         self.attempts: dict[tuple[int, int], Attempt] = {}
         self._depth: dict[tuple[int, int], int] = {}
         self._blocker: tuple[int, int] | None = None
@@ -116,9 +155,24 @@ class Search:
         self.selected: dict[int, int] = {}
         self.steps = 0
         self._deadline = 0.0
+        self._analyses: list[list[Analysis]] = []
 
     # -- search ------------------------------------------------------------------------------------
     def run(self) -> Outcome:
+        fatal = self.prepare()
+        ok = gave_up = False
+        if fatal is None:
+            try:
+                ok = self.search(self.clock() + self.time_limit_s)
+            except GaveUp:
+                gave_up = True
+            except Fatal as e:
+                fatal = e.reason
+        return self.outcome(ok, fatal, gave_up)
+
+    def prepare(self) -> Reason | None:
+        """Analyse every request; what stops allocation before the search (an error of the
+        claim), or None."""
         groups = self.claim.requests
         analyses = [[self.candidates.analyse(r) for r in g.alternatives] for g in groups]
         self._analyses = analyses
@@ -144,20 +198,20 @@ class Search:
                 f"the claim asks for at least {minimum} devices, more"
                 f" than the {MAX_RESULTS} one claim may hold",
             )
-        ok = gave_up = False
-        if fatal is None:
-            self._deadline = self.clock() + self.time_limit_s
-            try:
-                ok = self._request(0)
-            except GaveUp:
-                gave_up = True
-            except Fatal as e:
-                fatal = e.reason
+        return fatal
+
+    def search(self, deadline: float) -> bool:
+        """allocateOne from the claim's first request (after ``prepare``); GaveUp past
+        ``deadline``, Fatal at an error of the claim."""
+        self._deadline = deadline
+        return self._request(0)
+
+    def outcome(self, ok: bool, fatal: Reason | None, gave_up: bool) -> Outcome:
         return Outcome(
             ok=ok,
             picks=list(self.picks) if ok else [],
             selected=dict(self.selected) if ok else {},
-            analyses=analyses,
+            analyses=self._analyses,
             attempts=self.attempts,
             blocker=self._blocker,
             fatal=fatal,
@@ -172,7 +226,7 @@ class Search:
 
     def _request(self, gi: int) -> bool:
         if gi == len(self.claim.requests):
-            return True
+            return self.pod.then(self)
         for ai, a in enumerate(self._analyses[gi]):
             if a.cel_error is not None:
                 raise Fatal(a.cel_error)
@@ -268,11 +322,9 @@ class Search:
     def _check(self, a: Analysis, idx: int) -> Reason | None:
         """allocateDevice's checks against the claim's picks so far, without changing them."""
         dev = self.node.devices[idx]
-        taken = self._exclusive.get(idx)
-        if taken is not None:
-            return Reason(
-                "taken", f"already chosen for request {taken} of this claim", {"request": taken}
-            )
+        reason = self.pod.taken(self.claim, a.request, idx)
+        if reason is not None:
+            return reason
         reason = self.usage.check_counters(dev, in_claim=True, picks=self.picks)
         if reason is not None:
             return reason
@@ -301,7 +353,7 @@ class Search:
             nth = sum(1 for p in self.picks if p.device.index == idx)
             share_id = share_id_of(self.claim, req, dev, nth)
         else:
-            self._exclusive[idx] = req.full_name
+            self._exclusive.setdefault(idx, []).append((self.claim, req.full_name))
         self.picks.append(Pick(req, dev, consumed, share_id))
         return None
 
@@ -312,7 +364,9 @@ class Search:
         if dev.allow_multiple:
             self.usage.release_capacity(idx, pick.consumed, self.picks)
         else:
-            del self._exclusive[idx]
+            self._exclusive[idx].pop()
+            if not self._exclusive[idx]:
+                del self._exclusive[idx]
         self.usage.release_counters(dev)
         self.constraints.remove(a, idx)
 

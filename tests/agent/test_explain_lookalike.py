@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 from agent.cli.explain_answer import Inputs, NodeAnswer, answer
 from dra_driver.scheduler import inputs
 from dra_driver.scheduler.celenv import CelEnvironment
-from dra_driver.scheduler.explanation import explain
 from dra_driver.scheduler.inputs import Subject
 from dra_driver.scheduler.lookalike import SliceIndex, plan, reads_of
 from tests.dra_driver.allocator_helpers import DRIVER, allocated, claim, dev, exact, klass, rslice
@@ -46,23 +45,13 @@ CONSTRAINTS_DRAWN = [None, None, CONSTRAINTS[2], *CONSTRAINTS]
 
 
 def alone(data: Inputs, name: str | None) -> NodeAnswer:
-    """What explain answered before grouping: the node's own slices, every claim in order."""
-    from agent.cli.explain_answer import ClaimAnswer, _reason
+    """What explain answers without grouping: the node's own slices, each pod's claims
+    allocated together (``_evaluate``)."""
+    from agent.cli.explain_answer import _evaluate
 
     node = data.nodes.get(name or "", {"metadata": {"name": name}})
     slices = data.slices if name is None else inputs.node_slices(data.slices, node)
-    if not slices:
-        return NodeAnswer(name, [], "no ResourceSlice applies to this node")
-    cel = CelEnvironment()
-    taken = list(data.allocated)
-    claims = []
-    for s in data.subjects:
-        exp = explain(s.claim, list(data.classes.values()), slices, taken, cel=cel)
-        allocation = exp.allocation() if exp.ok else None
-        if allocation is not None:
-            taken.append({**s.claim, "status": {"allocation": allocation}})
-        claims.append(ClaimAnswer(s, exp, allocation))
-    return NodeAnswer(name, claims, _reason(data.subjects, claims))
+    return _evaluate(name, slices, data, CelEnvironment(), 10.0)
 
 
 def same(a: NodeAnswer, b: NodeAnswer) -> None:
@@ -71,6 +60,7 @@ def same(a: NodeAnswer, b: NodeAnswer) -> None:
     for x, y in zip(a.claims, b.claims, strict=True):
         assert x.allocation == y.allocation
         assert x.explanation.text() == y.explanation.text()
+        assert (x.text(), x.status) == (y.text(), y.status)
         assert x.explanation.to_json() == y.explanation.to_json()
 
 

@@ -2,6 +2,7 @@
 read over HTTP from the API-server emulator; one answer per node."""
 
 import io
+import itertools
 import json
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from agent.cli import main
 from agent.cli.node_commands import published_slices
 from agent.config import Config
 from agent.sim.apiserver import ApiServer
+from tests.k8sschema import VERSIONS, validate
 
 ROOT = Path(__file__).resolve().parents[2]
 CLASSES = ROOT / "deploy" / "daemonset" / "deviceclasses.yaml"
@@ -265,3 +267,45 @@ def test_a_kubeconfig_only_the_kubernetes_client_loads_still_works(
     code, out, err = explain(f, "--kubeconfig", kubeconfig)
     assert code == 0, err
     assert out.splitlines()[0] == "claim default/one: fits on 2 of 3 nodes"
+
+
+def test_a_pod_in_the_api_has_its_claims_allocated_together(
+    cluster: tuple[ApiServer, Path],
+) -> None:
+    # pod/NAMESPACE/NAME: the Pod is read from the API, a template claim resolved to the claim
+    # the controller made for it (pod.status.resourceClaimStatuses, resourceclaim.Name), and
+    # its claims are allocated together (dynamicresources.go Filter)
+    server, kubeconfig = cluster
+    made = gpu_claim("trainer-b-x7k2p", 2)
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "trainer", "namespace": "default"},
+        "spec": {
+            "resourceClaims": [
+                {"name": "a", "resourceClaimName": "three"},
+                {"name": "b", "resourceClaimTemplateName": "two"},
+            ],
+            "containers": [{"name": "c", "image": "busybox"}],
+        },
+        "status": {
+            "resourceClaimStatuses": [{"name": "b", "resourceClaimName": made["metadata"]["name"]}]
+        },
+    }
+    for obj, version in itertools.product((pod, made, gpu_claim("three", 3)), VERSIONS):
+        validate(obj, version)
+    server.put_object("pods", pod)
+    server.put_object("resourceclaims", gpu_claim("three", 3))
+    server.put_object("resourceclaims", made)
+    code, out, err = explain("pod/default/trainer", "--kubeconfig", kubeconfig, "-o", "json")
+    assert code == 0, err
+    answer = json.loads(out)
+    assert [c["claim"] for c in answer["claims"]] == ["default/three", "default/trainer-b-x7k2p"]
+    assert answer["fittingNodes"] == ["node-h100"]
+    l40s = next(n for n in answer["nodes"] if n["node"] == "node-l40s")
+    assert l40s["blockedClaim"] == "default/trainer-b-x7k2p"
+    assert l40s["reason"].startswith(
+        "default/trainer-b-x7k2p: fits alone, but not beside default/three"
+    )
+    code, _, err = explain("pod/default/nobody", "--kubeconfig", kubeconfig)
+    assert code == 2 and "no Pod default/nobody in the API server" in err
