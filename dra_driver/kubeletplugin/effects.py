@@ -152,6 +152,17 @@ class Effects:
                 return True
         return False
 
+    def spec_only(self, plan: ClaimPlan) -> bool:
+        """Whether ``apply`` does nothing for ``plan``: its prepare is its CDI spec alone."""
+        return not plan.uses_mps and not any(
+            p.device.kind in VM_KINDS
+            or p.dynamic
+            or (p.device.kind == "gpu" and self.mig is not None and p.device.consumes_counters)
+            or p.sharing == TIME_SLICING
+            or p.power_limit_mw is not None
+            for p in plan.devices
+        )
+
     @staticmethod
     def changes_node_of(entry: ClaimEntry) -> bool:
         """Whether ``undo`` of a recorded claim may change anything on the node (the claims of
