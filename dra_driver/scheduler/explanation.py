@@ -13,7 +13,8 @@ An ``Explanation`` answers in four forms:
 
     {"claim": "ns/name", "fits": bool, "gaveUp": bool,
      "reason": str | null,                  # first_reason() when it does not fit
-     "fatal": Reason | null,                # what stopped allocation on this node altogether
+     "error": str | null,                   # the allocator's error for the claim (below)
+     "fatal": Reason | null,                # the same error with its details and "upstream"
      "allocation": {...} | null,            # allocation() when it fits
      "requests": [{"name": "gpus", "firstAvailable": bool,
                    "selected": "gpus" | "gpus/sub" | null,
@@ -35,6 +36,12 @@ Reason kinds: ``pool`` (incomplete or invalid pool), ``unknown-class``, ``class-
 ``tainted``, ``allocated`` (``owner``), ``capacity``, ``counters`` (``counterSet``,
 ``counter``), ``constraint`` (``attribute``, ``value``, ``conflictsWith``), ``taken`` (by
 another request of this claim), ``no-completion``, ``too-few``, ``too-many``, ``gave-up``.
+
+An error is not "does not fit": upstream's Allocate returns it (a CEL runtime error, an unknown
+class, more than 32 devices, allocationMode All meeting a constraint it would break or an
+unusable pool) and the scheduler stops scheduling the pod with it instead of trying the next
+node (``outcome.Fatal``). ``error`` is its text, ``fatal`` the reason with ``upstream``: the
+message the scheduler reports, where it has one.
 
 Not modelled (the caller passes one node's slices, so node selection is its business): slice
 and per-device node selectors, binding conditions, scoring. The admin-access rule that the
@@ -145,6 +152,8 @@ class Explanation:
         self._slices = slices
         self.ok = outcome.ok
         self.gave_up = outcome.gave_up
+        self.error = outcome.fatal
+        """The allocator's error for the claim on this node (``outcome.Fatal``), else None."""
 
     @property
     def node(self) -> Node:
@@ -265,7 +274,7 @@ class Explanation:
             return text
         placed = [p for p in attempt.placed if p.request is req]
         dynamic = [r for r in attempt.rejections.values() if r.kind != "no-completion"]
-        need = req.count if req.mode is Mode.EXACT_COUNT else len(a.candidates)
+        need = req.count if req.mode is Mode.EXACT_COUNT else len(a.all_devices)
         some = (
             "none fits with the rest of the claim"
             if need == 1
@@ -307,7 +316,14 @@ class Explanation:
     def text(self) -> str:
         if self.ok:
             return self._text_ok()
-        lines = [f"does not fit: {self.first_reason()}"]
+        if self.error is not None:
+            head = (
+                f"error: {self.error.text} (the scheduler stops scheduling the pod with this"
+                " error; it does not try other nodes)"
+            )
+        else:
+            head = f"does not fit: {self.first_reason()}"
+        lines = [head]
         for pool in self.node.pools:
             if pool.problem is not None:
                 lines.append(f"  {pool.problem}")
@@ -414,6 +430,7 @@ class Explanation:
             "fits": self.ok,
             "gaveUp": self.gave_up,
             "reason": None if self.ok else self.first_reason(),
+            "error": o.fatal.text if o.fatal is not None else None,
             "fatal": _reason_json(o.fatal) if o.fatal is not None else None,
             "allocation": self.allocation() if self.ok else None,
             "requests": requests,
