@@ -249,7 +249,12 @@ class Search:
                         f"{upstream}: {dev.name}: {reason.text}; allocationMode All takes"
                         " every device it selects, so a constraint that refuses one is an"
                         " error of the claim",
-                        {**why.details, "request": a.request.full_name, "upstream": upstream},
+                        {
+                            **why.details,
+                            "request": a.request.full_name,
+                            "deviceID": "/".join(dev.key),
+                            "upstream": upstream,
+                        },
                     )
                 )
             for an, i in reversed(added):
