@@ -343,7 +343,14 @@ class Explanation:
             shares = [self._share(p) for p in picks if p.share_id is not None]
             extra = f"; {'; '.join(shares)}" if shares else ""
             ptext = f"pool{'s' if len(pools) > 1 else ''} {', '.join(pools)}"
-            parts.append(f"{name} -> {', '.join(p.device.name for p in picks)} ({ptext}{extra})")
+            # a device of another subrequest: an All subrequest after the first continues as
+            # the first one in 1.34 and 1.35 (search.Search._as_first)
+            devs = ", ".join(
+                p.device.name
+                + ("" if p.request is picks[0].request else f" (as {p.request.full_name})")
+                for p in picks
+            )
+            parts.append(f"{name} -> {devs} ({ptext}{extra})")
             del gi
         if len(parts) == 1:
             return f"fits: {parts[0]}"

@@ -395,3 +395,4 @@ def test_all_in_first_available_on_a_time_slicing_node(inventory: Inventory) -> 
     e = explain(claim(first_available("g", fits, every)), CLASSES, node, [], cel=CelEnvironment())
     assert e.ok, e.text()
     assert picked(e) == {"g/every": ["gpu-0"], "g/big": ["gpu-7"]}
+    assert e.text().startswith("fits: g/every -> gpu-0, gpu-7 (as g/big) (pool dgx-h100;")
