@@ -37,11 +37,11 @@ Reason kinds: ``pool`` (incomplete or invalid pool), ``unknown-class``, ``class-
 ``counter``), ``constraint`` (``attribute``, ``value``, ``conflictsWith``), ``taken`` (by
 another request of this claim), ``no-completion``, ``too-few``, ``too-many``, ``gave-up``.
 
-An error is not "does not fit": upstream's Allocate returns it (a CEL runtime error, an unknown
-class, more than 32 devices, allocationMode All meeting a constraint it would break or an
-unusable pool) and the scheduler stops scheduling the pod with it instead of trying the next
-node (``outcome.Fatal``). ``error`` is its text, ``fatal`` the reason with ``upstream``: the
-message the scheduler reports, where it has one.
+An error is not "does not fit": upstream's Allocate returns it (a CEL runtime error, more than
+32 devices, allocationMode All meeting a constraint it would break or an unusable pool) and the
+scheduler stops scheduling the pod with it instead of trying the next node (``outcome.Fatal``).
+``error`` is its text, ``fatal`` the reason with ``upstream``: the message the scheduler
+reports, where it has one. An unknown class is ``fatal`` but no error (see ``error``).
 
 Not modelled (the caller passes one node's slices, so node selection is its business): slice
 and per-device node selectors, binding conditions, scoring. The admin-access rule that the
@@ -153,7 +153,13 @@ class Explanation:
         self.ok = outcome.ok
         self.gave_up = outcome.gave_up
         self.error = outcome.fatal
-        """The allocator's error for the claim on this node (``outcome.Fatal``), else None."""
+        """The allocator's error for the claim on this node (``outcome.Fatal``), else None. A
+        missing DeviceClass is none: the scheduler's PreFilter finds it before the allocator
+        runs and answers unschedulable, "request R: device class C does not exist" (kubernetes
+        ``pkg/scheduler/framework/plugins/dynamicresources/dynamicresources.go``,
+        validateDeviceClass), so it does not fit anywhere."""
+        if outcome.fatal is not None and outcome.fatal.kind == "unknown-class":
+            self.error = None
 
     @property
     def node(self) -> Node:
@@ -437,7 +443,7 @@ class Explanation:
             "fits": self.ok,
             "gaveUp": self.gave_up,
             "reason": None if self.ok else self.first_reason(),
-            "error": o.fatal.text if o.fatal is not None else None,
+            "error": self.error.text if self.error is not None else None,
             "fatal": _reason_json(o.fatal) if o.fatal is not None else None,
             "allocation": self.allocation() if self.ok else None,
             "requests": requests,

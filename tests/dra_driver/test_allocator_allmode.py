@@ -396,3 +396,16 @@ def test_all_in_first_available_on_a_time_slicing_node(inventory: Inventory) -> 
     assert e.ok, e.text()
     assert picked(e) == {"g/every": ["gpu-0"], "g/big": ["gpu-7"]}
     assert e.text().startswith("fits: g/every -> gpu-0, gpu-7 (as g/big) (pool dgx-h100;")
+
+
+def test_an_unknown_class_does_not_fit_and_is_no_error() -> None:
+    """The scheduler's PreFilter answers a missing DeviceClass before any allocator runs:
+    unschedulable, "request R: device class C does not exist" (kubernetes
+    pkg/scheduler/framework/plugins/dynamicresources/dynamicresources.go, validateDeviceClass),
+    and the pod waits for the class; no error."""
+    e = explain(claim(exact("g", "nope")), [GPU], [rslice(gpus(1))], [], cel=CelEnvironment())
+    assert not e.ok
+    assert e.error is None
+    assert "DeviceClass 'nope' not found" in e.first_reason()
+    assert e.text().startswith("does not fit: ")
+    assert e.to_json()["error"] is None
