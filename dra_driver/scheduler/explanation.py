@@ -37,11 +37,8 @@ Reason kinds: ``pool`` (incomplete or invalid pool), ``unknown-class``, ``class-
 ``counter``), ``constraint`` (``attribute``, ``value``, ``conflictsWith``), ``taken`` (by
 another request of this claim), ``no-completion``, ``too-few``, ``too-many``, ``gave-up``.
 
-An error is not "does not fit": upstream's Allocate returns it (a CEL runtime error, more than
-32 devices, allocationMode All meeting a constraint it would break or an unusable pool) and the
-scheduler stops scheduling the pod with it instead of trying the next node (``outcome.Fatal``).
-``error`` is its text, ``fatal`` the reason with ``upstream``: the message the scheduler
-reports, where it has one. An unknown class is ``fatal`` but no error (see ``error``).
+An error (``outcome.Fatal``: upstream's Allocate returns it) is not "does not fit": the scheduler
+stops scheduling the pod with it. ``fatal`` adds ``upstream``, the scheduler's own message.
 
 Not modelled (the caller passes one node's slices, so node selection is its business): slice
 and per-device node selectors, binding conditions, scoring. The admin-access rule that the
@@ -86,6 +83,7 @@ KIND_LABELS = {
     "taken": "taken in this claim",
     "no-completion": "no complete allocation",
 }
+STOPS = "the scheduler stops scheduling the pod with this error; it does not try other nodes"
 SHOWN = 3
 """Devices named per group of rejections in text()."""
 
@@ -152,14 +150,10 @@ class Explanation:
         self._slices = slices
         self.ok = outcome.ok
         self.gave_up = outcome.gave_up
-        self.error = outcome.fatal
-        """The allocator's error for the claim on this node (``outcome.Fatal``), else None. A
-        missing DeviceClass is none: the scheduler's PreFilter finds it before the allocator
-        runs and answers unschedulable, "request R: device class C does not exist" (kubernetes
-        ``pkg/scheduler/framework/plugins/dynamicresources/dynamicresources.go``,
-        validateDeviceClass), so it does not fit anywhere."""
-        if outcome.fatal is not None and outcome.fatal.kind == "unknown-class":
-            self.error = None
+        # the allocator's error; a missing class is none: the scheduler's PreFilter answers it
+        # unschedulable first (dynamicresources.go, validateDeviceClass)
+        fatal = outcome.fatal
+        self.error = None if fatal is None or fatal.kind == "unknown-class" else fatal
 
     @property
     def node(self) -> Node:
@@ -322,14 +316,9 @@ class Explanation:
     def text(self) -> str:
         if self.ok:
             return self._text_ok()
+        lines = [f"does not fit: {self.first_reason()}"]
         if self.error is not None:
-            head = (
-                f"error: {self.error.text} (the scheduler stops scheduling the pod with this"
-                " error; it does not try other nodes)"
-            )
-        else:
-            head = f"does not fit: {self.first_reason()}"
-        lines = [head]
+            lines[0] = f"error: {self.error.text} ({STOPS})"
         for pool in self.node.pools:
             if pool.problem is not None:
                 lines.append(f"  {pool.problem}")
@@ -349,13 +338,10 @@ class Explanation:
             shares = [self._share(p) for p in picks if p.share_id is not None]
             extra = f"; {'; '.join(shares)}" if shares else ""
             ptext = f"pool{'s' if len(pools) > 1 else ''} {', '.join(pools)}"
-            # a device of another subrequest: an All subrequest after the first continues as
-            # the first one in 1.34 and 1.35 (search.Search._as_first)
-            devs = ", ".join(
-                p.device.name
-                + ("" if p.request is picks[0].request else f" (as {p.request.full_name})")
-                for p in picks
-            )
+            # another subrequest's device: 1.34/1.35's All continues as it (search._as_first)
+            own = picks[0].request if picks else None
+            as_ = ["" if p.request is own else f" (as {p.request.full_name})" for p in picks]
+            devs = ", ".join(p.device.name + a for p, a in zip(picks, as_, strict=True))
             parts.append(f"{name} -> {devs} ({ptext}{extra})")
             del gi
         if len(parts) == 1:
