@@ -54,6 +54,14 @@ def share_id_of(claim: Claim, req: Request, dev: Device) -> str:
     return str(uuid.uuid5(SHARE_NAMESPACE, key))
 
 
+class TooMany(Exception):
+    """errAllocationResultMaxSizeExceeded (``allocateOne``): the claim would hold more than 32
+    devices. Every caller passes it up without trying its other devices, to the loop over a
+    firstAvailable request's subrequests, which tries the next one; when all of them exceed,
+    it goes on up, and out of ``Allocate`` it is the claim's error "allocation max size
+    exceeded"."""
+
+
 class Search:
     def __init__(
         self,
@@ -89,6 +97,7 @@ class Search:
         groups = self.claim.requests
         analyses = [self._analyse(g.alternatives, g.first_available) for g in groups]
         self._analyses = analyses
+        self._owner = {id(a.request): a for alts in analyses for a in alts}
         fatal = None
         # validateDeviceRequest runs for every request and subrequest before the search: an
         # unknown class, an unusable pool or a CEL error while collecting "all" devices is an
@@ -135,6 +144,13 @@ class Search:
                 gave_up = True
             except Fatal as e:
                 fatal = e.reason
+            except TooMany:
+                fatal = Reason(
+                    "too-many",
+                    f"allocation max size exceeded: every way to allocate claim"
+                    f" {self.claim.ref} takes more than {MAX_RESULTS} devices",
+                    {"limit": MAX_RESULTS, "upstream": "allocation max size exceeded"},
+                )
         return Outcome(
             ok=ok,
             picks=list(self.picks) if ok else [],
@@ -155,20 +171,40 @@ class Search:
     def _request(self, gi: int) -> bool:
         if gi == len(self.claim.requests):
             return True
+        exceeded = self.claim.requests[gi].first_available
         for ai, a in enumerate(self._analyses[gi]):
             if a.cel_error is not None:
                 raise Fatal(a.cel_error)
             self.selected[gi] = ai
             if a.problem is not None:
                 self._record(gi, ai, a, reason=a.problem)
+                exceeded = exceeded and a.problem.kind == "too-many"
                 continue
-            if a.request.mode is Mode.ALL:
-                if self._all(gi, ai, a):
-                    return True
-            elif self._next(gi, ai, a, 0, 0):
+            found = self._try(gi, ai, a)
+            if found:
                 return True
+            exceeded = exceeded and found is None
         del self.selected[gi]
+        if exceeded:
+            raise TooMany
         return False
+
+    def _try(self, gi: int, ai: int, a: Analysis) -> bool | None:
+        """One alternative: True when the claim completes with it, False when not, None when it
+        would take the claim over the limit (``TooMany``: a firstAvailable request goes on to
+        its next subrequest; any other request passes it up)."""
+        mark = len(self.picks)
+        try:
+            if a.request.mode is Mode.ALL:
+                return self._all(gi, ai, a)
+            return self._next(gi, ai, a, 0, 0)
+        except TooMany:
+            if not self.claim.requests[gi].first_available:
+                raise
+            while len(self.picks) > mark:  # the frames TooMany passed kept their picks
+                pick = self.picks[-1]
+                self._remove(self._owner[id(pick.request)], pick.device.index)
+            return None
 
     def _analyse(self, alternatives: tuple[Request, ...], first_available: bool) -> list[Analysis]:
         """Each alternative's analysis. In 1.34 and 1.35 ``Allocate`` sets
@@ -197,9 +233,8 @@ class Search:
         self._tick()
         devices = a.all_devices
         if len(self.picks) + len(devices) > MAX_RESULTS:
-            # errAllocationResultMaxSizeExceeded: a firstAvailable request tries the next
             self._record(gi, ai, a, reason=self._too_many(a, len(devices)))
-            return False
+            raise TooMany
         if ai > 0:
             devices = devices[:1]
         added: list[tuple[Analysis, int]] = []
@@ -305,7 +340,8 @@ class Search:
         elif need <= 0:
             return self._request(gi + 1)
         elif len(self.picks) + need > MAX_RESULTS:
-            done = False
+            self._record(gi, ai, a, reason=self._too_many(first, need))
+            raise TooMany
         elif req0.mode is Mode.ALL:
             added: list[tuple[Analysis, int]] = []
             done = self._take_all(gi, ai, a, first, first.all_devices[1:], added)
@@ -351,7 +387,7 @@ class Search:
         need = count - k
         if len(self.picks) + need > MAX_RESULTS:
             self._record(gi, ai, a, reason=self._too_many(a, need))
-            return False
+            raise TooMany
         cands = a.candidates
         if len(cands) < count - k:
             self._record(

@@ -46,6 +46,7 @@ from tests.dra_driver.allocator_helpers import (
 )
 from tests.dra_driver.conftest import Inventory
 from tests.dra_driver.test_allocator_models import CLASSES, slices
+from tests.fakeclock import FakeClock
 
 A = f'device.attributes["{DRIVER}"]'
 GPU = klass("gpu", f'{A}.type == "gpu"')
@@ -409,3 +410,43 @@ def test_an_unknown_class_does_not_fit_and_is_no_error() -> None:
     assert "DeviceClass 'nope' not found" in e.first_reason()
     assert e.text().startswith("does not fit: ")
     assert e.to_json()["error"] is None
+
+
+def test_over_the_limit_goes_straight_to_the_next_subrequest() -> None:
+    """allocateOne returns errAllocationResultMaxSizeExceeded when a request would take the
+    claim over 32 devices, and every caller passes it up without trying its other devices
+    until a firstAvailable request's loop tries its next subrequest
+    (structured/internal/incubating/allocator_incubating.go, allocateOne). So 20 GPUs for
+    the first subrequest and then 20 more are refused at once and the second subrequest
+    fits; a search that tried every other choice of the 20 first would not end (a fake clock
+    of 1 ms a look gives it 10,000 looks)."""
+    c = claim(
+        first_available("a", exact("many", count=20), exact("one")),
+        exact("b", count=20),
+    )
+    e = explain(
+        c, [GPU], [rslice(gpus(40))], [], cel=CelEnvironment(), clock=FakeClock(0.0, step=0.001)
+    )
+    assert e.ok, e.text()
+    assert picked(e) == {"a/one": ["gpu-0"], "b": [f"gpu-{i}" for i in range(1, 21)]}
+    assert e.outcome.steps < 100
+
+
+def test_over_the_limit_on_every_path_is_an_error() -> None:
+    """errAllocationResultMaxSizeExceeded from every subrequest of the first request reaches
+    Allocate, which returns it: "allocation max size exceeded", an error of the claim. One
+    claim meets it only through 1.34/1.35's All quirk: the All subrequest continues as the
+    first one (32 devices), and the next request's one device is the 33rd."""
+    c = claim(
+        first_available(
+            "a",
+            exact("many", count=32),
+            exact("every", mode="All", selectors=(f'"nic" in {A}',)),
+        ),
+        exact("b"),
+    )
+    slices = [rslice([*gpus(40), dev("nic-0", attrs={"type": "gpu", "nic": True})])]
+    e = explain(c, [GPU], slices, [], cel=CelEnvironment(), clock=FakeClock(0.0, step=0.001))
+    assert not e.ok
+    assert e.error is not None, e.text()
+    assert e.error.details["upstream"] == "allocation max size exceeded"
