@@ -450,3 +450,21 @@ def test_over_the_limit_on_every_path_is_an_error() -> None:
     assert not e.ok
     assert e.error is not None, e.text()
     assert e.error.details["upstream"] == "allocation max size exceeded"
+
+
+def test_all_mig_placements_of_a_dynamic_mig_node_are_an_error(inventory: Inventory) -> None:
+    """`tessera slices --simulate dgx-a100 --mig-mode dynamic` publishes 200 MIG placements:
+    All of them is over the claim limit before any search (Allocate), an error of the claim."""
+    node = slices(inventory, "dgx-a100", mig_mode="dynamic")
+    e = explain(
+        claim(exact("mig", "mig.gpu.tessera.dev", mode="All")),
+        CLASSES,
+        node,
+        [],
+        cel=CelEnvironment(),
+    )
+    assert e.error is not None and not e.ok
+    assert e.error.details["upstream"] == (
+        "claim default/c: number of requested devices 200 exceeds the claim limit of 32"
+    )
+    assert e.to_json()["error"].startswith(e.error.details["upstream"])
