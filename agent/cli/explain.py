@@ -12,7 +12,8 @@ ResourceSlice files, the slices ``tessera slices --simulate`` prints (the same c
 (``dra_driver.scheduler.explanation``) answers per node, once per group of nodes that look the
 same to the claims (``agent.cli.explain_answer``; cluster reads in ``agent.cli.explain_cluster``).
 Exit 0: the claims fit (on at least one
-node), 1: they do not, 2: malformed input (file, document, field path) or a failed read.
+node, and no node answers an allocator error), 1: they do not, 2: malformed input (file,
+document, field path) or a failed read.
 Files are read strictly, as the API server reads them: bytes within limits, then every field
 through the one decoder (``agent.decode``); a field the resource.k8s.io/v1 types do not define
 is refused (``dra_driver.scheduler.shapes``). ``--write`` (standalone) fills the claim file's
@@ -268,11 +269,21 @@ def cluster_inputs(
 # -- the answer -----------------------------------------------------------------------------------
 
 
+def first_error(answers: Sequence[NodeAnswer]) -> NodeAnswer | None:
+    """The first node (by name) where the allocator answers an error. The scheduler filters
+    nodes in parallel and an error on any of them ends the pod's scheduling attempt with it
+    (kubernetes ``pkg/scheduler/schedule_one.go``, findNodesThatPassFilters), so the pod does
+    not get scheduled even where it would fit."""
+    return next((a for a in answers if a.error is not None), None)
+
+
 def to_json(data: Inputs, answers: Sequence[NodeAnswer], written: str | None) -> dict[str, Any]:
     fitting = [a.node or "" for a in answers if a.fits]
+    error = first_error(answers)
     return {
         "version": JSON_VERSION,
-        "fits": bool(fitting),
+        "fits": bool(fitting) and error is None,
+        "error": None if error is None else {"node": error.node, "text": error.error},
         "claims": [{"claim": s.key, "source": s.source, "via": s.via} for s in data.subjects],
         "fittingNodes": fitting,
         "nodes": [
@@ -281,6 +292,7 @@ def to_json(data: Inputs, answers: Sequence[NodeAnswer], written: str | None) ->
                 "fits": a.fits,
                 "reason": a.reason,
                 "blockedClaim": a.blocked,
+                "error": a.error,
                 "claims": [
                     {
                         "claim": c.subject.key,
@@ -310,7 +322,8 @@ def render_text(data: Inputs, answers: Sequence[NodeAnswer], written: str | None
     if len(answers) == 1:
         a = answers[0]
         on = "" if a.node is None else f" on node {a.node}"
-        lines.append(f"{claims} {what}{on}: {'fits' if a.fits else 'does not fit'}")
+        verdict = "fits" if a.fits else "error" if a.error else "does not fit"
+        lines.append(f"{claims} {what}{on}: {verdict}")
         if not a.claims and a.reason:
             lines.append(f"  {a.reason}")
         for c in a.claims:
@@ -321,6 +334,12 @@ def render_text(data: Inputs, answers: Sequence[NodeAnswer], written: str | None
     else:
         fitting = [a for a in answers if a.fits]
         lines.append(f"{claims} {what}: fits on {len(fitting)} of {len(answers)} nodes")
+        error = first_error(answers)
+        if error is not None:
+            lines.append(
+                f"error on node {error.node}: the scheduler stops scheduling the pod at an"
+                " error, wherever it fits"
+            )
         width = max(len(a.node or "") for a in answers)
         for a in answers:
             if a.fits:
@@ -331,7 +350,8 @@ def render_text(data: Inputs, answers: Sequence[NodeAnswer], written: str | None
                 )
                 lines.append(f"  {a.node or '':<{width}}  fits  {detail}")
             else:
-                lines.append(f"  {a.node or '':<{width}}  no    {a.reason}")
+                word = "error" if a.error else "no   "
+                lines.append(f"  {a.node or '':<{width}}  {word} {a.reason}")
     lines += [f"note: {n}" for n in data.notes]
     if written:
         lines.append(f"wrote status.allocation to {written}")
@@ -386,7 +406,7 @@ def cmd_explain(inv: Invocation) -> int:
         data = hold_allocated(data)
         answers = answer(data, opts.time_limit, cel, progress)
         written = None
-        fitting = [a for a in answers if a.fits]
+        fitting = [] if first_error(answers) else [a for a in answers if a.fits]
         if opts.write and fitting:
             chosen = fitting[0]
             done = write_back(Path(opts.claim), [(c.subject, c.allocation) for c in chosen.claims])
@@ -417,8 +437,8 @@ COMMAND = Command(
     " the scheduler's structured allocator does, against ResourceSlice files, a simulated node"
     " (--simulate: the slices `tessera slices` prints) or a cluster (--kubeconfig: every node),"
     " and say which devices it gets or why each candidate was rejected. Exit 0: it fits (on at"
-    " least one node), 1: it does not, 2: malformed input. --write fills the claim file's"
-    " status.allocation. docs/explain.md has the details.",
+    " least one node, and no node answers an error), 1: it does not, 2: malformed input."
+    " --write fills the claim file's status.allocation. docs/explain.md has the details.",
 )
 
 __all__ = ["COMMAND", "ExplainOptions", "cmd_explain"]

@@ -82,6 +82,15 @@ class NodeAnswer:
         """The first claim that could not be placed (None: it fits, or no claim was tried)."""
         return next((c.subject.key for c in self.claims if c.status == "blocked"), None)
 
+    @property
+    def error(self) -> str | None:
+        """``reason`` when it is the allocator's error for a claim here, not a "does not fit":
+        the scheduler then stops scheduling the pod with it, it does not try other nodes
+        (``dra_driver.scheduler.outcome.Fatal``)."""
+        if any(c.explanation.error is not None for c in self.claims):
+            return self.reason
+        return None
+
 
 def _input_error(s: Subject, exc: ValueError) -> DocumentError:
     path = str(getattr(exc, "path", ""))

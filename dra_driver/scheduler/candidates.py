@@ -108,7 +108,10 @@ class Candidates:
         return None
 
     # -- analysis --------------------------------------------------------------------------------
-    def analyse(self, req: Request) -> Analysis:
+    def analyse(self, req: Request, selected_by: Request | None = None) -> Analysis:
+        """``req`` against every device. ``selected_by``: select its devices with that
+        request's class and selectors instead of its own (upstream's cached isSelectable
+        verdicts of another subrequest: see ``search.Search._analyse``)."""
         cls = self.classes.get(req.class_name)
         a = Analysis(req, cls)
         if cls is None:
@@ -120,8 +123,14 @@ class Candidates:
                 {"class": req.class_name},
             )
             return a
-        class_sels = [(s, self.compile(s)) for s in cls.selectors]
-        req_sels = [(s, self.compile(s)) for s in req.selectors]
+        chooser = req
+        sel_cls = cls
+        if selected_by is not None and selected_by.class_name in self.classes:
+            chooser = selected_by
+            sel_cls = self.classes[selected_by.class_name]
+            a.selected_as = selected_by.full_name
+        class_sels = [(s, self.compile(s)) for s in sel_cls.selectors]
+        req_sels = [(s, self.compile(s)) for s in chooser.selectors]
         constraints = [(c, i) for i, c in enumerate(self.claim.constraints) if c.applies_to(req)]
         a.constraint_values = [(c, i, {}) for c, i in constraints]
         all_mode = req.mode is Mode.ALL
@@ -136,13 +145,16 @@ class Candidates:
             # an allocated device never stops it; the explanation still evaluates them, so
             # that a device that would not match anyway is not reported as merely allocated.
             fatal = held is None or req.admin_access or all_mode
-            if self._selected(cls, class_sels, req_sels, dev, a, fatal) is not None:
+            if self._selected(sel_cls, class_sels, req_sels, dev, a, fatal, chooser) is not None:
                 continue
             a.matched += 1
             reason, consumed = self.usage.check_capacity(req, dev, in_claim=False)
             if reason is not None:
                 a.rejections[dev.index] = reason
                 continue
+            if all_mode:
+                # validateDeviceRequest: selected and the capacity fits (CmpRequestOverCapacity)
+                a.all_devices.append(dev.index)
             reason = self._static(req, dev, held)
             if reason is None:
                 for c, _, values in a.constraint_values:
@@ -156,15 +168,8 @@ class Candidates:
                         break
                     values[dev.index] = v
             if reason is not None:
+                # under All the search meets it in order (allocateDevice(must=true))
                 a.rejections[dev.index] = reason
-                if all_mode and a.problem is None:
-                    # allocateDevice(must=true): every matching device or none
-                    a.problem = Reason(
-                        reason.kind,
-                        f"request {req.full_name} (allocationMode All) needs every matching"
-                        f" device, but {dev.name}: {reason.text}",
-                        {**reason.details, "device": dev.name},
-                    )
                 continue
             if dev.allow_multiple:
                 a.consumed[dev.index] = consumed
@@ -172,22 +177,34 @@ class Candidates:
         if all_mode:
             for pool in self.node.pools:
                 if pool.problem is not None and a.problem is None:
-                    # validateDeviceRequest: "all" cannot be known while a pool is unusable
+                    # validateDeviceRequest: "all" cannot be known while a pool is unusable,
+                    # an error of the claim (the search turns it into one)
+                    being = "being updated" if pool.incomplete else "invalid"
+                    upstream = (
+                        f"claim {self.claim.ref}, request {req.name}: asks for all devices,"
+                        f" but resource pool {pool.ref} is currently {being}"
+                    )
                     a.problem = Reason(
                         "pool",
-                        f"request {req.full_name} asks for all devices, but {pool.problem}",
-                        {"pool": pool.ref},
+                        f"{upstream} ({pool.problem})",
+                        {"pool": pool.ref, "upstream": upstream},
                     )
-            if a.problem is None and not a.candidates:
+            if a.problem is None and not a.all_devices:
+                how = ""
+                if a.selected_as is not None:
+                    how = (
+                        f" (Kubernetes 1.34 and 1.35 select them with subrequest"
+                        f" {a.selected_as}'s class and selectors)"
+                    )
                 a.problem = Reason(
                     "no-candidates",
-                    f"request {req.full_name} asks for all matching devices, and none matches",
+                    f"request {req.full_name} asks for all matching devices, and none matches{how}",
                 )
-            if a.problem is None and len(a.candidates) > MAX_RESULTS:
+            if a.problem is None and len(a.all_devices) > MAX_RESULTS:
                 a.problem = Reason(
                     "too-many",
-                    f"request {req.full_name} asks for all {len(a.candidates)} matching devices,"
-                    f" more than the {MAX_RESULTS} one claim may hold",
+                    f"request {req.full_name} asks for all {len(a.all_devices)} matching"
+                    f" devices, more than the {MAX_RESULTS} one claim may hold",
                 )
         return a
 
@@ -199,9 +216,11 @@ class Candidates:
         dev: Device,
         a: Analysis,
         fatal: bool,
+        chooser: Request,
     ) -> Reason | None:
-        """isSelectable: the class's selectors, then the request's; the first that is false or
-        fails decides (and is recorded as the device's rejection)."""
+        """isSelectable: the class's selectors, then the request's (``chooser``'s: the
+        request's own unless ``analyse`` was given another); the first that is false or fails
+        decides (and is recorded as the device's rejection)."""
         key = (cls.name, dev.index)
         if key in self._class_verdicts:
             reason = self._class_verdicts[key]
@@ -210,7 +229,7 @@ class Candidates:
             self._class_verdicts[key] = reason
         if reason is None:
             reason = self._selectors(
-                req_sels, dev, "request-selector", f"request {a.request.full_name}"
+                req_sels, dev, "request-selector", f"request {chooser.full_name}"
             )
         if reason is not None:
             a.rejections[dev.index] = reason

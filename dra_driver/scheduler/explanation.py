@@ -13,7 +13,8 @@ An ``Explanation`` answers in four forms:
 
     {"claim": "ns/name", "fits": bool, "gaveUp": bool,
      "reason": str | null,                  # first_reason() when it does not fit
-     "fatal": Reason | null,                # what stopped allocation on this node altogether
+     "error": str | null,                   # the allocator's error for the claim (below)
+     "fatal": Reason | null,                # the same error with its details and "upstream"
      "allocation": {...} | null,            # allocation() when it fits
      "requests": [{"name": "gpus", "firstAvailable": bool,
                    "selected": "gpus" | "gpus/sub" | null,
@@ -36,6 +37,9 @@ Reason kinds: ``pool`` (incomplete or invalid pool), ``unknown-class``, ``class-
 ``counter``), ``constraint`` (``attribute``, ``value``, ``conflictsWith``), ``taken`` (by
 another request of this claim), ``taken-in-pod`` (by another claim allocated with it:
 ``claim``, ``request``; ``joint``), ``no-completion``, ``too-few``, ``too-many``, ``gave-up``.
+
+An error (``outcome.Fatal``: upstream's Allocate returns it) is not "does not fit": the scheduler
+stops scheduling the pod with it. ``fatal`` adds ``upstream``, the scheduler's own message.
 
 Not modelled (the caller passes one node's slices, so node selection is its business): slice
 and per-device node selectors, binding conditions, scoring. The admin-access rule that the
@@ -81,6 +85,7 @@ KIND_LABELS = {
     "taken-in-pod": "taken by the pod's other claims",
     "no-completion": "no complete allocation",
 }
+STOPS = "the scheduler stops scheduling the pod with this error; it does not try other nodes"
 SHOWN = 3
 """Devices named per group of rejections in text()."""
 
@@ -147,6 +152,10 @@ class Explanation:
         self._slices = slices
         self.ok = outcome.ok
         self.gave_up = outcome.gave_up
+        # the allocator's error; a missing class is none: the scheduler's PreFilter answers it
+        # unschedulable first (dynamicresources.go, validateDeviceClass)
+        fatal = outcome.fatal
+        self.error = None if fatal is None or fatal.kind == "unknown-class" else fatal
 
     @property
     def node(self) -> Node:
@@ -267,7 +276,7 @@ class Explanation:
             return text
         placed = [p for p in attempt.placed if p.request is req]
         dynamic = [r for r in attempt.rejections.values() if r.kind != "no-completion"]
-        need = req.count if req.mode is Mode.EXACT_COUNT else len(a.candidates)
+        need = req.count if req.mode is Mode.EXACT_COUNT else len(a.all_devices)
         some = (
             "none fits with the rest of the claim"
             if need == 1
@@ -310,6 +319,8 @@ class Explanation:
         if self.ok:
             return self._text_ok()
         lines = [f"does not fit: {self.first_reason()}"]
+        if self.error is not None:
+            lines[0] = f"error: {self.error.text} ({STOPS})"
         for pool in self.node.pools:
             if pool.problem is not None:
                 lines.append(f"  {pool.problem}")
@@ -329,7 +340,11 @@ class Explanation:
             shares = [self._share(p) for p in picks if p.share_id is not None]
             extra = f"; {'; '.join(shares)}" if shares else ""
             ptext = f"pool{'s' if len(pools) > 1 else ''} {', '.join(pools)}"
-            parts.append(f"{name} -> {', '.join(p.device.name for p in picks)} ({ptext}{extra})")
+            # another subrequest's device: 1.34/1.35's All continues as it (search._as_first)
+            own = picks[0].request if picks else None
+            as_ = ["" if p.request is own else f" (as {p.request.full_name})" for p in picks]
+            devs = ", ".join(p.device.name + a for p, a in zip(picks, as_, strict=True))
+            parts.append(f"{name} -> {devs} ({ptext}{extra})")
             del gi
         if len(parts) == 1:
             return f"fits: {parts[0]}"
@@ -416,6 +431,7 @@ class Explanation:
             "fits": self.ok,
             "gaveUp": self.gave_up,
             "reason": None if self.ok else self.first_reason(),
+            "error": self.error.text if self.error is not None else None,
             "fatal": _reason_json(o.fatal) if o.fatal is not None else None,
             "allocation": self.allocation() if self.ok else None,
             "requests": requests,

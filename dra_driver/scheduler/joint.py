@@ -53,7 +53,7 @@ from dra_driver.scheduler.domain import (
 )
 from dra_driver.scheduler.explanation import Explanation
 from dra_driver.scheduler.outcome import Fatal, GaveUp, Reason
-from dra_driver.scheduler.search import PodShare, Search
+from dra_driver.scheduler.search import PodShare, Search, TooMany, too_many
 
 
 class _Chain(PodShare):
@@ -80,7 +80,13 @@ class _Chain(PodShare):
             return True
         self.current = following
         self.reached = max(self.reached, following)
-        ok = self.searches[following].search(self.deadline)
+        try:
+            ok = self.searches[following].search(self.deadline)
+        except TooMany:
+            # allocateOne at a claim's end: errAllocationResultMaxSizeExceeded from the next
+            # claim is no error, "the next claim just needs to be allocated differently"
+            # (allocator_incubating.go): a plain failure, the earlier claims try again
+            ok = False
         self.current = following - 1
         return ok
 
@@ -146,6 +152,8 @@ def explain_pod(
             gave_up = True
         except Fatal as e:
             fatal, blocked = e.reason, chain.current
+        except TooMany:
+            fatal, blocked = too_many(chain.searches[chain.current].claim), chain.current
     elif not chain.searches:
         ok = True
     if not ok and blocked is None:

@@ -28,7 +28,12 @@ class GaveUp(Exception):
 
 
 class Fatal(Exception):
-    """Allocation on this node stops (upstream returns an error from Allocate)."""
+    """Allocation on this node stops: upstream's Allocate returns an error, which the
+    scheduler's DynamicResources plugin returns from Filter as an error status (kubernetes
+    ``pkg/scheduler/framework/plugins/dynamicresources/dynamicresources.go``, Filter: "Return an
+    error to abort scheduling of it"). The pod's scheduling attempt ends with that error; the
+    scheduler does not go on to other nodes. ``reason.details["upstream"]`` is upstream's
+    message where it has one."""
 
     def __init__(self, reason: Reason) -> None:
         self.reason = reason
@@ -53,6 +58,13 @@ class Analysis:
     )
     """(constraint, its index in the claim, candidate -> attribute value) for constraints that
     apply to this request."""
+    all_devices: list[int] = field(default_factory=list)
+    """allocationMode All: every device upstream's validateDeviceRequest collects, in order
+    (selected by the class and the request, the capacity it asks for fits; allocated, tainted or
+    short of counters or not). ``candidates`` are those of them free to take."""
+    selected_as: str | None = None
+    """Set when the devices were selected with another subrequest's class and selectors (the
+    second subrequest of firstAvailable after an All one: see ``search``)."""
     cel_error: Reason | None = None
     problem: Reason | None = None
     """Why this request cannot be allocated at all, known before the search."""

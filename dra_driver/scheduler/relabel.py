@@ -19,7 +19,7 @@ from typing import Any
 from dra_driver.scheduler.domain import Device, Node
 from dra_driver.scheduler.explanation import Explanation
 from dra_driver.scheduler.lookalike import NodeLabel
-from dra_driver.scheduler.outcome import Attempt, Pick
+from dra_driver.scheduler.outcome import Attempt, Pick, Reason
 from dra_driver.scheduler.search import share_id_of, share_ordinal
 
 
@@ -108,6 +108,21 @@ def _stub_slices(picks: Sequence[Pick], label: NodeLabel) -> list[Mapping[str, A
     ]
 
 
+def _fatal(exp: Explanation, r: Renaming) -> Reason | None:
+    """The outcome's error with the device it names (``deviceID``: driver/pool/device, as
+    upstream's message names it) where it is on the other member."""
+    fatal = exp.outcome.fatal
+    old = fatal.details.get("deviceID") if fatal is not None else None
+    if fatal is None or not isinstance(old, str):
+        return fatal
+    dev = next(d for d in exp.node.devices if "/".join(d.key) == old)
+    new = "/".join(renamed_device(dev, r).key)
+    details = {
+        k: v.replace(old, new) if isinstance(v, str) else v for k, v in fatal.details.items()
+    }
+    return Reason(fatal.kind, fatal.text.replace(old, new), details)
+
+
 def renamed(exp: Explanation, r: Renaming) -> Explanation:
     """``exp`` (of the group's first member) as the answer for the member ``r`` names. Its
     picks are renamed now; its node (every device, for the full text or JSON) when first
@@ -117,6 +132,6 @@ def renamed(exp: Explanation, r: Renaming) -> Explanation:
     attempts = {
         k: Attempt(_picks(exp, a.placed, r), a.rejections, a.reason) for k, a in o.attempts.items()
     }
-    outcome = dataclasses.replace(o, picks=picks, attempts=attempts)
+    outcome = dataclasses.replace(o, picks=picks, attempts=attempts, fatal=_fatal(exp, r))
     first = exp.node
     return exp.renamed(lambda: renamed_node(first, r), outcome, _stub_slices(picks, r.label))

@@ -474,3 +474,78 @@ def test_write_of_a_template_only_file_is_refused(tmp_path):
         "--mig-mode", "dynamic", "--write",
     )  # fmt: skip
     assert code == 2 and "--write needs a ResourceClaim" in err
+
+
+# -- an error of the claim (the allocator's, not "does not fit") ------------------------------
+
+CLIQUE_ERROR = (
+    "claim default/all, request gpus: cannot add device gpu.tessera.dev/{pool}/gpu-0 because a"
+    " claim constraint would not be satisfied"
+)
+
+
+def all_gpus_of_one_clique():
+    """All GPUs with one NVLink clique: a PCIe GPU has no clique, which allocationMode All
+    cannot skip (structured/internal/incubating/allocator_incubating.go, allocateDevice with
+    must=true: an error of the claim)."""
+    c = claim(
+        "all", {"name": "gpus", "exactly": {"deviceClassName": DRIVER, "allocationMode": "All"}}
+    )
+    c["spec"]["devices"]["constraints"] = [{"matchAttribute": f"{DRIVER}/nvlinkClique"}]
+    return c
+
+
+def slices_dir(tmp_path, *nodes):
+    """A directory of `tessera slices --simulate MODEL --node-name NODE` per (model, node)."""
+    d = tmp_path / "slices"
+    d.mkdir()
+    for model, node in nodes:
+        out = io.StringIO()
+        argv = ["slices", "--simulate", model, "--node-name", node]
+        assert main(argv, {}, out, io.StringIO()) == 0
+        (d / f"{node}.yaml").write_text(out.getvalue())
+    return d
+
+
+def test_an_allocator_error_says_error_not_does_not_fit(tmp_path):
+    f = write(tmp_path / "c.yaml", all_gpus_of_one_clique())
+    code, out, _ = explain(f, "--class", CLASSES, "--simulate", "l40s-pcie")
+    assert code == 1
+    first, second = out.splitlines()[:2]
+    assert first == "claim default/all on node l40s-pcie: error"
+    assert second.startswith("  error: " + CLIQUE_ERROR.format(pool="l40s-pcie"))
+    code, j = as_json(f, "--class", CLASSES, "--simulate", "l40s-pcie")
+    assert code == 1
+    assert j["fits"] is False
+    assert j["error"]["node"] == "l40s-pcie"
+    (node,) = j["nodes"]
+    assert node["error"] == node["reason"] == j["error"]["text"]
+    fatal = node["claims"][0]["explanation"]["fatal"]
+    assert fatal["upstream"] == CLIQUE_ERROR.format(pool="l40s-pcie")
+
+
+def test_an_error_on_one_node_stops_the_pod_though_another_fits(tmp_path):
+    d = slices_dir(tmp_path, ("dgx-h100", "node-h100"), ("l40s-pcie", "node-l40s"))
+    f = write(tmp_path / "c.yaml", all_gpus_of_one_clique())
+    code, out, _ = explain(f, "--class", CLASSES, "--slices", d, "--write")
+    assert code == 1
+    lines = out.splitlines()
+    assert lines[0] == "claim default/all: fits on 1 of 2 nodes"
+    assert lines[1].startswith("error on node node-l40s: the scheduler stops")
+    assert lines[2].split()[:2] == ["node-h100", "fits"]
+    assert lines[3].split()[:3] == ["node-l40s", "error", "claim"]
+    assert "status" not in yaml.safe_load(f.read_text())  # nothing written: it would not run
+    code, j = as_json(f, "--class", CLASSES, "--slices", d)
+    assert (j["fits"], j["fittingNodes"], j["error"]["node"]) == (False, ["node-h100"], "node-l40s")
+    assert [n["error"] is None for n in j["nodes"]] == [True, False]
+
+
+def test_a_look_alike_nodes_error_names_its_own_device(tmp_path):
+    d = slices_dir(tmp_path, ("l40s-pcie", "node-a"), ("l40s-pcie", "node-b"))
+    f = write(tmp_path / "c.yaml", all_gpus_of_one_clique())
+    code, j = as_json(f, "--class", CLASSES, "--slices", d)
+    assert code == 1
+    for node in j["nodes"]:
+        want = CLIQUE_ERROR.format(pool=node["node"])
+        assert node["claims"][0]["explanation"]["fatal"]["upstream"] == want
+        assert node["error"].startswith(want)

@@ -722,6 +722,7 @@ def test_json_shape() -> None:
         "fits",
         "gaveUp",
         "reason",
+        "error",
         "fatal",
         "allocation",
         "requests",
@@ -764,8 +765,10 @@ def test_failure_json_records_the_best_attempt() -> None:
 
 
 def test_too_many_devices_for_one_claim() -> None:
+    # Allocate (structured/internal/incubating/allocator_incubating.go): an error of the claim
     e = run(claim(exact("g", count=33)), [rslice(gpus(40))])
-    assert "more than the 32 one claim may hold" in e.first_reason()
+    assert e.error is not None
+    assert "number of requested devices 33 exceeds the claim limit of 32" in e.first_reason()
 
 
 # -- time limit ---------------------------------------------------------------------------------

@@ -89,7 +89,9 @@ def worlds(draw: st.DrawFn) -> World:
                     base=f"r{g}",
                     cls=draw(st.sampled_from(sorted(CLASSES))),
                     expr=draw(st.sampled_from(sorted(EXPRESSIONS))),
-                    count=draw(st.sampled_from([1, 1, 2, 0])),
+                    # All (0) only as a request or first subrequest: after the first, 1.34
+                    # and 1.35 run it oddly (test_allocator_allmode.py's table has those)
+                    count=draw(st.sampled_from([1, 1, 2, 0] if s == 0 else [1, 1, 2])),
                     memory_gi=draw(st.sampled_from([None, None, 1, 2, 3])),
                 )
             )
@@ -302,6 +304,13 @@ def test_allocations_are_valid_and_complete(world: World) -> None:
     c, classes, slices, others = api(world)
     e = explain(c, classes, slices, others, cel=CelEnvironment(), clock=lambda: 0.0)
     assert not e.gave_up
+    if e.error is not None:
+        # allocateDevice(must=true): the only error these worlds can meet, whether or not
+        # some assignment exists (upstream stops at it)
+        assert e.error.kind == "constraint" and world.constraint is not None, e.text()
+        assert any(r.count == 0 for alts in world.groups for r in alts)
+        event("error")
+        return
     exists = any(valid(world, a) for a in assignments(world))
     event("fits" if e.ok else "does not fit")
     if not e.ok:
