@@ -255,6 +255,8 @@ class PodExplanation:
             )
         if index > self.blocked:
             return f"not tried: {blocked} before it could not be placed"
+        if claim.error is not None:  # an error of the claim is said as such (explanation.text)
+            return claim.text()
         source = self.alone if self.alone is not None and not self.alone.ok else claim
         lines = source.text().splitlines()
         lines[0] = f"does not fit: {self._reason()}"
