@@ -28,11 +28,16 @@ An ``Explanation`` answers in four forms:
                                                 "reason": Reason | null}]}]}],
      "pools": [{"driver", "pool", "generation", "slices", "resourceSliceCount", "devices",
                 "problem": str | null}],
+     "ignored": [str],                      # slices, or their devices, the scheduler does not read
+     "scheduler": {"kubernetesVersion": "1.34" | "1.35",
+                   "allocator": "stable" | "incubating" | "experimental",
+                   "featureGates": {gate: bool}},   # the five DRA gates explain models
      "steps": int}
 
 Reason kinds: ``pool`` (incomplete or invalid pool), ``unknown-class``, ``class-selector``,
 ``request-selector`` (with ``expression`` and ``seen``: the values it read), ``cel-error``,
-``tainted``, ``allocated`` (``owner``), ``capacity``, ``counters`` (``counterSet``,
+``tainted``, ``feature-gate`` (``gate``: a gate that is off refuses the claim or the device),
+``allocated`` (``owner``), ``capacity``, ``counters`` (``counterSet``,
 ``counter``), ``constraint`` (``attribute``, ``value``, ``conflictsWith``), ``taken`` (by
 another request of this claim), ``no-completion``, ``too-few``, ``too-many``, ``gave-up``.
 
@@ -49,6 +54,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from dra_driver.scheduler import gates
 from dra_driver.scheduler.celenv import CelEnvironment
 from dra_driver.scheduler.domain import (
     Claim,
@@ -64,6 +70,7 @@ from dra_driver.scheduler.domain import (
 from dra_driver.scheduler.inputs import node_selector
 from dra_driver.scheduler.outcome import Analysis, Outcome, Pick, Reason
 from dra_driver.scheduler.search import Search
+from dra_driver.scheduler.versions import CONSUMABLE_CAPACITY, Scheduler
 
 KIND_LABELS = {
     "pool": "pool unusable",
@@ -78,6 +85,7 @@ KIND_LABELS = {
     "constraint": "constraint",
     "taken": "taken in this claim",
     "no-completion": "no complete allocation",
+    "feature-gate": "feature gate off",
 }
 SHOWN = 3
 """Devices named per group of rejections in text()."""
@@ -93,19 +101,29 @@ def explain(
     time_limit_s: float = 10.0,
     in_use: Iterable[tuple[str, str, str]] = (),
     clock: Callable[[], float] = time.monotonic,
+    scheduler: Scheduler | None = None,
 ) -> Explanation:
     """Allocate ``claim`` against one node's ``slices`` as the scheduler would, given the
     ``allocated`` claims (and ``in_use`` devices); InputError for malformed input. ``clock``
-    (seconds) bounds the search with ``time_limit_s``; tests pass a fake one."""
+    (seconds) bounds the search with ``time_limit_s``; tests pass a fake one. ``scheduler``
+    is the version and feature gates modelled (default: the newest, ``Scheduler.of()``)."""
+    scheduler = scheduler or Scheduler.of()
     q = QuantityReader()
-    parsed = parse_claim(claim, q)
+    parsed = gates.as_read(parse_claim(claim, q), scheduler)
     device_classes = parse_classes(classes)
-    node = parse_slices(slices, q)
-    state = parse_allocated(allocated, in_use, q)
-    outcome = Search(
+    node = parse_slices(slices, q, scheduler)
+    shares = scheduler.enabled(CONSUMABLE_CAPACITY)
+    state = parse_allocated(allocated, in_use, q, shares=shares)
+    search = Search(
         parsed, device_classes, node, state, cel, time_limit_s=time_limit_s, clock=clock
-    ).run()
-    return Explanation(parsed, node, outcome, time_limit_s, device_classes, slices)
+    )
+    refused = gates.refusal(parsed, scheduler)
+    if refused is None:
+        outcome = search.run()
+    else:  # an error of the claim before any search (Allocate, validateDeviceRequest)
+        analyses = [[search.candidates.analyse(r) for r in g.alternatives] for g in parsed.requests]
+        outcome = Outcome(False, [], {}, analyses, {}, None, refused, False, 0)
+    return Explanation(parsed, node, outcome, time_limit_s, device_classes, slices, scheduler)
 
 
 def _ref(dev: Device) -> dict[str, str]:
@@ -136,6 +154,7 @@ class Explanation:
         time_limit_s: float,
         classes: Mapping[str, Any],
         slices: Sequence[Mapping[str, Any]] = (),
+        scheduler: Scheduler | None = None,
     ) -> None:
         self.claim = claim
         self._node = node
@@ -143,6 +162,8 @@ class Explanation:
         self.time_limit_s = time_limit_s
         self._classes = classes
         self._slices = slices
+        self.scheduler = scheduler or Scheduler.of()
+        """The version and feature gates modelled."""
         self.ok = outcome.ok
         self.gave_up = outcome.gave_up
 
@@ -162,7 +183,9 @@ class Explanation:
     ) -> Explanation:
         """The same answer about another node that looks the same to the claim
         (:mod:`dra_driver.scheduler.relabel` renames ``node`` and ``outcome``)."""
-        return Explanation(self.claim, node, outcome, self.time_limit_s, self._classes, slices)
+        return Explanation(
+            self.claim, node, outcome, self.time_limit_s, self._classes, slices, self.scheduler
+        )
 
     # -- allocation ----------------------------------------------------------------------------
     def allocation(self) -> dict[str, Any]:
@@ -311,6 +334,7 @@ class Explanation:
         for pool in self.node.pools:
             if pool.problem is not None:
                 lines.append(f"  {pool.problem}")
+        lines.extend(f"  {why}" for why in self.node.ignored)
         for gi, group in enumerate(self.claim.requests):
             for ai, a in enumerate(self.outcome.analyses[gi]):
                 lines.extend(self._text_alternative(gi, ai, a, group.first_available))
@@ -429,6 +453,8 @@ class Explanation:
                 }
                 for p in self.node.pools
             ],
+            "ignored": list(self.node.ignored),
+            "scheduler": self.scheduler.to_json(),
             "steps": o.steps,
         }
 
