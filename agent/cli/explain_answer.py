@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from dra_driver.scheduler import inputs
 from dra_driver.scheduler.inputs import Document, DocumentError, Subject
 from dra_driver.scheduler.lookalike import NodeLabel, SliceIndex, plan, reads_of
+from dra_driver.scheduler.versions import Scheduler
 
 if TYPE_CHECKING:
     from agent.cli.explain_cluster import Progress
@@ -38,6 +39,8 @@ class Inputs:
     allocated: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     index: SliceIndex | None = None
+    scheduler: Scheduler = field(default_factory=Scheduler.of)
+    """The scheduler version and feature gates modelled (``--kube-version``)."""
 
 
 @dataclass
@@ -94,7 +97,15 @@ def _evaluate(
     claims = []
     for s in data.subjects:
         try:
-            exp = explain(s.claim, classes, slices, allocated, cel=cel, time_limit_s=time_limit)
+            exp = explain(
+                s.claim,
+                classes,
+                slices,
+                allocated,
+                cel=cel,
+                time_limit_s=time_limit,
+                scheduler=data.scheduler,
+            )
         except ValueError as exc:  # the allocator's InputError: malformed claim or class
             raise _input_error(s, exc) from exc
         allocation = None

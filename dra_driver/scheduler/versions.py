@@ -193,8 +193,13 @@ def version_of(text: str) -> tuple[str, str | None]:
 
 
 def server_version(info: Mapping[str, object]) -> str:
-    """The version a ``GET /version`` answer names: ``gitVersion`` (``v1.35.0``), else
-    ``major``.``minor`` (``minor`` may carry a ``+``, as on managed clusters)."""
+    """The version a ``GET /version`` answer names: the emulated one when it says
+    (``emulationMajor``.``emulationMinor``: a control plane run with ``--emulated-version``
+    behaves as that version, apimachinery ``pkg/version`` ``Info``), else ``gitVersion``
+    (``v1.35.0``), else ``major``.``minor`` (``minor`` may carry a ``+`` on managed clusters)."""
+    em, en = info.get("emulationMajor"), info.get("emulationMinor")
+    if isinstance(em, str) and isinstance(en, str) and em and en:
+        return f"{em}.{en.rstrip('+')}"
     git = info.get("gitVersion")
     if isinstance(git, str) and git:
         return git
@@ -205,7 +210,8 @@ def server_version(info: Mapping[str, object]) -> str:
 
 
 def parse_gates(text: str) -> dict[str, bool]:
-    """``--feature-gates`` as kube-scheduler takes it: ``Gate=true,Other=false`` (empty: none)."""
+    """``--feature-gates`` as kube-scheduler takes it: ``Gate=true,Other=false`` (empty: none);
+    a VersionError's text is a phrase about the value (``names Foo, not a gate ...``)."""
     out: dict[str, bool] = {}
     for item in (p.strip() for p in text.split(",")):
         if not item:
@@ -213,13 +219,9 @@ def parse_gates(text: str) -> dict[str, bool]:
         name, sep, value = item.partition("=")
         name, value = name.strip(), value.strip().lower()
         if not sep or value not in ("true", "false"):
-            raise VersionError(
-                f"feature gate {item!r}: expected NAME=true or NAME=false (of {', '.join(GATES)})"
-            )
+            raise VersionError(f"is not NAME=true|false,... ({item!r} is not)")
         if name not in GATES:
-            raise VersionError(
-                f"feature gate {name!r} is not one explain models: {', '.join(GATES)}"
-            )
+            raise VersionError(f"names {name}, not a gate explain models ({', '.join(GATES)})")
         out[name] = value == "true"
     return out
 
