@@ -289,6 +289,7 @@ def _device(
     index: int,
     scheduler: Scheduler,
 ) -> Device:
+    """One device as ``scheduler`` reads it (taints, shared allocation, counters)."""
     d = fields.obj(obj, path)
     name = fields.text(d.get("name"), f"{path}.name", nonempty=True)
     raw_capacity = fields.obj(d.get("capacity"), f"{path}.capacity", optional=True)
@@ -329,6 +330,7 @@ def _device(
         allow_multiple=multiple and scheduler.enabled(CONSUMABLE_CAPACITY),
         taints=tuple(taints),
         path=path,
+        counter_slice=slice_name if scheduler.counters_per_slice else "",
         unallocatable=unallocatable,
     )
 
@@ -406,22 +408,13 @@ def parse_slices(
                 dev.pool_index = pool_index
                 _ = dev.capacity  # the CEL view reads it: a malformed value is an InputError
                 dev.node_name = spec.get("nodeName") or ""
-                if scheduler.counters_per_slice:
-                    dev.counter_slice = sname
                 if dev.name in names and pool.problem is None:
                     pool.problem = f"pool {pool.ref} is invalid: duplicate device name {dev.name}"
                 names.add(dev.name)
                 pool.devices.append(dev)
                 devices.append(dev)
         if pool.problem is None and partitionable and not scheduler.counters_per_slice:
-            for dev in pool.devices:
-                missing = slice_layout.undefined(dev.counter_refs(), pool.counters)
-                if missing:
-                    pool.problem = (
-                        f"pool {pool.ref} is invalid: device {dev.name} consumes {missing},"
-                        " which no slice of the pool defines"
-                    )
-                    break
+            pool.problem = slice_layout.invalid_consumption(pool.ref, pool.devices, pool.counters)
     by_key: dict[tuple[str, str, str], Device] = {}
     for dev in devices:
         by_key.setdefault(dev.key, dev)

@@ -7,7 +7,7 @@ Helpers of :func:`dra_driver.scheduler.pools.parse_slices`, on the slices' API d
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from agent.decode import fields
 from dra_driver.quantity import Quantity
@@ -120,26 +120,39 @@ def counter_sets(
     return out, twice
 
 
-def undefined(refs: Sequence[tuple[str, list[str]]], defined: CounterSets) -> str | None:
-    """validateDeviceCounterConsumption (1.35 ``pools_*.go``): the first counter set, or counter
-    in one, that a device consumes and the pool does not define; None when all are defined."""
-    for counter_set, names in refs:
-        have = defined.get(counter_set)
-        if have is None:
-            return f"counter set {counter_set}"
-        for n in names:
-            if n not in have:
-                return f"counter {n} in counter set {counter_set}"
+class Consumer(Protocol):
+    name: str
+
+    def counter_refs(self) -> list[tuple[str, list[str]]]: ...
+
+
+def invalid_consumption(pool: str, devices: Sequence[Consumer], defined: CounterSets) -> str | None:
+    """validateDeviceCounterConsumption (1.35 ``pools_*.go``): why the pool is invalid when a
+    device consumes a counter set, or a counter in one, the pool does not define; else None."""
+    for dev in devices:
+        for counter_set, names in dev.counter_refs():
+            have = defined.get(counter_set)
+            if have is None:
+                missing: str | None = f"counter set {counter_set}"
+            else:
+                absent = [n for n in names if n not in have]
+                missing = f"counter {absent[0]} in counter set {counter_set}" if absent else None
+            if missing:
+                return (
+                    f"pool {pool} is invalid: device {dev.name} consumes {missing}, which no"
+                    " slice of the pool defines"
+                )
     return None
 
 
 __all__ = [
+    "Consumer",
     "CounterSets",
     "Entry",
     "counted",
     "counter_sets",
     "devices_ignored",
     "group",
+    "invalid_consumption",
     "skipped",
-    "undefined",
 ]
