@@ -29,9 +29,7 @@ An ``Explanation`` answers in four forms:
      "pools": [{"driver", "pool", "generation", "slices", "resourceSliceCount", "devices",
                 "problem": str | null}],
      "ignored": [str],                      # slices, or their devices, the scheduler does not read
-     "scheduler": {"kubernetesVersion": "1.34" | "1.35",
-                   "allocator": "stable" | "incubating" | "experimental",
-                   "featureGates": {gate: bool}},   # the five DRA gates explain models
+     "scheduler": {"kubernetesVersion", "allocator", "featureGates"},  # Scheduler.to_json()
      "steps": int}
 
 Reason kinds: ``pool`` (incomplete or invalid pool), ``unknown-class``, ``class-selector``,
@@ -117,12 +115,7 @@ def explain(
     search = Search(
         parsed, device_classes, node, state, cel, time_limit_s=time_limit_s, clock=clock
     )
-    refused = gates.refusal(parsed, scheduler)
-    if refused is None:
-        outcome = search.run()
-    else:  # an error of the claim before any search (Allocate, validateDeviceRequest)
-        analyses = [[search.candidates.analyse(r) for r in g.alternatives] for g in parsed.requests]
-        outcome = Outcome(False, [], {}, analyses, {}, None, refused, False, 0)
+    outcome = gates.run(search, scheduler)
     return Explanation(parsed, node, outcome, time_limit_s, device_classes, slices, scheduler)
 
 
@@ -162,8 +155,7 @@ class Explanation:
         self.time_limit_s = time_limit_s
         self._classes = classes
         self._slices = slices
-        self.scheduler = scheduler or Scheduler.of()
-        """The version and feature gates modelled."""
+        self.scheduler = scheduler or Scheduler.of()  # the version and feature gates modelled
         self.ok = outcome.ok
         self.gave_up = outcome.gave_up
 
@@ -311,7 +303,15 @@ class Explanation:
         return f" ({sum(kinds.values())} rejected: {parts})"
 
     def first_reason(self) -> str:
-        """One line: the first reason the claim does not fit here ("fits" when it does)."""
+        """One line: the first reason the claim does not fit here ("fits" when it does), and
+        how many slices the modelled scheduler does not read (``Node.ignored``)."""
+        reason = self._first_reason()
+        if self.ok or not self.node.ignored:
+            return reason
+        n = _plural(len(self.node.ignored), "slice")
+        return f"{reason} ({n} not read by the Kubernetes {self.scheduler.version} scheduler)"
+
+    def _first_reason(self) -> str:
         if self.ok:
             return "fits"
         o = self.outcome

@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 
 from dra_driver.scheduler.domain import Claim, RequestGroup
-from dra_driver.scheduler.outcome import Reason
+from dra_driver.scheduler.outcome import Outcome, Reason
+from dra_driver.scheduler.search import Search
 from dra_driver.scheduler.versions import (
     ADMIN_ACCESS,
     CONSUMABLE_CAPACITY,
@@ -48,6 +49,18 @@ def refusal(claim: Claim, scheduler: Scheduler) -> Reason | None:
     return None
 
 
+def run(search: Search, scheduler: Scheduler) -> Outcome:
+    """``search.run()``, or, when a gate that is off refuses the claim, that error (before any
+    search, as Allocate and validateDeviceRequest answer it) with each request's candidates."""
+    refused = refusal(search.claim, scheduler)
+    if refused is None:
+        return search.run()
+    analyses = [
+        [search.candidates.analyse(r) for r in g.alternatives] for g in search.claim.requests
+    ]
+    return Outcome(False, [], {}, analyses, {}, None, refused, False, 0)
+
+
 def as_read(claim: Claim, scheduler: Scheduler) -> Claim:
     """``claim`` with what the modelled scheduler does not read left out: capacity requests
     without DRAConsumableCapacity."""
@@ -66,4 +79,4 @@ def as_read(claim: Claim, scheduler: Scheduler) -> Claim:
     return dataclasses.replace(claim, requests=groups)
 
 
-__all__ = ["as_read", "refusal"]
+__all__ = ["as_read", "refusal", "run"]

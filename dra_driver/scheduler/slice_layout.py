@@ -91,7 +91,7 @@ def devices_ignored(spec: Mapping[str, Any], name: str, scheduler: Scheduler) ->
     return (
         f"ResourceSlice {name}: its {n} devices are ignored: it holds sharedCounters, and the"
         f" Kubernetes {scheduler.version} scheduler reads a slice as counter sets or as devices"
-        " (the 1.34 layout; publish with --kube-layout 1.35)"
+        " (the 1.34 layout: publish with --kube-layout 1.35, or explain with --kube-version 1.34)"
     )
 
 
