@@ -97,16 +97,16 @@ class ExplainOptions:
         metavar="SECONDS",
         parse=seconds,
     )
-    kube_version: str = setting(
-        "",
+    kube_version: str | None = setting(
+        None,
         "The Kubernetes version whose scheduler explain models: 1.34 or 1.35 (they read counters"
         " and slices differently; docs/explain.md). Default: the newest; with --kubeconfig the"
         " API server's own (its /version). A newer version is modelled as the newest.",
         metavar="VERSION",
         parse=kube_version_arg,
     )
-    feature_gates: str = setting(
-        "",
+    feature_gates: str | None = setting(
+        None,
         "The modelled scheduler's DRA feature gates, as kube-scheduler takes them:"
         " NAME=true|false,... of DRAAdminAccess, DRAConsumableCapacity, DRADeviceTaints,"
         " DRAPartitionableDevices, DRAPrioritizedList. Unset: the version's defaults, with the"

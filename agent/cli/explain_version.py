@@ -41,14 +41,14 @@ def feature_gates_arg(raw: str) -> str:
 
 
 def resolve(
-    kube_version: str,
-    feature_gates: str,
+    kube_version: str | None,
+    feature_gates: str | None,
     server: Callable[[], Mapping[str, Any]] | None = None,
 ) -> tuple[Scheduler, list[str]]:
     """The scheduler to model, and notes for the answer. ``server`` reads the API server's
     ``/version`` (cluster mode); it is asked only when no version is given."""
     notes: list[str] = []
-    text, source = kube_version, f"--kube-version {kube_version}"  # checked: kube_version_arg
+    text, source = kube_version or "", f"--kube-version {kube_version}"  # kube_version_arg
     if not text and server is not None:
         text = server_version(server())
         source = f"the API server runs Kubernetes {text}"
@@ -64,7 +64,7 @@ def resolve(
             ) from None
         if note is not None:
             notes.append(f"{source}: {note}")
-    return Scheduler.of(version, parse_gates(feature_gates)), notes
+    return Scheduler.of(version, parse_gates(feature_gates or "")), notes
 
 
 __all__ = ["feature_gates_arg", "kube_version_arg", "resolve"]
