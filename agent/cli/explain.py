@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from agent.cli.explain_answer import Inputs, NodeAnswer, answer, hold_allocated
 from agent.cli.explain_cluster import RESOURCE, Cluster, Progress, gc_paused, generated_claims
+from agent.cli.explain_version import feature_gates_arg, kube_version_arg, resolve
 from agent.cli.explain_write import devices_text, write_back
 from agent.cli.framework import EXIT_ERROR, Command, Invocation, Uses
 from agent.cli.node_commands import published_slices
@@ -41,6 +42,7 @@ from agent.errors import ConfigError
 from dra_driver.scheduler import inputs, shapes
 from dra_driver.scheduler.inputs import Document, DocumentError, Subject
 from dra_driver.scheduler.lookalike import SliceIndex, reads_of
+from dra_driver.scheduler.versions import Scheduler
 
 if TYPE_CHECKING:
     from dra_driver.scheduler.celenv import CelEnvironment
@@ -98,6 +100,24 @@ class ExplainOptions:
         " before it gives up.",
         metavar="SECONDS",
         parse=seconds,
+    )
+    kube_version: str | None = setting(
+        None,
+        "The Kubernetes version whose scheduler explain models: 1.34 or 1.35 (they read counters"
+        " and slices differently; docs/explain.md). Default: the newest; with --kubeconfig the"
+        " API server's own (its /version). A newer version is modelled as the newest.",
+        metavar="VERSION",
+        parse=kube_version_arg,
+    )
+    feature_gates: str | None = setting(
+        None,
+        "The modelled scheduler's DRA feature gates, as kube-scheduler takes them:"
+        " NAME=true|false,... of DRAAdminAccess, DRAConsumableCapacity, DRADeviceTaints,"
+        " DRAPartitionableDevices, DRAPrioritizedList. Unset: the version's defaults, with the"
+        " alpha gates docs/install.md asks for (DRAPartitionableDevices, DRAConsumableCapacity,"
+        " DRADeviceTaints) on.",
+        metavar="GATE=BOOL,...",
+        parse=feature_gates_arg,
     )
     output: str = setting(
         "text",
@@ -174,7 +194,9 @@ def load_files(
     return classes, slices, nodes, allocated
 
 
-def standalone_inputs(opts: ExplainOptions, config: Config) -> Inputs:
+def standalone_inputs(
+    opts: ExplainOptions, config: Config, scheduler: Scheduler, notes: list[str]
+) -> Inputs:
     if opts.slices and config.simulator.simulate:
         raise ConfigError("--slices and --simulate go against each other: give one of them")
     if not opts.slices and not config.simulator.simulate:
@@ -194,7 +216,7 @@ def standalone_inputs(opts: ExplainOptions, config: Config) -> Inputs:
             f"no DeviceClass given: pass --class FILE (Tessera's: --class"
             f" deploy/daemonset/deviceclasses.yaml), or put the DeviceClasses in {path}"
         )
-    return Inputs(subjects, docs, classes, slices, nodes, allocated)
+    return Inputs(subjects, docs, classes, slices, nodes, allocated, notes, scheduler=scheduler)
 
 
 def _no_subjects(source: str) -> DocumentError:
@@ -207,7 +229,12 @@ def _no_subjects(source: str) -> DocumentError:
 
 
 def cluster_inputs(
-    opts: ExplainOptions, cluster: Cluster, cel: CelEnvironment, progress: Progress
+    opts: ExplainOptions,
+    cluster: Cluster,
+    cel: CelEnvironment,
+    progress: Progress,
+    scheduler: Scheduler,
+    notes: list[str],
 ) -> Inputs:
     """The claims (a file, or NAMESPACE/NAME in the API), then the classes (what the claims
     read decides how slices are indexed), then the slices page by page, the Nodes and the
@@ -263,7 +290,7 @@ def cluster_inputs(
             notes.append(f"{key} is allocated already; explained as if it were not")
             continue
         allocated.append(c)
-    return Inputs(subjects, docs, classes, [], nodes, allocated, notes, index)
+    return Inputs(subjects, docs, classes, [], nodes, allocated, notes, index, scheduler=scheduler)
 
 
 # -- the answer -----------------------------------------------------------------------------------
@@ -306,6 +333,7 @@ def to_json(data: Inputs, answers: Sequence[NodeAnswer], written: str | None) ->
             }
             for a in answers
         ],
+        "scheduler": data.scheduler.to_json(),
         "notes": data.notes,
         "written": written,
     }
@@ -352,6 +380,7 @@ def render_text(data: Inputs, answers: Sequence[NodeAnswer], written: str | None
             else:
                 word = "error" if a.error else "no   "
                 lines.append(f"  {a.node or '':<{width}}  {word} {a.reason}")
+    lines.append(f"modelled: {data.scheduler.describe()}")
     lines += [f"note: {n}" for n in data.notes]
     if written:
         lines.append(f"wrote status.allocation to {written}")
@@ -396,10 +425,12 @@ def cmd_explain(inv: Invocation) -> int:
             if config.simulator.simulate:
                 raise ConfigError("--simulate and --kubeconfig go against each other: give one")
             cluster = Cluster(opts.kubeconfig)
+            scheduler, said = resolve(opts.kube_version, opts.feature_gates, cluster.version)
             cel = cel_environment()
-            data = cluster_inputs(opts, cluster, cel, progress)
+            data = cluster_inputs(opts, cluster, cel, progress, scheduler, said)
         else:
-            data = standalone_inputs(opts, config)
+            scheduler, said = resolve(opts.kube_version, opts.feature_gates)
+            data = standalone_inputs(opts, config, scheduler, said)
             cel = cel_environment()
         if not data.subjects:
             raise _no_subjects(opts.claim)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from dra_driver.scheduler import inputs
 from dra_driver.scheduler.inputs import Document, DocumentError, Subject
 from dra_driver.scheduler.lookalike import NodeLabel, SliceIndex, plan, reads_of
+from dra_driver.scheduler.versions import Scheduler
 
 if TYPE_CHECKING:
     from agent.cli.explain_cluster import Progress
@@ -44,6 +45,8 @@ class Inputs:
     index: SliceIndex | None = None
     held: list[Subject] = field(default_factory=list)
     """A pod's claims that are allocated already (``hold_allocated``): not allocated again."""
+    scheduler: Scheduler = field(default_factory=Scheduler.of)
+    """The scheduler version and feature gates modelled (``--kube-version``)."""
 
 
 @dataclass
@@ -205,6 +208,7 @@ def _evaluate(
                 allocated,
                 cel=cel,
                 time_limit_s=time_limit,
+                scheduler=data.scheduler,
             )
         except ClaimInputError as exc:  # a malformed claim
             raise _input_error(unit[exc.index], exc) from exc

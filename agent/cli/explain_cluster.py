@@ -111,6 +111,10 @@ class Cluster:
     def close(self) -> None:
         self.kube.close()
 
+    def version(self) -> dict[str, Any]:
+        """``GET /version``: the API server's version (``gitVersion``, ``major``, ``minor``)."""
+        return self.kube.request("GET", "/version")
+
     def pages(self, path: str) -> Iterator[list[dict[str, Any]]]:
         """Each page's items (limit/continue); a page is decoded with orjson
         (``KubeClient.request(..., fast=True)``)."""

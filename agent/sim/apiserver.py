@@ -97,11 +97,14 @@ class ApiServer:
     """The emulated API server. ``start()``/``stop()``, or use it as a context manager.
 
     ``port`` 0 picks a free port (kept across a stop/start, so a written kubeconfig stays good).
-    ``seed`` drives generated names and UIDs. ``history_size`` is the number of watch events kept
-    per resource. ``watch_timeout`` is how long a watch without ``timeoutSeconds`` lasts (the real
-    server picks 30-60 minutes); ``bookmark_interval`` how often a watch that allows bookmarks
-    gets one. ``clock`` stamps objects (creationTimestamp); ``monotonic`` times watches (their
-    ``timeoutSeconds`` and bookmarks), so a test can move time on instead of waiting.
+    ``kube_version`` (``1.35.0``) is the version it reports at ``/version`` (``gitVersion``,
+    ``major``, ``minor`` and the emulated version, as a real one does) and whose OpenAPI it
+    serves. ``seed`` drives generated names and UIDs. ``history_size`` is the number of watch
+    events kept per resource. ``watch_timeout`` is how long a watch without ``timeoutSeconds``
+    lasts (the real server picks 30-60 minutes); ``bookmark_interval`` how often a watch that
+    allows bookmarks gets one. ``clock`` stamps objects (creationTimestamp); ``monotonic`` times
+    watches (their ``timeoutSeconds`` and bookmarks), so a test can move time on instead of
+    waiting.
     """
 
     def __init__(

@@ -394,11 +394,18 @@ def api_resource_list(
 
 
 def version_info(kube_version: str) -> dict[str, Any]:
-    """``GET /version``."""
+    """``GET /version``, as k8s.io/apimachinery ``pkg/version`` ``Info`` has it since the
+    compatibility versions (KEP-4330): the binary's major and minor, the emulated ones (the
+    binary's own, without ``--emulated-version``) and the oldest it stays compatible with (the
+    minor before)."""
     major, minor = kube_version.split(".")[:2]
     return {
         "major": major,
         "minor": minor,
+        "emulationMajor": major,
+        "emulationMinor": minor,
+        "minCompatibilityMajor": major,
+        "minCompatibilityMinor": str(max(int(minor) - 1, 0)),
         "gitVersion": f"v{kube_version}",
         "gitCommit": "0" * 40,
         "gitTreeState": "clean",

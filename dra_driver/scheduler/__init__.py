@@ -9,11 +9,14 @@ why a ResourceClaim does or does not fit a node's devices.
   backtracking search; ``outcome``: what the search answers; ``joint``: a pod's claims
   searched together (``explain_pod``);
 - ``explanation``: the facade (``explain(...)`` returns an ``Explanation``) and its text and JSON;
-- ``inputs``: what the CLI reads, without I/O.
+- ``inputs``: what the CLI reads, without I/O;
+- ``versions``: the scheduler modelled (Kubernetes 1.34 or 1.35, its DRA feature gates and the
+  allocator variant they pick), ``slice_layout``: how that version reads counter sets,
+  ``gates``: what a gate that is off does to a claim.
 
 The rules are those of k8s.io/dynamic-resource-allocation ``structured/internal/incubating``
-(the variant the scheduler uses when any of the newer DRA features is on); each module cites
-the files it follows.
+(the variant the scheduler uses when any of the newer DRA features is on) of the version
+``versions`` models; each module cites the files it follows.
 
 Nothing is imported here: the CEL libraries ``explain`` needs cost 0.3 s to import, which
 ``inputs`` (read by the CLI before it knows it will allocate) must not pay.

@@ -242,6 +242,8 @@ class Candidates:
         return reason
 
     def _static(self, req: Request, dev: Device, held: str | None) -> Reason | None:
+        if dev.unallocatable is not None:  # allocateDevice, without DRAPartitionableDevices
+            return Reason("feature-gate", dev.unallocatable, {"gate": "DRAPartitionableDevices"})
         for taint in dev.taints:
             if taint.blocks() and not any(t.tolerates(taint) for t in req.tolerations):
                 return Reason(

@@ -29,6 +29,15 @@ def _uses(dev: Device, counter_set: str, counter: str) -> bool:
     return False
 
 
+def _same_scope(a: Device, b: Device) -> bool:
+    """Whether ``a`` and ``b`` draw on the same counter sets (same pool, and in 1.34 slice)."""
+    return a.pool_index == b.pool_index and a.counter_slice == b.counter_slice
+
+
+def _key(dev: Device, counter_set: str, counter: str) -> tuple[int, str, str, str]:
+    return (dev.pool_index, dev.counter_slice, counter_set, counter)
+
+
 class Usage:
     """The counters and capacity of one claim's allocation in progress, against what the
     node's allocated claims hold. The search takes and releases as it picks and backtracks."""
@@ -36,25 +45,28 @@ class Usage:
     def __init__(self, node: Node, allocated: Allocated) -> None:
         self.node = node
         self.allocated = allocated
-        self._available: dict[int, dict[tuple[str, str], int]] = {}
-        self._counters: dict[tuple[int, str, str], int] = {}
+        self._available: dict[tuple[int, str], dict[tuple[str, str], int]] = {}
+        self._counters: dict[tuple[int, str, str, str], int] = {}
         self._capacity: dict[int, dict[str, int]] = {}
 
-    def available(self, pool_index: int) -> dict[tuple[str, str], int]:
-        """checkAvailableCounters: the pool's counters less what allocated devices consume
-        (may go negative: then none is left)."""
-        avail = self._available.get(pool_index)
+    def available(self, dev: Device) -> dict[tuple[str, str], int]:
+        """checkAvailableCounters: the counters ``dev`` draws on (its pool's, or in 1.34 its
+        slice's: ``Device.counter_slice``) less what allocated devices consume (may go
+        negative: then none is left)."""
+        scope = (dev.pool_index, dev.counter_slice)
+        avail = self._available.get(scope)
         if avail is None:
-            pool = self.node.pools[pool_index]
-            avail = {(s, c): q.nanos for s, cs in pool.counters.items() for c, q in cs.items()}
-            for dev in pool.devices:
-                if not self.allocated.holds(dev.key):
+            pool = self.node.pools[dev.pool_index]
+            sets = pool.slice_counters.get(dev.counter_slice, {}) if scope[1] else pool.counters
+            avail = {(s, c): q.nanos for s, cs in sets.items() for c, q in cs.items()}
+            for d in pool.devices:
+                if d.counter_slice != scope[1] or not self.allocated.holds(d.key):
                     continue
-                for use in dev.consumes:
+                for use in d.consumes:
                     for c, q in use.counters.items():
                         if (use.counter_set, c) in avail:
                             avail[(use.counter_set, c)] -= q.nanos
-            self._available[pool_index] = avail
+            self._available[scope] = avail
         return avail
 
     def _counter_holders(
@@ -64,10 +76,14 @@ class Usage:
         out = []
         for pick in picks:
             d = pick.device
-            if d.pool_index == dev.pool_index and _uses(d, counter_set, counter):
+            if _same_scope(d, dev) and _uses(d, counter_set, counter):
                 out.append(f"{d.name} (request {pick.request.full_name})")
         for d in pool.devices:
-            if self.allocated.holds(d.key) and _uses(d, counter_set, counter):
+            if (
+                _same_scope(d, dev)
+                and self.allocated.holds(d.key)
+                and _uses(d, counter_set, counter)
+            ):
                 owner = self.allocated.owners.get(d.key) or ", ".join(
                     self.allocated.share_owners.get(d.key, ())
                 )
@@ -86,13 +102,15 @@ class Usage:
         take); the reason names who uses them."""
         if not dev.consumes or self.skip_counters(dev):
             return None
-        avail = self.available(dev.pool_index)
+        avail = self.available(dev)
         for use in dev.consumes:
             for c, q in use.counters.items():
-                used = (
-                    self._counters.get((dev.pool_index, use.counter_set, c), 0) if in_claim else 0
-                )
-                left = avail.get((use.counter_set, c), 0) - used
+                if (use.counter_set, c) not in avail:
+                    # 1.34 checks its slice's counter sets only: one it lacks is not enforced
+                    # (1.35 makes such a pool invalid before)
+                    continue
+                used = self._counters.get(_key(dev, use.counter_set, c), 0) if in_claim else 0
+                left = avail[(use.counter_set, c)] - used
                 if q.nanos > left:
                     holders = self._counter_holders(dev, use.counter_set, c, picks)
                     taken = f"; used by {', '.join(holders[:4])}" if holders else ""
@@ -171,14 +189,14 @@ class Usage:
         if dev.consumes and not self.skip_counters(dev):
             for use in dev.consumes:
                 for counter, q in use.counters.items():
-                    k = (dev.pool_index, use.counter_set, counter)
+                    k = _key(dev, use.counter_set, counter)
                     self._counters[k] = self._counters.get(k, 0) + q.nanos
 
     def release_counters(self, dev: Device) -> None:
         if dev.consumes and not self.skip_counters(dev):
             for use in dev.consumes:
                 for counter, q in use.counters.items():
-                    self._counters[(dev.pool_index, use.counter_set, counter)] -= q.nanos
+                    self._counters[_key(dev, use.counter_set, counter)] -= q.nanos
 
     def take_capacity(self, index: int, consumed: Mapping[str, Quantity]) -> None:
         mine = self._capacity.setdefault(index, {})

@@ -29,11 +29,14 @@ An ``Explanation`` answers in four forms:
                                                 "reason": Reason | null}]}]}],
      "pools": [{"driver", "pool", "generation", "slices", "resourceSliceCount", "devices",
                 "problem": str | null}],
+     "ignored": [str],                      # slices, or their devices, the scheduler does not read
+     "scheduler": {"kubernetesVersion", "allocator", "featureGates"},  # Scheduler.to_json()
      "steps": int}
 
 Reason kinds: ``pool`` (incomplete or invalid pool), ``unknown-class``, ``class-selector``,
 ``request-selector`` (with ``expression`` and ``seen``: the values it read), ``cel-error``,
-``tainted``, ``allocated`` (``owner``), ``capacity``, ``counters`` (``counterSet``,
+``tainted``, ``feature-gate`` (``gate``: a gate that is off refuses the claim or the device),
+``allocated`` (``owner``), ``capacity``, ``counters`` (``counterSet``,
 ``counter``), ``constraint`` (``attribute``, ``value``, ``conflictsWith``), ``taken`` (by
 another request of this claim), ``taken-in-pod`` (by another claim allocated with it:
 ``claim``, ``request``; ``joint``), ``no-completion``, ``too-few``, ``too-many``, ``gave-up``.
@@ -54,6 +57,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from dra_driver.scheduler import gates
 from dra_driver.scheduler.celenv import CelEnvironment
 from dra_driver.scheduler.domain import (
     Claim,
@@ -69,6 +73,7 @@ from dra_driver.scheduler.domain import (
 from dra_driver.scheduler.inputs import node_selector
 from dra_driver.scheduler.outcome import Analysis, Outcome, Pick, Reason
 from dra_driver.scheduler.search import Search
+from dra_driver.scheduler.versions import CONSUMABLE_CAPACITY, Scheduler
 
 KIND_LABELS = {
     "pool": "pool unusable",
@@ -84,6 +89,7 @@ KIND_LABELS = {
     "taken": "taken in this claim",
     "taken-in-pod": "taken by the pod's other claims",
     "no-completion": "no complete allocation",
+    "feature-gate": "feature gate off",
 }
 STOPS = "the scheduler stops scheduling the pod with this error; it does not try other nodes"
 SHOWN = 3
@@ -100,19 +106,24 @@ def explain(
     time_limit_s: float = 10.0,
     in_use: Iterable[tuple[str, str, str]] = (),
     clock: Callable[[], float] = time.monotonic,
+    scheduler: Scheduler | None = None,
 ) -> Explanation:
     """Allocate ``claim`` against one node's ``slices`` as the scheduler would, given the
     ``allocated`` claims (and ``in_use`` devices); InputError for malformed input. ``clock``
-    (seconds) bounds the search with ``time_limit_s``; tests pass a fake one."""
+    (seconds) bounds the search with ``time_limit_s``; tests pass a fake one. ``scheduler``
+    is the version and feature gates modelled (default: the newest, ``Scheduler.of()``)."""
+    scheduler = scheduler or Scheduler.of()
     q = QuantityReader()
-    parsed = parse_claim(claim, q)
+    parsed = gates.as_read(parse_claim(claim, q), scheduler)
     device_classes = parse_classes(classes)
-    node = parse_slices(slices, q)
-    state = parse_allocated(allocated, in_use, q)
-    outcome = Search(
+    node = parse_slices(slices, q, scheduler)
+    shares = scheduler.enabled(CONSUMABLE_CAPACITY)
+    state = parse_allocated(allocated, in_use, q, shares=shares)
+    search = Search(
         parsed, device_classes, node, state, cel, time_limit_s=time_limit_s, clock=clock
-    ).run()
-    return Explanation(parsed, node, outcome, time_limit_s, device_classes, slices)
+    )
+    outcome = gates.run(search, scheduler)
+    return Explanation(parsed, node, outcome, time_limit_s, device_classes, slices, scheduler)
 
 
 def _ref(dev: Device) -> dict[str, str]:
@@ -143,6 +154,7 @@ class Explanation:
         time_limit_s: float,
         classes: Mapping[str, Any],
         slices: Sequence[Mapping[str, Any]] = (),
+        scheduler: Scheduler | None = None,
     ) -> None:
         self.claim = claim
         self._node = node
@@ -150,6 +162,7 @@ class Explanation:
         self.time_limit_s = time_limit_s
         self._classes = classes
         self._slices = slices
+        self.scheduler = scheduler or Scheduler.of()  # the version and feature gates modelled
         self.ok = outcome.ok
         self.gave_up = outcome.gave_up
         # the allocator's error; a missing class is none: the scheduler's PreFilter answers it
@@ -173,7 +186,9 @@ class Explanation:
     ) -> Explanation:
         """The same answer about another node that looks the same to the claim
         (:mod:`dra_driver.scheduler.relabel` renames ``node`` and ``outcome``)."""
-        return Explanation(self.claim, node, outcome, self.time_limit_s, self._classes, slices)
+        return Explanation(
+            self.claim, node, outcome, self.time_limit_s, self._classes, slices, self.scheduler
+        )
 
     # -- allocation ----------------------------------------------------------------------------
     def allocation(self) -> dict[str, Any]:
@@ -299,7 +314,15 @@ class Explanation:
         return f" ({sum(kinds.values())} rejected: {parts})"
 
     def first_reason(self) -> str:
-        """One line: the first reason the claim does not fit here ("fits" when it does)."""
+        """One line: the first reason the claim does not fit here ("fits" when it does), and
+        how many slices the modelled scheduler does not read (``Node.ignored``)."""
+        reason = self._first_reason()
+        if self.ok or not self.node.ignored:
+            return reason
+        n = _plural(len(self.node.ignored), "slice")
+        return f"{reason} ({n} not read by the Kubernetes {self.scheduler.version} scheduler)"
+
+    def _first_reason(self) -> str:
         if self.ok:
             return "fits"
         o = self.outcome
@@ -324,6 +347,7 @@ class Explanation:
         for pool in self.node.pools:
             if pool.problem is not None:
                 lines.append(f"  {pool.problem}")
+        lines.extend(f"  {why}" for why in self.node.ignored)
         for gi, group in enumerate(self.claim.requests):
             for ai, a in enumerate(self.outcome.analyses[gi]):
                 lines.extend(self._text_alternative(gi, ai, a, group.first_available))
@@ -447,6 +471,8 @@ class Explanation:
                 }
                 for p in self.node.pools
             ],
+            "ignored": list(self.node.ignored),
+            "scheduler": self.scheduler.to_json(),
             "steps": o.steps,
         }
 

@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from dra_driver.scheduler import gates
 from dra_driver.scheduler.capacity import Usage
 from dra_driver.scheduler.celenv import CelEnvironment
 from dra_driver.scheduler.domain import (
@@ -54,6 +55,7 @@ from dra_driver.scheduler.domain import (
 from dra_driver.scheduler.explanation import Explanation
 from dra_driver.scheduler.outcome import Fatal, GaveUp, Reason
 from dra_driver.scheduler.search import PodShare, Search, TooMany, too_many
+from dra_driver.scheduler.versions import CONSUMABLE_CAPACITY, Scheduler
 
 
 class _Chain(PodShare):
@@ -116,16 +118,19 @@ def explain_pod(
     time_limit_s: float = 10.0,
     in_use: Iterable[tuple[str, str, str]] = (),
     clock: Callable[[], float] = time.monotonic,
+    scheduler: Scheduler | None = None,
 ) -> PodExplanation:
     """Allocate ``claims`` (a pod's claims without an allocation, in the pod's order) together
     against one node's ``slices``, as ``Allocate`` does; ``time_limit_s`` bounds the whole
-    search (the scheduler's filter timeout bounds the whole call too). ClaimInputError for a
-    malformed claim, InputError for other malformed input."""
+    search (the scheduler's filter timeout bounds the whole call too). ``scheduler`` is the
+    version and feature gates modelled (default: the newest), as for ``explain``.
+    ClaimInputError for a malformed claim, InputError for other malformed input."""
+    scheduler = scheduler or Scheduler.of()
     q = QuantityReader()
-    parsed = [_claim(i, c, q) for i, c in enumerate(claims)]
+    parsed = [gates.as_read(_claim(i, c, q), scheduler) for i, c in enumerate(claims)]
     device_classes = parse_classes(classes)
-    node = parse_slices(slices, q)
-    state = parse_allocated(allocated, in_use, q)
+    node = parse_slices(slices, q, scheduler)
+    state = parse_allocated(allocated, in_use, q, shares=scheduler.enabled(CONSUMABLE_CAPACITY))
     chain = _Chain(
         Usage(node, state),
         parsed,
@@ -141,6 +146,7 @@ def explain_pod(
             found = s.prepare()
         except InputError as exc:  # a selector that does not compile
             raise ClaimInputError(i, exc) from exc
+        found = found or gates.refusal(s.claim, scheduler)  # a gate that is off refuses it
         if found is not None and fatal is None:
             fatal, blocked = found, i
     ok = gave_up = False
@@ -166,6 +172,7 @@ def explain_pod(
             time_limit_s,
             device_classes,
             slices,
+            scheduler,
         )
         for i, s in enumerate(chain.searches)
     ]
@@ -182,7 +189,15 @@ def explain_pod(
             time_limit_s=time_limit_s,
             clock=clock,
         )
-        alone = Explanation(parsed[blocked], node, s.run(), time_limit_s, device_classes, slices)
+        alone = Explanation(
+            parsed[blocked],
+            node,
+            gates.run(s, scheduler),
+            time_limit_s,
+            device_classes,
+            slices,
+            scheduler,
+        )
     return PodExplanation(explanations, None if ok else blocked, alone)
 
 

@@ -30,6 +30,13 @@ from typing import Any
 from agent.decode import fields
 from dra_driver.errors import QuantityError
 from dra_driver.quantity import Quantity, parse_quantity
+from dra_driver.scheduler import slice_layout
+from dra_driver.scheduler.versions import (
+    CONSUMABLE_CAPACITY,
+    DEVICE_TAINTS,
+    PARTITIONABLE_DEVICES,
+    Scheduler,
+)
 
 ATTRIBUTE_TYPES = ("string", "int", "bool", "version")
 """The value fields of a DeviceAttribute; exactly one is set."""
@@ -73,11 +80,14 @@ class Taint:
     key: str
     value: str
     effect: str
+    any_effect_blocks: bool = False
+    """1.34: every taint must be tolerated, whatever its effect (allTaintsTolerated)."""
 
     def blocks(self) -> bool:
         """Only NoSchedule and NoExecute keep a device from being allocated; None and unknown
-        effects are ignored (taintPreventsAllocation, incubating/allocator_incubating.go)."""
-        return self.effect in ("NoSchedule", "NoExecute")
+        effects are ignored (1.35: taintPreventsAllocation, incubating/allocator_incubating.go);
+        in 1.34 every taint does (``any_effect_blocks``)."""
+        return self.any_effect_blocks or self.effect in ("NoSchedule", "NoExecute")
 
     def __str__(self) -> str:
         return (
@@ -128,6 +138,12 @@ class Device:
     pool_index: int = -1
     node_name: str = ""
     """The slice's spec.nodeName (empty for allNodes or nodeSelector slices)."""
+    counter_slice: str = ""
+    """Whose counter sets the device draws on: "" its pool's (1.35), else its own slice's
+    (1.34, checkAvailableCounters)."""
+    unallocatable: str | None = None
+    """Why the modelled scheduler never allocates this device, whatever the claim (a device
+    that consumes counters with DRAPartitionableDevices off); None when it may."""
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -207,7 +223,9 @@ class Pool:
     """Names of this generation's slices that were given."""
     devices: list[Device] = field(default_factory=list)
     counters: dict[str, dict[str, Quantity]] = field(default_factory=dict)
-    """Counter set -> counter -> value, from the slices' sharedCounters."""
+    """Counter set -> counter -> value, from the slices' sharedCounters (1.35: the pool's)."""
+    slice_counters: dict[str, dict[str, dict[str, Quantity]]] = field(default_factory=dict)
+    """1.34: slice name -> its own counter sets (a device draws on its slice's only)."""
     stale_slices: int = 0
     """Slices of an older generation, ignored."""
     problem: str | None = None
@@ -269,7 +287,9 @@ def _device(
     slice_name: str,
     q: QuantityReader,
     index: int,
+    scheduler: Scheduler,
 ) -> Device:
+    """One device as ``scheduler`` reads it (taints, shared allocation, counters)."""
     d = fields.obj(obj, path)
     name = fields.text(d.get("name"), f"{path}.name", nonempty=True)
     raw_capacity = fields.obj(d.get("capacity"), f"{path}.capacity", optional=True)
@@ -282,8 +302,19 @@ def _device(
                 fields.text(t.get("key"), f"{tp}.key", nonempty=True),
                 (fields.opt_text(t.get("value"), f"{tp}.value") or ""),
                 fields.text(t.get("effect"), f"{tp}.effect", nonempty=True),
+                scheduler.every_taint_blocks,
             )
         )
+    if not scheduler.enabled(DEVICE_TAINTS):
+        taints = []  # allocateDevice checks taints only with DRADeviceTaints on
+    consumes = fields.items(d.get("consumesCounters"), f"{path}.consumesCounters")
+    unallocatable = None
+    if consumes and not scheduler.enabled(PARTITIONABLE_DEVICES):
+        unallocatable = (
+            f"consumes counters, and with {PARTITIONABLE_DEVICES} off the Kubernetes"
+            f" {scheduler.version} scheduler never allocates such a device"
+        )
+    multiple = fields.flag(d.get("allowMultipleAllocations"), f"{path}.allowMultipleAllocations")
     return Device(
         index=index,
         driver=driver,
@@ -292,13 +323,15 @@ def _device(
         name=name,
         raw_attributes=_attributes(d.get("attributes"), f"{path}.attributes"),
         raw_capacity=raw_capacity,
-        raw_consumes=fields.items(d.get("consumesCounters"), f"{path}.consumesCounters"),
+        raw_consumes=consumes,
         quantities=q,
-        allow_multiple=fields.flag(
-            d.get("allowMultipleAllocations"), f"{path}.allowMultipleAllocations"
-        ),
+        # without DRAConsumableCapacity the incubating allocator knows no shared devices: every
+        # device is allocated whole
+        allow_multiple=multiple and scheduler.enabled(CONSUMABLE_CAPACITY),
         taints=tuple(taints),
         path=path,
+        counter_slice=slice_name if scheduler.counters_per_slice else "",
+        unallocatable=unallocatable,
     )
 
 
@@ -310,42 +343,26 @@ class Node:
     pools: list[Pool]
     devices: list[Device]
     by_key: dict[tuple[str, str, str], Device]
+    ignored: list[str] = field(default_factory=list)
+    """Slices, or slices' devices, the modelled scheduler does not read, and why
+    (:mod:`dra_driver.scheduler.slice_layout`)."""
 
 
-def parse_slices(slices: Sequence[Mapping[str, Any]], q: QuantityReader) -> Node:
-    by_pool: dict[tuple[str, str], list[tuple[Mapping[str, Any], str, int, int]]] = {}
-    stale: dict[tuple[str, str], int] = {}
-    for i, obj in enumerate(slices):
-        base = f"resourceSlices[{i}]"
-        obj = fields.obj(obj, base)
-        meta = fields.obj(obj.get("metadata"), f"{base}.metadata", optional=True)
-        sname = (fields.opt_text(meta.get("name"), f"{base}.metadata.name") or "") or f"#{i}"
-        base = f"ResourceSlice {sname}"
-        spec = fields.obj(obj.get("spec"), f"{base}.spec")
-        driver = fields.text(spec.get("driver"), f"{base}.spec.driver", nonempty=True)
-        pool_spec = fields.obj(spec.get("pool"), f"{base}.spec.pool")
-        pname = fields.text(pool_spec.get("name"), f"{base}.spec.pool.name", nonempty=True)
-        gen = fields.integer(pool_spec.get("generation", 0), f"{base}.spec.pool.generation")
-        count = fields.integer(
-            pool_spec.get("resourceSliceCount"), f"{base}.spec.pool.resourceSliceCount"
-        )
-        if count < 1:
-            raise InputError(f"{base}.spec.pool.resourceSliceCount", f"must be >= 1, got {count}")
-        key = (driver, pname)
-        have = by_pool.setdefault(key, [])
-        # addSlice: an older generation is out-dated, a newer one replaces all before it.
-        if have and gen < have[0][2]:
-            stale[key] = stale.get(key, 0) + 1
-            continue
-        if have and gen > have[0][2]:
-            stale[key] = stale.get(key, 0) + len(have)
-            have.clear()
-        have.append((spec, sname, gen, count))
+def parse_slices(
+    slices: Sequence[Mapping[str, Any]], q: QuantityReader, scheduler: Scheduler | None = None
+) -> Node:
+    """One node's slices as ``scheduler`` (default: the newest version, :class:`Scheduler`
+    ``.of()``) gathers them into pools."""
+    scheduler = scheduler or Scheduler.of()
+    partitionable = scheduler.enabled(PARTITIONABLE_DEVICES)
+    by_pool, stale = slice_layout.group(slices, scheduler)
     pools: list[Pool] = []
     devices: list[Device] = []
+    ignored: list[str] = []
     for driver, pname in sorted(by_pool):
         entries = sorted(by_pool[(driver, pname)], key=lambda e: e[1])
         gen, count = entries[0][2], entries[0][3]
+        counted = slice_layout.counted(entries, scheduler)
         pool = Pool(
             driver,
             pname,
@@ -356,32 +373,38 @@ def parse_slices(slices: Sequence[Mapping[str, Any]], q: QuantityReader) -> Node
         )
         pool_index = len(pools)
         pools.append(pool)
-        if len(entries) != count:
+        if len(counted) != count:
             pool.incomplete = True
             pool.problem = (
-                f"pool {pool.ref} is incomplete: {len(entries)} of {count} slices of generation"
-                f" {gen} (the driver is updating it; nothing is allocated from it meanwhile)"
+                f"pool {pool.ref} is incomplete: {len(counted)} of {count} slices of"
+                f" generation {gen} (the driver is updating it; nothing is allocated from it"
+                " meanwhile)"
             )
         names: set[str] = set()
-        for spec, sname, _, _ in entries:
+        for spec, sname, _, _, skip in entries:
+            if skip is not None:
+                ignored.append(skip)
+                continue
             base = f"ResourceSlice {sname}.spec"
-            for j, cs in enumerate(
-                fields.items(spec.get("sharedCounters"), f"{base}.sharedCounters")
-            ):
-                cp = f"{base}.sharedCounters[{j}]"
-                cs = fields.obj(cs, cp)
-                cs_name = fields.text(cs.get("name"), f"{cp}.name", nonempty=True)
-                counters = {
-                    n: q(
-                        fields.obj(c, f"{cp}.counters.{n}").get("value"), f"{cp}.counters.{n}.value"
-                    )
-                    for n, c in fields.obj(cs.get("counters"), f"{cp}.counters").items()
-                }
-                if cs_name in pool.counters and pool.problem is None:
-                    pool.problem = f"pool {pool.ref} is invalid: duplicate counter set {cs_name}"
-                pool.counters[cs_name] = counters
+            if partitionable:
+                sets, twice = slice_layout.counter_sets(spec, base, q)
+                into = pool.counters
+                if scheduler.counters_per_slice:
+                    into = pool.slice_counters.setdefault(sname, {})
+                for cs_name, counters in sets:
+                    if (cs_name in into or twice) and pool.problem is None:
+                        pool.problem = (
+                            f"pool {pool.ref} is invalid: duplicate counter set {twice or cs_name}"
+                        )
+                    into[cs_name] = counters
+            why = slice_layout.devices_ignored(spec, sname, scheduler)
+            if why is not None:
+                ignored.append(why)
+                continue
             for j, raw in enumerate(fields.items(spec.get("devices"), f"{base}.devices")):
-                dev = _device(raw, f"{base}.devices[{j}]", driver, pname, sname, q, len(devices))
+                dev = _device(
+                    raw, f"{base}.devices[{j}]", driver, pname, sname, q, len(devices), scheduler
+                )
                 dev.pool_index = pool_index
                 _ = dev.capacity  # the CEL view reads it: a malformed value is an InputError
                 dev.node_name = spec.get("nodeName") or ""
@@ -390,34 +413,12 @@ def parse_slices(slices: Sequence[Mapping[str, Any]], q: QuantityReader) -> Node
                 names.add(dev.name)
                 pool.devices.append(dev)
                 devices.append(dev)
-        if pool.problem is None:
-            for dev in pool.devices:
-                for counter_set, counter_names in dev.counter_refs():
-                    defined = pool.counters.get(counter_set)
-                    missing = (
-                        f"counter set {counter_set}"
-                        if defined is None
-                        else next(
-                            (
-                                f"counter {n} in counter set {counter_set}"
-                                for n in counter_names
-                                if n not in defined
-                            ),
-                            None,
-                        )
-                    )
-                    if missing:
-                        pool.problem = (
-                            f"pool {pool.ref} is invalid: device {dev.name} consumes {missing},"
-                            " which no slice of the pool defines"
-                        )
-                        break
-                if pool.problem:
-                    break
+        if pool.problem is None and partitionable and not scheduler.counters_per_slice:
+            pool.problem = slice_layout.invalid_consumption(pool.ref, pool.devices, pool.counters)
     by_key: dict[tuple[str, str, str], Device] = {}
     for dev in devices:
         by_key.setdefault(dev.key, dev)
-    return Node(pools, devices, by_key)
+    return Node(pools, devices, by_key, ignored)
 
 
 # -- allocated claims --------------------------------------------------------------------------
@@ -441,7 +442,11 @@ def parse_allocated(
     claims: Sequence[Mapping[str, Any]],
     in_use: Iterable[tuple[str, str, str]],
     q: QuantityReader,
+    *,
+    shares: bool = True,
 ) -> Allocated:
+    """``shares`` False (DRAConsumableCapacity off): a result with a shareID holds its whole
+    device too (foreachAllocatedDevice calls the shared callback only with the gate on)."""
     out = Allocated()
     for i, obj in enumerate(claims):
         base = f"allocated[{i}]"
@@ -468,7 +473,7 @@ def parse_allocated(
             )
             if fields.flag(r.get("adminAccess"), f"{rp}.adminAccess"):
                 continue  # "Is not considered as allocated" (foreachAllocatedDevice)
-            if r.get("shareID") is not None:
+            if r.get("shareID") is not None and shares:
                 fields.text(r.get("shareID"), f"{rp}.shareID", nonempty=True)
                 total = out.shared.setdefault(key, {})
                 consumed = fields.obj(

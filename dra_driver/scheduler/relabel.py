@@ -35,8 +35,9 @@ class Renaming:
 def renaming(node: Node, label: NodeLabel) -> Renaming | None:
     """How ``node`` (the first member's, parsed) maps onto the member ``label`` names; None
     when its pools do not line up with the label's (then that node is evaluated on its own),
-    or when a pool has a problem (its text names the pool)."""
-    if len(node.pools) != len(label.pools):
+    or when a pool has a problem (its text names the pool), or a slice is ignored (its text
+    names the slice)."""
+    if len(node.pools) != len(label.pools) or node.ignored:
         return None
     slice_names = []
     for pool, new in zip(node.pools, label.pools, strict=True):

@@ -319,7 +319,10 @@ CASES = [
     Case(
         "counters-used-by-an-allocated-claim",
         claim(exact("big", "mig", selectors=(f'{A}.profile == "3g"',))),
-        [rslice(MIGS, counters=MIG_COUNTERS)],
+        [
+            rslice([], name="counters", count=2, counters=MIG_COUNTERS),
+            rslice(MIGS, name="devices", count=2),
+        ],
         allocs=[allocated("train", {"device": "mig-1g-0"})],
         reason=("needs 1, 0 candidates", "1 counters exhausted"),
         rejected={"mig-3g-0": "counters", "mig-1g-0": "request-selector"},
@@ -635,7 +638,10 @@ def test_capacity_reason_names_requested_rounded_and_available() -> None:
 def test_counters_reason_names_the_set_the_counter_and_the_holder() -> None:
     e = run(
         claim(exact("big", "mig", selectors=(f'{A}.profile == "3g"',))),
-        [rslice(MIGS, counters=MIG_COUNTERS)],
+        [
+            rslice([], name="counters", count=2, counters=MIG_COUNTERS),
+            rslice(MIGS, name="devices", count=2),
+        ],
         allocs=[allocated("train", {"device": "mig-1g-0"})],
     )
     r = reason_of(e, "mig-3g-0")
@@ -655,7 +661,10 @@ def test_shared_device_consumes_its_counters_once() -> None:
     )
     e = run(
         claim(exact("a", capacity={"memory": "8Gi"}), exact("b", capacity={"memory": "8Gi"})),
-        [rslice([d], counters={"set": {"c": 1}})],
+        [
+            rslice([], name="counters", count=2, counters={"set": {"c": 1}}),
+            rslice([d], name="devices", count=2),
+        ],
         allocs=[],
     )
     assert picked(e) == {"a": ["gpu-0"], "b": ["gpu-0"]}
@@ -727,6 +736,8 @@ def test_json_shape() -> None:
         "allocation",
         "requests",
         "pools",
+        "ignored",
+        "scheduler",
         "steps",
     }
     (req,) = j["requests"]

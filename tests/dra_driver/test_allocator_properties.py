@@ -141,7 +141,12 @@ def api(
         devices.append(
             dev(d.name, attrs=attrs, capacity=capacity, consumes=consumes, multi=d.multi)
         )
-    slices = [rslice(devices, counters={"s": {"c1": world.totals[0], "c2": world.totals[1]}})]
+    totals = {"s": {"c1": world.totals[0], "c2": world.totals[1]}}
+    # the 1.35 layout: the pool's counter sets in a slice of their own
+    slices = [
+        rslice([], name="counters", count=2, counters=totals),
+        rslice(devices, name="devices", count=2),
+    ]
     requests = []
     for alts in world.groups:
         bodies = []

@@ -16,6 +16,7 @@ from dra_driver.advertise.slices import SlicePolicy, build_slices
 from dra_driver.device_model import DevicePolicy, advertised_devices
 from dra_driver.scheduler.celenv import CelEnvironment
 from dra_driver.scheduler.explanation import Explanation, explain
+from dra_driver.scheduler.versions import Scheduler
 from tests.dra_driver.conftest import Inventory
 from tests.dra_driver.vm_inventories import H200_TYPES, passthrough, vgpu
 
@@ -60,8 +61,14 @@ def holding(pool: str, *devices: str) -> dict[str, Any]:
     }
 
 
-def run(c: dict[str, Any], node: Slices, held: list[dict[str, Any]] | None = None) -> Explanation:
-    return explain(c, CLASSES, node, held or [], cel=CelEnvironment())
+def run(
+    c: dict[str, Any], node: Slices, held: list[dict[str, Any]] | None = None, version: str = "1.35"
+) -> Explanation:
+    """``version``: the scheduler modelled; slices in a layout are explained by the scheduler of
+    the version they are published for (1.35 ignores the devices of a 1.34 counter slice)."""
+    return explain(
+        c, CLASSES, node, held or [], cel=CelEnvironment(), scheduler=Scheduler.of(version)
+    )
 
 
 def reasons(e: Explanation) -> list[dict[str, Any]]:
@@ -101,14 +108,14 @@ def test_a_gpus_vfio_device_and_its_whole_gpu_never_both_in_either_order(
         held_name = f"gpu-{minor}-vfio" if first == "vfio" else f"gpu-{minor}"
         wanted_class = GPU if first == "vfio" else VFIO
         e = run(claim("second", request("r", wanted_class, on_gpu(minor))), node,
-                [holding(inv.hostname, held_name)])  # fmt: skip
+                [holding(inv.hostname, held_name)], layout)  # fmt: skip
         assert not e.ok, e.text()
         (why,) = [r for r in reasons(e) if r["kind"] == "counters"]
         assert why["counterSet"] == f"gpu-{minor}-counter-set"
         assert f"{held_name} (claim vms/holder)" in why["text"]
         # another GPU is free for it
         other = run(claim("second", request("r", wanted_class)), node,
-                    [holding(inv.hostname, held_name)])  # fmt: skip
+                    [holding(inv.hostname, held_name)], layout)  # fmt: skip
         assert other.ok and not devices_of(other)[0].startswith(f"gpu-{minor}-")
 
 
@@ -131,20 +138,21 @@ def test_dynamic_mig_placements_and_the_vfio_device_exclude_each_other(
     placement = "gpu-0-mig-1g10gb-19-6"
     one_g = f'device.attributes["{DOMAIN}"].profile == "1g.10gb"'
     # a placement held: no vfio device of its GPU
-    e = run(claim("vm", request("r", VFIO, on_gpu(0))), node, [holding(inv.hostname, placement)])
+    held = [holding(inv.hostname, placement)]
+    e = run(claim("vm", request("r", VFIO, on_gpu(0))), node, held, layout)
     assert not e.ok, e.text()
     why = reason_of(e, "gpu-0-vfio")
     assert why["kind"] == "counters" and f"{placement} (claim vms/holder)" in why["text"]
     # the vfio device held: no placement of its GPU, and not the whole GPU
     held = [holding(inv.hostname, "gpu-0-vfio")]
-    e = run(claim("ctr", request("r", MIG, one_g, on_gpu(0))), node, held)
+    e = run(claim("ctr", request("r", MIG, one_g, on_gpu(0))), node, held, layout)
     assert not e.ok, e.text()
     for start in range(7):
         why = reason_of(e, f"gpu-0-mig-1g10gb-19-{start}")
         assert why["kind"] == "counters" and "gpu-0-vfio (claim vms/holder)" in why["text"]
-    assert not run(claim("ctr", request("r", GPU, on_gpu(0))), node, held).ok
+    assert not run(claim("ctr", request("r", GPU, on_gpu(0))), node, held, layout).ok
     # the other GPUs are untouched
-    e = run(claim("ctr", request("r", MIG, one_g, count=7)), node, held)
+    e = run(claim("ctr", request("r", MIG, one_g, count=7)), node, held, layout)
     assert e.ok and all(d.startswith("gpu-1-") for d in devices_of(e)), e.text()
 
 
