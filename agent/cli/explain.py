@@ -280,7 +280,6 @@ def cluster_inputs(
             progress.show(f"read {read}", force=True)
     nodes |= {str(n["metadata"]["name"]): n for n in cluster.list("/api/v1/nodes")}
     mine = {s.key for s in subjects if s.pod is None}  # a pod's allocated claims are held
-    notes = []
     for c in cluster.list(f"{RESOURCE}/resourceclaims"):
         meta = c.get("metadata") or {}
         key = f"{meta.get('namespace', 'default')}/{meta.get('name')}"

@@ -146,7 +146,10 @@ ROWS = [
         f"{ALLOCATOR}: allocateDevice, checkAvailableCounters false: 'Insufficient counters',"
         " no error",
         claim(exact("g", "mig", mode="All")),
-        [rslice(MIGS, counters=MIG_COUNTERS)],
+        [
+            rslice([], name="counters", count=2, counters=MIG_COUNTERS),
+            rslice(MIGS, name="devices", count=2),
+        ],
         no_fit=("needs every matching device", "mig-3g-0", "gpu-0-set"),
     ),
     Row(
@@ -154,7 +157,10 @@ ROWS = [
         f"{ALLOCATOR}: allocateDevice, checkAvailableCounters subtracts what allocated devices"
         " consume",
         claim(exact("g", "mig", mode="All")),
-        [rslice([MIGS[1], OTHER_1G], counters=MIG_COUNTERS)],
+        [
+            rslice([], name="counters", count=2, counters=MIG_COUNTERS),
+            rslice([MIGS[1], OTHER_1G], name="devices", count=2),
+        ],
         allocs=[allocated("other", {"device": "other-1g-1"})],
         no_fit=("needs every matching device", "mig-3g-0", "gpu-0-set"),
     ),

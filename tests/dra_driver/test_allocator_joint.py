@@ -15,7 +15,15 @@ import pytest
 from dra_driver.scheduler.celenv import CelEnvironment
 from dra_driver.scheduler.explanation import explain
 from dra_driver.scheduler.joint import PodExplanation, explain_pod
-from tests.dra_driver.allocator_helpers import DRIVER, claim, dev, exact, klass, rslice
+from tests.dra_driver.allocator_helpers import (
+    DRIVER,
+    claim,
+    dev,
+    exact,
+    first_available,
+    klass,
+    rslice,
+)
 from tests.fakeclock import FakeClock
 
 A = f'device.attributes["{DRIVER}"]'
@@ -106,7 +114,10 @@ CASES = [
             named("small", exact("m", "mig")),
             named("big", exact("m", "mig", selectors=(f'{A}.profile == "3g"',))),
         ],
-        [rslice(MIGS, counters=MIG_COUNTERS)],
+        [
+            rslice([], name="counters", count=2, counters=MIG_COUNTERS),
+            rslice(MIGS, name="devices", count=2),
+        ],
         fits={"small": ["mig-1g-3"], "big": ["mig-3g-0"]},
         greedy_fails=True,
     ),
@@ -300,3 +311,30 @@ def test_the_time_limit_bounds_the_whole_search() -> None:
     p = explain_pod(claims, CLASSES, [rslice(gpus(11))], [], cel=CEL, time_limit_s=0.5, clock=clock)
     assert not p.ok and p.gave_up
     assert "gave up after 0.5 s" in p.first_reason()
+
+
+def test_a_pod_is_allocated_under_the_scheduler_modelled() -> None:
+    """The pod's claims go through the same version and gates as one claim (``explain``):
+    with DRAPrioritizedList off, ``Allocate`` refuses a claim with ``firstAvailable`` before
+    any search (allocator_incubating.go, validateDeviceRequest; the gate's check in
+    ``gates.refusal``), so the pod stops at that claim's error; with the gate on it fits."""
+    from dra_driver.scheduler.versions import PRIORITIZED_LIST, Scheduler
+
+    claims = [
+        named("plain", exact("gpus", count=1)),
+        named("alternatives", first_available("gpus", exact("two", count=2), exact("one"))),
+    ]
+    slices = [rslice(gpus(2))]
+    on = explain_pod(claims, CLASSES, slices, [], cel=CEL)
+    assert on.ok and picked(on) == {"plain": ["gpu-0"], "alternatives": ["gpu-1"]}
+    off = explain_pod(
+        claims,
+        CLASSES,
+        slices,
+        [],
+        cel=CEL,
+        scheduler=Scheduler.of(overrides={PRIORITIZED_LIST: False}),
+    )
+    assert not off.ok and off.blocked == 1
+    assert off.claims[1].error is not None and "DRAPrioritizedList" in off.claims[1].error.text
+    assert off.claims[1].scheduler.enabled(PRIORITIZED_LIST) is False
