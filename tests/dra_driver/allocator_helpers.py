@@ -148,3 +148,20 @@ def allocated(name: str, *results: dict[str, Any], namespace: str = "default") -
         "spec": {"devices": {"requests": []}},
         "status": {"allocation": {"devices": {"results": full}}},
     }
+
+
+A = f'device.attributes["{DRIVER}"]'
+"""How a selector names one of our driver's attributes."""
+GPU = klass("gpu", f'{A}.type == "gpu"')
+MIG = klass("mig", f'{A}.type == "mig"')
+# one GPU's MIG placements: a 1g at memory slice 0 or 3, a 3g over slices 0-2
+MIG_COUNTERS = {"gpu-0-set": {"s0": 1, "s1": 1, "s2": 1, "s3": 1}}
+MIGS = [
+    dev("mig-1g-0", attrs={"type": "mig", "profile": "1g"}, consumes={"gpu-0-set": {"s0": 1}}),
+    dev("mig-1g-3", attrs={"type": "mig", "profile": "1g"}, consumes={"gpu-0-set": {"s3": 1}}),
+    dev(
+        "mig-3g-0",
+        attrs={"type": "mig", "profile": "3g"},
+        consumes={"gpu-0-set": {"s0": 1, "s1": 1, "s2": 1}},
+    ),
+]

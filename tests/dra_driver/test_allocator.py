@@ -15,6 +15,11 @@ from dra_driver.scheduler.domain import InputError
 from dra_driver.scheduler.explanation import Explanation, explain
 from tests.dra_driver.allocator_helpers import (
     DRIVER,
+    GPU,
+    MIG,
+    MIG_COUNTERS,
+    MIGS,
+    A,
     allocated,
     claim,
     dev,
@@ -26,12 +31,7 @@ from tests.dra_driver.allocator_helpers import (
 from tests.dra_driver.fakecel import FakeCel
 from tests.fakeclock import FakeClock
 
-A = f'device.attributes["{DRIVER}"]'
-"""How a selector names one of our driver's attributes."""
-
-GPU = klass("gpu", f'{A}.type == "gpu"')
 NIC = klass("nic", f'{A}.type == "nic"')
-MIG = klass("mig", f'{A}.type == "mig"')
 ANY = klass("any", "true")
 
 
@@ -86,17 +86,6 @@ CLIQUES = [
     dev("gpu-1", attrs={"type": "gpu", "clique": "b"}),
     dev("gpu-2", attrs={"type": "gpu", "clique": "b"}),
     dev("gpu-3", attrs={"type": "gpu"}),
-]
-# one GPU's MIG placements: a 1g at memory slice 0 or 3, a 3g over slices 0-2
-MIG_COUNTERS = {"gpu-0-set": {"s0": 1, "s1": 1, "s2": 1, "s3": 1}}
-MIGS = [
-    dev("mig-1g-0", attrs={"type": "mig", "profile": "1g"}, consumes={"gpu-0-set": {"s0": 1}}),
-    dev("mig-1g-3", attrs={"type": "mig", "profile": "1g"}, consumes={"gpu-0-set": {"s3": 1}}),
-    dev(
-        "mig-3g-0",
-        attrs={"type": "mig", "profile": "3g"},
-        consumes={"gpu-0-set": {"s0": 1, "s1": 1, "s2": 1}},
-    ),
 ]
 MEMORY_POLICY = {"default": "1Gi", "validRange": {"min": "1Gi", "step": "1Gi"}}
 SHARED = [

@@ -36,21 +36,20 @@ from dra_driver.scheduler.celenv import CelEnvironment
 from dra_driver.scheduler.explanation import Explanation, explain
 from tests.dra_driver.allocator_helpers import (
     DRIVER,
+    GPU,
+    MIG,
+    MIG_COUNTERS,
+    A,
     allocated,
     claim,
     dev,
     exact,
     first_available,
-    klass,
     rslice,
 )
 from tests.dra_driver.conftest import Inventory
 from tests.dra_driver.test_allocator_models import CLASSES, slices
 from tests.fakeclock import FakeClock
-
-A = f'device.attributes["{DRIVER}"]'
-GPU = klass("gpu", f'{A}.type == "gpu"')
-MIG = klass("mig", f'{A}.type == "mig"')
 
 ALLOCATOR = "structured/internal/incubating/allocator_incubating.go"
 
@@ -66,7 +65,6 @@ NUMA = [
 ]
 SAME_NUMA = [{"matchAttribute": f"{DRIVER}/numa"}]
 # a GPU's MIG placements sharing its memory slices: the 3g one overlaps the first 1g one
-MIG_COUNTERS = {"gpu-0-set": {"s0": 1, "s1": 1, "s2": 1, "s3": 1}}
 MIGS = [
     dev("mig-1g-0", attrs={"type": "mig"}, consumes={"gpu-0-set": {"s0": 1}}),
     dev("mig-3g-0", attrs={"type": "mig"}, consumes={"gpu-0-set": {"s0": 1, "s1": 1, "s2": 1}}),

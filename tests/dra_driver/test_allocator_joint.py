@@ -17,18 +17,19 @@ from dra_driver.scheduler.explanation import explain
 from dra_driver.scheduler.joint import PodExplanation, explain_pod
 from tests.dra_driver.allocator_helpers import (
     DRIVER,
+    GPU,
+    MIG,
+    MIG_COUNTERS,
+    MIGS,
+    A,
     claim,
     dev,
     exact,
     first_available,
-    klass,
     rslice,
 )
 from tests.fakeclock import FakeClock
 
-A = f'device.attributes["{DRIVER}"]'
-GPU = klass("gpu", f'{A}.type == "gpu"')
-MIG = klass("mig", f'{A}.type == "mig"')
 CLASSES = [GPU, MIG]
 CEL = CelEnvironment()
 
@@ -41,17 +42,6 @@ CLIQUES = [
     dev("gpu-0", attrs={"type": "gpu", "clique": "a"}),
     dev("gpu-1", attrs={"type": "gpu", "clique": "b"}),
     dev("gpu-2", attrs={"type": "gpu", "clique": "b"}),
-]
-# one GPU's MIG placements: a 1g at memory slice 0 or 3, a 3g over slices 0-2
-MIG_COUNTERS = {"gpu-0-set": {"s0": 1, "s1": 1, "s2": 1, "s3": 1}}
-MIGS = [
-    dev("mig-1g-0", attrs={"type": "mig", "profile": "1g"}, consumes={"gpu-0-set": {"s0": 1}}),
-    dev("mig-1g-3", attrs={"type": "mig", "profile": "1g"}, consumes={"gpu-0-set": {"s3": 1}}),
-    dev(
-        "mig-3g-0",
-        attrs={"type": "mig", "profile": "3g"},
-        consumes={"gpu-0-set": {"s0": 1, "s1": 1, "s2": 1}},
-    ),
 ]
 CLIQUE_A = (f'{A}.clique == "a"',)
 
