@@ -46,6 +46,23 @@ def temp_name_prefix(path: Path) -> str:
     return f".{path.name}."
 
 
+def _create_temp(path: Path) -> tuple[int, str]:
+    """A new temporary file beside ``path`` (``.<name>.<random>.tmp``, mode 0600, opened for
+    writing), made as ``tempfile.mkstemp`` makes one (``O_CREAT | O_EXCL``, another name when
+    one exists) but with its random part from ``os.urandom``: mkstemp draws each of its eight
+    characters in Python, a third of a CDI spec's write on the prepare path (``python -m bench
+    prepare``)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+    prefix = os.path.join(path.parent, temp_name_prefix(path))
+    for _ in range(tempfile.TMP_MAX):
+        name = f"{prefix}{os.urandom(6).hex()}.tmp"
+        try:
+            return os.open(name, flags, 0o600), name
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary file name", prefix)
+
+
 def remove_temp_files(directory: Path, name_glob: str = "*") -> list[Path]:
     """Remove the temporary files ``atomic_write`` left in ``directory`` when a process died
     mid-write (``.<name>.<random>.tmp`` for names matching ``name_glob``); returns them."""
@@ -86,7 +103,7 @@ def atomic_write(
     durable only once the caller fsyncs the directory (``fsync_dir``), once for several files
     written there (a batch of CDI specs)."""
     ensure_dir(path.parent, dir_mode)
-    fd, tmp = tempfile.mkstemp(prefix=temp_name_prefix(path), suffix=".tmp", dir=path.parent)
+    fd, tmp = _create_temp(path)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

@@ -187,6 +187,8 @@ def lent(state: NodeState) -> set[str]:
 class Claims:
     """The API server's ResourceClaims as the preparer reads them (allocated on ``pool``)."""
 
+    reads_block = True
+
     def __init__(self, pool: str) -> None:
         self.pool = pool
         self.objects: dict[str, dict[str, Any]] = {}

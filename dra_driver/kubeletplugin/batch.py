@@ -169,18 +169,24 @@ class Batch:
         return results
 
     def waves(
-        self, items: Sequence[T], fn: Callable[[T], R], window: float = GROUP_WINDOW_S
+        self,
+        items: Sequence[T],
+        fn: Callable[[T], R],
+        window: float = GROUP_WINDOW_S,
+        *,
+        concurrent: bool = True,
     ) -> Iterator[list[tuple[T, R | BaseException | NotRun]]]:
         """``fn`` of every item, concurrently on the operation's step pool (inline for one
         item), handed back in waves of ``(item, outcome)`` in the items' order: the first wave
         holds those done within ``window`` seconds (all of them, normally), each later wave
         those done by the time the previous one was handled (at least one; the caller handles a
         wave before asking for the next). An exception is returned in the item's place; an item
-        the stopping agent never began is ``NotRun``."""
+        the stopping agent never began is ``NotRun``. ``concurrent=False``: every item in this
+        thread, one wave (items each done in microseconds)."""
 
         outcome = partial(_outcome, fn)
 
-        if len(items) <= 1:
+        if len(items) <= 1 or not concurrent:  # one wave, in this thread
             yield [(i, outcome(i)) for i in items]
             return
         pending: dict[Future[R | BaseException], int] = {}

@@ -161,6 +161,8 @@ class CdiWriter:
         on_root = has_dev_dir(self.driver_root)
         self.dev_root = self.driver_root if on_root else Path("/")
         self.host_dev_root = self.host_driver_root if on_root else Path("/")
+        self._host_nodes: dict[str, str] = {}
+        """Device node path -> its host path (``node``)."""
         self._file_re = re.compile(
             rf"^k8s\.{re.escape(driver_name)}-claim_({CLAIM_UID_RE.pattern[1:-1]})\.json$"
         )
@@ -172,7 +174,10 @@ class CdiWriter:
 
     def node(self, path: str) -> dict[str, Any]:
         """A device node ``path`` (``/dev/...``) at the host's dev root."""
-        return {"path": path, "hostPath": str(under(self.host_dev_root, path))}
+        host = self._host_nodes.get(path)
+        if host is None:  # the same few nodes in every spec: pathlib's work done once each
+            host = self._host_nodes.setdefault(path, str(under(self.host_dev_root, path)))
+        return {"path": path, "hostPath": host}
 
     def device_id(self, claim_uid: str, device_name: str) -> str:
         """The fully qualified CDI device id: ``k8s.<driver>/claim=<claimUID>-<deviceName>``."""

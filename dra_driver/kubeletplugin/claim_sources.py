@@ -35,6 +35,11 @@ MAX_LISTED_FILES = 10
 
 
 class ClaimSource(Protocol):
+    reads_block: bool
+    """Whether a read waits on something slow (the API server): a batch's claims are then read
+    concurrently, else one after the other in the batch's thread (a claim file is read in
+    microseconds, less than a hand-off to another thread costs)."""
+
     def get(self, namespace: str, name: str) -> dict[str, Any]:
         """The claim object; ClaimError when it does not exist or cannot be read, KubeError
         when the API server cannot be reached. Bounded in time."""
@@ -67,6 +72,7 @@ MAX_LIST_PAGES = 1000
 
 class KubeClaimSource:
     origin = "api"
+    reads_block = True
 
     def __init__(
         self,
@@ -149,6 +155,7 @@ class DirClaimSource:
     names such files."""
 
     origin = "claim-files"
+    reads_block = False
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory

@@ -179,7 +179,8 @@ class Transactions:
             keys = [c for c, _ in batch.claims]
             # claims read within the group window go on together; one read later goes on as
             # soon as it is read, so a slow read never holds back the others' answers
-            for wave in batch.waves(keys, self._plan):
+            reads = batch.waves(keys, self._plan, concurrent=self._claims.reads_block)
+            for wave in reads:
                 planned: list[_Planned] = []
                 for claim, outcome in wave:
                     if isinstance(outcome, NotRun):

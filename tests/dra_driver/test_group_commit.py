@@ -280,6 +280,8 @@ class SlowFor:
     """The claim files, except that reading ``name`` waits until ``release`` is set (an API
     server slow to answer one claim, within the client's own read timeout)."""
 
+    reads_block = True
+
     def __init__(self, node: Node, name: str) -> None:
         self.files = DirClaimSource(node.state / "resourceclaims")
         self.name = name

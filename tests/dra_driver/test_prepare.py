@@ -29,6 +29,8 @@ from tests.fakeclock import FakeClock
 class BlockingClaims:
     """A claim source whose reads wait until released (a slow API server)."""
 
+    reads_block = True
+
     def __init__(self) -> None:
         self.entered = threading.Event()
         self.release = threading.Event()
@@ -156,6 +158,8 @@ def test_unprepare_never_waits_behind_prepares_of_other_claims(tmp_path):
 
 
 class BrokenClaims:
+    reads_block = True
+
     def get(self, namespace: str, name: str) -> dict:
         raise RuntimeError("a bug in a claim source")
 
