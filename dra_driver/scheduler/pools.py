@@ -34,7 +34,6 @@ from dra_driver.quantity import Quantity, parse_quantity
 ATTRIBUTE_TYPES = ("string", "int", "bool", "version")
 """The value fields of a DeviceAttribute; exactly one is set."""
 
-_ATTRIBUTE_TYPE_SET = frozenset(ATTRIBUTE_TYPES)
 AttributeValue = tuple[str, object]
 """An attribute's type and value: ``("string", "clique-0")``, ``("int", 3)``; equal only when
 both are (matchAttribute compares type and value, constraint.go)."""
@@ -219,11 +218,21 @@ class Pool:
         return f"{self.driver}/{self.name}"
 
 
+_VALUE_TYPES: Mapping[str, type] = {"string": str, "int": int, "bool": bool, "version": str}
+"""The JSON type of each DeviceAttribute value field (k8s.io/api resource/v1 types.go:
+StringValue *string, IntValue *int64, BoolValue *bool, VersionValue *string)."""
+INT64 = (-(2**63), 2**63 - 1)
+
+
 def _attributes(value: object, path: str) -> Mapping[str, Mapping[str, Any]]:
     attrs = fields.obj(value, path, optional=True)
     for name, attr in attrs.items():
-        if type(attr) is dict and len(attr) == 1 and next(iter(attr)) in _ATTRIBUTE_TYPE_SET:
-            continue
+        if type(attr) is dict and len(attr) == 1:
+            ((kind, v),) = attr.items()
+            if type(v) is _VALUE_TYPES.get(kind) and (
+                type(v) is not int or INT64[0] <= v <= INT64[1]
+            ):
+                continue  # the common case, checked without building a message
         if not isinstance(attr, Mapping):
             raise InputError(f"{path}.{name}", f"expected an object, got {fields.got(attr)}")
         set_ = [t for t in ATTRIBUTE_TYPES if t in attr]
@@ -231,6 +240,15 @@ def _attributes(value: object, path: str) -> Mapping[str, Mapping[str, Any]]:
             raise InputError(
                 f"{path}.{name}", f"must set exactly one of {', '.join(ATTRIBUTE_TYPES)}"
             )
+        # a value of another JSON type: the apiserver would refuse the slice (and CEL could not
+        # compare it), so it is malformed input here too
+        kind, v = set_[0], attr[set_[0]]
+        if kind == "int":
+            fields.integer(v, f"{path}.{name}.int", low=INT64[0], high=INT64[1])
+        elif kind == "bool":
+            fields.flag(v, f"{path}.{name}.bool", default=None)
+        else:
+            fields.text(v, f"{path}.{name}.{kind}")
     return attrs
 
 
