@@ -37,6 +37,11 @@ TAINT_KEYS = ("example.com/broken", "gpu.tessera.dev/xid", "maintenance")
 REQUEST_NAMES = ("r0", "r1", "r2")
 SUB_NAMES = ("s0", "s1", "s2")
 QUANTITIES = ("0", "1", "500m", "1Gi", "8Gi", "10Gi", "40Gi", "1e3", "81559Mi", "1Ti", "2")
+EDGE_QUANTITIES = ("-1Gi", "1e400", "0.000000001", "9223372036854775808", "1.5Ki", "", "Gi", 7)
+"""Out of range, too precise, no number, not a string: a clear error, or (1.5Ki) a value."""
+EDGE_COUNTS = (0, -1, 33, 2**31, 2**63, "2", 2.0, True)
+"""Counts the API refuses or a claim cannot hold."""
+EDGE_ATTRIBUTES = ("bare", "gpu.tessera.dev/", "/uuid", "a/b/c", "gpu.tessera.dev/nosuch", "")
 
 scalars = (
     st.none()
@@ -220,6 +225,13 @@ def selectors(cat: Catalogue) -> st.SearchStrategy[str]:
                 'device.attributes["other.example.com"].size() == 0',
                 "1 +",  # does not compile: malformed input
                 '"not a bool"',
+                "(" * 300 + "true" + ")" * 300,  # deep nesting
+                "[" * 100 + "1" + "]" * 100 + ".size() > 0",
+                "true" + " && true" * 1200,  # long, just under the 10 Ki limit
+                "true" + " || false" * 1200,  # over it
+                'device.attributes["gpu.tessera.dev"].uuid.matches("(")',  # a bad regex
+                'quantity("1Gi").isGreaterThan(quantity("x"))',  # a bad quantity
+                'semver("x") == semver("1.0.0")',
             )
         ),
     )
@@ -249,7 +261,7 @@ def _request_body(draw: st.DrawFn, cat: Catalogue, *, sub: bool) -> dict[str, An
     if draw(st.integers(0, 4)) == 0:
         body["allocationMode"] = "All"
     else:
-        count = draw(st.none() | st.integers(1, 4))
+        count = draw(st.none() | st.integers(1, 4) | st.sampled_from(EDGE_COUNTS))
         if count is not None:
             body["count"] = count
     sels = draw(st.lists(selectors(cat), max_size=draw(st.sampled_from((0, 1, 1, 2)))))
@@ -258,7 +270,12 @@ def _request_body(draw: st.DrawFn, cat: Catalogue, *, sub: bool) -> dict[str, An
     if draw(st.integers(0, 2)) == 0:
         cap = draw(st.sampled_from(sorted(cat.capacities)))
         body["capacity"] = {
-            "requests": {cap: draw(st.sampled_from(cat.capacities[cap] + list(QUANTITIES)))}
+            "requests": {
+                cap: draw(
+                    st.sampled_from(cat.capacities[cap] + list(QUANTITIES))
+                    | st.sampled_from(EDGE_QUANTITIES)
+                )
+            }
         }
     tolerations = draw(_tolerations())
     if tolerations:
@@ -287,8 +304,9 @@ def claims(draw: st.DrawFn, cat: Catalogue) -> dict[str, Any]:
     constraints = []
     for _ in range(draw(st.integers(0, 2))):
         kind = draw(st.sampled_from(("matchAttribute", "distinctAttribute")))
-        attr = draw(st.sampled_from(sorted(cat.attributes)))
-        c: dict[str, Any] = {kind: attr if "/" in attr else f"{DRIVER}/{attr}"}
+        attr = draw(st.sampled_from(sorted(cat.attributes)) | st.sampled_from(EDGE_ATTRIBUTES))
+        qualified = attr if "/" in attr or attr in EDGE_ATTRIBUTES else f"{DRIVER}/{attr}"
+        c: dict[str, Any] = {kind: qualified}
         if draw(st.booleans()):
             c["requests"] = draw(st.lists(st.sampled_from(known), min_size=1, unique=True))
         constraints.append(c)

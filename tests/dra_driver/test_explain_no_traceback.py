@@ -53,7 +53,8 @@ NODES: tuple[tuple[str, dict[str, Any], str], ...] = (
 )
 FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 """How many cases: the profile's (tests/conftest.py: `default` 150, `reliability` 2500)."""
-CLI = settings(FUZZ, max_examples=25)
+CLI = settings(FUZZ, max_examples=max(1, settings.default.max_examples // 6))
+"""A sixth as many through the CLI (25 in `make test`): each writes and reads files."""
 
 
 KNOWN_BUGS = {
@@ -242,3 +243,22 @@ def test_an_attribute_value_of_the_wrong_type_is_malformed_input(
         explain(c, [klass("gpu", "true")], slices, [], cel=CelEnvironment())
     assert err.value.path == f"ResourceSlice s1.spec.devices[0].attributes.type.{field}"
     assert err.value.message == message
+
+
+@pytest.mark.parametrize(
+    "expression",
+    [
+        "true" + " && true" * 1200,
+        "true" + " || false" * 400,
+        "1" + " + 1" * 1000 + " > 0",
+        "!" * 500 + "true",
+        "-" * 500 + "1 > 0",
+    ],
+    ids=["and-chain", "or-chain", "sum", "nots", "negations"],
+)
+def test_a_selector_nested_too_deeply_to_analyse_is_malformed_input(expression: str) -> None:
+    c = claim(exact("g", selectors=(expression,)))
+    with pytest.raises(InputError) as err:
+        explain(c, [klass("gpu", "true")], _one_gpu(), [], cel=CelEnvironment())
+    assert err.value.path == "spec.devices.requests[0].exactly.selectors[0].cel.expression"
+    assert "nested too deeply" in err.value.message
