@@ -53,7 +53,7 @@ NODES: tuple[tuple[str, dict[str, Any], str], ...] = (
 )
 FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 """How many cases: the profile's (tests/conftest.py: `default` 150, `reliability` 2500)."""
-CLI = settings(FUZZ, max_examples=max(1, settings.default.max_examples // 6))
+CLI = settings(FUZZ, max_examples=max(1, settings().max_examples // 6))
 """A sixth as many through the CLI (25 in `make test`): each writes and reads files."""
 
 
