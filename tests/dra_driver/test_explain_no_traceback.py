@@ -164,34 +164,43 @@ def test_explain_answers_fits_no_fit_or_malformed_input(
     event(_check_answer(case))
 
 
-def _write(path: Path, docs: list[dict[str, Any]]) -> Path:
-    path.write_text(yaml.safe_dump_all(docs))
+def _write(path: Path, docs: list[dict[str, Any]], garble: tuple[int, str] | None) -> Path:
+    """``docs`` as YAML; ``garble``: cut at that fraction (per mille) of the text and followed
+    by that text (a file cut short, or with bytes of something else in it)."""
+    text = yaml.safe_dump_all(docs)
+    if garble is not None:
+        at, tail = garble
+        text = text[: len(text) * at // 1000] + tail
+    path.write_text(text)
     return path
 
 
 @CLI
 @given(data=st.data())
-def test_the_cli_answers_fits_no_fit_or_a_one_line_error(
+def test_the_cli_answers_fits_no_fit_or_a_clear_error(
     nodes: tuple[list[Base], Catalogue],
     data: st.DataObject,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     case = _draw(data, nodes)
+    garbled = data.draw(
+        st.sampled_from((None, None, None, "claim", "classes", "slices", "allocated")),
+        label="garbled file",
+    )
+    garble = (
+        data.draw(st.integers(0, 1000)),
+        data.draw(st.sampled_from(("", "\n", ": x\n", "- [\n", "\t", "&a *a", "...\n---\n7\n"))),
+    )
+
+    def write(name: str, docs: list[dict[str, Any]]) -> str:
+        return str(_write(folder / f"{name}.yaml", docs, garble if garbled == name else None))
+
     folder = tmp_path_factory.mktemp("case")
-    argv = [
-        "explain",
-        str(_write(folder / "claim.yaml", [case.claim])),
-        "--class",
-        str(_write(folder / "classes.yaml", case.classes)),
-        "--slices",
-        str(_write(folder / "slices.yaml", case.slices)),
-        "--time-limit",
-        "2",
-        "-o",
-        "json",
-    ]
+    argv = ["explain", write("claim", [case.claim])]
+    argv += ["--class", write("classes", case.classes), "--slices", write("slices", case.slices)]
+    argv += ["--time-limit", "2", "-o", "json"]
     if case.allocated:
-        argv += ["--allocated", str(_write(folder / "allocated.yaml", case.allocated))]
+        argv += ["--allocated", write("allocated", case.allocated)]
     out, err = io.StringIO(), io.StringIO()
     try:
         rc = main(argv, out=out, err=err)
