@@ -218,10 +218,9 @@ class Pool:
         return f"{self.driver}/{self.name}"
 
 
-_VALUE_TYPES: Mapping[str, type] = {"string": str, "int": int, "bool": bool, "version": str}
-"""The JSON type of each DeviceAttribute value field (k8s.io/api resource/v1 types.go:
-StringValue *string, IntValue *int64, BoolValue *bool, VersionValue *string)."""
-INT64 = (-(2**63), 2**63 - 1)
+_VALUE_TYPES = {"string": str, "int": int, "bool": bool, "version": str}
+"""DeviceAttribute's values (k8s.io/api resource/v1 types.go): *string, *int64, *bool, *string."""
+_INT64 = range(-(2**63), 2**63)
 
 
 def _attributes(value: object, path: str) -> Mapping[str, Mapping[str, Any]]:
@@ -229,9 +228,7 @@ def _attributes(value: object, path: str) -> Mapping[str, Mapping[str, Any]]:
     for name, attr in attrs.items():
         if type(attr) is dict and len(attr) == 1:
             ((kind, v),) = attr.items()
-            if type(v) is _VALUE_TYPES.get(kind) and (
-                type(v) is not int or INT64[0] <= v <= INT64[1]
-            ):
+            if type(v) is _VALUE_TYPES.get(kind) and (type(v) is not int or v in _INT64):
                 continue  # the common case, checked without building a message
         if not isinstance(attr, Mapping):
             raise InputError(f"{path}.{name}", f"expected an object, got {fields.got(attr)}")
@@ -240,15 +237,13 @@ def _attributes(value: object, path: str) -> Mapping[str, Mapping[str, Any]]:
             raise InputError(
                 f"{path}.{name}", f"must set exactly one of {', '.join(ATTRIBUTE_TYPES)}"
             )
-        # a value of another JSON type: the apiserver would refuse the slice (and CEL could not
-        # compare it), so it is malformed input here too
-        kind, v = set_[0], attr[set_[0]]
+        kind, p = set_[0], f"{path}.{name}.{set_[0]}"  # a value the apiserver would refuse:
         if kind == "int":
-            fields.integer(v, f"{path}.{name}.int", low=INT64[0], high=INT64[1])
+            fields.integer(attr[kind], p, low=_INT64.start, high=_INT64.stop - 1)
         elif kind == "bool":
-            fields.flag(v, f"{path}.{name}.bool", default=None)
+            fields.flag(attr[kind], p, default=None)
         else:
-            fields.text(v, f"{path}.{name}.{kind}")
+            fields.text(attr[kind], p)
     return attrs
 
 
