@@ -39,7 +39,7 @@ from dra_driver.scheduler.domain import InputError
 from dra_driver.scheduler.explanation import explain
 from tests.dra_driver.allocator_helpers import DRIVER, claim, dev, exact, klass, rslice
 from tests.dra_driver.conftest import Inventory
-from tests.dra_driver.explain_inputs import Base, Case, Catalogue, cases
+from tests.dra_driver.explain_inputs import Base, Case, Catalogue, Nodes, cases
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "daemonset"
 CLASSES = list(yaml.safe_load_all((DEPLOY / "deviceclasses.yaml").read_text()))
@@ -86,7 +86,7 @@ def _known_bug(exc: BaseException, case: Case) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def nodes(inventory: Inventory) -> tuple[list[Base], Catalogue]:
+def nodes(inventory: Inventory) -> Nodes:
     """The simulated nodes' slices, and what their devices publish."""
     out = []
     for model, policy, layout in NODES:
@@ -103,7 +103,7 @@ def nodes(inventory: Inventory) -> tuple[list[Base], Catalogue]:
                 ),
             )
         )
-    return out, Catalogue.of(out)
+    return Nodes(tuple(out), Catalogue.of(out))
 
 
 def _fake_clock() -> Callable[[], float]:
@@ -118,10 +118,9 @@ def _fake_clock() -> Callable[[], float]:
     return clock
 
 
-def _draw(data: st.DataObject, nodes: tuple[list[Base], Catalogue]) -> Case:
-    bases, catalogue = nodes
-    base = data.draw(st.sampled_from(bases), label="node")
-    return data.draw(cases(base, catalogue, CLASSES), label="case")
+def _draw(data: st.DataObject, nodes: Nodes) -> Case:
+    base = data.draw(st.sampled_from(nodes.bases), label="node")
+    return data.draw(cases(base, nodes.catalogue, CLASSES), label="case")
 
 
 def _check_answer(case: Case) -> str:
@@ -160,9 +159,7 @@ def _check_answer(case: Case) -> str:
 
 @FUZZ
 @given(data=st.data())
-def test_explain_answers_fits_no_fit_or_malformed_input(
-    nodes: tuple[list[Base], Catalogue], data: st.DataObject
-) -> None:
+def test_explain_answers_fits_no_fit_or_malformed_input(nodes: Nodes, data: st.DataObject) -> None:
     case = _draw(data, nodes)
     event(_check_answer(case))
 
@@ -181,7 +178,7 @@ def _write(path: Path, docs: list[dict[str, Any]], garble: tuple[int, str] | Non
 @CLI
 @given(data=st.data())
 def test_the_cli_answers_fits_no_fit_or_a_clear_error(
-    nodes: tuple[list[Base], Catalogue],
+    nodes: Nodes,
     data: st.DataObject,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
