@@ -140,7 +140,7 @@ def _check_answer(case: Case) -> str:
         # expression and a caret under the fault, as cel-go's does)
         assert exc.message.strip(), f"an InputError without a message at {exc.path!r}"
         assert str(exc).startswith(f"{exc.path}: " if exc.path else exc.message), str(exc)
-        return f"malformed {case.broken or 'valid-looking'} input"
+        return f"malformed {case.broken or 'generated (edge values)'} input"
     except Exception as exc:  # anything else is a traceback, unless another part's known bug
         known = _known_bug(exc, case)
         if known is None:
