@@ -83,7 +83,7 @@ reliability: $(STAMP)
 	@rm -rf $(RELIABILITY_RESULTS)
 	@echo "test order: random, seed $(SEED) (repeat it with: make reliability SEED=$(SEED))"
 	$(PY) -m pytest -q -m reliability -p randomly --randomly-seed=$(SEED) -n 2
-	$(PY) -m pytest -q tests/test_fuzz_decoders.py --hypothesis-profile=reliability -p no:randomly
+	$(PY) -m pytest -q tests/test_fuzz_decoders.py tests/dra_driver/test_explain_no_traceback.py --hypothesis-profile=reliability -p no:randomly
 	$(PY) -m tests.reliability.summary
 
 # One table of every benchmark's figures (docs/performance.md); QUICK=1: fewer repeats, a look.

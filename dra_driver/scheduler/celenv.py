@@ -142,6 +142,19 @@ class CelEnvironment:
                 expression, "compilation failed: " + _parse_message(str(err))
             ) from None
         try:
+            return self._analyse(expression, program)
+        except RecursionError:
+            # the analysis walks the syntax tree recursively; cel-go's parser refuses nesting
+            # deeper than its recursion limit too (but balances && and || chains, so a chain
+            # of several hundred terms compiles there): docs/explain.md "CEL environment"
+            raise CelCompileError(
+                expression,
+                "nested too deeply to analyse (a chain of hundreds of operators, or operators"
+                " nested hundreds deep): split it into several selectors",
+            ) from None
+
+    def _analyse(self, expression: str, program: Any) -> Selector:
+        try:
             tree = lower(self._parser.parse(expression))
         except (CELParseError, lark.exceptions.LarkError) as err:
             raise CelCompileError(expression, f"compilation failed: {err}") from None

@@ -12,12 +12,14 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from agent.decode import fields, load_json, load_yaml_documents
 from agent.errors import DecodeError
+from dra_driver.scheduler.pools import QuantityReader, parse_allocated
 
 RESOURCE_API = "resource.k8s.io/v1"
 MAX_FILE_CHARS = 256 * 1024 * 1024
@@ -167,12 +169,21 @@ def _or(words: Sequence[str]) -> str:
 
 
 def allocated_claims(docs: Iterable[Document]) -> list[dict[str, Any]]:
-    """ResourceClaims given as already allocated: each must have ``status.allocation``."""
+    """ResourceClaims given as already allocated, each with ``status.allocation``, read by the
+    allocator's reader now: a malformed one is an error of its own file and field before the
+    grouping of nodes reads it (the allocator's error would name the claim explained)."""
     claims = []
     for d in of_kind(docs, "ResourceClaim"):
         _object(d, ("status", "allocation"))
+        try:
+            parse_allocated([d.obj], (), QuantityReader())
+        except fields.FieldError as exc:  # its path without "claim NS/NAME: " or "allocated[0]."
+            raise d.error(_ALLOCATED_PREFIX.sub("", exc.path), exc.message) from None
         claims.append(d.obj)
     return claims
+
+
+_ALLOCATED_PREFIX = re.compile(r"^(allocated\[0\]\.|claim [^:]*: )")
 
 
 # -- the claims to explain ----------------------------------------------------------------------

@@ -41,7 +41,6 @@ from dra_driver.scheduler.versions import (
 ATTRIBUTE_TYPES = ("string", "int", "bool", "version")
 """The value fields of a DeviceAttribute; exactly one is set."""
 
-_ATTRIBUTE_TYPE_SET = frozenset(ATTRIBUTE_TYPES)
 AttributeValue = tuple[str, object]
 """An attribute's type and value: ``("string", "clique-0")``, ``("int", 3)``; equal only when
 both are (matchAttribute compares type and value, constraint.go)."""
@@ -237,11 +236,18 @@ class Pool:
         return f"{self.driver}/{self.name}"
 
 
+_VALUE_TYPES = {"string": str, "int": int, "bool": bool, "version": str}
+"""DeviceAttribute's values (k8s.io/api resource/v1 types.go): *string, *int64, *bool, *string."""
+_INT64 = range(-(2**63), 2**63)
+
+
 def _attributes(value: object, path: str) -> Mapping[str, Mapping[str, Any]]:
     attrs = fields.obj(value, path, optional=True)
     for name, attr in attrs.items():
-        if type(attr) is dict and len(attr) == 1 and next(iter(attr)) in _ATTRIBUTE_TYPE_SET:
-            continue
+        if type(attr) is dict and len(attr) == 1:
+            ((kind, v),) = attr.items()
+            if type(v) is _VALUE_TYPES.get(kind) and (type(v) is not int or v in _INT64):
+                continue  # the common case, checked without building a message
         if not isinstance(attr, Mapping):
             raise InputError(f"{path}.{name}", f"expected an object, got {fields.got(attr)}")
         set_ = [t for t in ATTRIBUTE_TYPES if t in attr]
@@ -249,6 +255,13 @@ def _attributes(value: object, path: str) -> Mapping[str, Mapping[str, Any]]:
             raise InputError(
                 f"{path}.{name}", f"must set exactly one of {', '.join(ATTRIBUTE_TYPES)}"
             )
+        kind, p = set_[0], f"{path}.{name}.{set_[0]}"  # a value the apiserver would refuse:
+        if kind == "int":
+            fields.integer(attr[kind], p, low=_INT64.start, high=_INT64.stop - 1)
+        elif kind == "bool":
+            fields.flag(attr[kind], p, default=None)
+        else:
+            fields.text(attr[kind], p)
     return attrs
 
 
