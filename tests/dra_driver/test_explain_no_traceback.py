@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import io
 import json
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,31 +57,6 @@ FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 """How many cases: the profile's (tests/conftest.py: `default` 150, `reliability` 2500)."""
 CLI = settings(FUZZ, max_examples=max(1, settings().max_examples // 6))
 """A sixth as many through the CLI (25 in `make test`): each writes and reads files."""
-
-
-KNOWN_BUGS = {
-    "celmulti": "issue 26, 'A traceback': a selector comparing a memory-share GPU's"
-    " device.capacity[...].memory with a quantity ends in `TypeError: unhashable type: 'dict'`"
-    " in the CEL verdict memo (dra_driver/scheduler/cel/selector.py, Selector.evaluate)",
-}
-"""Tracebacks that another part of issue 26 fixes, by part. The merge of that part removes its
-entry (the test then fails if the traceback is still there)."""
-
-
-def _known_bug(exc: BaseException, case: Case) -> str | None:
-    """The KNOWN_BUGS entry ``exc`` is, by its exact signature; None for any other traceback."""
-    last = traceback.extract_tb(exc.__traceback__)[-1]
-    if (
-        "celmulti" in KNOWN_BUGS
-        and type(exc) is TypeError
-        and str(exc) == "unhashable type: 'dict'"
-        and last.filename.endswith("dra_driver/scheduler/cel/selector.py")
-        and last.name == "evaluate"
-        and "].memory" in json.dumps(case.claim) + json.dumps(case.classes)
-        and '"allowMultipleAllocations": true' in json.dumps(case.slices)
-    ):
-        return KNOWN_BUGS["celmulti"]
-    return None
 
 
 @pytest.fixture(scope="module")
@@ -141,11 +115,6 @@ def _check_answer(case: Case) -> str:
         assert exc.message.strip(), f"an InputError without a message at {exc.path!r}"
         assert str(exc).startswith(f"{exc.path}: " if exc.path else exc.message), str(exc)
         return f"malformed {case.broken or 'generated (edge values)'} input"
-    except Exception as exc:  # anything else is a traceback, unless another part's known bug
-        known = _known_bug(exc, case)
-        if known is None:
-            raise
-        return f"known bug: {known}"
     if exp.ok:
         exp.allocation()  # empty for a claim without requests, as upstream
         what = "fits"
@@ -202,14 +171,7 @@ def test_the_cli_answers_fits_no_fit_or_a_clear_error(
     if case.allocated:
         argv += ["--allocated", write("allocated", case.allocated)]
     out, err = io.StringIO(), io.StringIO()
-    try:
-        rc = main(argv, out=out, err=err)
-    except Exception as exc:
-        known = _known_bug(exc, case)
-        if known is None:
-            raise
-        event(f"known bug: {known}")
-        return
+    rc = main(argv, out=out, err=err)
     if rc == 2:
         lines = err.getvalue().splitlines()
         assert lines and lines[0].startswith("tessera: error: "), err.getvalue()
