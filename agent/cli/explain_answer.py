@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dra_driver.scheduler import inputs
+from dra_driver.scheduler import node_reach
 from dra_driver.scheduler.inputs import Document, DocumentError, Subject
 from dra_driver.scheduler.lookalike import NodeLabel, SliceIndex, plan, reads_of
 from dra_driver.scheduler.versions import Scheduler
@@ -159,7 +159,7 @@ def _pinned(data: Inputs, name: str | None) -> str | None:
     node = data.nodes.get(name, {"metadata": {"name": name}})
     for s in data.held:
         selector = _allocation(s.claim).get("nodeSelector")
-        if isinstance(selector, dict) and not inputs.selector_matches(selector, node):
+        if isinstance(selector, dict) and not node_reach.selector_matches(selector, node):
             return (
                 f"{s.key} is allocated already, for other nodes: its nodeSelector does not"
                 " match this node"
@@ -264,7 +264,7 @@ def answer(
     for group in plan(index, names, data.nodes, data.allocated):
         first_name = group.members[0]
         node_obj = data.nodes.get(first_name, {"metadata": {"name": first_name}})
-        slices = inputs.node_slices(index.slices(index.for_node(first_name)), node_obj)
+        slices = node_reach.node_slices(index.slices(index.for_node(first_name)), node_obj)
         first = _evaluate(first_name, slices, data, cel, time_limit)
         answers[first_name] = first
         del slices
@@ -273,7 +273,7 @@ def answer(
             found = _renamed(first, label, data.subjects) if label is not None else None
             if found is None:
                 node_obj = data.nodes.get(name, {"metadata": {"name": name}})
-                slices = inputs.node_slices(index.slices(index.for_node(name)), node_obj)
+                slices = node_reach.node_slices(index.slices(index.for_node(name)), node_obj)
                 found = _evaluate(name, slices, data, cel, time_limit)
             answers[name] = found
             if progress is not None:

@@ -6,7 +6,7 @@ An ``Explanation`` answers in four forms:
 - ``ok`` / ``gave_up``;
 - ``allocation()``: the ``status.allocation`` object the scheduler would write
   (``devices.results`` in request order, ``devices.config`` as upstream copies class and claim
-  configs, ``nodeSelector`` as ``inputs.node_selector`` makes it);
+  configs, ``nodeSelector`` as ``node_reach.node_selector`` makes it);
 - ``text()``: a few lines a person reads in ten seconds;
 - ``to_json()``: the same for tools, in this shape (``DeviceRef`` is
   ``{"driver", "pool", "device"}``; ``Reason`` is ``{"kind", "text", ...details}``)::
@@ -70,7 +70,7 @@ from dra_driver.scheduler.domain import (
     parse_classes,
     parse_slices,
 )
-from dra_driver.scheduler.inputs import node_selector
+from dra_driver.scheduler.node_reach import node_selector
 from dra_driver.scheduler.outcome import Analysis, Outcome, Pick, Reason
 from dra_driver.scheduler.search import Search
 from dra_driver.scheduler.versions import CONSUMABLE_CAPACITY, Scheduler

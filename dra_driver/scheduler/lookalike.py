@@ -45,7 +45,7 @@ from dra_driver.scheduler.domain import (
     parse_claim,
     parse_classes,
 )
-from dra_driver.scheduler.inputs import node_slices
+from dra_driver.scheduler.node_reach import node_slices
 
 if TYPE_CHECKING:  # imported by the caller when it evaluates: the CEL libraries are slow to load
     from dra_driver.scheduler.celenv import CelEnvironment
@@ -155,7 +155,7 @@ class SliceRecord:
     generation: Any
     node: str | None
     """spec.nodeName, when the slice is the node's own (None: allNodes, nodeSelector or
-    per-device node selection; such slices are matched per node, ``inputs.node_slices``)."""
+    per-device node selection; such slices are matched per node, ``node_reach.node_slices``)."""
     node_names: tuple[str, ...] = ()
     """The node names it names (spec.nodeName or its devices' nodeName)."""
 
@@ -216,7 +216,7 @@ class SliceIndex:
     def for_node(self, name: str) -> list[SliceRecord]:
         """The slices that may apply to node ``name``, in the order read: its own, every slice
         not tied to one node, and every slice of a pool among those (a counter slice goes
-        with its pool); ``inputs.node_slices`` then picks exactly."""
+        with its pool); ``node_reach.node_slices`` then picks exactly."""
         near = [r for r in self.records if r.node == name or r.node is None]
         pools = {(r.driver, r.pool) for r in near}
         return [
@@ -226,7 +226,7 @@ class SliceIndex:
         ]
 
     def node_names(self) -> list[str]:
-        """The node names the slices name, sorted (``inputs.slice_nodes``)."""
+        """The node names the slices name, sorted (``node_reach.slice_nodes``)."""
         return sorted({n for r in self.records for n in r.node_names})
 
     def slices(self, records: Iterable[SliceRecord] | None = None) -> list[dict[str, Any]]:

@@ -94,7 +94,7 @@ def _picks(exp: Explanation, picks: Sequence[Pick], r: Renaming) -> list[Pick]:
 
 
 def _stub_slices(picks: Sequence[Pick], label: NodeLabel) -> list[Mapping[str, Any]]:
-    """What ``inputs.node_selector`` reads of the slices of the picked devices: every slice of
+    """What ``node_reach.node_selector`` reads of the slices of the picked devices: every slice of
     a node in a group is its own (spec.nodeName), so this is all it needs."""
     return [
         {

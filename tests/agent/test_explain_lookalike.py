@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from agent.cli.explain_answer import Inputs, NodeAnswer, answer
-from dra_driver.scheduler import inputs
+from dra_driver.scheduler import node_reach
 from dra_driver.scheduler.celenv import CelEnvironment
 from dra_driver.scheduler.inputs import Subject
 from dra_driver.scheduler.lookalike import SliceIndex, plan, reads_of
@@ -50,7 +50,7 @@ def alone(data: Inputs, name: str | None) -> NodeAnswer:
     from agent.cli.explain_answer import _evaluate
 
     node = data.nodes.get(name or "", {"metadata": {"name": name}})
-    slices = data.slices if name is None else inputs.node_slices(data.slices, node)
+    slices = data.slices if name is None else node_reach.node_slices(data.slices, node)
     return _evaluate(name, slices, data, CelEnvironment(), 10.0)
 
 
@@ -184,7 +184,7 @@ def clusters(draw: st.DrawFn) -> Inputs:
 def test_every_node_gets_the_answer_it_gets_alone(data: Inputs) -> None:
     event(f"nodes answered by renaming: {sum(len(g) - 1 for g in groups_of(data))}")
     grouped = answer(copy.deepcopy(data), 10.0, CelEnvironment())
-    names = sorted(set(data.nodes) | set(inputs.slice_nodes(data.slices)))
+    names = sorted(set(data.nodes) | set(node_reach.slice_nodes(data.slices)))
     assert [a.node for a in grouped] == names
     for got, name in zip(grouped, names, strict=True):
         same(got, alone(data, name))

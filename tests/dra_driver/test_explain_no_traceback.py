@@ -268,3 +268,21 @@ def test_a_malformed_allocated_claim_file_is_named_with_its_field(
     where = f"{tmp_path / 'allocated.yaml'}: document 0: status.allocation.devices.results[0]"
     assert err.getvalue().startswith(f"tessera: error: {where}.{field}: "), err.getvalue()
     assert message in err.getvalue()
+
+
+def test_a_counter_slice_beside_a_slice_with_a_list_for_its_driver_is_malformed_input(
+    tmp_path: Path,
+) -> None:
+    """The node's slices were grouped by (driver, pool) in a set before any field was checked:
+    a list for a slice's driver, next to a counter slice (the 1.35 layout), ended in
+    ``TypeError: unhashable type: 'list'`` (node_reach.node_slices)."""
+    devices = _one_gpu()[0]
+    devices["spec"]["driver"] = ["not", "a", "name"]
+    counters = rslice([], name="c1", counters={"set": {"c": 1}})
+    argv = ["explain", str(_write(tmp_path / "claim.yaml", [claim(exact("g"))], None))]
+    argv += ["--class", str(_write(tmp_path / "classes.yaml", [klass("gpu", "true")], None))]
+    argv += ["--slices", str(_write(tmp_path / "slices.yaml", [devices, counters], None))]
+    out, err = io.StringIO(), io.StringIO()
+    assert main(argv, out=out, err=err) == 2, out.getvalue()
+    assert err.getvalue().startswith("tessera: error: "), err.getvalue()
+    assert "spec.driver" in err.getvalue() and "Traceback" not in err.getvalue()
