@@ -9,7 +9,8 @@ why a ResourceClaim does or does not fit a node's devices.
   backtracking search; ``outcome``: what the search answers; ``joint``: a pod's claims
   searched together (``explain_pod``);
 - ``explanation``: the facade (``explain(...)`` returns an ``Explanation``) and its text and JSON;
-- ``inputs``: what the CLI reads, without I/O;
+- ``inputs``: what the CLI reads, without I/O; ``node_reach``: which slices a node sees, and the
+  nodeSelector an allocation gets;
 - ``versions``: the scheduler modelled (Kubernetes 1.34 or 1.35, its DRA feature gates and the
   allocator variant they pick), ``slice_layout``: how that version reads counter sets,
   ``gates``: what a gate that is off does to a claim.
