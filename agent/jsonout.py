@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
-_OPTIONS = orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS | orjson.OPT_APPEND_NEWLINE
-
 
 def indented_json(obj: Any) -> bytes:
     """``obj`` as indented JSON with sorted keys and a final newline, UTF-8. Raises TypeError
     for what JSON cannot hold (orjson.JSONEncodeError is one)."""
-    return orjson.dumps(obj, option=_OPTIONS)
+    # imported here: the checkpoint's module is imported by commands that never write one,
+    # among them gpu-check, whose pure-Python bundle (bench/gpu_check/bundle.py) carries no
+    # compiled package such as orjson (agent/decode/bounds.py does the same for reading)
+    import orjson
+
+    return orjson.dumps(
+        obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS | orjson.OPT_APPEND_NEWLINE
+    )
