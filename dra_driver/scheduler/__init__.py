@@ -6,8 +6,9 @@ why a ResourceClaim does or does not fit a node's devices.
 - ``celenv`` (with its parts in the package ``cel``): the CEL environment of device selectors;
 - ``candidates``: per-request candidates; ``capacity``: counters, consumable capacity and
   request policies; ``constraints``: matchAttribute and distinctAttribute; ``search``: the
-  backtracking search; ``outcome``: what the search answers; ``joint``: a pod's claims
-  searched together (``explain_pod``);
+  backtracking search (``picking``: its rules for shares, repeats, a pod's claims and the
+  limit); ``outcome``: what the search answers; ``joint``: a pod's claims searched together
+  (``explain_pod``);
 - ``explanation``: the facade (``explain(...)`` returns an ``Explanation``) and its text and JSON;
 - ``inputs``: what the CLI reads, without I/O; ``node_reach``: which slices a node sees, and the
   nodeSelector an allocation gets;

@@ -54,7 +54,8 @@ from dra_driver.scheduler.domain import (
 )
 from dra_driver.scheduler.explanation import Explanation
 from dra_driver.scheduler.outcome import Fatal, GaveUp, Reason
-from dra_driver.scheduler.search import PodShare, Search, TooMany, too_many
+from dra_driver.scheduler.picking import PodShare, TooMany, too_many
+from dra_driver.scheduler.search import Search
 from dra_driver.scheduler.versions import CONSUMABLE_CAPACITY, Scheduler
 
 
@@ -76,7 +77,7 @@ class _Chain(PodShare):
         self.reached = 0
         """The furthest claim the search got to."""
 
-    def then(self, done: Search) -> bool:
+    def then(self, done: object) -> bool:
         following = next(i for i, s in enumerate(self.searches) if s is done) + 1
         if following == len(self.searches):
             return True

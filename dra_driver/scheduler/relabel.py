@@ -20,7 +20,7 @@ from dra_driver.scheduler.domain import Device, Node
 from dra_driver.scheduler.explanation import Explanation
 from dra_driver.scheduler.lookalike import NodeLabel
 from dra_driver.scheduler.outcome import Attempt, Pick, Reason
-from dra_driver.scheduler.search import share_id_of, share_ordinal
+from dra_driver.scheduler.picking import share_id_of, share_ordinal
 
 
 @dataclass(frozen=True)
