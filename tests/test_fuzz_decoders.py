@@ -49,26 +49,14 @@ from dra_driver.kubeletplugin.checkpoint import (
 from dra_driver.kubeletplugin.claim_sources import DirClaimSource
 from dra_driver.kubeletplugin.claims import ClaimKey, parse_allocation
 from dra_driver.quantity import parse_bytes, parse_quantity
+from tests.json_values import json_values as json_values_of
 
 DRIVER, NODE = "gpu.tessera.dev", "node-a"
 GPU_UUID = "GPU-5f1e2d3c-4b5a-6978-8a9b-0c1d2e3f4a5b"
 MIG_UUID = "MIG-0a1b2c3d-4e5f-5a6b-8c7d-9e0f1a2b3c4d"
 KEY = ClaimKey("default", "c1", "uid-1")
 
-scalars = (
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(2**70), max_value=2**70)
-    | st.floats(allow_nan=False)
-    | st.text(max_size=20)
-)
-json_values = st.recursive(
-    scalars,
-    lambda children: (
-        st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=12), children, max_size=5)
-    ),
-    max_leaves=30,
-)
+json_values = json_values_of(text=20, keys=12, items=5, leaves=30)
 
 
 def _paths(obj: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:

@@ -64,16 +64,13 @@ from dra_driver.scheduler.domain import (
     Device,
     Mode,
     Node,
-    QuantityReader,
-    parse_allocated,
     parse_claim,
-    parse_classes,
-    parse_slices,
 )
 from dra_driver.scheduler.node_reach import node_selector
+from dra_driver.scheduler.node_read import read_node
 from dra_driver.scheduler.outcome import Analysis, Outcome, Pick, Reason
 from dra_driver.scheduler.search import Search
-from dra_driver.scheduler.versions import CONSUMABLE_CAPACITY, Scheduler
+from dra_driver.scheduler.versions import Scheduler
 
 KIND_LABELS = {
     "pool": "pool unusable",
@@ -112,18 +109,15 @@ def explain(
     ``allocated`` claims (and ``in_use`` devices); InputError for malformed input. ``clock``
     (seconds) bounds the search with ``time_limit_s``; tests pass a fake one. ``scheduler``
     is the version and feature gates modelled (default: the newest, ``Scheduler.of()``)."""
-    scheduler = scheduler or Scheduler.of()
-    q = QuantityReader()
-    parsed = gates.as_read(parse_claim(claim, q), scheduler)
-    device_classes = parse_classes(classes)
-    node = parse_slices(slices, q, scheduler)
-    shares = scheduler.enabled(CONSUMABLE_CAPACITY)
-    state = parse_allocated(allocated, in_use, q, shares=shares)
+    read = read_node(classes, slices, allocated, in_use, scheduler)
+    parsed = gates.as_read(parse_claim(claim, read.quantities), read.scheduler)
     search = Search(
-        parsed, device_classes, node, state, cel, time_limit_s=time_limit_s, clock=clock
+        parsed, read.classes, read.node, read.allocated, cel, time_limit_s=time_limit_s, clock=clock
     )
-    outcome = gates.run(search, scheduler)
-    return Explanation(parsed, node, outcome, time_limit_s, device_classes, slices, scheduler)
+    outcome = gates.run(search, read.scheduler)
+    return Explanation(
+        parsed, read.node, outcome, time_limit_s, read.classes, slices, read.scheduler
+    )
 
 
 def _ref(dev: Device) -> dict[str, str]:

@@ -47,16 +47,14 @@ from dra_driver.scheduler.domain import (
     Claim,
     InputError,
     QuantityReader,
-    parse_allocated,
     parse_claim,
-    parse_classes,
-    parse_slices,
 )
 from dra_driver.scheduler.explanation import Explanation
+from dra_driver.scheduler.node_read import read_node
 from dra_driver.scheduler.outcome import Fatal, GaveUp, Reason
 from dra_driver.scheduler.picking import PodShare, TooMany, too_many
 from dra_driver.scheduler.search import Search
-from dra_driver.scheduler.versions import CONSUMABLE_CAPACITY, Scheduler
+from dra_driver.scheduler.versions import Scheduler
 
 
 class _Chain(PodShare):
@@ -126,12 +124,9 @@ def explain_pod(
     search (the scheduler's filter timeout bounds the whole call too). ``scheduler`` is the
     version and feature gates modelled (default: the newest), as for ``explain``.
     ClaimInputError for a malformed claim, InputError for other malformed input."""
-    scheduler = scheduler or Scheduler.of()
-    q = QuantityReader()
-    parsed = [gates.as_read(_claim(i, c, q), scheduler) for i, c in enumerate(claims)]
-    device_classes = parse_classes(classes)
-    node = parse_slices(slices, q, scheduler)
-    state = parse_allocated(allocated, in_use, q, shares=scheduler.enabled(CONSUMABLE_CAPACITY))
+    read = read_node(classes, slices, allocated, in_use, scheduler)
+    scheduler, device_classes, node, state = read.scheduler, read.classes, read.node, read.allocated
+    parsed = [gates.as_read(_claim(i, c, read.quantities), scheduler) for i, c in enumerate(claims)]
     chain = _Chain(
         Usage(node, state),
         parsed,

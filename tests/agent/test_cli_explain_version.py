@@ -15,15 +15,12 @@ import yaml
 from agent.cli import main
 from agent.cli.node_commands import published_slices
 from agent.config import Config
+from tests.integration.test_explain_cluster_version import gpu0_1g_claim
 from tests.k8sschema import validate as validate_k8s
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "deploy" / "daemonset" / "examples"
 CLASSES = ROOT / "deploy" / "daemonset" / "deviceclasses.yaml"
-MIG_1G = (
-    'device.attributes["gpu.tessera.dev"].minor == 0'
-    ' && device.attributes["gpu.tessera.dev"].profile.startsWith("1g")'
-)
 
 
 def explain(*argv: object, env: dict[str, str] | None = None) -> tuple[int, str, str]:
@@ -38,28 +35,7 @@ def write(path: Path, *docs: Any) -> Path:
 
 
 def mig_claim(path: Path, count: int) -> Path:
-    return write(
-        path,
-        {
-            "apiVersion": "resource.k8s.io/v1",
-            "kind": "ResourceClaim",
-            "metadata": {"name": "migs", "namespace": "default"},
-            "spec": {
-                "devices": {
-                    "requests": [
-                        {
-                            "name": "m",
-                            "exactly": {
-                                "deviceClassName": "mig.gpu.tessera.dev",
-                                "count": count,
-                                "selectors": [{"cel": {"expression": MIG_1G}}],
-                            },
-                        }
-                    ]
-                }
-            },
-        },
-    )
+    return write(path, gpu0_1g_claim(count))
 
 
 def a100_slices(path: Path, layout: str) -> Path:

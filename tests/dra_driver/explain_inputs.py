@@ -21,6 +21,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from tests.json_values import json_values as json_values_of
+
 DRIVER = "gpu.tessera.dev"
 CLASS_NAMES = (
     "gpu.tessera.dev",
@@ -44,20 +46,7 @@ EDGE_COUNTS = (0, -1, 33, 2**31, 2**63, "2", 2.0, True)
 """Counts the API refuses or a claim cannot hold."""
 EDGE_ATTRIBUTES = ("bare", "gpu.tessera.dev/", "/uuid", "a/b/c", "gpu.tessera.dev/nosuch", "")
 
-scalars = (
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(2**70), max_value=2**70)
-    | st.floats(allow_nan=False)
-    | st.text(max_size=12)
-)
-json_values = st.recursive(
-    scalars,
-    lambda children: (
-        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3)
-    ),
-    max_leaves=8,
-)
+json_values = json_values_of(text=12, keys=8, items=3, leaves=8)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ ONE_G = (
 )
 
 
-def mig_claim(count: int) -> dict[str, Any]:
+def gpu0_1g_claim(count: int) -> dict[str, Any]:
+    """A claim of ``count`` 1g MIG devices of GPU 0 (also the CLI tests' claim)."""
     return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",
@@ -77,7 +78,7 @@ def explain(
 
 def claim_file(tmp_path: Path, count: int) -> Path:
     path = tmp_path / "claim.yaml"
-    path.write_text(yaml.safe_dump(mig_claim(count)))
+    path.write_text(yaml.safe_dump(gpu0_1g_claim(count)))
     return path
 
 
