@@ -27,3 +27,16 @@ def json_values(*, text: int, keys: int, items: int, leaves: int) -> st.SearchSt
         ),
         max_leaves=leaves,
     )
+
+
+def json_paths(obj: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every path into the JSON value ``obj`` (keys and list indexes), the root's ``()`` first:
+    where a fuzz test replaces or removes a value."""
+    out = [prefix]
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out += json_paths(v, (*prefix, k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            out += json_paths(v, (*prefix, i))
+    return out

@@ -49,6 +49,7 @@ from dra_driver.kubeletplugin.checkpoint import (
 from dra_driver.kubeletplugin.claim_sources import DirClaimSource
 from dra_driver.kubeletplugin.claims import ClaimKey, parse_allocation
 from dra_driver.quantity import parse_bytes, parse_quantity
+from tests.json_values import json_paths
 from tests.json_values import json_values as json_values_of
 
 DRIVER, NODE = "gpu.tessera.dev", "node-a"
@@ -59,22 +60,11 @@ KEY = ClaimKey("default", "c1", "uid-1")
 json_values = json_values_of(text=20, keys=12, items=5, leaves=30)
 
 
-def _paths(obj: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    out = [prefix]
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out += _paths(v, (*prefix, k))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            out += _paths(v, (*prefix, i))
-    return out
-
-
 @st.composite
 def mutated(draw: st.DrawFn, valid: Any) -> Any:
     """``valid`` with the value at one random path replaced by a random JSON value."""
     obj = copy.deepcopy(valid)
-    path = draw(st.sampled_from(_paths(obj)))
+    path = draw(st.sampled_from(json_paths(obj)))
     replacement = draw(json_values)
     if not path:
         return replacement
@@ -250,7 +240,7 @@ def near_valid(draw: st.DrawFn, valid: Any) -> Any:
     obj = copy.deepcopy(valid)
     keys = near_words | st.integers() | st.booleans() | st.none() | st.text(max_size=5)
     for _ in range(draw(st.integers(1, 3))):
-        paths = _paths(obj)
+        paths = json_paths(obj)
         objects = [p for p in paths if isinstance(_at(obj, p), dict)]
         if len(paths) == 1 or (objects and draw(st.booleans())):
             target = _at(obj, draw(st.sampled_from(objects)))

@@ -21,6 +21,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from tests.json_values import json_paths
 from tests.json_values import json_values as json_values_of
 
 DRIVER = "gpu.tessera.dev"
@@ -426,23 +427,12 @@ def allocated(draw: st.DrawFn, slices: list[dict[str, Any]]) -> list[dict[str, A
     ]
 
 
-def _paths(obj: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    out = [prefix]
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out += _paths(v, (*prefix, k))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            out += _paths(v, (*prefix, i))
-    return out
-
-
 @st.composite
 def _broken(draw: st.DrawFn, obj: dict[str, Any]) -> dict[str, Any]:
     """``obj`` with the value at one path (not the root) replaced by any JSON value, or, in a
     mapping, removed."""
     obj = copy.deepcopy(obj)
-    paths = [p for p in _paths(obj) if p]
+    paths = [p for p in json_paths(obj) if p]
     if not paths:
         return obj
     path = draw(st.sampled_from(paths))
