@@ -11,6 +11,7 @@ why a ResourceClaim does or does not fit a node's devices.
   (``explain_pod``);
 - ``explanation``: the facade (``explain(...)`` returns an ``Explanation``) and its text and JSON;
   ``node_read``: the classes, slices and allocated claims as the modelled scheduler reads them;
+  ``allocated``: what other claims hold; ``allocation_config``: an allocation's ``devices.config``;
 - ``inputs``: what the CLI reads, without I/O; ``node_reach``: which slices a node sees, and the
   nodeSelector an allocation gets;
 - ``versions``: the scheduler modelled (Kubernetes 1.34 or 1.35, its DRA feature gates and the

@@ -20,9 +20,9 @@ from typing import Any
 
 from agent.decode import fields
 from dra_driver.quantity import Quantity
+from dra_driver.scheduler.allocated import Allocated, parse_allocated
 from dra_driver.scheduler.pools import (
     ATTRIBUTE_TYPES,
-    Allocated,
     AttributeValue,
     Capacity,
     CounterUse,
@@ -33,7 +33,6 @@ from dra_driver.scheduler.pools import (
     QuantityReader,
     RequestPolicy,
     Taint,
-    parse_allocated,
     parse_slices,
 )
 

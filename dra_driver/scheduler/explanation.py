@@ -58,6 +58,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from dra_driver.scheduler import gates
+from dra_driver.scheduler.allocation_config import allocation_config
 from dra_driver.scheduler.celenv import CelEnvironment
 from dra_driver.scheduler.domain import (
     Claim,
@@ -214,7 +215,7 @@ class Explanation:
                 r["consumedCapacity"] = {k: str(v) for k, v in sorted(pick.consumed.items())}
             results.append(r)
         devices: dict[str, Any] = {"results": results}
-        config = self._config()
+        config = allocation_config(self.claim, self.outcome.selected, self._classes)
         if config:
             devices["config"] = config
         out: dict[str, Any] = {"devices": devices}
@@ -223,53 +224,6 @@ class Explanation:
         if selector is not None:
             out["nodeSelector"] = selector
         return out
-
-    def _selected_names(self) -> list[tuple[str, str, str]]:
-        """Per request: (request name, selected name, class name)."""
-        out = []
-        for gi, group in enumerate(self.claim.requests):
-            alt = group.alternatives[self.outcome.selected.get(gi, 0)]
-            out.append((group.name, alt.full_name, alt.class_name))
-        return out
-
-    def _config(self) -> list[dict[str, Any]]:
-        """The configs upstream copies (Allocate, "Populate configs"): each class's once, with
-        the requests that use it; then the claim's that apply; an entry naming every request
-        names none."""
-        config: list[dict[str, Any]] = []
-        by_class: dict[str, list[dict[str, Any]]] = {}
-        selected = self._selected_names()
-        for _, name, cls_name in selected:
-            if cls_name in by_class:
-                for entry in by_class[cls_name]:
-                    entry["requests"].append(name)
-                continue
-            cls = self._classes.get(cls_name)
-            entries = [
-                {
-                    "source": "FromClass",
-                    "requests": [name],
-                    **{k: v for k, v in c.items() if k != "requests"},
-                }
-                for c in (cls.config if cls else ())
-            ]
-            by_class[cls_name] = entries
-            config.extend(entries)
-        for names, raw in self.claim.config:
-            applies = not names or any(base in names or full in names for base, full, _ in selected)
-            if applies:
-                config.append(
-                    {
-                        "source": "FromClaim",
-                        **({"requests": list(names)} if names else {}),
-                        **{k: v for k, v in raw.items() if k != "requests"},
-                    }
-                )
-        for entry in config:
-            listed = entry.get("requests")
-            if listed and all(base in listed or full in listed for base, full, _ in selected):
-                del entry["requests"]
-        return config
 
     # -- reasons -------------------------------------------------------------------------------
     def _failure_line(self, gi: int, ai: int) -> str:

@@ -19,7 +19,8 @@ from typing import Any
 
 from agent.decode import fields, load_json, load_yaml_documents
 from agent.errors import DecodeError
-from dra_driver.scheduler.pools import QuantityReader, parse_allocated
+from dra_driver.scheduler.allocated import parse_allocated
+from dra_driver.scheduler.pools import QuantityReader
 
 RESOURCE_API = "resource.k8s.io/v1"
 MAX_FILE_CHARS = 256 * 1024 * 1024
