@@ -13,21 +13,16 @@ from typing import Any
 from hypothesis import strategies as st
 
 from dra_driver.device_model import DeviceModel
+from tests.json_values import json_paths, json_values
 from tests.reliability.doors import hostile_text, valid_label
-from tests.test_fuzz_decoders import VALID_CONFIGS, _at, _paths, near_valid, scalars
+from tests.test_fuzz_decoders import VALID_CONFIGS, _at, near_valid
 
 DRIVER = "gpu.tessera.dev"
 FUZZ_DEVICES = [f"gpu-{i}" for i in range(6)]
 """The devices the generated claims of the daemon's doors take (gpu-7 is the good claim's)."""
 MIG_DEVICES = ["gpu-0-mig-1g10gb-19-0", "gpu-1-mig-3g40gb-9-4", "gpu-2-mig-7g80gb-0-0"]
 
-small_json = st.recursive(
-    scalars,
-    lambda children: (
-        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3)
-    ),
-    max_leaves=4,
-)
+small_json = json_values(text=20, keys=6, items=3, leaves=4)
 """A JSON value of the wrong kind, small (generating large ones is what costs)."""
 devices = st.one_of(
     st.sampled_from(FUZZ_DEVICES),
@@ -67,7 +62,7 @@ def mutated(draw: st.DrawFn, valid: Any) -> Any:
     """A copy of ``valid`` with the value at one random path below the top replaced by a small
     JSON value of any kind (a copy: its parts may be shared, VALID_CONFIGS' own among them)."""
     obj = copy.deepcopy(valid)
-    paths = _paths(obj)[1:]
+    paths = json_paths(obj)[1:]
     if not paths:
         return obj
     path = draw(st.sampled_from(paths))
