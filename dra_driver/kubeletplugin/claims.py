@@ -34,10 +34,15 @@ def shown(value: object, limit: int = SHOWN_CHARS) -> str:
     """``value`` as Python writes it (quoted, control characters escaped), a long string cut to
     ``limit`` characters with its length: an untrusted value in a message stays one short,
     printable line."""
-    if isinstance(value, str) and len(value) > limit:
-        return f"{value[:limit]!r}... ({len(value)} characters)"
     text = repr(value)
-    return text if len(text) <= limit + 2 else f"{text[:limit]}... ({len(text)} characters)"
+    if len(text) <= limit + 2:
+        return text
+    if isinstance(value, str):  # cut the string, not its repr: the quotes stay closed
+        n = min(len(value), limit)
+        while n > 0 and len(repr(value[:n])) > limit + 2:  # escapes take 2 to 10 characters
+            n -= 1
+        return f"{value[:n]!r}... ({len(value)} characters)"
+    return f"{text[:limit]}... ({len(text)} characters)"
 
 
 @dataclass(frozen=True)

@@ -185,6 +185,8 @@ def test_a_missing_claim_names_at_most_ten_unreadable_files_each_printable(tmp_p
     [
         ("device", "d" * 5000, "'" + "d" * 60 + "'... (5000 characters)"),
         ("pool", "p\x00\n", "'p\\x00\\n'"),
+        # short enough, but its escapes are not: cut within the quotes, never through them
+        ("device", "gpu-" + "\x80" * 40, "'gpu-" + "\\x80" * 14 + "'... (44 characters)"),
     ],
 )
 def test_untrusted_values_in_errors_are_escaped_and_cut_short(field, value, shown):
