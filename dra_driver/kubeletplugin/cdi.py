@@ -416,22 +416,14 @@ class CdiWriter:
         errors: dict[str, CdiError] = {}
         for uid in claim_uids:
             try:
-                path = self.path(uid)
+                self.remove(uid)
             except CdiError as exc:
                 errors[uid] = exc
-                continue
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                if not os.path.lexists(path):  # as in remove
-                    continue
-                errors[uid] = CdiError(f"cannot remove CDI spec {path}: {exc.strerror or exc}")
         return errors
 
     def remove(self, claim_uid: str) -> bool:
-        """Delete the claim's spec file; True if there was one. Idempotent."""
+        """Delete the claim's spec file; True if there was one. Idempotent; not synced (see
+        ``remove_many``)."""
         path = self.path(claim_uid)
         try:
             path.unlink()
@@ -441,7 +433,7 @@ class CdiWriter:
             if not os.path.lexists(path):  # a read-only file system says so before ENOENT
                 return False
             raise CdiError(f"cannot remove CDI spec {path}: {exc.strerror or exc}") from exc
-        return True  # not synced, as in remove_many
+        return True
 
     def evidence(self, claim_uid: str) -> tuple[tuple[str, ...], float]:
         """What the claim's spec file says was prepared: the pool device names it exposes (from
