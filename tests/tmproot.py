@@ -7,7 +7,7 @@ root, state directories, sockets, CDI specs). On the ext4 disks of the 2-core CI
 time was the kernel's. So, unless the person running the tests chose a ``TMPDIR``, the session
 puts its temporary files (pytest's ``tmp_path``, ``tempfile``, and the daemons and tools the tests
 start, which inherit ``TMPDIR``) in a directory of its own under ``/dev/shm`` when that is a
-writable tmpfs with room, and removes it when the session ends.
+writable tmpfs with room (bytes and inodes), and removes it when the session ends.
 
 ``TESTS_TMPDIR=disk`` keeps the default (the disk's ``/tmp``), e.g. to run the suite on the
 filesystem a node's state directory lives on.
@@ -28,7 +28,12 @@ import pytest
 
 SHM = Path("/dev/shm")
 MIN_FREE = 2 << 30
-"""The room a session needs: the largest runs hold a few hundred MiB at once."""
+"""The bytes a session needs free: a run of ``make test`` held at most 271 MB at once (passing
+tests' ``tmp_path`` are removed as they end: ``tmp_path_retention_policy`` in pyproject.toml)."""
+MIN_INODES = 500_000
+"""The inodes a session needs free: a run held at most 128,000 at once. A tmpfs has a number of
+inodes of its own (``nr_inodes``, by default half the machine's pages of RAM), which a machine
+with little RAM reaches before its bytes; ``No space left on device`` says either."""
 CHOICE = "TESTS_TMPDIR"
 OWNER = "TESTS_TMPDIR_OWNER"
 """Set to the pid of the process that made the directory (the xdist controller or the single
@@ -68,7 +73,7 @@ def choose(config: pytest.Config) -> Path | None:
     if not _is_tmpfs(SHM) or not os.access(SHM, os.W_OK | os.X_OK):
         return None
     stats = os.statvfs(SHM)
-    if stats.f_bavail * stats.f_frsize < MIN_FREE:
+    if stats.f_bavail * stats.f_frsize < MIN_FREE or stats.f_favail < MIN_INODES:
         return None
     root = short_dir(SHM, "t")
     if config.option.basetemp is None:  # shorter than /tmp/pytest-of-<user>/pytest-<n>

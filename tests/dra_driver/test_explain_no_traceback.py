@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -164,14 +165,22 @@ def test_the_cli_answers_fits_no_fit_or_a_clear_error(
     def write(name: str, docs: list[dict[str, Any]]) -> str:
         return str(_write(folder / f"{name}.yaml", docs, garble if garbled == name else None))
 
-    folder = tmp_path_factory.mktemp("case")
-    argv = ["explain", write("claim", [case.claim])]
-    argv += ["--class", write("classes", case.classes), "--slices", write("slices", case.slices)]
-    argv += ["--time-limit", "2", "-o", "json"]
-    if case.allocated:
-        argv += ["--allocated", write("allocated", case.allocated)]
-    out, err = io.StringIO(), io.StringIO()
-    rc = main(argv, out=out, err=err)
+    folder = tmp_path_factory.mktemp("case")  # a case's files are removed after it (RAM: tmproot)
+    try:
+        argv = ["explain", write("claim", [case.claim])]
+        argv += [
+            "--class",
+            write("classes", case.classes),
+            "--slices",
+            write("slices", case.slices),
+        ]
+        argv += ["--time-limit", "2", "-o", "json"]
+        if case.allocated:
+            argv += ["--allocated", write("allocated", case.allocated)]
+        out, err = io.StringIO(), io.StringIO()
+        rc = main(argv, out=out, err=err)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     if rc == 2:
         lines = err.getvalue().splitlines()
         assert lines and lines[0].startswith("tessera: error: "), err.getvalue()
