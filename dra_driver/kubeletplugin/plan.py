@@ -215,7 +215,8 @@ def _sharing(
         raise _mismatch(
             asked,
             device,
-            f"a share of {consumed} of its {_memory(device)} bytes of memory {how}",
+            f"a share of {consumed} of its {_memory(device)} bytes of memory (consumedCapacity"
+            f" 'memory', its allocation results together) {how}",
             policy.mode,
             "time-slice it (class time-sliced.gpu.tessera.dev), request no memory for a GPU of"
             " one's own, or run memory shares where --sharing is memory-shares",

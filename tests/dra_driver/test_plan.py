@@ -209,7 +209,9 @@ def test_time_slicing_refuses_a_share_of_memory_that_does_not_time_slice(h100, c
     with pytest.raises(ClaimError) as e:
         plan_claim(allocation("gpu-0", config=config, consumed=8 * GIB), h100, policy)
     assert e.value.reason == "sharing_mismatch"
-    assert f"asks a share of {8 * GIB} of its {total} bytes of memory {how}" in str(e.value)
+    shared = f"{8 * GIB} of its {total} bytes of memory"
+    field = "(consumedCapacity 'memory', its allocation results together)"
+    assert f"asks a share of {shared} {field} {how}" in str(e.value)
     assert "runs --sharing time-slicing, which shares a whole GPU between claims only when" in (
         str(e.value)
     )
