@@ -191,6 +191,7 @@ def _evaluate(
     cel: CelEnvironment,
     time_limit: float,
 ) -> NodeAnswer:
+    from dra_driver.scheduler.domain import InputError
     from dra_driver.scheduler.joint import ClaimInputError, explain_pod
 
     if not slices:
@@ -212,7 +213,7 @@ def _evaluate(
             )
         except ClaimInputError as exc:  # a malformed claim
             raise _input_error(unit[exc.index], exc) from exc
-        except ValueError as exc:  # the allocator's InputError: a malformed class
+        except InputError as exc:  # a malformed class (any other error is ours: a traceback)
             raise _input_error(unit[0], exc) from exc
         pods.append(pod)
         for c in _answers(unit, pod):
