@@ -69,7 +69,7 @@ from agent.sim.apiserver_http import Context, HttpServer
 from agent.sim.apiserver_openapi import OpenApi
 from agent.sim.apiserver_select import Selection
 from agent.sim.apiserver_store import Obj, Store
-from agent.sim.apiserver_types import RESOURCES, ResourceType
+from agent.sim.apiserver_types import RESOURCES, ResourceType, major_minor
 
 __all__ = [
     "RESOURCES",
@@ -139,6 +139,7 @@ class ApiServer:
             history_size=history_size,
             clock=clock,
             admission=self._admission,
+            kube_version=major_minor(kube_version),
         )
         self._kube_version = kube_version
         self._evictions = EvictionLog()

@@ -1,5 +1,6 @@
 """Checks of objects written to the API-server emulator: body shape, JSON schemas, the few
-semantic rules a client can trip over (Events' namespaces), a custom object's CRD, then validating
+semantic rules a client can trip over (Events' namespaces, a claim's device status, a 1.35
+slice's devices beside its counter sets), a custom object's CRD, then validating
 admission (:class:`WriteChecks`, which records every 422 it answers)."""
 
 from __future__ import annotations
@@ -175,6 +176,27 @@ def claim_status_failure(rt: ResourceType, obj: Obj) -> ApiError | None:
     return err.invalid_fields(rt, str(obj["metadata"].get("name", "")), found)
 
 
+SLICE_EXCLUSIVE_SINCE = (1, 35)
+"""The first version whose ResourceSlice holds ``devices`` or ``sharedCounters``, not both (1.34
+kept a slice's counter sets beside the devices that consume them)."""
+
+
+def slice_failure(rt: ResourceType, obj: Obj, version: tuple[int, int]) -> ApiError | None:
+    """422 for a ResourceSlice with both ``devices`` and ``sharedCounters`` on a server of 1.35 or
+    later (Kubernetes pkg/apis/resource/validation/validation.go, ``validateResourceSliceSpec``:
+    both fields non-nil, so an empty list counts; a JSON null does not). None otherwise."""
+    if rt.group != "resource.k8s.io" or rt.kind != "ResourceSlice":
+        return None
+    spec = obj.get("spec")
+    if version < SLICE_EXCLUSIVE_SINCE or not isinstance(spec, dict):
+        return None
+    if spec.get("devices") is None or spec.get("sharedCounters") is None:
+        return None
+    name = str(obj["metadata"].get("name", ""))
+    message = 'Invalid value: "": only one of `sharedCounters` or `devices` is allowed'
+    return err.invalid(rt, name, "spec", "FieldValueInvalid", message)
+
+
 def custom_failure(
     rt: ResourceType, obj: Obj, old: Obj | None, served: Sequence[ResourceType]
 ) -> ApiError | None:
@@ -194,9 +216,17 @@ class WriteChecks:
     admission (apiserver_admission) before the write commits. Each 422 lands in
     :attr:`rejected`. Not thread-safe on its own: the store's lock guards it."""
 
-    def __init__(self, validate_versions: Sequence[str], admission: Admission | None) -> None:
+    def __init__(
+        self,
+        validate_versions: Sequence[str],
+        admission: Admission | None,
+        kube_version: tuple[int, int],
+    ) -> None:
+        """``kube_version``: the (major, minor) the server reports, whose semantic rules it
+        applies where they differ between versions."""
         self.rejected: list[Rejection] = []
         self._versions = tuple(validate_versions)
+        self._kube_version = kube_version
         # refused here, at construction, when the validator is missing
         self._schemas = Schemas(schema_validator()) if self._versions else None
         self._admission = admission
@@ -228,6 +258,7 @@ class WriteChecks:
         semantic = (
             event_failure(rt, obj)
             or claim_status_failure(rt, obj)
+            or slice_failure(rt, obj, self._kube_version)
             or custom_failure(rt, obj, old, served)
         )
         if semantic is not None:

@@ -68,9 +68,10 @@ class Store:
         history_size: int,
         clock: Callable[[], datetime],
         admission: Admission | None = None,
+        kube_version: tuple[int, int] = (1, 35),
     ) -> None:
         self.types = {t.plural: t for t in types}
-        self._checks = WriteChecks(validate_versions, admission)
+        self._checks = WriteChecks(validate_versions, admission, kube_version)
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.rv = 0

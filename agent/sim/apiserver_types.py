@@ -393,6 +393,12 @@ def api_resource_list(
     }
 
 
+def major_minor(kube_version: str) -> tuple[int, int]:
+    """``1.35.0`` -> ``(1, 35)``."""
+    major, minor = kube_version.split(".")[:2]
+    return int(major), int(minor)
+
+
 def version_info(kube_version: str) -> dict[str, Any]:
     """``GET /version``, as k8s.io/apimachinery ``pkg/version`` ``Info`` has it since the
     compatibility versions (KEP-4330): the binary's major and minor, the emulated ones (the
