@@ -449,7 +449,15 @@ def _counted(d: Daemon, uids: list[str], *, released: bool = False) -> None:
         return all(state.get(uid) == released for uid in uids)
 
     what = "released" if released else "held"
-    wait_for(seen, f"the claims {what} in the usage ledger", timeout=30.0)
+    try:
+        wait_for(seen, f"the claims {what} in the usage ledger", timeout=30.0)
+    except AssertionError as exc:  # what the ledger and the daemon said, to find out why
+        try:
+            ledger = path.read_text()[:2000]
+        except OSError as read:
+            ledger = f"unreadable: {read}"
+        said = [r for r in list(d.logs) if r.get("level") in ("warning", "error")][-10:]
+        raise AssertionError(f"{exc}; the ledger: {ledger}; the daemon's warnings: {said}") from exc
 
 
 def usage_violations(d: Daemon, started: float) -> list[str]:
