@@ -105,6 +105,13 @@ class Records:
             vgpu_type_id=d.vgpu_type.type_id if d.vgpu_type is not None else None,
         )
 
-    def write_spec(self, entry: ClaimEntry) -> None:
-        """Write the CDI spec of ``entry``'s devices (and its MPS daemon)."""
-        self._cdi.write_claim(entry.uid, cdi_requests(entry.devices), mps_edits(entry.mps))
+    def write_spec(self, entry: ClaimEntry, *, fresh: bool = False) -> None:
+        """Write the CDI spec of ``entry``'s devices (and its MPS daemon); ``fresh``: as
+        ``CdiWriter.write_claim``'s, after :meth:`ensure_base`."""
+        self._cdi.write_claim(
+            entry.uid, cdi_requests(entry.devices), mps_edits(entry.mps), fresh=fresh
+        )
+
+    def ensure_base(self) -> None:
+        """Write the driver's base CDI spec when it is missing."""
+        self._cdi.ensure_base()

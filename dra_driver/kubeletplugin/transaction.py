@@ -299,7 +299,13 @@ class Transactions:
         """Step 3 of every started claim, in their order: concurrently those that make
         something on the node (NVML, node tools, sysfs: their waits overlap), in the batch's own
         thread those that only write their spec (a hand-off to another thread would cost more
-        than the write: 64 whole GPUs in one call, ``python -m bench prepare``)."""
+        than the write: 64 whole GPUs in one call, ``python -m bench prepare``). The base CDI
+        spec every claim's spec needs is made sure of once, first: when it cannot be written,
+        every claim fails with that error (and is rolled back)."""
+        try:
+            self._records.ensure_base()
+        except TesseraError as exc:
+            return [exc for _ in started]
         slow = [p for p in started if not p.spec_only]
         done = dict(zip((id(p) for p in slow), batch.each(slow, self._make), strict=True))
         out: list[ClaimEntry | BaseException] = []
@@ -332,7 +338,7 @@ class Transactions:
             )
         entry = claim_entry(claim, PREPARE_COMPLETED, devices, pods=plan.pods, mps=applied.mps)
         if entry.devices:  # not fsync'd: derived state (CdiWriter._atomic)
-            self._records.write_spec(entry)
+            self._records.write_spec(entry, fresh=True)  # the base: _make_all
         self._crash("after-cdi")
         return entry
 

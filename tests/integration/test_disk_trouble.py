@@ -418,6 +418,39 @@ def test_a_full_or_read_only_cdi_root_fails_the_claim_naming_its_spec(
         d.kill()
 
 
+def test_a_base_spec_gone_is_written_again_and_one_that_cannot_be_fails_the_whole_call(
+    short_tmp: Path, mounts: Mounts
+) -> None:
+    """Every claim's spec names the driver's base spec: a call's prepare makes sure of it once,
+    before the claims' specs. Removed (an admin cleaning /var/run/cdi), it is written again; when
+    it cannot be, each claim of the call fails naming it and is rolled back."""
+    node = make_node(short_tmp, mounts, separate_cdi=True)
+    cdi = node.cdi_disk
+    assert cdi is not None
+    d = node.daemon
+    d.start()
+    try:
+        base = node.cdi / f"k8s.{DRIVER}-driver.json"
+        ok(node, "prepare", ref(0))
+        written = base.read_bytes()
+        base.unlink()
+        ok(node, "prepare", ref(1), ref(2))
+        assert base.read_bytes() == written
+        base.unlink()
+        with cdi.read_only():
+            found = errors(node, "prepare", ref(3), ref(4))
+        assert found == {
+            r.uid: f"cannot write CDI spec {base}: {READ_ONLY}" for r in (ref(3), ref(4))
+        }
+        assert prepared(node) == {ref(0).uid, ref(1).uid, ref(2).uid}
+        assert not node.spec(ref(3).uid).exists() and not node.spec(ref(4).uid).exists()
+        ok(node, "prepare", ref(3), ref(4))  # the kubelet's retry
+        assert base.read_bytes() == written
+        assert problems(node) == []
+    finally:
+        d.kill()
+
+
 def test_a_read_only_state_disk_fails_each_claim_and_recovers_when_writable(
     short_tmp: Path, mounts: Mounts
 ) -> None:
