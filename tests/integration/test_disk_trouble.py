@@ -166,6 +166,14 @@ def make_node(short_tmp: Path, mounts: Mounts, separate_cdi: bool = False) -> No
     return Node(d, state, cdi, cdi_disk)
 
 
+def started_with_own_cdi_disk(short_tmp: Path, mounts: Mounts) -> tuple[Node, Disk]:
+    """A node whose CDI root is a tmpfs of its own (as ``/var/run/cdi`` is), its daemon started."""
+    node = make_node(short_tmp, mounts, separate_cdi=True)
+    assert node.cdi_disk is not None
+    node.daemon.start()
+    return node, node.cdi_disk
+
+
 def write_all_claims(state: Path) -> None:
     """The claim files (written before the disk fills): ``c<i>`` and ``o<i>`` for ``gpu-<i>``."""
     for i in range(8):
@@ -379,11 +387,8 @@ def test_the_disk_running_out_between_a_spec_and_its_completion_leaves_no_spec(
 def test_a_full_or_read_only_cdi_root_fails_the_claim_naming_its_spec(
     short_tmp: Path, mounts: Mounts
 ) -> None:
-    node = make_node(short_tmp, mounts, separate_cdi=True)
-    cdi = node.cdi_disk
-    assert cdi is not None
+    node, cdi = started_with_own_cdi_disk(short_tmp, mounts)
     d = node.daemon
-    d.start()
     try:
         a, b, c, e = ref(0), ref(1), ref(2), ref(3)
         ok(node, "prepare", a, b)
@@ -424,11 +429,8 @@ def test_a_base_spec_gone_is_written_again_and_one_that_cannot_be_fails_the_whol
     """Every claim's spec names the driver's base spec: a call's prepare makes sure of it once,
     before the claims' specs. Removed (an admin cleaning /var/run/cdi), it is written again; when
     it cannot be, each claim of the call fails naming it and is rolled back."""
-    node = make_node(short_tmp, mounts, separate_cdi=True)
-    cdi = node.cdi_disk
-    assert cdi is not None
+    node, cdi = started_with_own_cdi_disk(short_tmp, mounts)
     d = node.daemon
-    d.start()
     try:
         base = node.cdi / f"k8s.{DRIVER}-driver.json"
         ok(node, "prepare", ref(0))
