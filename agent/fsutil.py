@@ -104,7 +104,7 @@ def atomic_write(
     written there (a batch of CDI specs)."""
     try:
         fd, tmp = _create_temp(path)
-    except FileNotFoundError:  # the directory is missing: a stat each write would find out less
+    except FileNotFoundError:  # the directory is missing: made then, not stat-ed before each write
         ensure_dir(path.parent, dir_mode)
         fd, tmp = _create_temp(path)
     try:
