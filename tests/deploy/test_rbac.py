@@ -375,7 +375,9 @@ def test_rbac_grants_exactly_the_calls_the_agent_makes(short_tmp):
     assert set(shown["publisher"]) - report == (publisher | sweep) - report, shown
     assert report <= set().union(*map(set, shown.values())), shown
     assert per_mode["doctor"] == set(), shown  # discovery and self reviews only
-    assert {(r.method, r.path) for r in modes["doctor"]} == set(DEFAULT_GRANTED)
+    # the pod runner (the kubelet's part, stopped just before) may have one list in flight
+    doctor_asked = {(r.method, r.path) for r in modes["doctor"] if not kubelets(r)}
+    assert doctor_asked == set(DEFAULT_GRANTED)
     for mode, records in modes.items():
         defaulted = {(r.method, r.path) for r in records} & set(DEFAULT_GRANTED)
         assert mode == "doctor" or not defaulted, (mode, defaulted)
