@@ -178,12 +178,39 @@ class Daemon:
 
     def wait_exit(self, timeout: float = 30) -> int:
         assert self.proc is not None
-        code = self.proc.wait(timeout=timeout)
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired as exc:  # hung: say where, for the next look
+            stacks = self.stacks()
+            self.proc.kill()
+            said = list(self.logs)[-15:]
+            raise AssertionError(
+                f"the daemon did not exit within {timeout} s; its threads:\n{stacks}\n"
+                f"its last log lines: {said}"
+            ) from exc
         if self._reader is not None:
             self._reader.join(5)
         if self.proc.stderr is not None:
             self.proc.stderr.close()
         return code
+
+    def stacks(self) -> str:
+        """Every thread's stack of the running daemon (``py-spy dump``, installed with the test
+        extra; it needs ptrace rights over the daemon), or why there are none."""
+        assert self.proc is not None
+        spy = Path(sys.executable).parent / "py-spy"
+        if not spy.exists():
+            return f"(no stacks: {spy} is not installed)"
+        try:
+            done = subprocess.run(
+                [str(spy), "dump", "--pid", str(self.proc.pid)],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"(no stacks: py-spy: {exc})"
+        return done.stdout + done.stderr
 
     def stop(self) -> int:
         if self.proc is None or self.proc.poll() is not None:
