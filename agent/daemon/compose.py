@@ -261,6 +261,7 @@ def _build(
         on_health_change=health_changes,
         application_xids=application_xids(telemetry.application_xids),
         usage=usage,
+        holders_changed=preparer.holder_changes,
     )
     usage_report = None
     if kube is not None:
@@ -399,7 +400,6 @@ def _build(
             reader=reader,
             events=events,
             accounting=accounting,
-            usage=usage,
             faults=faults,
             server=telemetry_server,
             log=log,

@@ -15,7 +15,6 @@ from agent.telemetry.energy import EnergyAccounting
 from agent.telemetry.faults import FaultStore
 from agent.telemetry.sampler import Sampler
 from agent.telemetry.stream import TelemetryServer
-from agent.telemetry.usage_meter import UsageMeter
 
 
 class Sampling:
@@ -28,7 +27,6 @@ class Sampling:
         reader: TelemetryReader,
         events: EventWatcher,
         accounting: EnergyAccounting,
-        usage: UsageMeter,
         faults: FaultStore,
         server: TelemetryServer,
         log: logging.Logger,
@@ -37,7 +35,6 @@ class Sampling:
         self.reader = reader
         self.events = events
         self.accounting = accounting
-        self.usage = usage
         self.faults = faults
         self.server = server
         self.log = log
@@ -70,10 +67,10 @@ class Sampling:
             sub.close()
 
     def save(self) -> None:
-        """Save the energy accounts and the usage counted since the ledger's last write (once
-        the state directory is ours) and stop accounting."""
+        """Save the energy accounts and the usage counted up to now (once the state directory
+        is ours; the sampler's loop has ended) and stop accounting."""
         self.accounting.close()
-        self.usage.close()
+        self.sampler.finish_usage()
 
     def close(self) -> None:
         """Close the NVML readers."""

@@ -59,61 +59,16 @@ from agent.telemetry.gpu_health import (
 )
 from agent.telemetry.gpuinfo import GpuInfo
 from agent.telemetry.snapshot import ClaimUsage, GpuTelemetry, PassthroughGpu, Snapshot
+from agent.telemetry.subscription import Subscription
 from agent.telemetry.usage_meter import UsageMeter
 
 __all__ = ["APPLICATION_XIDS", "FATAL_XIDS", "Sampler", "Subscription"]
 STALE_INTERVALS = 3
 """``fresh()``: the latest snapshot is younger than this many intervals."""
 UNREAD = "not read: handed to a virtual machine (not bound to nvidia)"
+"""The error of the empty sample the accounting gets for a GPU handed to a VM."""
 REBIND_MAX_S = 30.0
 """The longest a GPU's hand-over to a VM (or back) keeps the sampler from reading by index."""
-"""The error of the empty sample the accounting gets for a GPU handed to a VM."""
-
-
-class Subscription:
-    """A bounded, latest-wins queue of snapshots (``Sampler.subscribe``)."""
-
-    def __init__(self, maxsize: int, on_close: Callable[[Subscription], None]) -> None:
-        if maxsize < 1:
-            raise ValueError("maxsize must be at least 1")
-        self._queue: collections.deque[Snapshot] = collections.deque(maxlen=maxsize)
-        self._cond = threading.Condition()
-        self._closed = False
-        self._on_close = on_close
-        self.dropped = 0
-        """Snapshots replaced by newer ones before the consumer got them."""
-
-    def put(self, snap: Snapshot) -> None:
-        """Add ``snap``, dropping the oldest queued one when full. Never blocks for long."""
-        with self._cond:
-            if self._closed:
-                return
-            if len(self._queue) == self._queue.maxlen:
-                self.dropped += 1
-            self._queue.append(snap)
-            self._cond.notify()
-
-    def get(self, timeout: float | None = None) -> Snapshot | None:
-        """The oldest queued snapshot; None after ``timeout`` seconds or once closed."""
-        with self._cond:
-            self._cond.wait_for(lambda: bool(self._queue) or self._closed, timeout)
-            if self._closed or not self._queue:
-                return None
-            return self._queue.popleft()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def close(self) -> None:
-        """Stop receiving; a blocked ``get`` returns None."""
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            self._queue.clear()
-            self._cond.notify_all()
-        self._on_close(self)
 
 
 class Sampler:
@@ -136,7 +91,11 @@ class Sampler:
         application_xids: frozenset[int] = APPLICATION_XIDS,
         probe_reads: int = PROBE_READS,
         usage: UsageMeter | None = None,
+        holders_changed: Callable[[], Mapping[str, float]] = dict,
     ) -> None:
+        """``holders_changed``: claim UID -> when it last came into ``holders`` or left (on
+        ``clock``), so that the usage meter counts a holding from its prepare and to its
+        unprepare, not from or to a tick."""
         if interval <= 0:
             raise ValueError("interval must be positive")
         self.node = node
@@ -144,6 +103,7 @@ class Sampler:
         self._read = read
         self._gpus = tuple(gpus)
         self._holders = holders
+        self._holders_changed = holders_changed
         self._accounting = accounting
         self._usage = usage
         """Feeds the usage ledger each tick (None: no usage accounting, as in unit tests)."""
@@ -304,10 +264,11 @@ class Sampler:
             self._drain_xids(read)
             holders = self._read_holders()
             now = self._clock()
+            changed = self._holders_changed()  # after: it has every change the holders show
             unread = [GpuSample(g.index, g.uuid, now, errors=(UNREAD,)) for g in handed]
             accounted = self._accounting.update([*samples, *unread], gpus, holders)
             if self._usage is not None:
-                self._feed_usage(started, [*samples, *unread], gpus, holders, accounted.claims)
+                self._feed_usage(now, [*samples, *unread], gpus, holders, accounted.claims, changed)
             telemetry = tuple(
                 GpuTelemetry(
                     sample=s,
@@ -427,18 +388,30 @@ class Sampler:
         gpus: Sequence[GpuInfo],
         holders: Sequence[ClaimHolder] | None,
         claims: Sequence[ClaimUsage],
+        changed: Mapping[str, float],
     ) -> None:
         """Usage accounting must never stop the telemetry and health it rides on: a failure (a
         bug; a failed write is handled inside) is logged, and that tick's usage may be lost."""
         assert self._usage is not None
         try:
-            self._usage.tick(now, samples, gpus, holders, claims)
+            self._usage.tick(now, samples, gpus, holders, claims, changed)
         except Exception as exc:
             self._log.error(
                 "usage accounting failed this tick",
                 exc_info=exc,
                 extra=fields_(error=f"{type(exc).__name__}: {exc}"),
             )
+
+    def finish_usage(self) -> None:
+        """At a stop, once the ticks have ended: count usage up to now with the last tick's
+        readings (so a claim unprepared since then is counted to its unprepare) and save it
+        (:meth:`UsageMeter.close`)."""
+        if self._usage is None:
+            return
+        with self._tick_lock:
+            holders = self._read_holders()
+            now = self._clock()
+            self._usage.close(now, holders, self._holders_changed())
 
     def _read_holders(self) -> Sequence[ClaimHolder] | None:
         try:

@@ -26,6 +26,16 @@ report, a stop), so nothing anyone reads lags the last tick. What a crash loses 
 what was counted since the last write. Why: a per-tick pass over every holding, in the meter
 and again in the ledger, was most of the accounting's CPU (``python -m bench telemetry``).
 
+**Transitions.** A holding that came or went since the last tick is counted from or to the
+moment its claim did (the preparer's checkpoint commit: ``changed``, claim UID -> monotonic
+time), not from or to a tick: the tick splits its interval at each such moment, and each part
+is held by the holdings held then. So a late tick (a loaded node) or a long interval moves no
+GPU-second. This tick's samples stand for every part's busy time. A change the preparer no
+longer keeps (minutes old) counts from or to the tick, as does a claim that came and went
+between two ticks, which is not counted at all. A stop counts up to itself with the last
+tick's readings (:meth:`UsageMeter.close`), so a release just before it is counted to the
+release.
+
 The ledger is opened at the first tick (the agent holds its state directory by then: during a
 rolling update's handover only the agent that holds it writes). That tick counts the time since
 the file's last interval (:meth:`UsageLedger.credit_gap`) and makes the baselines. A tick whose
@@ -43,6 +53,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from agent.logs import Throttle, fields_
@@ -55,6 +66,7 @@ from agent.usage.counters import Counters, Gap, Held, HoldingKey, UsageLedger
 from agent.usage.weights import VM_KINDS, Holding, weights
 
 WRITE_WARNING_INTERVAL_S = 60.0
+_NONE: Mapping[str, float] = MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -136,6 +148,10 @@ class UsageMeter:
         self._unweighed: set[HoldingKey] = set()
         self._closed: str | None = None
         """None while counting; at a stop ``saved``, or ``unsaved`` (nothing to report)."""
+        self._last_tick: (
+            tuple[Sequence[GpuSample], Sequence[GpuInfo], Sequence[ClaimUsage]] | None
+        ) = None
+        """The last tick's readings (what :meth:`close` counts the time since it with)."""
 
     def counters(self) -> dict[HoldingKey, Counters]:
         """Every holding's counters now (any thread)."""
@@ -187,13 +203,23 @@ class UsageMeter:
         with self._lock:
             return 0 if self._ledger is None else self._ledger.acknowledge(through)
 
-    def close(self) -> None:
-        """At a clean stop (the sampler has stopped): write and fsync what was counted since
-        the ledger's last write, so a clean restart or a rolling update loses no busy time.
-        Releases after the last tick are seen by the next agent's first one."""
+    def close(
+        self,
+        now: float | None = None,
+        holders: Sequence[ClaimHolder] | None = None,
+        changed: Mapping[str, float] = _NONE,
+    ) -> None:
+        """At a clean stop (the sampler has stopped): count up to monotonic ``now`` with the
+        last tick's readings (when the ``holders`` now are known), then write and fsync what
+        was counted since the ledger's last write, so a clean restart or a rolling update loses
+        no time. Without ``holders``, releases after the last tick are seen by the next agent's
+        first one."""
         with self._lock:
             if self._ledger is None:
                 return
+            if now is not None and holders is not None and self._last_tick is not None:
+                samples, gpus, claims = self._last_tick
+                self._tick(now, samples, gpus, holders, claims, changed)
             self._flush(write=False)  # the sync below writes it
             self._closed = "unsaved"  # never written again: the directory may be another's
             try:
@@ -213,12 +239,17 @@ class UsageMeter:
         gpus: Sequence[GpuInfo],
         holders: Sequence[ClaimHolder] | None,
         claims: Sequence[ClaimUsage],
+        changed: Mapping[str, float] = _NONE,
     ) -> None:
-        """Account the interval since the last tick counted, ending at monotonic ``now``."""
+        """Account the interval since the last tick counted, ending at monotonic ``now`` (when
+        ``holders`` were read). ``changed``: claim UID -> when it last came or went (monotonic;
+        read after the holders, so it has the time of every change they show): a holding that
+        came or went since the last tick is counted from or to then, not from or to a tick."""
         if holders is None:
             return
         with self._lock:
-            self._tick(now, samples, gpus, holders, claims)
+            self._last_tick = (samples, gpus, claims)
+            self._tick(now, samples, gpus, holders, claims, changed)
 
     def _tick(
         self,
@@ -227,8 +258,10 @@ class UsageMeter:
         gpus: Sequence[GpuInfo],
         holders: Sequence[ClaimHolder],
         claims: Sequence[ClaimUsage],
+        changed: Mapping[str, float],
     ) -> None:
         wall = self._wall()
+        before = self._plan[1]
         held, statics = self._held(holders, gpus)
         gpu_energy = {u.uuid: u.energy_joules for u in samples if not u.lost}
         p = self._pending
@@ -248,6 +281,8 @@ class UsageMeter:
             assert self._last is not None
             seconds = max(0.0, now - self._last)
             come_or_gone = p.statics is not statics
+            if come_or_gone and changed:
+                p, seconds = self._up_to_changes(p, before, held, changed, now, samples, claims)
             if come_or_gone or bucket_start(wall) != bucket_start(p.start):
                 # what came before ends here: with the holdings that held it, in its bucket
                 self._flush()
@@ -257,6 +292,49 @@ class UsageMeter:
         p.wall, p.claims, p.gpu_energy = wall, claims, gpu_energy
         if come_or_gone or wall - self._flushed >= self._write_interval:
             self._flush()
+
+    def _up_to_changes(
+        self,
+        p: _Pending,
+        before: Sequence[_Held],
+        held: Sequence[_Held],
+        changed: Mapping[str, float],
+        now: float,
+        samples: Sequence[GpuSample],
+        claims: Sequence[ClaimUsage],
+    ) -> tuple[_Pending, float]:
+        """Count the time since the last tick up to the last change of who holds what in it,
+        one part per change: a holding that came is held from its claim's change on, one that
+        went up to it (without a change in the interval: from the tick before, or to it). This
+        tick's samples stand for every part. The pending count of the last part, and the
+        seconds left, which the holdings held now take."""
+        assert self._last is not None
+        last = self._last
+        was, now_held = {h.key for h in before}, {h.key for h in held}
+        at = {
+            h.key: t
+            for h in (*before, *held)
+            if (h.key in was) != (h.key in now_held)
+            and (t := changed.get(h.key[0])) is not None
+            and last < t < now
+        }
+        start = last
+        for cut in sorted(set(at.values())):
+            members = {
+                h.key: h
+                for h in (*before, *held)
+                if (h.key in was and h.key in now_held)
+                or (h.key in was and at.get(h.key, last) > start)
+                or (h.key in now_held and at.get(h.key, last) <= start)
+            }
+            if set(members) != {s.key for s in p.statics}:
+                self._flush()  # what came before, with the holdings that held it
+                statics = tuple(_static(h) for h in members.values())
+                p = self._pending = _Pending(statics, p.wall, p.claims, p.gpu_energy)
+            self._count(p, [members[s.key] for s in p.statics], cut - start, samples, claims)
+            p.wall += cut - start
+            start = cut
+        return p, now - start
 
     def _flush(self, *, write: bool = True) -> None:
         """Hand the ledger what the ticks since its last interval counted, as one interval
@@ -350,11 +428,7 @@ class UsageMeter:
                     (w.gpu_uuid, device.gpu_instance_id),
                 )
             )
-        statics = tuple(
-            Held(h.key, h.namespace, h.claim, h.gpu_uuid, h.weight, h.rule, h.product,
-                 h.mig_profile, h.device.device_class)
-            for h in plan
-        )  # fmt: skip
+        statics = tuple(map(_static, plan))
         self._plan = (plan_for, tuple(plan), statics)
         return self._plan[1], self._plan[2]
 
@@ -396,6 +470,12 @@ class UsageMeter:
                 idle[i] += seconds
             elif b > 0.0:
                 busy[i] += (b if b < 1.0 else 1.0) * seconds
+
+
+def _static(h: _Held) -> Held:
+    """What the ledger keeps of a holding."""
+    return Held(h.key, h.namespace, h.claim, h.gpu_uuid, h.weight, h.rule, h.product,
+                h.mig_profile, h.device.device_class)  # fmt: skip
 
 
 def _totals(claims: Sequence[ClaimUsage]) -> dict[HoldingKey, float]:

@@ -7,24 +7,47 @@ removes, and MIG instances no completed claim owns, which it sweeps), and
 for a claim undone whose release cannot be written (a full disk: its started record left in the
 file is rolled back again at the next start), and for the start's checkpoint when it cannot be
 saved (``reconcile``: the next start repeats what this one did).
+
+It also notes when each claim came to hold devices (its prepare completed) or stopped, on the
+monotonic clock, for the last ``CHANGES_KEPT_S`` seconds: the usage meter counts a holding that
+came or went between two telemetry ticks from or to that moment, not from or to a tick (see
+``agent.telemetry.usage_meter``).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 
-from dra_driver.kubeletplugin.checkpoint import Checkpoint, CheckpointStore
+from dra_driver.kubeletplugin.checkpoint import PREPARE_COMPLETED, Checkpoint, CheckpointStore
+
+CHANGES_KEPT_S = 300.0
+"""How long :attr:`Ledger.holder_changes` keeps a claim's change (the usage meter reads it at the
+next telemetry tick; one later than this counts from or to that tick instead)."""
+
+
+def holding(cp: Checkpoint) -> frozenset[str]:
+    """The UIDs of the claims holding devices in ``cp``: prepare completed and not recovered
+    (what :meth:`Preparer.prepared_claims` lists)."""
+    return frozenset(
+        uid for uid, e in cp.claims.items() if e.state == PREPARE_COMPLETED and not e.recovered
+    )
 
 
 class Ledger:
     """The current checkpoint (none until the start's reconcile commits one)."""
 
-    def __init__(self, store: CheckpointStore) -> None:
+    def __init__(self, store: CheckpointStore, clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.lock = threading.Lock()
         """Held across a read of :attr:`checkpoint` and the commit of its change."""
+        self._clock = clock
         self._cp: Checkpoint | None = None
+        self._holding: frozenset[str] = frozenset()
+        self.holder_changes: Mapping[str, float] = {}
+        """Claim UID -> when it last came to hold devices or stopped (``clock``), since the
+        start's reconcile, for ``CHANGES_KEPT_S``. Replaced, never changed: any thread reads it."""
 
     @property
     def checkpoint(self) -> Checkpoint:
@@ -37,11 +60,18 @@ class Ledger:
         records of claims that change nothing on the node (see :meth:`adopt`). Caller holds
         :attr:`lock`."""
         self.store.save(cp)
-        self._cp = cp
+        self.adopt(cp)
 
     def adopt(self, cp: Checkpoint) -> None:
         """Hold ``cp`` without saving it (what a crash would lose is nothing to undo). Caller
         holds :attr:`lock`."""
+        now = holding(cp)
+        if self._cp is not None and now != self._holding:
+            t = self._clock()
+            kept = {u: at for u, at in self.holder_changes.items() if at >= t - CHANGES_KEPT_S}
+            kept.update(dict.fromkeys(now ^ self._holding, t))
+            self.holder_changes = kept  # before the checkpoint: a reader of both sees the time
+        self._holding = now
         self._cp = cp
 
     def update(self, change: Callable[[Checkpoint], Checkpoint]) -> None:

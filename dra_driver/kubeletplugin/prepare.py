@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from dra_driver.device_model import DeviceModel
 from dra_driver.kubeletplugin.batch import BatchRunner, ClaimResult, Observer
@@ -90,7 +90,7 @@ class Preparer:
         self.index = index
         self.claim_locks = ClaimLocks()
         self.gpu_locks = ClaimLocks()
-        self._ledger = Ledger(store)
+        self._ledger = Ledger(store, clock)
         records = Records(pool, cdi)
         self._transactions = Transactions(
             driver_name=driver_name,
@@ -148,6 +148,12 @@ class Preparer:
             for e in self.checkpoint.claims.values()
             if e.state == PREPARE_COMPLETED and not e.recovered
         )
+
+    def holder_changes(self) -> Mapping[str, float]:
+        """Claim UID -> when it last came into :meth:`prepared_claims` or left it (the
+        ``clock`` given; the last few minutes' changes), for the usage meter to count a holding
+        from or to that moment."""
+        return self._ledger.holder_changes
 
     def unrecovered(self) -> list[Unrecovered]:
         """The claims whose prepared state could not be rebuilt at start and that are still

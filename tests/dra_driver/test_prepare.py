@@ -21,6 +21,7 @@ from dra_driver.kubeletplugin.checkpoint import (
 )
 from dra_driver.kubeletplugin.claims import ClaimKey
 from dra_driver.kubeletplugin.effects import Effects
+from dra_driver.kubeletplugin.ledger import CHANGES_KEPT_S
 from dra_driver.kubeletplugin.locks import ClaimLocks
 from dra_driver.kubeletplugin.prepare import Preparer
 from tests.fakeclock import FakeClock
@@ -271,4 +272,46 @@ def test_the_unprepared_hook_hears_each_released_claim_and_cannot_fail_the_call(
     assert results["a"].error == "" and "nvidia-smi failed" in results["b"].error
     assert heard == ["a"]
     assert set(preparer.checkpoint.claims) == {"b"}
+    preparer.close(0)
+
+
+def test_a_claims_change_time_is_when_it_came_or_went_and_only_then(tmp_path):
+    """The usage meter counts a holding from or to this moment (agent/telemetry/usage_meter):
+    a prepare under way, or the start's checkpoint, is not a change of who holds devices; and
+    a change is kept only for a few minutes (the meter reads it at the next tick)."""
+    clock = FakeClock(50.0)
+    preparer = make_preparer(tmp_path, BlockingClaims(), clock=clock)
+    held = ClaimEntry("uid-a", "ns", "a", PREPARE_COMPLETED, (device("gpu-0"),), 0.0)
+    preparer.store.save(Checkpoint("boot", {"uid-a": held}))
+    preparer.reconcile_on_start()
+    assert preparer.holder_changes() == {}
+    clock.t = 60.0
+    started = ClaimEntry("uid-b", "ns", "b", PREPARE_STARTED, (device("gpu-1"),), 0.0)
+    preparer._ledger.commit(preparer.checkpoint.with_claim(started))
+    assert preparer.holder_changes() == {}
+    clock.t = 61.0
+    done = ClaimEntry("uid-b", "ns", "b", PREPARE_COMPLETED, (device("gpu-1"),), 0.0)
+    preparer._ledger.commit(preparer.checkpoint.with_claim(done))
+    assert preparer.holder_changes() == {"uid-b": 61.0}
+    clock.t = 70.0
+    assert preparer.unprepare([ClaimKey("ns", "a", "uid-a")])["uid-a"].error == ""
+    assert preparer.holder_changes() == {"uid-a": 70.0, "uid-b": 61.0}
+    assert [e.uid for e in preparer.prepared_claims()] == ["uid-b"]
+    preparer.close(0)
+
+
+def test_a_claims_change_time_is_forgotten_after_a_few_minutes(tmp_path):
+    clock = FakeClock(50.0)
+    preparer = make_preparer(tmp_path, BlockingClaims(), clock=clock)
+    preparer.store.save(Checkpoint("boot", {}))
+    preparer.reconcile_on_start()
+    for t, uid in ((100.0, "uid-a"), (100.0 + CHANGES_KEPT_S, "uid-b")):
+        clock.t = t
+        done = ClaimEntry(uid, "ns", uid, PREPARE_COMPLETED, (device(f"gpu-{uid}"),), 0.0)
+        preparer._ledger.commit(preparer.checkpoint.with_claim(done))
+    assert set(preparer.holder_changes()) == {"uid-a", "uid-b"}  # uid-a's is just that old
+    clock.t += 0.5
+    gone = preparer.checkpoint.without_claim("uid-b")
+    preparer._ledger.commit(gone)
+    assert preparer.holder_changes() == {"uid-b": 100.5 + CHANGES_KEPT_S}
     preparer.close(0)

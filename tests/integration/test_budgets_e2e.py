@@ -52,7 +52,11 @@ BUDGET = "team-a-gpus"
 USED_OF_LIMIT = re.compile(r"used [0-9.]+ of 0\.002 GPU-hours \(no period: all time\)")
 """The Exhausted condition's sentence, which the DenyNew policy's message carries."""
 INTERVAL = 0.2
-"""The agents' --telemetry-interval: the sampling interval of the documented bound."""
+"""The agents' --telemetry-interval."""
+SLACK = 0.05
+"""Seconds a claim's count may be off at each prepare and unprepare: the agents count from and
+to those calls, not from ticks (docs/budgets.md "When a claim starts and stops counting"); this
+only absorbs rounding (a quarter of the interval, so a count from or to a tick fails)."""
 ROUNDING = 0.5e-6 * 3600
 """`tessera usage -o json` rounds GPU-hours to 6 decimals (half a unit, in GPU-seconds)."""
 TESSERA = os.path.join(os.path.dirname(sys.executable), "tessera")
@@ -195,15 +199,14 @@ def reported(server: ApiServer, held: list[Held]) -> bool:
 
 
 def bounds(held: list[Held]) -> tuple[float, float]:
-    """The GPU-seconds the claims of ``held`` may have been counted, at least and at most, by
-    the bound docs/budgets.md states ("Where the bound can slip"): a device prepared
-    mid-interval is counted from the start of that interval, one released mid-interval to the
-    end of the one before, each off by less than one sampling interval, and a kill -9 and
-    restart lose nothing. So a claim's GPU-seconds are its weight x the time between its
-    prepare and its unprepare call (bracketed by the test's instants around each call), give
-    or take one --telemetry-interval per transition (two per claim)."""
-    low = sum(h.weight * (h.released[0] - h.prepared[1] - 2 * INTERVAL) for h in held)
-    high = sum(h.weight * (h.released[1] - h.prepared[0] + 2 * INTERVAL) for h in held)
+    """The GPU-seconds the claims of ``held`` may have been counted, at least and at most:
+    docs/budgets.md ("When a claim starts and stops counting") says each claim's devices count
+    from its prepare to its unprepare, whatever the ticks, and a kill -9 and restart lose
+    nothing. So a claim's GPU-seconds are its weight x the time between its prepare and its
+    unprepare call (bracketed by the test's instants around each call), give or take
+    ``SLACK`` per call."""
+    low = sum(h.weight * (h.released[0] - h.prepared[1] - 2 * SLACK) for h in held)
+    high = sum(h.weight * (h.released[1] - h.prepared[0] + 2 * SLACK) for h in held)
     return low, high
 
 

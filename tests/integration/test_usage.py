@@ -5,6 +5,7 @@ its DRA socket, the usage ledger read from its state directory and its metrics s
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -83,5 +84,28 @@ def test_a_claim_held_across_a_kill_is_counted_for_every_second_it_was_held_once
         final, _, _ = counted(d)
         wait_for(lambda: ledger(d)["through"] > counted(d)[2]["releasedAt"], "a tick after")
         assert counted(d)[0] == final  # a released claim counts no more
+    finally:
+        d.kill()
+
+
+def test_a_claim_is_counted_from_its_prepare_to_its_unprepare_not_from_ticks(short_tmp: Path):
+    """With a 2-second telemetry interval, a claim held for less than that between two ticks is
+    still counted for exactly the time between its prepare and its unprepare (the test's instants
+    around each call bracket it), and a stop right after the unprepare counts up to it."""
+    d = Daemon(short_tmp, "dgx-h100", "--telemetry-interval", "2").start()
+    try:
+        write_claims(d.state, claim_manifest("train", UID, [("gpu", "gpu-0")], d.node))
+        ref = ClaimRef("default", "train", UID)
+        with KubeletClient(d.dra_socket) as k:
+            before_prepare = time.monotonic()
+            assert k.prepare([ref])["claims"][UID].get("error", "") == ""
+            prepared = time.monotonic()
+            held_for_a_while(d)  # a tick saw it
+            before_unprepare = time.monotonic()
+            assert k.unprepare([ref])["claims"][UID].get("error", "") == ""
+            unprepared = time.monotonic()
+        assert d.stop() == 0  # before the next tick, most likely: the stop counts up to it
+        allocated, _, _ = counted(d)
+        assert before_unprepare - prepared <= allocated <= unprepared - before_prepare
     finally:
         d.kill()
