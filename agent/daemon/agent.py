@@ -34,6 +34,9 @@ if TYPE_CHECKING:  # imported where kube mode starts (build_agent)
     from dra_driver.cluster.kube import KubeClient
     from dra_driver.cluster.usage_report import UsageReporter
 
+USAGE_SAVE_S = 5.0
+"""The longest the stop waits for a telemetry tick still running before it saves the usage
+counted (within the shutdown timeout): a tick stuck in a read is not waited for."""
 FINAL_REPORT_S = 5.0
 """The longest the last usage report at a clean stop may take (within the shutdown timeout)."""
 CLAIM_STATUS_FLUSH_S = 3.0
@@ -218,7 +221,7 @@ class Agent:
         if self.claim_status is not None:  # its loop stopped: what the last unprepares queued
             self.claim_status.close(deadline.remaining(CLAIM_STATUS_FLUSH_S))
         if self.state.lock.held:  # an agent that never got its state directory has nothing to save
-            self.telemetry.save()
+            self.telemetry.save(deadline.remaining(USAGE_SAVE_S))
             if self.usage_report is not None:  # before a handover: the successor reports next
                 self.usage_report.final(deadline.remaining(FINAL_REPORT_S))
         if self.settings.rolling_update:

@@ -66,11 +66,12 @@ class Sampling:
         finally:
             sub.close()
 
-    def save(self) -> None:
+    def save(self, timeout: float) -> None:
         """Save the energy accounts and the usage counted up to now (once the state directory
-        is ours; the sampler's loop has ended) and stop accounting."""
+        is ours; the sampler's loop has ended) and stop accounting, waiting at most ``timeout``
+        seconds for a tick still running."""
         self.accounting.close()
-        self.sampler.finish_usage()
+        self.sampler.finish_usage(timeout)
 
     def close(self) -> None:
         """Close the NVML readers."""

@@ -402,16 +402,27 @@ class Sampler:
                 extra=fields_(error=f"{type(exc).__name__}: {exc}"),
             )
 
-    def finish_usage(self) -> None:
+    def finish_usage(self, timeout: float) -> None:
         """At a stop, once the ticks have ended: count usage up to now with the last tick's
         readings (so a claim unprepared since then is counted to its unprepare) and save it
-        (:meth:`UsageMeter.close`)."""
+        (:meth:`UsageMeter.close`). A tick still running after ``timeout`` seconds (stuck in a
+        read) is not waited for: what the ticks before it counted is saved."""
         if self._usage is None:
             return
-        with self._tick_lock:
+        if not self._tick_lock.acquire(timeout=timeout):
+            self._log.warning(
+                "a telemetry tick is still running at the stop; usage is saved as the ticks"
+                " before it counted",
+                extra=fields_(waited_seconds=timeout),
+            )
+            self._usage.close(timeout=timeout)
+            return
+        try:
             holders = self._read_holders()
             now = self._clock()
-            self._usage.close(now, holders, self._holders_changed())
+            self._usage.close(now, holders, self._holders_changed(), timeout=timeout)
+        finally:
+            self._tick_lock.release()
 
     def _read_holders(self) -> Sequence[ClaimHolder] | None:
         try:

@@ -189,6 +189,8 @@ class UsageMeter:
         never carries what a crash could still take back; after :meth:`close` it is not (it
         was, and the state directory may be the next agent's). Raises OSError when the write
         fails."""
+        if self._closed == "unsaved":  # also when a stop could not wait for the lock
+            return None
         with self._lock:
             if self._ledger is None or self._ledger.through is None or self._closed == "unsaved":
                 return None
@@ -208,29 +210,46 @@ class UsageMeter:
         now: float | None = None,
         holders: Sequence[ClaimHolder] | None = None,
         changed: Mapping[str, float] = _NONE,
+        *,
+        timeout: float = -1,
     ) -> None:
         """At a clean stop (the sampler has stopped): count up to monotonic ``now`` with the
         last tick's readings (when the ``holders`` now are known), then write and fsync what
         was counted since the ledger's last write, so a clean restart or a rolling update loses
         no time. Without ``holders``, releases after the last tick are seen by the next agent's
-        first one."""
-        with self._lock:
-            if self._ledger is None:
-                return
-            if now is not None and holders is not None and self._last_tick is not None:
-                samples, gpus, claims = self._last_tick
-                self._tick(now, samples, gpus, holders, claims, changed)
-            self._flush(write=False)  # the sync below writes it
-            self._closed = "unsaved"  # never written again: the directory may be another's
-            try:
-                self._ledger.sync()
-                self._closed = "saved"  # what a last report carries is on disk
-            except OSError as exc:
-                self._log.warning(
-                    "cannot write the usage ledger at stop; the next start counts from its"
-                    " last write",
-                    extra=fields_(path=str(self.path), error=str(exc.strerror or exc)),
-                )
+        first one. When the counters stay busy for ``timeout`` seconds (a tick stuck in a
+        write), nothing is saved or reported: the next start counts from the last write."""
+        if not self._lock.acquire(timeout=timeout):
+            self._closed = "unsaved"  # what :meth:`report` reads before it waits for the lock
+            self._log.warning(
+                "the usage ledger is still being written at the stop; the next start counts"
+                " from its last write",
+                extra=fields_(path=str(self.path), waited_seconds=timeout),
+            )
+            return
+        try:
+            self._close(now, holders, changed)
+        finally:
+            self._lock.release()
+
+    def _close(
+        self, now: float | None, holders: Sequence[ClaimHolder] | None, changed: Mapping[str, float]
+    ) -> None:
+        if self._ledger is None:
+            return
+        if now is not None and holders is not None and self._last_tick is not None:
+            samples, gpus, claims = self._last_tick
+            self._tick(now, samples, gpus, holders, claims, changed)
+        self._flush(write=False)  # the sync below writes it
+        self._closed = "unsaved"  # never written again: the directory may be another's
+        try:
+            self._ledger.sync()
+            self._closed = "saved"  # what a last report carries is on disk
+        except OSError as exc:
+            self._log.warning(
+                "cannot write the usage ledger at stop; the next start counts from its last write",
+                extra=fields_(path=str(self.path), error=str(exc.strerror or exc)),
+            )
 
     def tick(
         self,
