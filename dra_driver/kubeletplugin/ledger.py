@@ -25,6 +25,8 @@ from dra_driver.kubeletplugin.checkpoint import PREPARE_COMPLETED, Checkpoint, C
 CHANGES_KEPT_S = 300.0
 """How long :attr:`Ledger.holder_changes` keeps a claim's change (the usage meter reads it at the
 next telemetry tick; one later than this counts from or to that tick instead)."""
+CHANGES_KEPT = 4096
+"""The most changes it keeps (the newest): its memory stays bounded whatever the churn."""
 
 
 def holding(cp: Checkpoint) -> frozenset[str]:
@@ -38,8 +40,14 @@ def holding(cp: Checkpoint) -> frozenset[str]:
 class Ledger:
     """The current checkpoint (none until the start's reconcile commits one)."""
 
-    def __init__(self, store: CheckpointStore, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        store: CheckpointStore,
+        clock: Callable[[], float] = time.monotonic,
+        changes_kept: int = CHANGES_KEPT,
+    ) -> None:
         self.store = store
+        self._changes_kept = changes_kept
         self.lock = threading.Lock()
         """Held across a read of :attr:`checkpoint` and the commit of its change."""
         self._clock = clock
@@ -70,6 +78,9 @@ class Ledger:
             t = self._clock()
             kept = {u: at for u, at in self.holder_changes.items() if at >= t - CHANGES_KEPT_S}
             kept.update(dict.fromkeys(now ^ self._holding, t))
+            if len(kept) > self._changes_kept:
+                newest = sorted(kept.items(), key=lambda item: item[1])
+                kept = dict(newest[len(newest) - self._changes_kept :])
             self.holder_changes = kept  # before the checkpoint: a reader of both sees the time
         self._holding = now
         self._cp = cp

@@ -21,7 +21,7 @@ from dra_driver.kubeletplugin.checkpoint import (
 )
 from dra_driver.kubeletplugin.claims import ClaimKey
 from dra_driver.kubeletplugin.effects import Effects
-from dra_driver.kubeletplugin.ledger import CHANGES_KEPT_S
+from dra_driver.kubeletplugin.ledger import CHANGES_KEPT_S, Ledger
 from dra_driver.kubeletplugin.locks import ClaimLocks
 from dra_driver.kubeletplugin.prepare import Preparer
 from tests.fakeclock import FakeClock
@@ -315,3 +315,15 @@ def test_a_claims_change_time_is_forgotten_after_a_few_minutes(tmp_path):
     preparer._ledger.commit(gone)
     assert preparer.holder_changes() == {"uid-b": 100.5 + CHANGES_KEPT_S}
     preparer.close(0)
+
+
+def test_only_the_newest_changes_are_kept_whatever_the_churn(tmp_path):
+    clock = FakeClock(50.0)
+    ledger = Ledger(CheckpointStore(tmp_path / "checkpoint.json", "boot"), clock, changes_kept=8)
+    ledger.adopt(Checkpoint("boot", {}))  # the start's
+    uids = [f"uid-{i}" for i in range(20)]
+    for i, uid in enumerate(uids):
+        clock.t = 100.0 + i
+        done = ClaimEntry(uid, "ns", uid, PREPARE_COMPLETED, (device(f"gpu-{i}"),), 0.0)
+        ledger.commit(ledger.checkpoint.with_claim(done))
+    assert ledger.holder_changes == {u: 100.0 + i for i, u in enumerate(uids) if i >= 12}
