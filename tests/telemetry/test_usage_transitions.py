@@ -6,9 +6,12 @@ docs/budgets.md "Where the bound can slip")."""
 from __future__ import annotations
 
 import logging
+import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agent.telemetry.usage_meter import UsageMeter
 from agent.usage.counters import UsageLedger
@@ -113,3 +116,42 @@ def test_a_stop_without_the_holders_keeps_the_last_ticks_count(tmp_path: Path):
     stored = UsageLedger(tmp_path / "usage.json", "boot")
     assert stored.through == pytest.approx(1011.0)
     assert [c.allocated_gpu_seconds for c in stored.counters().values()] == [pytest.approx(1.0)]
+
+
+@settings(deadline=None, max_examples=150)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.integers(1, 16).map(lambda n: n / 8),  # seconds to the next tick, in eighths
+            # for each claim: None (no change) or where in the interval it came or went (0-1)
+            st.tuples(*[st.one_of(st.none(), st.integers(1, 7).map(lambda n: n / 8))] * 2),
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_every_claim_is_counted_for_exactly_the_time_it_was_held(steps):
+    """Whatever the claims do between ticks (each coming or going at most once per interval),
+    each is counted for exactly the time it held its device: the ticks never show."""
+    claims = (WHOLE, MIG)
+    weight = {"uid-a": 1.0, "uid-b": WEIGHT_MIG}
+    with tempfile.TemporaryDirectory() as d:
+        wall = FakeClock()
+        m = meter(Path(d), wall)
+        mono, held = 10.0, {"uid-a"}
+        expected = {"uid-a": 0.0, "uid-b": 0.0}
+        tick(m, wall, mono, [c for c in claims if c.uid in held])
+        for seconds, toggles in steps:
+            changed = {}
+            for c, at in zip(claims, toggles, strict=True):
+                was = c.uid in held
+                until = seconds if at is None else at * seconds
+                expected[c.uid] += until if was else seconds - until
+                if at is not None:
+                    changed[c.uid] = mono + at * seconds
+                    held ^= {c.uid}
+            mono += seconds
+            tick(m, wall, mono, [c for c in claims if c.uid in held], changed)
+        got = allocated(m)
+        for uid, seconds in expected.items():
+            assert got.get(uid, 0.0) == pytest.approx(weight[uid] * seconds, abs=1e-9), uid
