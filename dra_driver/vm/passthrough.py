@@ -24,6 +24,13 @@ cleared; then the GPU must be seen by NVML again (polled, bounded by ``timeout_s
 injected clock and sleep), and ``rebound`` is told its BDF so that the inventory is read again
 and the GPU advertised for containers again.
 
+**One GPU leaves or rejoins nvidia at a time.** Finding a GPU in NVML's enumeration (for
+persistence mode, and to see it back) reads every index, and the indexes shift while another
+GPU leaves or rejoins the nvidia driver: a batch handing several GPUs over at once read a
+neighbour mid-unbind as lost and failed its claim (the crash matrix's
+``passthrough/after-started/batch``). So the scans and the nvidia unbinds and binds hold one
+lock (``enumeration``); the rest (vfio-pci binds, the other functions) runs in parallel.
+
 The start (``strays``): a GPU of the node's VM devices bound to vfio-pci with
 ``driver_override`` ``vfio-pci`` that no claim records goes back to nvidia (its other functions
 are released from vfio-pci; the driver they had is not known).
@@ -32,6 +39,7 @@ are released from vfio-pci; the driver they had is not known).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -98,6 +106,8 @@ class Passthrough:
         self._sleep = sleep
         self._timeout_s = timeout_s
         self._poll_s = poll_s
+        self._enumeration = threading.Lock()
+        """Held while NVML's enumeration is read or changed (see the module docstring)."""
 
     # -- prepare ---------------------------------------------------------------------------
     def functions(self, device: str, bus_id: str, minor: int) -> tuple[tuple[str, str], ...]:
@@ -144,12 +154,14 @@ class Passthrough:
         """Persistence mode off, then every function of ``functions`` bound to vfio-pci
         (idempotent: a function bound to it already is left). Raises SharingError."""
         try:
-            self._persistence_off(bus_id)
+            with self._enumeration:
+                self._persistence_off(bus_id)
             self._tell(self._handing, bus_id)
             for bdf, _ in functions:
                 if self._binding.driver(bdf) == VFIO_PCI:
                     continue
-                self._binding.unbind(bdf)
+                with self._enumeration:  # leaving nvidia shifts the indexes after it
+                    self._binding.unbind(bdf)
                 self._crash("after-vfio-unbind")
                 self._binding.bind(bdf, VFIO_PCI)
                 self._crash("after-vfio-bind")
@@ -180,7 +192,8 @@ class Passthrough:
                         self._binding.unbind(bdf)
                         self._crash("after-unprepare-vfio-unbind")
                     if had:
-                        self._binding.bind(bdf, had)
+                        with self._enumeration:  # rejoining nvidia shifts the indexes
+                            self._binding.bind(bdf, had)
                 self._binding.release_override(bdf)  # also one a crash inside bind left
         except (TesseraError, OSError) as exc:
             raise SharingError(
@@ -198,8 +211,9 @@ class Passthrough:
         deadline = self._clock() + self._timeout_s
         while True:
             try:
-                if self._visible(bus_id):
-                    return
+                with self._enumeration:
+                    if self._visible(bus_id):
+                        return
             except (TesseraError, OSError) as exc:
                 self._log.info("NVML cannot list GPUs yet", extra=fields_(error=str(exc)))
             if self._clock() >= deadline:
