@@ -415,7 +415,7 @@ class Sampler:
                 " before it counted",
                 extra=fields_(waited_seconds=timeout),
             )
-            self._usage.close(timeout=timeout)
+            self._usage.close(timeout=0)  # free unless the stuck tick is in it
             return
         try:
             holders = self._read_holders()

@@ -218,7 +218,8 @@ class UsageMeter:
         was counted since the ledger's last write, so a clean restart or a rolling update loses
         no time. Without ``holders``, releases after the last tick are seen by the next agent's
         first one. When the counters stay busy for ``timeout`` seconds (a tick stuck in a
-        write), nothing is saved or reported: the next start counts from the last write."""
+        write; -1: waits), nothing is saved or reported: the next start counts from the last
+        write."""
         if not self._lock.acquire(timeout=timeout):
             self._closed = "unsaved"  # what :meth:`report` reads before it waits for the lock
             self._log.warning(
@@ -339,12 +340,10 @@ class UsageMeter:
         }
         start = last
         for cut in sorted(set(at.values())):
-            members = {
+            members = {  # held from ``start``: come by then, or gone only after it
                 h.key: h
                 for h in (*before, *held)
-                if (h.key in was and h.key in now_held)
-                or (h.key in was and at.get(h.key, last) > start)
-                or (h.key in now_held and at.get(h.key, last) <= start)
+                if (at.get(h.key, last) <= start) == (h.key in now_held)
             }
             if set(members) != {s.key for s in p.statics}:
                 self._flush()  # what came before, with the holdings that held it
@@ -353,7 +352,7 @@ class UsageMeter:
             self._count(p, [members[s.key] for s in p.statics], cut - start, samples, claims)
             p.wall += cut - start
             start = cut
-        return p, now - start
+        return p, max(0.0, now - start)
 
     def _flush(self, *, write: bool = True) -> None:
         """Hand the ledger what the ticks since its last interval counted, as one interval

@@ -20,7 +20,12 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from dra_driver.kubeletplugin.checkpoint import PREPARE_COMPLETED, Checkpoint, CheckpointStore
+from dra_driver.kubeletplugin.checkpoint import (
+    PREPARE_COMPLETED,
+    Checkpoint,
+    CheckpointStore,
+    ClaimEntry,
+)
 
 CHANGES_KEPT_S = 300.0
 """How long :attr:`Ledger.holder_changes` keeps a claim's change (the usage meter reads it at the
@@ -29,12 +34,15 @@ CHANGES_KEPT = 4096
 """The most changes it keeps (the newest): its memory stays bounded whatever the churn."""
 
 
+def holds_devices(entry: ClaimEntry) -> bool:
+    """Whether a claim holds its devices: its prepare completed, and it is not one the start
+    could not rebuild (what :meth:`Preparer.prepared_claims` lists)."""
+    return entry.state == PREPARE_COMPLETED and not entry.recovered
+
+
 def holding(cp: Checkpoint) -> frozenset[str]:
-    """The UIDs of the claims holding devices in ``cp``: prepare completed and not recovered
-    (what :meth:`Preparer.prepared_claims` lists)."""
-    return frozenset(
-        uid for uid, e in cp.claims.items() if e.state == PREPARE_COMPLETED and not e.recovered
-    )
+    """The UIDs of the claims holding devices in ``cp``."""
+    return frozenset(uid for uid, e in cp.claims.items() if holds_devices(e))
 
 
 class Ledger:

@@ -21,7 +21,6 @@ from dra_driver.device_model import DeviceModel
 from dra_driver.kubeletplugin.batch import BatchRunner, ClaimResult, Observer
 from dra_driver.kubeletplugin.cdi import CdiWriter
 from dra_driver.kubeletplugin.checkpoint import (
-    PREPARE_COMPLETED,
     Checkpoint,
     CheckpointStore,
     ClaimEntry,
@@ -30,7 +29,7 @@ from dra_driver.kubeletplugin.claim_sources import ClaimIndex, ClaimSource
 from dra_driver.kubeletplugin.claims import ClaimKey
 from dra_driver.kubeletplugin.device_metadata import DeviceMetadataWriter
 from dra_driver.kubeletplugin.effects import Effects
-from dra_driver.kubeletplugin.ledger import Ledger
+from dra_driver.kubeletplugin.ledger import Ledger, holds_devices
 from dra_driver.kubeletplugin.locks import ClaimLocks
 from dra_driver.kubeletplugin.mps_watch import WATCH_INTERVAL_S
 from dra_driver.kubeletplugin.plan import SharingPolicy
@@ -143,11 +142,7 @@ class Preparer:
     def prepared_claims(self) -> tuple[ClaimEntry, ...]:
         """The claims whose prepare completed: who holds which device now (a read-only view for
         telemetry; entries are immutable)."""
-        return tuple(
-            e
-            for e in self.checkpoint.claims.values()
-            if e.state == PREPARE_COMPLETED and not e.recovered
-        )
+        return tuple(e for e in self.checkpoint.claims.values() if holds_devices(e))
 
     def holder_changes(self) -> Mapping[str, float]:
         """Claim UID -> when it last came into :meth:`prepared_claims` or left it (the
