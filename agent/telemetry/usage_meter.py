@@ -28,13 +28,10 @@ and again in the ledger, was most of the accounting's CPU (``python -m bench tel
 
 **Transitions.** A holding that came or went since the last tick is counted from or to the
 moment its claim did (the preparer's checkpoint commit: ``changed``, claim UID -> monotonic
-time), not from or to a tick: the tick splits its interval at each such moment, and each part
-is held by the holdings held then. So a late tick (a loaded node) or a long interval moves no
-GPU-second. This tick's samples stand for every part's busy time. A change the preparer no
-longer keeps (minutes old) counts from or to the tick, as does a claim that came and went
-between two ticks, which is not counted at all. A stop counts up to itself with the last
-tick's readings (:meth:`UsageMeter.close`), so a release just before it is counted to the
-release.
+time): the tick splits its interval there, so a late tick or a long interval moves no
+GPU-second; its samples stand for every part's busy time. A change minutes old (no longer
+kept) counts from or to the tick; a claim that came and went between two ticks is not counted.
+A stop counts up to itself with the last tick's readings (:meth:`UsageMeter.close`).
 
 The ledger is opened at the first tick (the agent holds its state directory by then: during a
 rolling update's handover only the agent that holds it writes). That tick counts the time since
