@@ -1,11 +1,10 @@
 """A holding that comes or goes between two telemetry ticks is counted from or to the moment the
 claims holding devices changed (the preparer's checkpoint commit), not from or to a tick: so a
 late tick (a loaded node) or a long interval moves no GPU-second (agent/telemetry/usage_meter.py,
-docs/budgets.md "Where the bound can slip")."""
+docs/budgets.md "When a claim starts and stops counting")."""
 
 from __future__ import annotations
 
-import logging
 import tempfile
 from pathlib import Path
 
@@ -17,11 +16,15 @@ from agent.telemetry.usage_meter import UsageMeter
 from agent.usage.counters import UsageLedger
 from tests.fakeclock import FakeClock
 from tests.telemetry.holders import Claim
-from tests.telemetry.test_usage_meter import GPUS, MIG, WEIGHT_MIG, WHOLE, samples, usage
-
-
-def meter(tmp_path: Path, wall: FakeClock) -> UsageMeter:
-    return UsageMeter(tmp_path / "usage.json", "boot", logging.getLogger("t"), wall=wall)
+from tests.telemetry.test_usage_meter import (
+    GPUS,
+    MIG,
+    WEIGHT_MIG,
+    WHOLE,
+    meter,
+    samples,
+    usage,
+)
 
 
 def allocated(m: UsageMeter) -> dict[str, float]:
